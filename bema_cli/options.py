@@ -1,0 +1,61 @@
+"""Option types shared by several commands, declared once (huggingface_hub `hf` CLI style)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from bema_cli.errors import UsageError
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (logs stay on stderr).")]
+OutDirOpt = Annotated[str, typer.Option("--out", "-o", help="Output directory.")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace existing outputs.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
+
+# Stabilizer hyperparameters (names follow the paper's symbols; see docs/math.md).
+KappaOpt = Annotated[str, typer.Option("--kappa", help="EMA decay power: beta_s = w(s)**-kappa. Comma list for a grid.")]
+EtaOpt = Annotated[
+    str,
+    typer.Option("--eta", help="Bias-correction power: alpha_s = w(s)**-eta ('inf' = no correction, 0 = alpha 1). Comma list for a grid."),
+]
+GammaOpt = Annotated[float, typer.Option("--gamma", help="Step multiplier in w(s) = rho + gamma*s.")]
+RhoOpt = Annotated[float, typer.Option("--rho", help="Lag offset in w(s) = rho + gamma*s.")]
+TauOpt = Annotated[int, typer.Option("--tau", help="Burn-in: steps <= tau restart the average (theta0 = theta_s).")]
+PhiOpt = Annotated[
+    int | None,
+    typer.Option("--phi", help="Update every phi steps (paper preset default: every checkpoint; reference preset: 400)."),
+]
+BetaMinOpt = Annotated[
+    float | None, typer.Option("--beta-min", help="Floor on beta_s (default 0 for paper, 1e-4 for reference).")
+]
+PresetOpt = Annotated[
+    str, typer.Option("--preset", help="'paper' (Algorithm 1, TRL BEMACallback) or 'reference' (the authors' offline code).")
+]
+
+
+def parse_float_list(text: str, flag: str) -> list[float]:
+    """'0.2,0.5,inf' -> [0.2, 0.5, inf]; a clear UsageError naming the flag otherwise."""
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            values.append(float(part))
+        except ValueError:
+            raise UsageError(f"{flag}: {part!r} is not a number") from None
+    if not values:
+        raise UsageError(f"{flag}: no value given")
+    return values
+
+
+def parse_int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise UsageError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+
+
+def parse_str_list(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]

@@ -1,0 +1,50 @@
+"""Shared fixtures: a tiny real Qwen2 model built offline, and a runner for the real `bema` CLI."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BEMA = Path(sys.executable).with_name("bema")
+
+# Never reach the Hub from tests; keep vLLM in-process and small on CPU.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def run_bema(*args: str, cwd: str | Path | None = None, env: dict | None = None, timeout: float = 600):
+    """Run the installed `bema` console script in a subprocess; returns CompletedProcess (text)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [str(BEMA), *map(str, args)], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen2ForCausalLM + BPE tokenizer with chat template (fp32, tied embeddings, head_dim 32)."""
+    from bema_cli.tinymodel import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "base", seed=0)
+
+
+@pytest.fixture
+def tiny_model_copy(tiny_model_dir, tmp_path) -> Path:
+    dst = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, dst)
+    return dst
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True

@@ -12,7 +12,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install install-vllm-cpu demo demo-quick test test-slow test-all bench lint clean
+.PHONY: install install-vllm-cpu demo demo-quick test test-slow test-all bench bench-quick lint clean
 
 install: $(VENV)/.installed
 
@@ -51,6 +51,9 @@ test-all: test test-slow
 
 bench: install
 	$(PY) bench/bench_stabilize.py
+
+bench-quick: install
+	$(PY) bench/bench_stabilize.py --quick
 
 lint: install
 	$(PY) -m ruff check bema_cli tests bench

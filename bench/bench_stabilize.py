@@ -1,0 +1,338 @@
+"""Benchmark `bema stabilize` (issue 2): one table of ratios, all measured in one run.
+
+On a synthetic trajectory (base + N checkpoints, one tensor >= 100 MB) it measures
+the I/O floor (read every input once + write as many output bytes), `bema stabilize`
+(one config, all steps), a naive load_file/save_file peer (bench/naive_peer.py), a
+6-config grid vs 1 config (both --final-only), and peak RSS at 1x and a larger size.
+Every timed run starts from the same page-cache state (default: inputs warm, i.e.
+read once just before; `--cache cold` drops them). Times are best of --repeats.
+
+    .venv/bin/python bench/bench_stabilize.py [--quick] [--size-mb 250] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bema_cli.recurrence import Schedule, run_name
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure import Run, parse_size, read_files, run_measured, set_cache, write_files  # noqa: E402
+from synth import Trajectory, make_trajectory  # noqa: E402
+
+BEMA = Path(sys.executable).with_name("bema")
+PEER = Path(__file__).resolve().parent / "naive_peer.py"
+ONE = {"method": "bema", "kappa": "0.5", "eta": "0.2"}
+GRID = {"method": "bema", "kappa": "0.2,0.5", "eta": "0.2,0.4,inf"}  # 6 configs
+OVERHEAD_CMDS = {
+    "python -c 'import torch, safetensors.torch'": [sys.executable, "-c", "import torch, safetensors.torch"]
+}
+OVERHEAD_CMDS["bema stabilize --help"] = [str(BEMA), "stabilize", "--help"]
+MiB = 2**20
+COLUMNS = ("check", "measured", "target", "result")
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def bema_cmd(traj: Trajectory, out: Path, config: dict, max_memory: str, final_only: bool) -> list[str]:
+    cmd = [str(BEMA), "stabilize", str(traj.run), "--base", str(traj.base), "--out", str(out)]
+    cmd += ["--method", config["method"], "--kappa", config["kappa"], "--eta", config["eta"]]
+    cmd += ["--max-memory", max_memory, "--json"] + (["--final-only"] if final_only else [])
+    return cmd
+
+
+def peer_cmd(traj: Trajectory, out: Path) -> list[str]:
+    return [sys.executable, str(PEER), str(traj.run), "--base", str(traj.base), "--out", str(out)] + [
+        f"--{k}={v}" for k, v in ONE.items()
+    ]
+
+
+def final_output(out: Path, traj: Trajectory) -> Path:
+    schedule = Schedule(method=ONE["method"], kappa=float(ONE["kappa"]), eta=float(ONE["eta"]))
+    return out / run_name(schedule) / f"checkpoint-{traj.steps[-1]}" / "model.safetensors"
+
+
+def max_rel_err(path: Path, ref: Path) -> float:
+    """max over tensors of max|a - b| / max|b|, tensor by tensor (bounded memory)."""
+    from safetensors import safe_open
+
+    worst = 0.0
+    with safe_open(str(path), "pt") as a, safe_open(str(ref), "pt") as b:
+        if set(a.keys()) != set(b.keys()):
+            return float("inf")
+        for key in a.keys():
+            x, y = a.get_tensor(key).double(), b.get_tensor(key).double()
+            worst = max(worst, float((x - y).abs().max() / y.abs().max().clamp_min(1e-30)))
+    return worst
+
+
+def timed_tool(name: str, cmd: list[str], inputs: list[Path], cache: str) -> Run:
+    set_cache(inputs, cache)
+    log(f"{name} ...")
+    run = run_measured(cmd)
+    log(f"{name}: {run.seconds:.2f} s, peak RSS {run.max_rss / MiB:.0f} MiB")
+    return run
+
+
+def bench_size(traj: Trajectory, work: Path, args, full: bool) -> dict:
+    """All measurements on one trajectory; `full` adds the floor, the grid and repeats."""
+    inputs = traj.input_files()
+    res: dict = {
+        "file_bytes": traj.file_bytes,
+        "big_tensor_bytes": traj.big_tensor_bytes,
+        "inputs": len(inputs),
+    }
+    res.update(
+        {k: [] for k in ("floor_read", "floor_write", "bema", "bema_engine", "peer", "grid1", "grid6")}
+    )
+    res.update({"bema_rss": 0, "peer_rss": 0, "grid1_rss": 0, "grid6_rss": 0})
+    out = work / "out"
+    for rep in range(args.repeats if full else 1):
+        if full:
+            set_cache(inputs, args.cache)
+            res["floor_read"].append(read_files(inputs))
+            sizes = {out / f"checkpoint-{s}" / "model.safetensors": traj.file_bytes for s in traj.steps}
+            res["floor_write"].append(write_files(sizes))
+            shutil.rmtree(out)
+            log(f"floor: read {res['floor_read'][-1]:.2f} s + write {res['floor_write'][-1]:.2f} s")
+        run = timed_tool(
+            "bema stabilize, 1 config", bema_cmd(traj, out, ONE, args.max_memory, False), inputs, args.cache
+        )
+        res["bema"].append(run.seconds)
+        res["bema_engine"].append(json.loads(run.stdout).get("seconds"))
+        res["bema_rss"] = max(res["bema_rss"], run.max_rss)
+        kept = work / "bema-final.safetensors"
+        if rep == 0:
+            os.replace(final_output(out, traj), kept)
+        shutil.rmtree(out)
+        if full or args.peer_large:
+            run = timed_tool("naive peer", peer_cmd(traj, out), inputs, args.cache)
+            res["peer"].append(run.seconds)
+            res["peer_rss"] = max(res["peer_rss"], run.max_rss)
+            if rep == 0:
+                res["max_rel_err"] = max_rel_err(kept, final_output(out, traj))
+            shutil.rmtree(out)
+        kept.unlink(missing_ok=True)
+        if full:
+            for name, config in (("grid1", ONE), ("grid6", GRID)):
+                run = timed_tool(
+                    f"{name} --final-only",
+                    bema_cmd(traj, out, config, args.max_memory, True),
+                    inputs,
+                    args.cache,
+                )
+                res[name].append(run.seconds)
+                res[f"{name}_rss"] = max(res[f"{name}_rss"], run.max_rss)
+                shutil.rmtree(out)
+    return res
+
+
+def interpreter_overhead() -> dict[str, int]:
+    return {name: run_measured(cmd).max_rss for name, cmd in OVERHEAD_CMDS.items()}
+
+
+def rows(r: dict, args) -> list[tuple[str, str, str, str]]:
+    """(check, measured, target, PASS/FAIL or '') for the table."""
+
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "FAIL"
+
+    a, big = r["x1"], r.get("xL")
+    floor = min(a["floor_read"]) + min(a["floor_write"])
+    bema, peer = min(a["bema"]), min(a["peer"])
+    engine = min(x for x in a["bema_engine"] if x is not None) if any(a["bema_engine"]) else float("nan")
+    overhead = max(r["overhead_rss"].values())
+    bound = parse_size(args.max_memory) + overhead
+    gb = a["file_bytes"] / 1e9
+    out = [
+        (
+            "I/O floor: read inputs + write outputs",
+            f"{floor:.2f} s ({a['inputs'] * gb:.2f} GB in {min(a['floor_read']):.2f} s"
+            f" + {(a['inputs'] - 1) * gb:.2f} GB out {min(a['floor_write']):.2f} s)",
+            "",
+            "",
+        ),
+        (
+            "bema stabilize 1 config, all steps: wall / floor",
+            f"{bema / floor:.2f}  ({bema:.2f} s)",
+            "<= 1.3",
+            verdict(bema / floor <= 1.3),
+        ),
+        (
+            "  same, engine time (--json seconds) / floor",
+            f"{engine / floor:.2f}  ({engine:.2f} s)",
+            "(info)",
+            "",
+        ),
+        (
+            "naive peer: bema wall / peer wall",
+            f"{bema / peer:.2f}  (peer {peer:.2f} s)",
+            "<= 1.0",
+            verdict(bema <= peer),
+        ),
+        (
+            "naive peer: bema peak RSS / peer peak RSS",
+            f"{a['bema_rss'] / a['peer_rss']:.2f}  ({a['bema_rss'] / MiB:.0f} / {a['peer_rss'] / MiB:.0f} MiB)",
+            "<= 0.5",
+            verdict(a["bema_rss"] <= 0.5 * a["peer_rss"]),
+        ),
+    ]
+    if big and big["peer_rss"]:
+        ratio, ratio1 = big["bema_rss"] / big["peer_rss"], a["bema_rss"] / a["peer_rss"]
+        out.append(
+            (
+                f"  same at {args.large_factor}x model size",
+                f"{ratio:.2f}  ({big['bema_rss'] / MiB:.0f} / {big['peer_rss'] / MiB:.0f} MiB)",
+                f"<= 0.5, < {ratio1:.2f}",
+                verdict(ratio <= 0.5 and ratio < ratio1),
+            )
+        )
+    g1, g6 = min(a["grid1"]), min(a["grid6"])
+    out.append(
+        (
+            "grid 6 configs / 1 config (--final-only)",
+            f"{g6 / g1:.2f}  ({g6:.2f} / {g1:.2f} s)",
+            "<= 1.5",
+            verdict(g6 <= 1.5 * g1),
+        )
+    )
+    target = f"<= {bound / MiB:.0f} MiB"
+    out.append(
+        (
+            "bema peak RSS, 1x (1 config, all steps)",
+            f"{a['bema_rss'] / MiB:.0f} MiB",
+            target,
+            verdict(a["bema_rss"] <= bound),
+        )
+    )
+    out.append(
+        (
+            "bema peak RSS, 1x grid of 6 (--final-only)",
+            f"{a['grid6_rss'] / MiB:.0f} MiB",
+            target,
+            verdict(a["grid6_rss"] <= bound),
+        )
+    )
+    if big:
+        out.append(
+            (
+                f"bema peak RSS, {args.large_factor}x (1 config, all steps)",
+                f"{big['bema_rss'] / MiB:.0f} MiB",
+                target,
+                verdict(big["bema_rss"] <= bound),
+            )
+        )
+    tol = 1e-6 if args.dtype == "float32" else 1e-2
+    err = a.get("max_rel_err", float("nan"))
+    out.append(
+        ("bema final output vs naive peer: max rel err", f"{err:.1e}", f"<= {tol:g}", verdict(err <= tol))
+    )
+    return out
+
+
+def render(table: list[tuple[str, str, str, str]], header: list[str]) -> str:
+    widths = [max(len(r[i]) for r in [COLUMNS, *table]) for i in range(len(COLUMNS))]
+
+    def fmt(row: tuple[str, ...]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+
+    return "\n".join([*header, fmt(COLUMNS), fmt(tuple("-" * w for w in widths)), *map(fmt, table)])
+
+
+def parse_args(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--quick", action="store_true", help="tiny sizes, 1 repeat: a smoke run (numbers mean nothing)"
+    )
+    ap.add_argument(
+        "--size-mb", type=float, default=250, help="bytes of one checkpoint's model.safetensors, in MB"
+    )
+    ap.add_argument("--checkpoints", type=int, default=10)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument(
+        "--max-memory",
+        default="512MiB",
+        help="bema --max-memory (small enough that the big tensor is chunked)",
+    )
+    ap.add_argument(
+        "--large-factor", type=int, default=4, help="size multiplier of the peak-RSS run (0: skip it)"
+    )
+    ap.add_argument(
+        "--no-peer-large", dest="peer_large", action="store_false", help="skip the peer at the large size"
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per tool at 1x; the best is reported")
+    ap.add_argument(
+        "--cache", choices=["warm", "cold"], default="warm", help="page-cache state of the inputs at each run"
+    )
+    ap.add_argument("--workdir", type=Path, default=None, help="scratch parent (default: $TMPDIR or /tmp)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    ap.add_argument(
+        "--json", action="store_true", help="raw numbers as one JSON document on stdout (table on stderr)"
+    )
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.size_mb, args.checkpoints, args.repeats, args.max_memory = 8, 4, 1, "16MiB"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bema-bench-", dir=args.workdir))
+    res: dict = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    res["machine"] = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    res["machine"]["mem_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    res["loadavg_start"] = os.getloadavg()
+    t0 = time.perf_counter()
+    try:
+        res["overhead_rss"] = interpreter_overhead()
+        size = int(args.size_mb * 1e6)
+        log(
+            f"writing base + {args.checkpoints} checkpoints of {size / 1e6:.0f} MB ({args.dtype}) under {work}"
+        )
+        traj = make_trajectory(work / "x1", size, args.checkpoints, args.dtype)
+        res["x1"] = bench_size(traj, work, args, full=True)
+        shutil.rmtree(work / "x1")
+        if args.large_factor:
+            log(f"writing the {args.large_factor}x trajectory")
+            traj = make_trajectory(work / "xL", size * args.large_factor, args.checkpoints, args.dtype)
+            res["xL"] = bench_size(traj, work, args, full=False)
+            shutil.rmtree(work / "xL")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    res["loadavg_end"] = os.getloadavg()
+    res["bench_seconds"] = time.perf_counter() - t0
+    table = rows(res, args)
+    res["rows"] = [dict(zip(COLUMNS, r, strict=True)) for r in table]
+    a = res["x1"]
+    header = [
+        f"bema stabilize benchmark — {res['machine']['date']}, {res['machine']['cpus']} CPUs, {res['machine']['mem_gib']} GiB RAM",
+        f"trajectory: base + {args.checkpoints} checkpoints x {a['file_bytes'] / 1e6:.0f} MB {args.dtype}"
+        f" (largest tensor {a['big_tensor_bytes'] / 1e6:.0f} MB); --max-memory {args.max_memory};"
+        f" interpreter overhead {max(res['overhead_rss'].values()) / MiB:.0f} MiB",
+        f"page cache: inputs {args.cache.upper()} at every timed run; outputs not fsynced; best of {args.repeats};"
+        f" load avg {res['loadavg_start'][0]:.1f} -> {res['loadavg_end'][0]:.1f}",
+        "",
+    ]
+    text = render(table, header)
+    print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
+    if args.json:
+        print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Timing, peak RSS and page-cache control for the benchmark; no bema knowledge here.
+
+Peak RSS is what `/usr/bin/time -v` reports as "Maximum resident set size": the
+kernel's ru_maxrss, which counts file pages a process has mapped and touched
+(safetensors memory-maps its inputs), not only its heap.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+READ_CHUNK = 8 * 2**20  # bytes per read()/write() call of the I/O floor
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30})
+
+
+@dataclass
+class Run:
+    seconds: float  # wall clock, process start to exit (interpreter start-up included)
+    max_rss: int  # bytes
+    stdout: str
+    stderr: str
+
+
+def parse_size(text: str) -> int:
+    """'512MiB' -> 536870912; '2GB' -> 2e9; a plain number is bytes."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"not a size: {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def run_measured(cmd: list[str], env: dict | None = None) -> Run:
+    """Run cmd under /usr/bin/time -v; wall time and peak RSS. Raises with the tool's stderr tail on failure."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(["/usr/bin/time", "-v", *map(str, cmd)], capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.splitlines()[-30:])
+        raise RuntimeError(f"command failed (exit {proc.returncode}): {' '.join(map(str, cmd))}\n{tail}")
+    rss = re.findall(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
+    return Run(seconds, int(rss[-1]) * 1024, proc.stdout, proc.stderr)
+
+
+def read_files(paths: list[Path]) -> float:
+    """Read every byte of every file once into a user buffer (what `cat > /dev/null` does); seconds."""
+    buf = bytearray(READ_CHUNK)
+    view = memoryview(buf)
+    t0 = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(view):
+                pass
+    return time.perf_counter() - t0
+
+
+def write_files(sizes: dict[Path, int]) -> float:
+    """Plain sequential write of sizes[path] bytes to each path (no fsync, like the tools); seconds."""
+    block = os.urandom(READ_CHUNK)
+    t0 = time.perf_counter()
+    for path, size in sizes.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb", buffering=0) as f:
+            left = size
+            while left > 0:
+                left -= f.write(block[: min(left, READ_CHUNK)])
+    return time.perf_counter() - t0
+
+
+def set_cache(paths: list[Path], state: str) -> None:
+    """Put the inputs in a known page-cache state before a measurement: 'warm' (all read once) or 'cold'.
+
+    Flushes dirty pages first so earlier runs' write-back does not land in the next timing.
+    'cold' drops just these files' pages (posix_fadvise DONTNEED, no root, other users' cache untouched);
+    a hypervisor may still cache the virtual disk underneath.
+    """
+    os.sync()
+    if state == "warm":
+        read_files(paths)
+        return
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

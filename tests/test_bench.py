@@ -1,0 +1,50 @@
+"""Smoke test of `make bench`: the benchmark runs end to end in --quick mode and prints every row.
+
+No timing assertions: targets live in the benchmark's own table, not in unit tests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_stabilize.py"
+ROWS = [
+    "I/O floor",
+    "bema stabilize 1 config, all steps: wall / floor",
+    "engine time",
+    "bema wall / peer wall",
+    "bema peak RSS / peer peak RSS",
+    "same at 4x model size",
+    "grid 6 configs / 1 config",
+    "bema peak RSS, 1x (1 config",
+    "bema peak RSS, 1x grid of 6",
+    "bema peak RSS, 4x",
+    "vs naive peer: max rel err",
+]
+
+
+@pytest.mark.slow
+def test_bench_quick_prints_every_row_and_json(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--json", "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stderr  # with --json the table goes to stderr, the JSON document to stdout
+    for row in ROWS:
+        assert row in table, f"row {row!r} missing from:\n{table}"
+    assert "page cache: inputs WARM" in table
+    doc = json.loads(proc.stdout)
+    assert len(doc["rows"]) == len(ROWS)
+    assert all(r["result"] in ("PASS", "FAIL", "") for r in doc["rows"])
+    # the outputs were checked against the naive peer: a number, not a placeholder
+    assert doc["x1"]["max_rel_err"] < 1e-5
+    assert doc["x1"]["bema_rss"] > 0 and doc["xL"]["peer_rss"] > doc["x1"]["peer_rss"]
+    assert list(tmp_path.iterdir()) == [], "scratch directory not cleaned up"

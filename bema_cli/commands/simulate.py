@@ -1,8 +1,101 @@
-"""`bema simulate` (placeholder until its issue lands)."""
+"""`bema simulate`: the paper's noisy-quadratic experiment, on the stabilizer code of `bema stabilize`."""
 
-from bema_cli.errors import BemaError
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from bema_cli import output
+from bema_cli.options import BetaMinOpt, JsonOpt, PhiOpt, PresetOpt, SeedOpt, TauOpt, parse_str_list
 
 
-def simulate() -> None:
-    """Not implemented yet."""
-    raise BemaError("bema simulate is not implemented yet")
+def simulate(
+    dim: Annotated[int, typer.Option("--dim", help="Dimension of theta.")] = 20,
+    lr: Annotated[float, typer.Option("--lr", help="SGD learning rate.")] = 0.05,
+    sigma: Annotated[float, typer.Option("--sigma", help="Standard deviation of the gradient noise.")] = 1.0,
+    steps: Annotated[int, typer.Option("--steps", help="SGD steps per trajectory.")] = 1000,
+    trials: Annotated[
+        int, typer.Option("--trials", help="Independent trajectories (run as one batch).")
+    ] = 1000,
+    spectrum: Annotated[
+        str,
+        typer.Option(
+            "--spectrum", help="Eigenvalues of A: ones | linspace:LO:HI | geomspace:LO:HI | a1,a2,..."
+        ),
+    ] = "ones",
+    distance: Annotated[
+        float, typer.Option("--distance", help="|theta0 - mu|: how far from the optimum SGD starts.")
+    ] = 10.0,
+    seed: SeedOpt = 0,
+    record_every: Annotated[
+        int, typer.Option("--record-every", help="Report every N-th step (and the last).")
+    ] = 10,
+    methods: Annotated[
+        str, typer.Option("--methods", help="Estimators: vanilla,ema,bema,dema,ouema,mle (comma list).")
+    ] = "vanilla,ema,bema,dema,ouema,mle",
+    kappa: Annotated[float, typer.Option("--kappa", help="EMA decay power: beta_s = w(s)**-kappa.")] = 1.0,
+    eta: Annotated[
+        float, typer.Option("--eta", help="Bias-correction power: alpha_s = w(s)**-eta ('inf' = off).")
+    ] = 0.5,
+    gamma: Annotated[float, typer.Option("--gamma", help="Step multiplier in w(s) = rho + gamma*s.")] = 1.0,
+    rho: Annotated[float, typer.Option("--rho", help="Lag offset in w(s) = rho + gamma*s.")] = 1.0,
+    tau: TauOpt = 0,
+    phi: PhiOpt = None,
+    preset: PresetOpt = "paper",
+    beta_min: BetaMinOpt = None,
+    plot: Annotated[
+        str | None, typer.Option("--plot", help="Write error-vs-step curves (Fig. 2 style) to this PNG.")
+    ] = None,
+    plot_2d: Annotated[
+        str | None,
+        typer.Option(
+            "--plot-2d", help="Write one 2-D trajectory with vanilla/EMA/BEMA paths (Fig. 1a style)."
+        ),
+    ] = None,
+    json: JsonOpt = False,
+) -> None:
+    """Noisy-quadratic SGD (the paper's Fig. 1a/2): how far each estimator is from the optimum, step by step.
+
+    SGD on 1/2 (theta-mu)^T A (theta-mu) with Gaussian gradient noise, many trajectories at once. vanilla/EMA/BEMA/DEMA/OUEMA are computed with the same code as `bema stabilize` (the iterate after k steps is checkpoint k, the start is the base); `mle` is the maximum-likelihood estimate with A known. Prints mean |estimate - mu|^2 and its standard error, the exact error of the last iterate, and the Cramer-Rao-type bound.
+
+    Defaults are the paper's theory regime (kappa 1, gamma 1, rho 1: EMA is the flat average; eta 0.5: strong correction), where BEMA beats EMA at every step. With the language-model defaults of `bema stabilize` (--kappa 0.5 --eta 0.2 --rho 10) the correction OVERSHOOTS on this problem (BEMA ~9.4 vs EMA ~1.7 at step 50): the right strength depends on the learning rate and the curvature.
+    """
+    from bema_cli import figures
+    from bema_cli import simulate as sim
+
+    settings = sim.SimSettings(
+        dim=dim,
+        lr=lr,
+        sigma=sigma,
+        steps=steps,
+        trials=trials,
+        spectrum=spectrum,
+        distance=distance,
+        seed=seed,
+        record_every=record_every,
+        methods=tuple(parse_str_list(methods)),
+        kappa=kappa,
+        eta=eta,
+        gamma=gamma,
+        rho=rho,
+        tau=tau,
+        phi=phi,
+        preset=preset,
+        beta_min=beta_min,
+    ).validated()
+    for path, flag in ((plot, "--plot"), (plot_2d, "--plot-2d")):
+        if path is not None:
+            figures.check_target(path, flag)
+    doc = sim.simulate(settings)
+    doc["settings"].update(plot=plot, plot_2d=plot_2d)
+    if plot:
+        sim.plot_curves(doc, plot)
+        output.log(f"wrote {plot}")
+    if plot_2d:
+        sim.plot_2d(sim.trajectory_2d(settings), settings, plot_2d)
+        output.log(f"wrote {plot_2d}")
+    if json:
+        output.print_json(doc)
+    else:
+        output.stdout.print(sim.table(doc))

@@ -59,3 +59,21 @@ def parse_int_list(text: str, flag: str) -> list[int]:
 
 def parse_str_list(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
+
+
+# Decimal (GB) and binary (GiB) units, as HF's --max-shard-size and memory limits are written.
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """'2GiB' -> 2147483648, '5GB' -> 5000000000, '500MB', '1024' (bytes); UsageError naming the flag."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).upper() if m else ""
+    if not m or unit not in _SIZE_UNITS:
+        raise UsageError(f"{flag}: {text!r} is not a size (e.g. 2GiB, 5GB, 500MB)")
+    size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise UsageError(f"{flag}: must be positive, got {text!r}")
+    return size

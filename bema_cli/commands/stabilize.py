@@ -1,8 +1,168 @@
-"""`bema stabilize` (placeholder until its issue lands)."""
+"""`bema stabilize`: parse flags, call the engine (bema_cli/stabilize.py), print a summary or JSON."""
 
-from bema_cli.errors import BemaError
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from bema_cli import output
+from bema_cli.options import (
+    BetaMinOpt,
+    EtaOpt,
+    GammaOpt,
+    JsonOpt,
+    KappaOpt,
+    OutDirOpt,
+    OverwriteOpt,
+    PhiOpt,
+    PresetOpt,
+    RhoOpt,
+    TauOpt,
+    parse_float_list,
+    parse_int_list,
+    parse_size,
+    parse_str_list,
+)
 
 
-def stabilize() -> None:
-    """Not implemented yet."""
-    raise BemaError("bema stabilize is not implemented yet")
+def stabilize(
+    checkpoint_dir: Annotated[
+        str, typer.Argument(help="Training output folder holding checkpoint-<step> folders.")
+    ],
+    out: OutDirOpt,
+    base: Annotated[
+        str | None,
+        typer.Option(
+            "--base",
+            help="theta0: a model folder, a Hub repo id, or 'first' (default: checkpoint-0, else config _name_or_path).",
+        ),
+    ] = None,
+    method: Annotated[
+        str, typer.Option("--method", help="bema, ema, dema, ouema, vanilla; comma list for a grid.")
+    ] = "bema",
+    kappa: KappaOpt = "0.5",
+    eta: EtaOpt = "0.2",
+    gamma: GammaOpt = 1.0,
+    rho: RhoOpt = 10.0,
+    tau: TauOpt = 0,
+    phi: PhiOpt = None,
+    beta_min: BetaMinOpt = None,
+    preset: PresetOpt = "paper",
+    max_memory: Annotated[
+        str, typer.Option("--max-memory", help="Working-set budget (e.g. 2GiB); tensors are chunked to fit.")
+    ] = "2GiB",
+    max_shard_size: Annotated[
+        str, typer.Option("--max-shard-size", help="Largest output shard (e.g. 5GB).")
+    ] = "5GB",
+    device: Annotated[
+        str, typer.Option("--device", help="auto (cuda when available), cpu or cuda.")
+    ] = "auto",
+    accum_dtype: Annotated[
+        str, typer.Option("--accum-dtype", help="float32 or float64 accumulators.")
+    ] = "float32",
+    out_dtype: Annotated[
+        str | None,
+        typer.Option("--out-dtype", help="float32, bfloat16, float16 (default: each tensor's input dtype)."),
+    ] = None,
+    final_only: Annotated[
+        bool, typer.Option("--final-only", help="Write only the last processed step of each run.")
+    ] = False,
+    steps: Annotated[
+        str | None, typer.Option("--steps", help="Write only these steps, e.g. 400,800.")
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Print the plan (steps, alpha/beta, bytes, shards); write nothing."),
+    ] = False,
+    json_out: JsonOpt = False,
+    overwrite: OverwriteOpt = False,
+    allow_nonfinite: Annotated[
+        bool, typer.Option("--allow-nonfinite", help="Do not stop on NaN/Inf in inputs.")
+    ] = False,
+) -> None:
+    """Stabilize a fine-tuning run's checkpoints with BEMA/EMA/DEMA/OUEMA, streaming tensor by tensor.
+
+    Writes OUT/<run>/checkpoint-<step>/ (loadable HF model folders with bema.json) and OUT/manifest.json.
+    A grid (comma lists in --method/--kappa/--eta) is computed in one pass over the inputs.
+    """
+    from bema_cli.stabilize import Options, grid
+    from bema_cli.stabilize import stabilize as run
+
+    schedules = grid(
+        parse_str_list(method),
+        parse_float_list(kappa, "--kappa"),
+        parse_float_list(eta, "--eta"),
+        preset=preset,
+        gamma=gamma,
+        rho=rho,
+        tau=tau,
+        phi=phi,
+        beta_min=beta_min,
+    )
+    opts = Options(
+        checkpoint_dir=checkpoint_dir,
+        schedules=schedules,
+        out=out,
+        base=base,
+        max_memory=parse_size(max_memory, "--max-memory"),
+        max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
+        device=device,
+        accum_dtype=accum_dtype,
+        out_dtype=out_dtype,
+        final_only=final_only,
+        steps=parse_int_list(steps, "--steps") if steps else None,
+        dry_run=dry_run,
+        overwrite=overwrite,
+        allow_nonfinite=allow_nonfinite,
+    )
+    doc = run(opts)
+    if json_out:
+        output.print_json(doc)
+    elif dry_run:
+        _print_plan(doc)
+    else:
+        _print_summary(doc)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def _print_plan(doc: dict) -> None:
+    from rich.table import Table
+
+    plan = doc["plan"]
+    table = Table(title=f"bema stabilize --dry-run (theta0: {plan['theta0_source']})")
+    table.add_column("step", justify="right")
+    for run in plan["runs"]:
+        table.add_column(run["run"])
+    for i, ck in enumerate(plan["checkpoints"]):
+        cells = []
+        for run in plan["runs"]:
+            e = run["events"][i]
+            text = e["action"] if e["action"] != "update" else f"a={e['alpha']:.4g} b={e['beta']:.4g}"
+            cells.append(text + (" *" if e["output"] else ""))
+        table.add_row(str(ck["step"]), *cells)
+    output.stdout.print(table)
+    shards = ", ".join(f"{s['file']} ({_gb(s['bytes'])}, {s['tensors']} tensors)" for s in plan["shards"])
+    output.stdout.print(f"* = written. {len(doc['outputs'])} outputs; shards per output: {shards}")
+    output.stdout.print(
+        f"would read {_gb(doc['read_bytes'])} and write {_gb(doc['written_bytes'])} "
+        f"in {plan['work_units']} work units (--max-memory {plan['max_memory']} bytes)"
+    )
+
+
+def _print_summary(doc: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title="bema stabilize")
+    for col in ("run", "step", "alpha", "beta", "path"):
+        table.add_column(col)
+    for o in doc["outputs"]:
+        table.add_row(o["run"], str(o["step"]), f"{o['alpha']:.4g}", f"{o['beta']:.4g}", o["path"])
+    output.stdout.print(table)
+    rate = doc["read_bytes"] / doc["seconds"] / 1e6 if doc["seconds"] else 0.0
+    output.stdout.print(
+        f"read {_gb(doc['read_bytes'])}, wrote {_gb(doc['written_bytes'])} in {doc['seconds']:.1f} s ({rate:.0f} MB/s read)"
+    )

@@ -1,0 +1,510 @@
+"""The `bema stabilize` engine: stream a checkpoint trajectory into stabilized checkpoints.
+
+Tensor-major walk: the model is cut into work units (groups of tensors, or row chunks
+of one tensor along dim 0) whose working set fits `max_memory`. For each unit we read
+theta0, start one `recurrence.Stabilizer` per config, walk the trajectory once (each
+input chunk read once, whatever the grid size) and write that unit of every output
+at its final offset. The math lives in recurrence.py; files in safetensors_io.py and
+checkpoints.py. Outputs go to a temp folder under OUT and are renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from bema_cli import __version__, output
+from bema_cli.checkpoints import (
+    Checkpoint,
+    copy_aux_files,
+    find_checkpoints,
+    model_weight_files,
+    resolve_base,
+)
+from bema_cli.errors import InputError, OutputError, UsageError
+from bema_cli.recurrence import PlannedStep, Schedule, Stabilizer, run_name
+from bema_cli.safetensors_io import (
+    DTYPES,
+    FLOATING,
+    TAG_OF,
+    ChunkReader,
+    ModelIndex,
+    ShardedWriter,
+    TensorInfo,
+    index_model,
+    plan_shards,
+    tensor_bytes,
+)
+
+OUT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+ACCUM_DTYPES = ("float32", "float64")
+# Per-config accumulators besides theta0: ema/bema/ouema keep one, dema two.
+STATE_TENSORS = {"vanilla": 0, "ema": 1, "bema": 1, "ouema": 1, "dema": 2}
+TEMPS = 3  # transient accum-dtype buffers while one output is computed (theta - theta0, result, ...)
+
+
+@dataclass
+class Options:
+    checkpoint_dir: str
+    schedules: list[Schedule]
+    out: str
+    base: str | None = None
+    max_memory: int = 2 * 1024**3
+    max_shard_size: int = 5 * 10**9
+    device: str = "auto"
+    accum_dtype: str = "float32"
+    out_dtype: str | None = None  # None: each tensor keeps its input dtype
+    final_only: bool = False
+    steps: list[int] | None = None
+    dry_run: bool = False
+    overwrite: bool = False
+    allow_nonfinite: bool = False
+
+
+@dataclass
+class Run:
+    """One stabilizer config of the grid and what it writes."""
+
+    schedule: Schedule  # resolved
+    name: str
+    events: dict[int, PlannedStep]
+    out_steps: list[int]
+
+    @property
+    def last_needed(self) -> int:
+        return self.out_steps[-1]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, stop) of one tensor; `lo:hi` is its span in the unit's flat float buffer."""
+
+    info: TensorInfo
+    start: int
+    stop: int
+    lo: int = 0
+    hi: int = 0
+
+
+@dataclass
+class Plan:
+    checkpoints: list[Checkpoint]
+    base_source: str
+    base_index: ModelIndex
+    indexes: dict[int, ModelIndex]  # only the steps that are read
+    runs: list[Run]
+    read_steps: list[int]
+    out_tensors: list[TensorInfo]
+    shards: list
+    units: list[list[Piece]] = field(default_factory=list)
+
+
+def grid(methods: list[str], kappas: list[float], etas: list[float], **common) -> list[Schedule]:
+    """Every (method, kappa, eta) combination, validated, one per output run name.
+
+    Methods without bias correction (ema, dema, vanilla) record eta = inf, so the grid
+    `--method bema,ema --eta 0.2,inf` does not produce the same EMA run twice.
+    """
+    out: dict[str, Schedule] = {}
+    for method in methods:
+        for kappa in kappas:
+            for eta in etas:
+                eta = eta if method in ("bema", "ouema") else math.inf
+                s = Schedule(method=method, kappa=kappa, eta=eta, **common).resolved()
+                out.setdefault(run_name(s), s)
+    return list(out.values())
+
+
+def _out_steps(events: list[PlannedStep], opts: Options) -> list[int]:
+    done = [e.step for e in events if e.action != "skip"]
+    if not done:
+        raise UsageError("no checkpoint is processed with these --tau/--phi settings")
+    if opts.steps:
+        for step in opts.steps:
+            ev = next((e for e in events if e.step == step), None)
+            if ev is None:
+                have = ", ".join(str(e.step) for e in events)
+                raise UsageError(f"--steps: {step} is not a checkpoint step (found {have})")
+            if ev.action == "skip":
+                raise UsageError(f"--steps: step {step} is skipped by the --phi cadence")
+        return sorted(set(opts.steps))
+    return done[-1:] if opts.final_only else done
+
+
+def _check_same(index: ModelIndex, base: ModelIndex, what: str) -> None:
+    """Keys, shapes and dtypes of a checkpoint must match theta0's; errors name the tensor."""
+    missing = sorted(set(base.tensors) - set(index.tensors))
+    extra = sorted(set(index.tensors) - set(base.tensors))
+    if missing:
+        raise InputError(f"{index.folder}: tensor {missing[0]!r} of the {what} ({base.folder}) is missing")
+    if extra:
+        raise InputError(f"{index.folder}: tensor {extra[0]!r} is not in the {what} ({base.folder})")
+    for name, b in base.tensors.items():
+        t = index.tensors[name]
+        if t.shape != b.shape:
+            raise InputError(
+                f"{t.file}: tensor {name!r} has shape {list(t.shape)}, the {what} has {list(b.shape)}"
+            )
+        if t.dtype != b.dtype:
+            raise InputError(f"{t.file}: tensor {name!r} has dtype {t.dtype}, the {what} has {b.dtype}")
+
+
+def _units(order: list[TensorInfo], runs: list[Run], opts: Options) -> list[list[Piece]]:
+    """Cut the tensors (in output order) into work units whose working set fits opts.max_memory."""
+    acc = DTYPES[TAG_OF[opts.accum_dtype]][1]
+    state = sum(STATE_TENSORS[r.schedule.method] for r in runs)
+    units: list[list[Piece]] = []
+    cur: list[Piece] = []
+    used = 0
+    for t in order:
+        rows = t.shape[0] if t.shape else 1
+        if t.numel == 0:
+            continue
+        per_elem = t.itemsize * 3 + (acc * (2 + TEMPS + state) + 1 if t.dtype in FLOATING else 0)
+        row_cost = (t.numel // rows) * per_elem
+        r = 0
+        while r < rows:
+            n = min(rows - r, (opts.max_memory - used) // row_cost)
+            if n <= 0:
+                if cur:
+                    units.append(cur)
+                    cur, used = [], 0
+                    continue
+                n = 1  # one row over the budget cannot be split further
+            cur.append(Piece(t, r, r + n))
+            used += n * row_cost
+            r += n
+    if cur:
+        units.append(cur)
+    # flat float offsets within each unit
+    out = []
+    for unit in units:
+        pos, placed = 0, []
+        for p in unit:
+            n = (p.stop - p.start) * (p.info.numel // (p.info.shape[0] if p.info.shape else 1))
+            if p.info.dtype in FLOATING:
+                placed.append(Piece(p.info, p.start, p.stop, pos, pos + n))
+                pos += n
+            else:
+                placed.append(p)
+        out.append(placed)
+    return out
+
+
+def prepare(opts: Options) -> Plan:
+    """Everything decided before a byte of tensor data is read: files, plan, layout, work units."""
+    if opts.accum_dtype not in ACCUM_DTYPES:
+        raise UsageError(f"--accum-dtype: choose from {', '.join(ACCUM_DTYPES)}, got {opts.accum_dtype!r}")
+    if opts.out_dtype is not None and opts.out_dtype not in OUT_DTYPES:
+        raise UsageError(f"--out-dtype: choose from {', '.join(OUT_DTYPES)}, got {opts.out_dtype!r}")
+    if opts.max_memory <= 0 or opts.max_shard_size <= 0:
+        raise UsageError("--max-memory and --max-shard-size must be positive")
+    checkpoints = find_checkpoints(opts.checkpoint_dir)
+    base = resolve_base(opts.base, checkpoints)
+    steps = [c.step for c in checkpoints]
+    runs = []
+    for s in opts.schedules:
+        events = s.plan(steps)
+        runs.append(Run(s, run_name(s), {e.step: e for e in events}, _out_steps(events, opts)))
+    read_steps = sorted(
+        {st for r in runs for st, e in r.events.items() if e.action != "skip" and st <= r.last_needed}
+    )
+    base_index = index_model(base.path, model_weight_files(base.path))
+    if not base_index.tensors:
+        raise InputError(f"{base.path}: the base model has no tensors")
+    indexes = {}
+    for c in checkpoints:
+        if c.step in read_steps:
+            indexes[c.step] = index_model(c.path, model_weight_files(c.path))
+            _check_same(indexes[c.step], base_index, "base model")
+    out_tag = TAG_OF[opts.out_dtype] if opts.out_dtype else None
+    out_tensors = [
+        TensorInfo(t.name, Path(), out_tag if out_tag and t.dtype in FLOATING else t.dtype, t.shape)
+        for t in sorted(base_index.tensors.values(), key=lambda t: t.name)
+    ]
+    shards = plan_shards(out_tensors, opts.max_shard_size)
+    order = [base_index.tensors[t.name] for s in shards for t in s.tensors]
+    plan = Plan(checkpoints, base.source, base_index, indexes, runs, read_steps, out_tensors, shards)
+    plan.units = _units(order, runs, opts)
+    return plan
+
+
+def _device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    if name not in ("cpu", "cuda"):
+        raise UsageError(f"--device: choose auto, cpu or cuda, got {name!r}")
+    return torch.device(name)
+
+
+def _load(reader: ChunkReader, unit: list[Piece], acc, device, check: bool):
+    """Read one unit: (flat accum-dtype float buffer on device, {name: raw non-float piece})."""
+    import torch
+
+    size = max((p.hi for p in unit), default=0)
+    flat = torch.empty(size, dtype=acc, device=device)
+    raw = {}
+    for p in unit:
+        t = reader.read(p.info.name, p.start, p.stop)
+        if p.info.dtype in FLOATING:
+            flat[p.lo : p.hi].copy_(t.reshape(-1))
+        else:
+            raw[p.info.name] = t
+    if check and size and not bool(torch.isfinite(flat).all()):
+        bad = next(p for p in unit if p.hi > p.lo and not bool(torch.isfinite(flat[p.lo : p.hi]).all()))
+        raise InputError(
+            f"{bad.info.file}: tensor {bad.info.name!r} contains NaN or Inf (use --allow-nonfinite to proceed)"
+        )
+    return flat, raw
+
+
+def _write(writer: ShardedWriter, unit: list[Piece], result, raw: dict, out_dtypes: dict) -> None:
+    import torch
+
+    converted = {}
+    for p in unit:
+        tag = out_dtypes[p.info.name]
+        row = writer_row_bytes(p.info, tag)
+        if p.info.dtype not in FLOATING:
+            writer.write(p.info.name, p.start * row, tensor_bytes(raw[p.info.name]))
+            continue
+        if tag not in converted:
+            converted[tag] = result.to(getattr(torch, DTYPES[tag][0])).cpu()
+        writer.write(p.info.name, p.start * row, tensor_bytes(converted[tag][p.lo : p.hi]))
+
+
+def writer_row_bytes(info: TensorInfo, tag: str) -> int:
+    rows = info.shape[0] if info.shape else 1
+    return info.numel // rows * DTYPES[tag][1] if rows else 0
+
+
+HYPER = ("method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min")
+
+
+def _hyper(s: Schedule, names: tuple[str, ...] = HYPER) -> dict:
+    return {n: getattr(s, n) for n in names}
+
+
+def _record(run: Run, step: int, source: Path, base_source: str, opts: Options, out_dtype: str) -> dict:
+    """The bema.json of one output (contract shared with eval/report)."""
+    return {
+        "bema_version": __version__,
+        "run": run.name,
+        **_hyper(run.schedule),
+        "step": step,
+        **_weights(run, step),
+        "source_checkpoint": str(source),
+        "theta0_source": base_source,
+        "accum_dtype": opts.accum_dtype,
+        "out_dtype": out_dtype,
+    }
+
+
+def _out_dtype_name(plan: Plan, opts: Options) -> str:
+    if opts.out_dtype:
+        return opts.out_dtype
+    tags = {t.dtype for t in plan.base_index.tensors.values() if t.dtype in FLOATING}
+    return DTYPES[tags.pop()][0] if len(tags) == 1 else "mixed"
+
+
+def _finish_folder(folder: Path, source: Path, base_dir: Path, record: dict, opts: Options) -> None:
+    copy_aux_files(folder, [source, base_dir])
+    cfg_path = folder / "config.json"
+    if opts.out_dtype and cfg_path.is_file():
+        cfg = json.loads(cfg_path.read_text())
+        if "torch_dtype" in cfg:
+            cfg["torch_dtype"] = opts.out_dtype
+        if "dtype" in cfg or "torch_dtype" not in cfg:
+            cfg["dtype"] = opts.out_dtype
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    (folder / "bema.json").write_text(output.to_json(record) + "\n")
+
+
+def outputs_of(plan: Plan, out: Path) -> list[dict]:
+    """The `outputs` list of the --json document (paths absolute)."""
+    keys = ("method", "kappa", "eta", "gamma", "rho", "tau", "phi")
+    return [
+        {
+            "run": run.name,
+            **_hyper(run.schedule, keys),
+            "step": step,
+            "path": str(out / run.name / f"checkpoint-{step}"),
+            **_weights(run, step),
+        }
+        for run in plan.runs
+        for step in run.out_steps
+    ]
+
+
+def _weights(run: Run, step: int) -> dict:
+    return {"alpha": run.events[step].alpha, "beta": run.events[step].beta}
+
+
+def _check_out(out: Path, runs: list[Run], overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a directory")
+    for run in runs:
+        if (out / run.name).exists() and not overwrite:
+            raise OutputError(f"{out / run.name}: already exists (use --overwrite to replace it)")
+
+
+def _manifest(plan: Plan, out: Path) -> dict:
+    """OUT/manifest.json: merged with an existing one, runs of this call replacing same-named runs."""
+    path = out / "manifest.json"
+    old_runs = []
+    if path.is_file():
+        try:
+            old_runs = json.loads(path.read_text()).get("runs", [])
+        except (ValueError, AttributeError):
+            old_runs = []
+    runs = [
+        {
+            "run": run.name,
+            **_hyper(run.schedule),
+            "outputs": [
+                {"step": st, "path": f"{run.name}/checkpoint-{st}", **_weights(run, st)}
+                for st in run.out_steps
+            ],
+        }
+        for run in plan.runs
+    ]
+    names = {r["run"] for r in runs}
+    return {
+        "bema_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "theta0_source": plan.base_source,
+        "checkpoints": [{"step": c.step, "path": str(c.path)} for c in plan.checkpoints],
+        "runs": [r for r in old_runs if isinstance(r, dict) and r.get("run") not in names] + runs,
+    }
+
+
+def stabilize(opts: Options) -> dict:
+    """Run (or with dry_run, only plan) one `bema stabilize`; returns the --json document."""
+    t0 = time.perf_counter()
+    plan = prepare(opts)
+    out = Path(opts.out).expanduser().resolve()
+    _check_out(out, plan.runs, opts.overwrite)
+    read_bytes = plan.base_index.nbytes + sum(plan.indexes[s].nbytes for s in plan.read_steps)
+    n_outputs = sum(len(r.out_steps) for r in plan.runs)
+    meta0 = {"bema_version": __version__}
+    written = n_outputs * ShardedWriter(out, plan.shards, meta0).nbytes  # header sizes differ by a few bytes
+    doc = {"outputs": outputs_of(plan, out), "read_bytes": read_bytes, "written_bytes": written}
+    if opts.dry_run:
+        return {"dry_run": True, **doc, "seconds": time.perf_counter() - t0, "plan": dry_run_plan(plan, opts)}
+    created_out = not out.exists()
+    tmp = out / f".bema-tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as exc:
+        raise OutputError(f"{out}: cannot write the output directory ({exc.strerror or exc})") from None
+    try:
+        doc["written_bytes"] = _walk(plan, opts, tmp)
+        for run in plan.runs:
+            final = out / run.name
+            if final.exists():
+                _check_out(out, [run], opts.overwrite)
+                shutil.rmtree(final)
+            (tmp / run.name).rename(final)
+        manifest = out / "manifest.json"
+        (tmp / "manifest.json").write_text(output.to_json(_manifest(plan, out)) + "\n")
+        (tmp / "manifest.json").replace(manifest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created_out and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
+    doc["seconds"] = time.perf_counter() - t0
+    return doc
+
+
+def _walk(plan: Plan, opts: Options, tmp: Path) -> int:
+    """The tensor-major pass; writes every output folder under tmp; returns safetensors bytes written."""
+    import torch
+
+    device = _device(opts.device)
+    acc = getattr(torch, opts.accum_dtype)
+    ckpt = {c.step: c.path for c in plan.checkpoints}
+    out_dtype = _out_dtype_name(plan, opts)
+    out_dtypes = {t.name: t.dtype for t in plan.out_tensors}
+    writers = {}
+    for run in plan.runs:
+        for step in run.out_steps:
+            meta = {"bema_version": __version__, "bema_run": run.name, "bema_step": str(step)}
+            writers[run.name, step] = ShardedWriter(
+                tmp / run.name / f"checkpoint-{step}", plan.shards, meta
+            ).open()
+    if opts.allow_nonfinite:
+        output.warn("--allow-nonfinite: NaN/Inf in inputs are not checked and propagate to the outputs")
+    total = sum(p.info.row_bytes * (p.stop - p.start) for u in plan.units for p in u)
+    with output.progress() as bar:
+        task = bar.add_task("stabilizing", total=total)
+        for unit in plan.units:
+            with ChunkReader(plan.base_index) as reader:
+                theta0, _ = _load(reader, unit, acc, device, not opts.allow_nonfinite)
+            stabs = {run.name: Stabilizer(run.schedule.method, theta0) for run in plan.runs}
+            del theta0
+            for step in plan.read_steps:
+                with ChunkReader(plan.indexes[step]) as reader:
+                    theta, raw = _load(reader, unit, acc, device, not opts.allow_nonfinite)
+                for run in plan.runs:
+                    if step > run.last_needed:
+                        continue
+                    result = stabs[run.name].apply(run.events[step], theta)
+                    if result is not None and (run.name, step) in writers:
+                        _write(writers[run.name, step], unit, result, raw, out_dtypes)
+                    del result
+                del theta, raw
+            del stabs
+            bar.advance(task, sum(p.info.row_bytes * (p.stop - p.start) for p in unit))
+    written = 0
+    for (name, step), writer in writers.items():
+        writer.close()
+        run = next(r for r in plan.runs if r.name == name)
+        record = _record(run, step, ckpt[step], plan.base_source, opts, out_dtype)
+        _finish_folder(writer.folder, ckpt[step], plan.base_index.folder, record, opts)
+        written += writer.nbytes
+    return written
+
+
+def dry_run_plan(plan: Plan, opts: Options) -> dict:
+    """What --dry-run shows: checkpoints and the action/alpha/beta of every run at each, shards, units."""
+    return {
+        "theta0_source": plan.base_source,
+        "checkpoints": [
+            {"step": c.step, "path": str(c.path), "read": c.step in plan.read_steps} for c in plan.checkpoints
+        ],
+        "runs": [
+            {
+                "run": r.name,
+                "events": [
+                    {
+                        "step": e.step,
+                        "action": e.action,
+                        "alpha": e.alpha,
+                        "beta": e.beta,
+                        "output": e.step in r.out_steps,
+                    }
+                    for e in r.events.values()
+                ],
+            }
+            for r in plan.runs
+        ],
+        "shards": [
+            {"file": s.filename, "bytes": s.data_size, "tensors": len(s.tensors)} for s in plan.shards
+        ],
+        "work_units": len(plan.units),
+        "max_memory": opts.max_memory,
+        "accum_dtype": opts.accum_dtype,
+        "device": opts.device,
+    }

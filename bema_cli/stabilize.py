@@ -10,19 +10,17 @@ checkpoints.py. Outputs go to a temp folder under OUT and are renamed into place
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 from bema_cli import __version__, output
+from bema_cli import stabilize_meta as meta
 from bema_cli.checkpoints import (
     Checkpoint,
-    copy_aux_files,
     find_checkpoints,
     model_weight_files,
     resolve_base,
@@ -288,68 +286,6 @@ def writer_row_bytes(info: TensorInfo, tag: str) -> int:
     return info.numel // rows * DTYPES[tag][1] if rows else 0
 
 
-HYPER = ("method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min")
-
-
-def _hyper(s: Schedule, names: tuple[str, ...] = HYPER) -> dict:
-    return {n: getattr(s, n) for n in names}
-
-
-def _record(run: Run, step: int, source: Path, base_source: str, opts: Options, out_dtype: str) -> dict:
-    """The bema.json of one output (contract shared with eval/report)."""
-    return {
-        "bema_version": __version__,
-        "run": run.name,
-        **_hyper(run.schedule),
-        "step": step,
-        **_weights(run, step),
-        "source_checkpoint": str(source),
-        "theta0_source": base_source,
-        "accum_dtype": opts.accum_dtype,
-        "out_dtype": out_dtype,
-    }
-
-
-def _out_dtype_name(plan: Plan, opts: Options) -> str:
-    if opts.out_dtype:
-        return opts.out_dtype
-    tags = {t.dtype for t in plan.base_index.tensors.values() if t.dtype in FLOATING}
-    return DTYPES[tags.pop()][0] if len(tags) == 1 else "mixed"
-
-
-def _finish_folder(folder: Path, source: Path, base_dir: Path, record: dict, opts: Options) -> None:
-    copy_aux_files(folder, [source, base_dir])
-    cfg_path = folder / "config.json"
-    if opts.out_dtype and cfg_path.is_file():
-        cfg = json.loads(cfg_path.read_text())
-        if "torch_dtype" in cfg:
-            cfg["torch_dtype"] = opts.out_dtype
-        if "dtype" in cfg or "torch_dtype" not in cfg:
-            cfg["dtype"] = opts.out_dtype
-        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
-    (folder / "bema.json").write_text(output.to_json(record) + "\n")
-
-
-def outputs_of(plan: Plan, out: Path) -> list[dict]:
-    """The `outputs` list of the --json document (paths absolute)."""
-    keys = ("method", "kappa", "eta", "gamma", "rho", "tau", "phi")
-    return [
-        {
-            "run": run.name,
-            **_hyper(run.schedule, keys),
-            "step": step,
-            "path": str(out / run.name / f"checkpoint-{step}"),
-            **_weights(run, step),
-        }
-        for run in plan.runs
-        for step in run.out_steps
-    ]
-
-
-def _weights(run: Run, step: int) -> dict:
-    return {"alpha": run.events[step].alpha, "beta": run.events[step].beta}
-
-
 def _check_out(out: Path, runs: list[Run], overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a directory")
@@ -358,49 +294,29 @@ def _check_out(out: Path, runs: list[Run], overwrite: bool) -> None:
             raise OutputError(f"{out / run.name}: already exists (use --overwrite to replace it)")
 
 
-def _manifest(plan: Plan, out: Path) -> dict:
-    """OUT/manifest.json: merged with an existing one, runs of this call replacing same-named runs."""
-    path = out / "manifest.json"
-    old_runs = []
-    if path.is_file():
-        try:
-            old_runs = json.loads(path.read_text()).get("runs", [])
-        except (ValueError, AttributeError):
-            old_runs = []
-    runs = [
-        {
-            "run": run.name,
-            **_hyper(run.schedule),
-            "outputs": [
-                {"step": st, "path": f"{run.name}/checkpoint-{st}", **_weights(run, st)}
-                for st in run.out_steps
-            ],
-        }
-        for run in plan.runs
-    ]
-    names = {r["run"] for r in runs}
-    return {
-        "bema_version": __version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "theta0_source": plan.base_source,
-        "checkpoints": [{"step": c.step, "path": str(c.path)} for c in plan.checkpoints],
-        "runs": [r for r in old_runs if isinstance(r, dict) and r.get("run") not in names] + runs,
-    }
-
-
 def stabilize(opts: Options) -> dict:
     """Run (or with dry_run, only plan) one `bema stabilize`; returns the --json document."""
     t0 = time.perf_counter()
     plan = prepare(opts)
     out = Path(opts.out).expanduser().resolve()
-    _check_out(out, plan.runs, opts.overwrite)
+    try:
+        _check_out(out, plan.runs, opts.overwrite)
+    except OutputError as exc:
+        if not opts.dry_run:
+            raise
+        output.warn(f"{exc} (a real run would stop here)")
     read_bytes = plan.base_index.nbytes + sum(plan.indexes[s].nbytes for s in plan.read_steps)
     n_outputs = sum(len(r.out_steps) for r in plan.runs)
     meta0 = {"bema_version": __version__}
     written = n_outputs * ShardedWriter(out, plan.shards, meta0).nbytes  # header sizes differ by a few bytes
-    doc = {"outputs": outputs_of(plan, out), "read_bytes": read_bytes, "written_bytes": written}
+    doc = {"outputs": meta.outputs_of(plan, out), "read_bytes": read_bytes, "written_bytes": written}
     if opts.dry_run:
-        return {"dry_run": True, **doc, "seconds": time.perf_counter() - t0, "plan": dry_run_plan(plan, opts)}
+        return {
+            "dry_run": True,
+            **doc,
+            "seconds": time.perf_counter() - t0,
+            "plan": meta.dry_run_plan(plan, opts),
+        }
     created_out = not out.exists()
     tmp = out / f".bema-tmp-{uuid.uuid4().hex[:8]}"
     try:
@@ -416,7 +332,7 @@ def stabilize(opts: Options) -> dict:
                 shutil.rmtree(final)
             (tmp / run.name).rename(final)
         manifest = out / "manifest.json"
-        (tmp / "manifest.json").write_text(output.to_json(_manifest(plan, out)) + "\n")
+        (tmp / "manifest.json").write_text(output.to_json(meta.manifest(plan, out)) + "\n")
         (tmp / "manifest.json").replace(manifest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -435,14 +351,14 @@ def _walk(plan: Plan, opts: Options, tmp: Path) -> int:
     device = _device(opts.device)
     acc = getattr(torch, opts.accum_dtype)
     ckpt = {c.step: c.path for c in plan.checkpoints}
-    out_dtype = _out_dtype_name(plan, opts)
+    out_dtype = meta.out_dtype_name(plan, opts)
     out_dtypes = {t.name: t.dtype for t in plan.out_tensors}
     writers = {}
     for run in plan.runs:
         for step in run.out_steps:
-            meta = {"bema_version": __version__, "bema_run": run.name, "bema_step": str(step)}
+            provenance = {"bema_version": __version__, "bema_run": run.name, "bema_step": str(step)}
             writers[run.name, step] = ShardedWriter(
-                tmp / run.name / f"checkpoint-{step}", plan.shards, meta
+                tmp / run.name / f"checkpoint-{step}", plan.shards, provenance
             ).open()
     if opts.allow_nonfinite:
         output.warn("--allow-nonfinite: NaN/Inf in inputs are not checked and propagate to the outputs")
@@ -471,40 +387,7 @@ def _walk(plan: Plan, opts: Options, tmp: Path) -> int:
     for (name, step), writer in writers.items():
         writer.close()
         run = next(r for r in plan.runs if r.name == name)
-        record = _record(run, step, ckpt[step], plan.base_source, opts, out_dtype)
-        _finish_folder(writer.folder, ckpt[step], plan.base_index.folder, record, opts)
+        record = meta.record(run, step, ckpt[step], plan.base_source, opts, out_dtype)
+        meta.finish_folder(writer.folder, ckpt[step], plan.base_index.folder, record, opts)
         written += writer.nbytes
     return written
-
-
-def dry_run_plan(plan: Plan, opts: Options) -> dict:
-    """What --dry-run shows: checkpoints and the action/alpha/beta of every run at each, shards, units."""
-    return {
-        "theta0_source": plan.base_source,
-        "checkpoints": [
-            {"step": c.step, "path": str(c.path), "read": c.step in plan.read_steps} for c in plan.checkpoints
-        ],
-        "runs": [
-            {
-                "run": r.name,
-                "events": [
-                    {
-                        "step": e.step,
-                        "action": e.action,
-                        "alpha": e.alpha,
-                        "beta": e.beta,
-                        "output": e.step in r.out_steps,
-                    }
-                    for e in r.events.values()
-                ],
-            }
-            for r in plan.runs
-        ],
-        "shards": [
-            {"file": s.filename, "bytes": s.data_size, "tensors": len(s.tensors)} for s in plan.shards
-        ],
-        "work_units": len(plan.units),
-        "max_memory": opts.max_memory,
-        "accum_dtype": opts.accum_dtype,
-        "device": opts.device,
-    }

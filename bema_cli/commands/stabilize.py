@@ -134,19 +134,15 @@ def _print_plan(doc: dict) -> None:
 
     plan = doc["plan"]
     table = Table(title=f"bema stabilize --dry-run (theta0: {plan['theta0_source']})")
-    table.add_column("step", justify="right")
+    for col in ("run", "step", "action", "alpha", "beta", "written"):
+        table.add_column(col)
     for run in plan["runs"]:
-        table.add_column(run["run"])
-    for i, ck in enumerate(plan["checkpoints"]):
-        cells = []
-        for run in plan["runs"]:
-            e = run["events"][i]
-            text = e["action"] if e["action"] != "update" else f"a={e['alpha']:.4g} b={e['beta']:.4g}"
-            cells.append(text + (" *" if e["output"] else ""))
-        table.add_row(str(ck["step"]), *cells)
+        for e in run["events"]:
+            weights = [f"{e[k]:.4g}" if e["action"] != "skip" else "" for k in ("alpha", "beta")]
+            table.add_row(run["run"], str(e["step"]), e["action"], *weights, "yes" if e["output"] else "")
     output.stdout.print(table)
     shards = ", ".join(f"{s['file']} ({_gb(s['bytes'])}, {s['tensors']} tensors)" for s in plan["shards"])
-    output.stdout.print(f"* = written. {len(doc['outputs'])} outputs; shards per output: {shards}")
+    output.stdout.print(f"{len(doc['outputs'])} outputs; shards of each: {shards}")
     output.stdout.print(
         f"would read {_gb(doc['read_bytes'])} and write {_gb(doc['written_bytes'])} "
         f"in {plan['work_units']} work units (--max-memory {plan['max_memory']} bytes)"

@@ -1,0 +1,144 @@
+"""What `bema stabilize` writes besides tensors: bema.json, manifest.json, the --json document, the plan.
+
+These records are a contract with `bema eval` and `bema report` (see the output layout in
+issue 2): field names here must not change without telling their owners.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bema_cli import __version__, output
+from bema_cli.checkpoints import copy_aux_files
+from bema_cli.recurrence import Schedule
+from bema_cli.safetensors_io import DTYPES, FLOATING
+
+if TYPE_CHECKING:
+    from bema_cli.stabilize import Options, Plan, Run
+
+HYPER = ("method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min")
+
+
+def hyper(s: Schedule, names: tuple[str, ...] = HYPER) -> dict:
+    return {n: getattr(s, n) for n in names}
+
+
+def record(run: Run, step: int, source: Path, base_source: str, opts: Options, out_dtype: str) -> dict:
+    """The bema.json of one output (contract shared with eval/report)."""
+    return {
+        "bema_version": __version__,
+        "run": run.name,
+        **hyper(run.schedule),
+        "step": step,
+        **weights(run, step),
+        "source_checkpoint": str(source),
+        "theta0_source": base_source,
+        "accum_dtype": opts.accum_dtype,
+        "out_dtype": out_dtype,
+    }
+
+
+def out_dtype_name(plan: Plan, opts: Options) -> str:
+    if opts.out_dtype:
+        return opts.out_dtype
+    tags = {t.dtype for t in plan.base_index.tensors.values() if t.dtype in FLOATING}
+    return DTYPES[tags.pop()][0] if len(tags) == 1 else "mixed"
+
+
+def finish_folder(folder: Path, source: Path, base_dir: Path, record: dict, opts: Options) -> None:
+    copy_aux_files(folder, [source, base_dir])
+    cfg_path = folder / "config.json"
+    if opts.out_dtype and cfg_path.is_file():
+        cfg = json.loads(cfg_path.read_text())
+        if "torch_dtype" in cfg:
+            cfg["torch_dtype"] = opts.out_dtype
+        if "dtype" in cfg or "torch_dtype" not in cfg:
+            cfg["dtype"] = opts.out_dtype
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    (folder / "bema.json").write_text(output.to_json(record) + "\n")
+
+
+def outputs_of(plan: Plan, out: Path) -> list[dict]:
+    """The `outputs` list of the --json document (paths absolute)."""
+    keys = ("method", "kappa", "eta", "gamma", "rho", "tau", "phi")
+    return [
+        {
+            "run": run.name,
+            **hyper(run.schedule, keys),
+            "step": step,
+            "path": str(out / run.name / f"checkpoint-{step}"),
+            **weights(run, step),
+        }
+        for run in plan.runs
+        for step in run.out_steps
+    ]
+
+
+def weights(run: Run, step: int) -> dict:
+    return {"alpha": run.events[step].alpha, "beta": run.events[step].beta}
+
+
+def manifest(plan: Plan, out: Path) -> dict:
+    """OUT/manifest.json: merged with an existing one, runs of this call replacing same-named runs."""
+    path = out / "manifest.json"
+    old_runs = []
+    if path.is_file():
+        try:
+            old_runs = json.loads(path.read_text()).get("runs", [])
+        except (ValueError, AttributeError):
+            old_runs = []
+    runs = [
+        {
+            "run": run.name,
+            **hyper(run.schedule),
+            "outputs": [
+                {"step": st, "path": f"{run.name}/checkpoint-{st}", **weights(run, st)}
+                for st in run.out_steps
+            ],
+        }
+        for run in plan.runs
+    ]
+    names = {r["run"] for r in runs}
+    return {
+        "bema_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "theta0_source": plan.base_source,
+        "checkpoints": [{"step": c.step, "path": str(c.path)} for c in plan.checkpoints],
+        "runs": [r for r in old_runs if isinstance(r, dict) and r.get("run") not in names] + runs,
+    }
+
+
+def dry_run_plan(plan: Plan, opts: Options) -> dict:
+    """What --dry-run shows: checkpoints and the action/alpha/beta of every run at each, shards, units."""
+    return {
+        "theta0_source": plan.base_source,
+        "checkpoints": [
+            {"step": c.step, "path": str(c.path), "read": c.step in plan.read_steps} for c in plan.checkpoints
+        ],
+        "runs": [
+            {
+                "run": r.name,
+                "events": [
+                    {
+                        "step": e.step,
+                        "action": e.action,
+                        "alpha": e.alpha,
+                        "beta": e.beta,
+                        "output": e.step in r.out_steps,
+                    }
+                    for e in r.events.values()
+                ],
+            }
+            for r in plan.runs
+        ],
+        "shards": [
+            {"file": s.filename, "bytes": s.data_size, "tensors": len(s.tensors)} for s in plan.shards
+        ],
+        "work_units": len(plan.units),
+        "max_memory": opts.max_memory,
+        "accum_dtype": opts.accum_dtype,
+        "device": opts.device,
+    }

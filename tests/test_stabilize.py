@@ -1,0 +1,233 @@
+"""`bema stabilize` end to end (real CLI in a subprocess, real files) against the float64 reference.
+
+Tolerances: float32 outputs within 1e-6 of the reference relative to the tensor's largest
+|value| (float32 accumulation over a few steps costs ~1e-7); bfloat16/float16 outputs, and
+float32 outputs accumulated in float64, within one ulp of the reference (rounding alone costs half).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_bema, vllm_available
+from reference import reference, ulp
+from trajectory import finetune_trajectory, load_model, write_trajectory
+
+STEPS = [10, 20, 30, 40, 50]
+ALL_METHODS = "vanilla,ema,bema,dema,ouema"
+
+
+def stabilize(*args) -> dict:
+    r = run_bema("stabilize", *args, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def assert_close_to_reference(out: dict, ref: dict, accum64: bool = False) -> None:
+    assert set(out) == set(ref)
+    for name, value in out.items():
+        expect = ref[name]
+        if not value.is_floating_point():
+            assert torch.equal(value, expect), f"{name}: non-float tensor must be copied from theta_s"
+            continue
+        err = (value.double() - expect).abs()
+        if value.dtype in (torch.float32, torch.float64) and not accum64:
+            tol = 1e-6 * expect.abs().max().clamp_min(1e-30)
+            assert err.max() <= tol, f"{name}: max error {err.max():.3g} > {tol:.3g}"
+        else:
+            bound = ulp(torch.maximum(expect.abs(), value.double().abs()), value.dtype)
+            assert bool((err <= bound).all()), f"{name}: off by more than 1 ulp (max error {err.max():.3g})"
+
+
+def check_outputs(doc: dict, base_dir: Path, run_dir: Path, accum64: bool = False, ref_dtype=None) -> int:
+    """Compare every output in the --json document with the reference; returns how many were checked."""
+    theta0 = load_model(base_dir)
+    trajectory = [
+        (s, load_model(run_dir / f"checkpoint-{s}"))
+        for s in sorted(int(p.name[11:]) for p in run_dir.iterdir())
+    ]
+    refs: dict[str, dict] = {}
+    for o in doc["outputs"]:
+        folder = Path(o["path"])
+        record = json.loads((folder / "bema.json").read_text())
+        for key in ("run", "method", "kappa", "eta", "gamma", "rho", "tau", "phi", "step", "alpha", "beta"):
+            assert record[key] == o[key], key
+        assert record["source_checkpoint"] == str(run_dir.resolve() / f"checkpoint-{o['step']}")
+        if o["run"] not in refs:
+            hyper = {
+                k: record[k] for k in ("method", "preset", "gamma", "rho", "tau", "phi", "beta_min", "kappa")
+            }
+            hyper["eta"] = float(record["eta"])
+            refs[o["run"]] = reference(theta0, trajectory, **hyper)
+        assert o["step"] in refs[o["run"]], (
+            f"{o['run']} wrote step {o['step']}, which the reference does not output"
+        )
+        assert_close_to_reference(load_model(folder), refs[o["run"]][o["step"]], accum64)
+    expected = sum(len(r) for r in refs.values())
+    return expected
+
+
+CASES = {
+    "fp32-grid-paper": (
+        torch.float32,
+        1,
+        ["--method", ALL_METHODS, "--kappa", "0.5,0.3", "--eta", "0.2,inf"],
+    ),
+    "bf16-sharded-chunked-tau-phi": (
+        torch.bfloat16,
+        2,
+        [
+            "--method",
+            "bema,dema,ouema",
+            "--tau",
+            "10",
+            "--phi",
+            "20",
+            "--max-memory",
+            "300B",
+            "--max-shard-size",
+            "150B",
+        ],
+    ),
+    "fp16-reference-preset": (
+        torch.float16,
+        1,
+        ["--method", ALL_METHODS, "--preset", "reference", "--phi", "20", "--tau", "10", "--rho", "5"],
+    ),
+    "fp32-reference-defaults-accum64": (
+        torch.float32,
+        3,
+        ["--method", "bema,ema", "--preset", "reference", "--accum-dtype", "float64", "--max-memory", "1KiB"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference(tmp_path, case):
+    dtype, shards, args = CASES[case]
+    base_dir, run_dir = write_trajectory(tmp_path, STEPS, dtype=dtype, shards=shards, seed=len(case))
+    out = tmp_path / "out"
+    doc = stabilize(run_dir, "--base", base_dir, "--out", out, *args)
+    expected = check_outputs(doc, base_dir, run_dir, accum64="float64" in args)
+    assert len(doc["outputs"]) == expected > 0
+    assert doc["read_bytes"] > 0 and doc["written_bytes"] > 0 and doc["seconds"] >= 0
+    if "--max-shard-size" in args:
+        folder = Path(doc["outputs"][0]["path"])
+        assert (folder / "model.safetensors.index.json").is_file()
+        assert len(list(folder.glob("model-*-of-*.safetensors"))) > 1
+    # Trainer leftovers are never copied; configs are
+    for o in doc["outputs"]:
+        names = {p.name for p in Path(o["path"]).iterdir()}
+        assert "config.json" in names and not names & {"optimizer.pt", "scheduler.pt", "rng_state.pth"}
+    assert not list(out.glob(".bema-tmp-*"))
+
+
+def test_out_dtype_steps_and_manifest(tmp_path):
+    base_dir, run_dir = write_trajectory(tmp_path, STEPS, dtype=torch.float32)
+    out = tmp_path / "out"
+    doc = stabilize(run_dir, "--base", base_dir, "--out", out, "--steps", "20,40", "--out-dtype", "bfloat16")
+    assert [o["step"] for o in doc["outputs"]] == [20, 40]
+    for o in doc["outputs"]:
+        folder = Path(o["path"])
+        assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+        assert load_model(folder)["layer.0.weight"].dtype == torch.bfloat16
+        assert json.loads((folder / "bema.json").read_text())["out_dtype"] == "bfloat16"
+    check_outputs(doc, base_dir, run_dir)  # bf16 outputs of fp32 inputs: within 1 ulp
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["theta0_source"] == str(base_dir.resolve())
+    assert [c["step"] for c in manifest["checkpoints"]] == STEPS
+    (run,) = manifest["runs"]
+    assert run["run"] == "bema-k0.5-e0.2" and [o["path"] for o in run["outputs"]] == [
+        "bema-k0.5-e0.2/checkpoint-20",
+        "bema-k0.5-e0.2/checkpoint-40",
+    ]
+    # a second call with another config adds its run to the manifest and leaves the first alone
+    doc2 = stabilize(run_dir, "--base", base_dir, "--out", out, "--method", "ema", "--final-only")
+    assert [(o["run"], o["step"]) for o in doc2["outputs"]] == [("ema-k0.5", 50)]
+    runs = json.loads((out / "manifest.json").read_text())["runs"]
+    assert [r["run"] for r in runs] == ["bema-k0.5-e0.2", "ema-k0.5"]
+
+
+def test_implicit_checkpoint_0_and_base_first(tmp_path):
+    base_dir, run_dir = write_trajectory(tmp_path, [0, 10, 20])
+    doc = stabilize(run_dir, "--out", tmp_path / "a", "--final-only")
+    (o,) = doc["outputs"]
+    record = json.loads((Path(o["path"]) / "bema.json").read_text())
+    assert record["theta0_source"] == str((run_dir / "checkpoint-0").resolve())
+    check_outputs(doc, run_dir / "checkpoint-0", run_dir)
+    doc = stabilize(run_dir, "--base", "first", "--out", tmp_path / "b", "--final-only", "--eta", "inf")
+    assert json.loads((Path(doc["outputs"][0]["path"]) / "bema.json").read_text())["eta"] == "inf"
+    check_outputs(doc, run_dir / "checkpoint-0", run_dir)
+
+
+def test_dry_run_writes_nothing(tmp_path):
+    base_dir, run_dir = write_trajectory(tmp_path, STEPS)
+    out = tmp_path / "out"
+    doc = stabilize(
+        run_dir, "--base", base_dir, "--out", out, "--dry-run", "--phi", "20", "--method", "bema,ema"
+    )
+    assert not out.exists()
+    assert doc["dry_run"] is True and len(doc["outputs"]) == 4  # steps 20 and 40 for two runs
+    events = doc["plan"]["runs"][0]["events"]
+    assert [e["action"] for e in events] == ["skip", "update", "skip", "update", "skip"]
+    assert events[1]["alpha"] == pytest.approx(30**-0.2) and events[1]["beta"] == pytest.approx(30**-0.5)
+    assert doc["plan"]["shards"][0]["file"] == "model.safetensors"
+    # steps after the last processed one (50 is skipped) are not read
+    assert [c["read"] for c in doc["plan"]["checkpoints"]] == [False, True, False, True, False]
+    human = run_bema("stabilize", run_dir, "--base", base_dir, "--out", out, "--dry-run")
+    assert human.returncode == 0 and "would read" in human.stdout and not out.exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_model_dir, tmp_path_factory):
+    """A tiny real Qwen2 + fine-tune-like checkpoints, stabilized with BEMA (all steps)."""
+    root = tmp_path_factory.mktemp("tinyrun")
+    run_dir = finetune_trajectory(tiny_model_dir, root, [10, 20, 30])
+    doc = stabilize(run_dir, "--base", tiny_model_dir, "--out", root / "out", "--max-memory", "64KiB")
+    return tiny_model_dir, run_dir, doc
+
+
+def test_transformers_loads_output_with_reference_logits(tiny_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_dir, run_dir, doc = tiny_run
+    final = Path(doc["outputs"][-1]["path"])
+    theta0 = load_model(base_dir)
+    trajectory = [(s, load_model(run_dir / f"checkpoint-{s}")) for s in (10, 20, 30)]
+    ref = reference(theta0, trajectory, "bema")[30]
+    ref_model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    missing, unexpected = ref_model.load_state_dict({k: v.float() for k, v in ref.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embeddings
+    model = AutoModelForCausalLM.from_pretrained(final)
+    tok = AutoTokenizer.from_pretrained(final)
+    assert tok.chat_template  # tokenizer and chat template travel with the output
+    ids = tok("the cat sees 12 + 30 = 42", return_tensors="pt").input_ids
+    with torch.no_grad():
+        got, want = model(ids).logits, ref_model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    base_logits = AutoModelForCausalLM.from_pretrained(base_dir)(ids).logits.detach()
+    assert (got - base_logits).abs().max() > 1e-3  # the check above could fail: outputs differ from theta0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vllm is not importable")
+def test_vllm_serves_output_like_transformers(tiny_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    final = Path(tiny_run[2]["outputs"][-1]["path"])
+    tok = AutoTokenizer.from_pretrained(final)
+    prompt = "the cat sees 12 + 30 ="
+    ids = tok(prompt).input_ids
+    hf = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    with torch.no_grad():
+        hf_out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+    hf_tokens = hf_out[0, len(ids) :].tolist()
+    llm = LLM(model=str(final), dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    (result,) = llm.generate([{"prompt_token_ids": ids}], params)
+    assert list(result.outputs[0].token_ids) == hf_tokens

@@ -48,3 +48,36 @@ def vllm_available() -> bool:
     except Exception:
         return False
     return True
+
+
+def train_tiny(src: Path, dst: Path, steps: int = 40, dtypes: tuple[str, ...] = ("float32",)) -> dict[str, Path]:
+    """Fine-tune a copy of a tiny model on one fixed chat exchange (a few seconds) so its greedy
+    output clearly differs from the base; saved once per dtype as dst/<dtype>."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cat sees the dog. Answer: true #### 42"}]
+    ids = tok(tok.apply_chat_template(chat, tokenize=False), add_special_tokens=False, return_tensors="pt").input_ids
+    torch.manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out = {}
+    for dtype in dtypes:
+        path = dst / dtype
+        copy.deepcopy(model).to(getattr(torch, dtype)).save_pretrained(path)  # each dtype from the fp32 weights
+        tok.save_pretrained(path)
+        out[dtype] = path
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_trained_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """`tiny_model_dir` fine-tuned for 40 steps on one exchange (fp32): greedy output differs from the base."""
+    return train_tiny(tiny_model_dir, tmp_path_factory.mktemp("trained"))["float32"]

@@ -50,7 +50,7 @@ def extract(response: str) -> str | None:
     head, sep, tail = response.rpartition("####")
     value = None
     if sep:
-        first = _NUMBER.search(tail)
+        first = _NUMBER.match(tail.lstrip(" *:"))  # the number right after it ("#### 42", "#### $1,000")
         value = _to_number(first.group()) if first else None
     if value is None:
         value = _last_number(response)

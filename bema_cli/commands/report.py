@@ -1,8 +1,41 @@
-"""`bema report` (placeholder until its issue lands)."""
+"""`bema report`: results.jsonl from `bema eval` -> tables per task, JSON, and curves."""
 
-from bema_cli.errors import BemaError
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from bema_cli import output
+from bema_cli.options import JsonOpt
 
 
-def report() -> None:
-    """Not implemented yet."""
-    raise BemaError("bema report is not implemented yet")
+def report(
+    inputs: Annotated[
+        list[str], typer.Argument(help="results.jsonl files, or folders holding them (searched below).")
+    ],
+    plot: Annotated[
+        str | None,
+        typer.Option("--plot", help="Write metric-vs-step curves, one panel per task/metric, to this PNG."),
+    ] = None,
+    json: JsonOpt = False,
+) -> None:
+    """Tables and curves from `bema eval` results: per task, each run's final value and its best value and step.
+
+    Records are grouped by run (vanilla, ema-k..., bema-k...-e...) and ordered by training step. A metric X with an X_stderr companion (accuracy, loss) is reported; best = highest accuracy / lowest loss. --plot draws one panel per task: metric vs step, a line per run with a +-1 standard-error band, vanilla dashed.
+    """
+    from bema_cli import figures
+    from bema_cli import report as rep
+
+    if plot is not None:
+        figures.check_target(plot, "--plot")
+    doc = rep.build(inputs)
+    doc["plot"] = plot
+    if plot:
+        rep.plot(doc, plot)
+        output.log(f"wrote {plot}")
+    if json:
+        output.print_json(doc)
+        return
+    for table in rep.tables(doc):
+        output.stdout.print(table)

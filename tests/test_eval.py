@@ -1,0 +1,252 @@
+"""`bema eval` / `bema rescore` end to end on the transformers backend (real CLI subprocesses).
+
+Tiny local data files written here (never benchmark text), the tiny Qwen2 base model and
+a fine-tuned copy. One shared evaluation run per module keeps the suite fast.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import run_bema
+
+from bema_cli import data
+from bema_cli.tasks import get_task
+
+LIMIT, N_SAMPLES = 4, 3
+BEMA_META = {"bema_version": "0.1.0", "run": "bema_k0.5", "method": "bema", "preset": "paper", "kappa": 0.5,
+             "eta": 0.2, "gamma": 1.0, "rho": 0.0, "tau": 0, "phi": 1, "beta_min": 0.0, "step": 20, "alpha": 0.5,
+             "beta": 0.1, "source_checkpoint": "/x/checkpoint-20", "theta0_source": "/x/base",
+             "accum_dtype": "float32", "out_dtype": "float32"}  # fmt: skip
+
+
+def write_data(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    rows = {
+        "boolq": [{"question": f"does the cat {i} run", "passage": f"the cat {i} runs.", "answer": i % 2 == 0} for i in range(6)],
+        "gsm8k": [{"question": f"what is {i} plus {i}", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(6)],
+        "mmlu_hs": [{"question": f"pick {i}", "subject": s, "choices": ["a", "b", "c", "d"], "answer": i % 4}
+                    for s in ("high_school_biology", "high_school_physics") for i in range(5)],
+    }  # fmt: skip
+    for name, items in rows.items():
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
+    loss = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cat sees the dog"}]},
+        {"text": "the dog runs over the bird. 3 + 4 = 7"},
+        {"messages": [{"role": "user", "content": "what is 2 plus 2"}, {"role": "assistant", "content": "#### 4"}]},
+    ]
+    (root / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in loss))
+    return root
+
+
+@pytest.fixture(scope="module")
+def evaluated(tiny_model_dir, tiny_trained_dir, tmp_path_factory):
+    """base + a raw checkpoint + a stabilize OUT dir (manifest) evaluated in one `bema eval` call."""
+    root = tmp_path_factory.mktemp("eval")
+    data_dir = write_data(root / "data")
+    raw = root / "run" / "checkpoint-20"
+    shutil.copytree(tiny_trained_dir, raw)
+    stab = root / "stab"
+    shutil.copytree(tiny_trained_dir, stab / "bema_k0.5" / "checkpoint-20")
+    (stab / "bema_k0.5" / "checkpoint-20" / "bema.json").write_text(json.dumps(BEMA_META))
+    manifest = {"bema_version": "0.1.0", "created": "now", "theta0_source": str(tiny_model_dir),
+                "checkpoints": [{"step": 20, "path": str(raw)}],
+                "runs": [{"run": "bema_k0.5", "method": "bema", "outputs": [{"step": 20, "path": "bema_k0.5/checkpoint-20", "alpha": 0.5, "beta": 0.1}]}]}  # fmt: skip
+    (stab / "manifest.json").write_text(json.dumps(manifest))
+    out = root / "out"
+    args = [raw, stab, "--base", tiny_model_dir, "--data-dir", data_dir, "--loss-data", data_dir / "heldout.jsonl",
+            "--backend", "transformers", "--n-samples", N_SAMPLES, "--max-new-tokens", 8, "--limit", LIMIT,
+            "--out", out, "--log-samples"]  # fmt: skip
+    proc = run_bema("eval", *args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return {"root": root, "data": data_dir, "out": out, "raw": raw, "stab": stab, "args": args,
+            "records": json.loads(proc.stdout), "base": tiny_model_dir, "trained": tiny_trained_dir}  # fmt: skip
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_records_follow_the_contract(evaluated):
+    records, raw, stab = evaluated["records"], evaluated["raw"], evaluated["stab"]
+    assert records == read_jsonl(evaluated["out"] / "results.jsonl")  # --json prints what was written
+    # (base x 2 runs + raw + stabilized) x 4 tasks
+    assert len(records) == 16
+    keys = {"bema_version", "created", "model_path", "run", "step", "stabilizer", "task", "metrics", "n_prompts",
+            "n_samples", "backend", "dtype", "seeds", "protocol", "seconds", "is_base"}  # fmt: skip
+    for r in records:
+        assert keys <= set(r), keys - set(r)
+        assert (r["backend"], r["dtype"]) == ("transformers", "float32")
+    base = [r for r in records if r["is_base"]]
+    assert {(r["run"], r["step"], r["model_path"]) for r in base} == {
+        ("vanilla", 0, str(evaluated["base"])), ("bema_k0.5", 0, str(evaluated["base"]))}
+    vanilla = [r for r in records if r["model_path"] == str(raw)]
+    assert {(r["run"], r["step"]) for r in vanilla} == {("vanilla", 20)}
+    assert all(r["stabilizer"] == {"method": "vanilla"} for r in vanilla)
+    stabilized = [r for r in records if r["model_path"] == str(stab / "bema_k0.5" / "checkpoint-20")]
+    assert {(r["run"], r["step"]) for r in stabilized} == {("bema_k0.5", 20)}
+    assert stabilized[0]["stabilizer"]["kappa"] == 0.5 and stabilized[0]["stabilizer"]["method"] == "bema"
+    assert all(r["stabilizer"]["eta"] == 0.2 for r in base if r["run"] == "bema_k0.5")
+    by_task = {r["task"]: r for r in vanilla}
+    assert {t: by_task[t]["n_prompts"] for t in by_task} == {"boolq": 4, "gsm8k": 4, "mmlu_hs": 8, "loss": 3}
+    assert set(by_task["mmlu_hs"]["per_subject"]) == {"high_school_biology", "high_school_physics"}
+    assert set(by_task["gsm8k"]["metrics"]) == {"accuracy", "accuracy_stderr", "parse_failure_rate"}
+    assert set(by_task["loss"]["metrics"]) == {"loss", "loss_stderr", "tokens"}
+    assert by_task["gsm8k"]["seeds"] == {"sampling": 13337, "selection": 37371}
+    protocol = by_task["boolq"]["protocol"]
+    assert (protocol["n_samples"], protocol["max_new_tokens"], protocol["limit"], protocol["temperature"]) == (3, 8, 4, 1.0)
+    assert protocol["chat_template"] == "model"
+
+
+def test_samples_are_scored_against_their_own_gold(evaluated):
+    samples = read_jsonl(evaluated["out"] / "samples.jsonl")
+    rows = {n: read_jsonl(evaluated["data"] / f"{n}.jsonl") for n in ("boolq", "gsm8k", "mmlu_hs")}
+    records = {(r["model_path"], r["task"]): r for r in evaluated["records"]}
+    groups: dict = {}
+    for s in samples:
+        task = get_task(s["task"])
+        if s["task"] == "mmlu_hs":
+            subject, index = s["doc_id"].split("/")
+            row = [r for r in rows["mmlu_hs"] if r["subject"] == subject][int(index)]
+        else:
+            row = rows[s["task"]][int(s["doc_id"])]
+        assert s["gold"] == task.gold(row)  # each prompt carries its own item's answer
+        assert row["question"] in s["prompt"]
+        assert len(s["responses"]) == N_SAMPLES
+        assert s["extracted"] == [task.extract(x) for x in s["responses"]]
+        assert s["correct"] == [a is not None and task.is_correct(a, task.gold(row)) for a in s["extracted"]]
+        groups.setdefault((s["model_path"], s["task"]), []).append(s)
+    for (path, name), group in groups.items():
+        if name != "mmlu_hs":  # the paper's subset: sorted RandomState(37371).choice(len, k)
+            assert [int(s["doc_id"]) for s in group] == data.select(len(rows[name]), LIMIT, 37371)
+        per_prompt = [np.mean(s["correct"]) for s in group]
+        metrics = records[(path, name)]["metrics"]
+        assert metrics["accuracy"] == pytest.approx(np.mean(per_prompt), abs=1e-12)
+        assert metrics["accuracy_stderr"] == pytest.approx(np.std(per_prompt, ddof=1) / np.sqrt(len(group)), abs=1e-12)
+        failures = np.mean([a is None for s in group for a in s["extracted"]])
+        assert metrics["parse_failure_rate"] == pytest.approx(failures, abs=1e-12)
+
+
+def test_loss_matches_independent_float64_computation(evaluated):
+    """Reference: each record alone (no padding/batching), the model in float64, log-softmax by hand."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = evaluated["raw"]
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    total, count = 0.0, 0
+    for rec in read_jsonl(evaluated["data"] / "heldout.jsonl"):
+        if "messages" in rec:
+            ids = tok(tok.apply_chat_template(rec["messages"], tokenize=False), add_special_tokens=False).input_ids
+        else:
+            ids = tok(rec["text"]).input_ids
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(x).logits[0, :-1].double(), dim=-1)
+        total -= float(logp.gather(1, x[0, 1:, None]).sum())
+        count += len(ids) - 1
+    record = next(r for r in evaluated["records"] if r["model_path"] == str(path) and r["task"] == "loss")
+    assert record["metrics"]["tokens"] == count
+    # fp32 forward pass vs float64: agreement to 1e-5 relative
+    assert record["metrics"]["loss"] == pytest.approx(total / count, rel=1e-5)
+    base = next(r for r in evaluated["records"] if r["is_base"] and r["task"] == "loss")
+    assert base["metrics"]["loss"] != pytest.approx(record["metrics"]["loss"], rel=1e-3)  # weights differ
+
+
+def test_resume_skips_done_pairs_and_force_redoes_them(evaluated):
+    results = evaluated["out"] / "results.jsonl"
+    lines = read_jsonl(results)
+    target = next(i for i, r in enumerate(lines) if r["task"] == "loss" and r["model_path"] == str(evaluated["raw"]))
+    true_loss = lines[target]["metrics"]["loss"]
+    lines[target]["metrics"]["loss"] = 999.0  # marks the record: kept if skipped, replaced if redone
+    results.write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+    proc = run_bema("eval", *evaluated["args"])
+    assert proc.returncode == 0, proc.stderr
+    assert "skip" in proc.stderr and "all tasks in results.jsonl" in proc.stderr
+    assert read_jsonl(results) == lines  # nothing re-run, nothing appended
+
+    args = [a for a in evaluated["args"]]
+    proc = run_bema("eval", evaluated["raw"], *args[2:], "--tasks", "loss", "--force", "--json")
+    assert proc.returncode == 0, proc.stderr
+    after = read_jsonl(results)
+    assert len(after) == len(lines)  # replaced, not duplicated
+    redone = [r for r in after if r["task"] == "loss" and r["model_path"] == str(evaluated["raw"])]
+    assert len(redone) == 1 and redone[0]["metrics"]["loss"] == pytest.approx(true_loss, rel=1e-6)
+
+
+def test_rescore_reproduces_and_rescoring_hand_written_samples(evaluated, tmp_path):
+    proc = run_bema("rescore", evaluated["out"] / "samples.jsonl", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rescored = json.loads(proc.stdout)
+    original = {(r["model_path"], r["run"], r["task"]): r for r in read_jsonl(evaluated["out"] / "results.jsonl")}
+    assert len(rescored) == 12  # every generation record (base counted once per run)
+    for r in rescored:
+        assert r["metrics"] == original[(r["model_path"], r["run"], r["task"])]["metrics"]
+        assert "rescored" in r
+
+    lines = [{"model_path": "/m", "task": "gsm8k", "eval_id": "x", "doc_id": str(i), "gold": g, "responses": resp}
+             for i, (g, resp) in enumerate([("2", ["#### 2", "so 2"]), ("5", ["#### 5", "#### 7"]), ("7", ["$7", "x"])])]  # fmt: skip
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "new.jsonl"
+    proc = run_bema("rescore", samples, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    (record,) = read_jsonl(out)
+    assert record["metrics"]["accuracy"] == pytest.approx((1 + 0.5 + 0.5) / 3, abs=1e-12)
+    assert record["metrics"]["parse_failure_rate"] == pytest.approx(1 / 6, abs=1e-12)
+
+
+def test_results_written_before_an_error_are_kept(evaluated, tmp_path):
+    broken = tmp_path / "checkpoint-30"
+    shutil.copytree(evaluated["trained"], broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    out = tmp_path / "out"
+    proc = run_bema("eval", evaluated["raw"], broken, "--backend", "transformers", "--tasks", "loss",
+                    "--loss-data", evaluated["data"] / "heldout.jsonl", "--out", out)  # fmt: skip
+    assert proc.returncode == 5, proc.stderr
+    assert str(broken) in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()[-1]) < 400
+    (record,) = read_jsonl(out / "results.jsonl")
+    assert record["model_path"] == str(evaluated["raw"]) and record["task"] == "loss"
+
+
+def _bare(src: Path, dst: Path, drop: tuple[str, ...]) -> Path:
+    shutil.copytree(src, dst)
+    for name in drop:
+        (dst / name).unlink(missing_ok=True)
+    return dst
+
+
+def test_errors_are_one_line_with_exit_codes(evaluated, tmp_path):
+    base, data_dir = evaluated["base"], evaluated["data"]
+    common = ["--backend", "transformers", "--data-dir", data_dir, "--out", tmp_path / "o"]
+    no_tok = _bare(base, tmp_path / "notok", ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"))
+    no_weights = _bare(base, tmp_path / "noweights", ("model.safetensors",))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "boolq.jsonl").write_text('{"question": "q", "passage": "p", "answer": true}\n{"question": "q", "passage": "p", "answer": "yes"}\n')
+    cases = [
+        (["eval", base, *common, "--tasks", "boolq,nope"], 2, ["unknown task 'nope'"]),
+        (["eval", no_tok, *common, "--tasks", "boolq"], 3, [str(no_tok), "no tokenizer"]),
+        (["eval", no_weights, *common, "--tasks", "boolq"], 3, [str(no_weights), "no model weights"]),
+        (["eval", base, "--backend", "transformers", "--data-dir", bad, "--tasks", "boolq"], 3, [f"{bad / 'boolq.jsonl'}:2", "'answer'"]),
+        (["eval", base, "--backend", "transformers", "--tasks", "gsm8k,boolq,mmlu_hs"], 3,
+         ["gsm8k.jsonl", "openai/gsm8k", "boolq.jsonl", "google/boolq", "cais/mmlu"]),
+        (["eval", base, *common, "--tasks", "loss"], 2, ["--loss-data"]),
+    ]  # fmt: skip
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    for args, code, needles in cases:
+        proc = run_bema(*args, env=offline)
+        assert proc.returncode == code, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("error:"), proc.stderr
+        for needle in needles:
+            assert needle in last, (needle, last)
+    assert not (tmp_path / "o" / "results.jsonl").exists() or not (tmp_path / "o" / "results.jsonl").read_text()

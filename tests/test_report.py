@@ -25,7 +25,7 @@ STDERR = 0.015
 def record(run: str, step: int, task: str, value: float) -> dict:
     metrics = (
         {"accuracy": value, "accuracy_stderr": STDERR, "parse_failure_rate": 0.05}
-        if task == "gsm8k"
+        if task != "loss"
         else {"loss": value, "loss_stderr": STDERR / 2, "tokens": 1234}
     )
     return {

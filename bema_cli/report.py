@@ -9,12 +9,12 @@ No printing here: the command turns the summary into a table, JSON or a figure.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from bema_cli import __version__
 from bema_cli.errors import InputError
+from bema_cli.eval_io import read_jsonl
 from bema_cli.output import warn
 
 REQUIRED = ("run", "step", "task", "metrics")
@@ -46,25 +46,13 @@ def find_results(inputs: list[str]) -> list[Path]:
 
 
 def read_records(path: Path) -> list[dict]:
-    """Every record of one results.jsonl; a malformed line is an error naming file and line."""
+    """Every record of one results.jsonl (`eval_io.read_jsonl` names file:line of bad JSON), checked."""
     records = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read ({exc})") from None
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{where}: not valid JSON ({exc.msg})") from None
-        if not isinstance(record, dict):
-            raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    for number, record in enumerate(read_jsonl(path), start=1):
+        where = f"{path}, record {number}"
         missing = [k for k in REQUIRED if k not in record]
         if missing:
-            raise InputError(f"{where}: record has no {', '.join(map(repr, missing))}")
+            raise InputError(f"{where}: no {', '.join(map(repr, missing))}")
         if not isinstance(record["step"], int) or isinstance(record["step"], bool) or record["step"] < 0:
             raise InputError(f"{where}: 'step' must be a non-negative integer, got {record['step']!r}")
         if not isinstance(record["metrics"], dict):

@@ -138,7 +138,7 @@ def test_duplicates_keep_the_last_and_warn(tmp_path, capsys):
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")  # a blank line is fine
     doc = report.build([str(path)])
     assert doc["tasks"]["gsm8k"]["accuracy"]["runs"]["vanilla"]["values"] == [0.9]
-    assert f"{path}:2" in capsys.readouterr().err
+    assert f"{path}, record 2" in capsys.readouterr().err
 
 
 def report_record(value):
@@ -148,14 +148,17 @@ def report_record(value):
 @pytest.mark.parametrize(
     "bad_line, message",
     [
-        ('{"run": "vanilla"', ":2: not valid JSON"),
-        ("[1, 2]", ":2: expected a JSON object, got list"),
-        (json.dumps({"run": "x", "step": 1, "metrics": {}}), ":2: record has no 'task'"),
+        ('{"run": "vanilla"', ":2: invalid JSON"),
+        ("[1, 2]", ":2: expected a JSON object"),
+        (json.dumps({"run": "x", "step": 1, "metrics": {}}), ", record 2: no 'task'"),
         (
             json.dumps({"run": "x", "step": "5", "task": "t", "metrics": {}}),
-            ":2: 'step' must be a non-negative integer",
+            ", record 2: 'step' must be a non-negative integer",
         ),
-        (json.dumps({"run": "x", "step": 5, "task": "t", "metrics": [1]}), ":2: 'metrics' must be an object"),
+        (
+            json.dumps({"run": "x", "step": 5, "task": "t", "metrics": [1]}),
+            ", record 2: 'metrics' must be an object",
+        ),
     ],
 )
 def test_malformed_line_names_file_and_line(tmp_path, bad_line, message):
@@ -183,7 +186,7 @@ def test_cli_errors(tmp_path, results):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(report_record(0.5)) + "\nnot json\n")
     r = run_bema("report", bad, "--json")
-    assert r.returncode == 3 and f"{bad}:2: not valid JSON" in r.stderr and r.stdout == "", r.stderr
+    assert r.returncode == 3 and f"{bad}:2: invalid JSON" in r.stderr and r.stdout == "", r.stderr
     r = run_bema("report", results, "--plot", tmp_path / "nope" / "x.png")
     assert r.returncode == 4 and "--plot" in r.stderr
     empty = tmp_path / "empty"

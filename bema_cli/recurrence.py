@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # tensors arrive from the caller; not importing torch keeps CLI errors instant
+    import torch
 
 from bema_cli.errors import UsageError
 
@@ -159,7 +160,7 @@ class Stabilizer:
             self.ema.lerp_(theta, beta)  # ema = (1-beta)*ema + beta*theta
             if self.method == "ema":
                 return self.ema
-            return torch.add(self.ema, theta - self.theta0, alpha=alpha)  # ema + alpha*(theta - theta0)
+            return self.ema.add(theta - self.theta0, alpha=alpha)  # ema + alpha*(theta - theta0)
         if self.method == "dema":
             self.e1.lerp_(theta, beta)
             self.e2.lerp_(self.e1, beta)

@@ -261,7 +261,7 @@ def _load(reader: ChunkReader, unit: list[Piece], acc, device, check: bool):
     if check and size and not bool(torch.isfinite(flat).all()):
         bad = next(p for p in unit if p.hi > p.lo and not bool(torch.isfinite(flat[p.lo : p.hi]).all()))
         raise InputError(
-            f"{bad.info.file}: tensor {bad.info.name!r} contains NaN or Inf (use --allow-nonfinite to proceed)"
+            f"{reader.index.tensors[bad.info.name].file}: tensor {bad.info.name!r} contains NaN or Inf (use --allow-nonfinite to proceed)"
         )
     return flat, raw
 
@@ -305,6 +305,7 @@ def stabilize(opts: Options) -> dict:
         if not opts.dry_run:
             raise
         output.warn(f"{exc} (a real run would stop here)")
+    _device(opts.device)  # the first check that needs torch (~2 s to import), so other errors come first
     read_bytes = plan.base_index.nbytes + sum(plan.indexes[s].nbytes for s in plan.read_steps)
     n_outputs = sum(len(r.out_steps) for r in plan.runs)
     meta0 = {"bema_version": __version__}

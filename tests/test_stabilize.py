@@ -212,8 +212,7 @@ def test_transformers_loads_output_with_reference_logits(tiny_run):
     assert (got - base_logits).abs().max() > 1e-3  # the check above could fail: outputs differ from theta0
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
+@pytest.mark.vllm  # ~20 s on 2 CPU cores: part of the default suite
 @pytest.mark.skipif(not vllm_available(), reason="vllm is not importable")
 def test_vllm_serves_output_like_transformers(tiny_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -22,20 +22,23 @@ import tempfile
 import time
 from pathlib import Path
 
+from bema_cli.options import parse_size
 from bema_cli.recurrence import Schedule, run_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import Run, parse_size, read_files, run_measured, set_cache, write_files  # noqa: E402
+from measure import Run, read_files, run_measured, set_cache, write_files  # noqa: E402
 from synth import Trajectory, make_trajectory  # noqa: E402
 
 BEMA = Path(sys.executable).with_name("bema")
 PEER = Path(__file__).resolve().parent / "naive_peer.py"
 ONE = {"method": "bema", "kappa": "0.5", "eta": "0.2"}
 GRID = {"method": "bema", "kappa": "0.2,0.5", "eta": "0.2,0.4,inf"}  # 6 configs
+# Interpreter overhead = peak RSS of importing what `bema stabilize` imports, before it reads a byte.
+ENGINE_IMPORTS = "import torch, safetensors.torch, bema_cli.cli, bema_cli.stabilize"
 OVERHEAD_CMDS = {
-    "python -c 'import torch, safetensors.torch'": [sys.executable, "-c", "import torch, safetensors.torch"]
+    "imports of bema stabilize": [sys.executable, "-c", ENGINE_IMPORTS],
+    "bema stabilize --help": [str(BEMA), "stabilize", "--help"],
 }
-OVERHEAD_CMDS["bema stabilize --help"] = [str(BEMA), "stabilize", "--help"]
 MiB = 2**20
 COLUMNS = ("check", "measured", "target", "result")
 
@@ -152,7 +155,7 @@ def rows(r: dict, args) -> list[tuple[str, str, str, str]]:
     bema, peer = min(a["bema"]), min(a["peer"])
     engine = min(x for x in a["bema_engine"] if x is not None) if any(a["bema_engine"]) else float("nan")
     overhead = max(r["overhead_rss"].values())
-    bound = parse_size(args.max_memory) + overhead
+    bound = parse_size(args.max_memory, "--max-memory") + overhead
     gb = a["file_bytes"] / 1e9
     out = [
         (

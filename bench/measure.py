@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 READ_CHUNK = 8 * 2**20  # bytes per read()/write() call of the I/O floor
-_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30})
 
 
 @dataclass
@@ -25,14 +23,6 @@ class Run:
     max_rss: int  # bytes
     stdout: str
     stderr: str
-
-
-def parse_size(text: str) -> int:
-    """'512MiB' -> 536870912; '2GB' -> 2e9; a plain number is bytes."""
-    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"not a size: {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 def run_measured(cmd: list[str], env: dict | None = None) -> Run:

@@ -8,11 +8,15 @@ float32 outputs accumulated in float64, within one ulp of the reference (roundin
 from __future__ import annotations
 
 import json
+import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_bema, vllm_available
+from conftest import BEMA, run_bema, vllm_available
 from reference import reference, ulp
 from trajectory import finetune_trajectory, load_model, write_trajectory
 
@@ -230,3 +234,44 @@ def test_vllm_serves_output_like_transformers(tiny_run):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     (result,) = llm.generate([{"prompt_token_ids": ids}], params)
     assert list(result.outputs[0].token_ids) == hf_tokens
+
+
+def test_base_from_hub_cache_offline_and_name_or_path(tmp_path):
+    """--base REPO_ID resolves through the real huggingface_hub cache (HF_HOME, HF_HUB_OFFLINE=1);
+    without --base, a config.json `_name_or_path` that resolves is used."""
+    base_dir, run_dir = write_trajectory(tmp_path, [10, 20])
+    repo = tmp_path / "hf" / "hub" / "models--org--tiny"
+    shutil.copytree(base_dir, repo / "snapshots" / "0123abc")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    r = run_bema("stabilize", run_dir, "--base", "org/tiny", "--out", tmp_path / "a", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert json.loads((tmp_path / "a" / "manifest.json").read_text())["theta0_source"] == "org/tiny"
+    check_outputs(doc, base_dir, run_dir)
+    for step in (10, 20):
+        cfg = run_dir / f"checkpoint-{step}" / "config.json"
+        cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "_name_or_path": str(base_dir)}))
+    doc = stabilize(run_dir, "--out", tmp_path / "b")
+    assert json.loads((Path(doc["outputs"][0]["path"]) / "bema.json").read_text())["theta0_source"] == str(
+        base_dir
+    )
+    check_outputs(doc, base_dir, run_dir)
+
+
+def test_interrupt_leaves_nothing_behind(tmp_path):
+    """Ctrl-C in the middle of the walk removes the temp folder and the OUT folder it created."""
+    shapes = {"w": (3000, 4)}
+    base_dir, run_dir = write_trajectory(tmp_path, STEPS, shapes=shapes, with_int=False)
+    out = tmp_path / "out"
+    cmd = [str(BEMA), "stabilize", run_dir, "--base", base_dir, "--out", out, "--max-memory", "200B"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not list(out.glob(".bema-tmp-*/*/checkpoint-*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "finished before it could be interrupted; make the input larger"
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr  # typer maps Ctrl-C to exit 130
+    assert not out.exists()

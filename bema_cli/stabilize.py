@@ -109,6 +109,8 @@ def grid(methods: list[str], kappas: list[float], etas: list[float], **common) -
     Methods without bias correction (ema, dema, vanilla) record eta = inf, so the grid
     `--method bema,ema --eta 0.2,inf` does not produce the same EMA run twice.
     """
+    if not methods:
+        raise UsageError("--method: no method given")
     out: dict[str, Schedule] = {}
     for method in methods:
         for kappa in kappas:

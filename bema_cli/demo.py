@@ -1,0 +1,288 @@
+"""`bema demo`: the whole pipeline, offline, on a small model trained here.
+
+    1. data       generated tasks in the `bema eval --data-dir` schemas + a held-out loss split
+    2. base       BPE tokenizer + small Qwen2, pretrained on generated text      -> OUT/base   (theta0)
+    3. finetune   HF Trainer, constant LR, small batch, checkpoint-<s> every k  -> OUT/sft
+    4. stabilize  `bema stabilize` (EMA + BEMA at two etas)                      -> OUT/stabilized
+    5. eval       `bema eval` of vanilla/EMA/BEMA on loss + the three tasks      -> OUT/results
+    6. report     `bema report --plot`                                           -> OUT/curves.png
+
+Steps 4-6 run the real CLI in subprocesses and print each command line, so the demo shows
+exactly what a user would type. Steps 2-3 use the library in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from bema_cli import demo_data, output
+from bema_cli.errors import BemaError, OutputError
+
+MARKER = ".bema-demo"  # marks a folder as a demo output, so --overwrite may replace it
+TASKS = ("gsm8k", "boolq", "mmlu_hs")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Sizes and hyperparameters. Defaults fit in ~10 minutes on 2 CPU cores."""
+
+    # model: head_dim = hidden/heads = 32, which vLLM's CPU attention supports (16 is not)
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    intermediate: int = 384
+    vocab: int = 768
+    # pretraining: a cosine schedule and a large batch; it only has to give a decent theta0
+    pretrain_docs: int = 8000
+    pretrain_steps: int = 400
+    pretrain_batch: int = 32
+    pretrain_lr: float = 3e-3
+    # fine-tuning the paper's way: constant LR, no decay, a small batch -> a noisy trajectory
+    train_per_task: int = 3000
+    test_per_task: int = 64  # eval prompts are drawn from these; also the held-out loss records
+    steps: int = 600
+    batch: int = 8
+    lr: float = 1e-3
+    save_every: int = 10  # every checkpoint is one EMA/BEMA update
+    eval_every: int = 100  # the steps that are evaluated (and written by stabilize)
+    # evaluation: far smaller than the paper's 50 samples x 64-128 prompts, to fit the time
+    eval_prompts: int = 32  # --limit (per subject for mmlu_hs, which has two here)
+    n_samples: int = 4
+    max_new_tokens: int = 24
+    etas: tuple[float, ...] = (0.2, 0.5)  # default eta and one stronger-decaying correction
+    seed: int = 0
+
+
+QUICK = replace(
+    DemoConfig(),
+    hidden=64, layers=2, heads=2, intermediate=128, vocab=512,
+    pretrain_docs=800, pretrain_steps=30, pretrain_batch=16,
+    train_per_task=200, test_per_task=16, steps=40, batch=4, save_every=10, eval_every=20,
+    eval_prompts=4, n_samples=2, max_new_tokens=12,
+)  # fmt: skip
+
+
+# -- stages -----------------------------------------------------------------------------------
+def write_data(out: Path, cfg: DemoConfig) -> dict:
+    """Task files (eval prompts), the held-out loss file and the SFT conversations."""
+    data = out / "data"
+    train, heldout = [], []
+    for task in TASKS:
+        tr, te = demo_data.split_items(task, cfg.train_per_task, cfg.test_per_task, cfg.seed)
+        demo_data.write_jsonl(data / f"{task}.jsonl", te)
+        train += [{"messages": demo_data.chat(task, r)} for r in tr]
+        heldout += [{"messages": demo_data.chat(task, r)} for r in te]
+    random.Random(cfg.seed).shuffle(train)
+    demo_data.write_jsonl(data / "train.jsonl", train)
+    demo_data.write_jsonl(data / "heldout.jsonl", heldout)
+    output.log(f"  {len(train)} training conversations, {len(heldout)} held-out, tasks {', '.join(TASKS)}")
+    return {"dir": data, "train": train, "heldout": data / "heldout.jsonl"}
+
+
+def build_base(out: Path, cfg: DemoConfig, train: list[dict]) -> Path:
+    """Tokenizer trained on the corpus, a random Qwen2, pretrained on generated prose -> theta0."""
+    import torch
+
+    from bema_cli import demo_train, tinymodel
+
+    torch.manual_seed(cfg.seed)
+    docs = demo_data.pretrain_documents(cfg.pretrain_docs, cfg.seed)
+    chat_text = [m["content"] for r in train[: len(docs) // 4] for m in r["messages"]]
+    tokenizer = tinymodel.build_tokenizer(docs + chat_text, vocab_size=cfg.vocab)
+    model = tinymodel.build_model(
+        tokenizer, hidden_size=cfg.hidden, num_layers=cfg.layers, num_heads=cfg.heads,
+        intermediate_size=cfg.intermediate, seed=cfg.seed,
+    )  # fmt: skip
+    n_params = sum(p.numel() for p in model.parameters())
+    output.log(
+        f"  Qwen2 {cfg.layers} layers x {cfg.hidden} hidden, {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}"
+    )
+    demo_train.train(
+        model, tokenizer, demo_train.encode_text(tokenizer, docs), out / "pretrain-tmp",
+        steps=cfg.pretrain_steps, batch_size=cfg.pretrain_batch, lr=cfg.pretrain_lr,
+        scheduler="cosine", warmup_steps=max(1, cfg.pretrain_steps // 20), save_every=None,
+        seed=cfg.seed, description="pretrain",
+    )  # fmt: skip
+    shutil.rmtree(out / "pretrain-tmp", ignore_errors=True)
+    return tinymodel.save_model(model, tokenizer, out / "base")
+
+
+def finetune(out: Path, cfg: DemoConfig, base: Path, train: list[dict]) -> Path:
+    """SFT from theta0 with the HF Trainer: constant LR, batch `cfg.batch`, checkpoint-<s> every k steps."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bema_cli import demo_train
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    examples = demo_train.encode_chat(tokenizer, [r["messages"] for r in train])
+    demo_train.train(
+        model, tokenizer, examples, out / "sft", steps=cfg.steps, batch_size=cfg.batch, lr=cfg.lr,
+        scheduler="constant", save_every=cfg.save_every, seed=cfg.seed, description="fine-tune",
+    )  # fmt: skip
+    return out / "sft"
+
+
+def bema_cli(args: list[str], display: str | None = None) -> None:
+    """Run `bema ARGS` as a real subprocess of this Python, showing the command first."""
+    output.stderr.print(f"$ bema {display or shlex.join(args)}", style="bold", highlight=False, markup=False)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")  # everything the demo needs is local
+    proc = subprocess.run([sys.executable, "-m", "bema_cli.cli", *args], env=env)
+    if proc.returncode != 0:
+        raise BemaError(f"`bema {args[0]}` failed with exit code {proc.returncode} (its message is above)")
+
+
+def eval_steps(cfg: DemoConfig) -> list[int]:
+    return list(range(cfg.eval_every, cfg.steps + 1, cfg.eval_every))
+
+
+def stabilize_args(out: Path, cfg: DemoConfig) -> list[str]:
+    return [
+        "stabilize", str(out / "sft"), "--base", str(out / "base"), "--out", str(out / "stabilized"),
+        "--method", "ema,bema", "--eta", ",".join(map(str, cfg.etas)),
+        "--steps", ",".join(map(str, eval_steps(cfg))),
+    ]  # fmt: skip
+
+
+def eval_args(out: Path, cfg: DemoConfig, backend: str) -> list[str]:
+    vanilla = [str(out / "sft" / f"checkpoint-{s}") for s in eval_steps(cfg)]
+    return [
+        "eval", *vanilla, str(out / "stabilized"), "--base", str(out / "base"),
+        "--tasks", ",".join([*TASKS, "loss"]), "--data-dir", str(out / "data"),
+        "--loss-data", str(out / "data" / "heldout.jsonl"),
+        "--limit", str(cfg.eval_prompts), "--n-samples", str(cfg.n_samples),
+        "--max-new-tokens", str(cfg.max_new_tokens), "--backend", backend, "--out", str(out / "results"),
+    ]  # fmt: skip
+
+
+def _short(args: list[str], out: Path, cfg: DemoConfig) -> str:
+    """The eval command as printed: the vanilla checkpoints as one (unquoted) shell brace list."""
+    steps = eval_steps(cfg)
+    first = args.index(str(out / "sft" / f"checkpoint-{steps[0]}"))
+    brace = shlex.quote(str(out / "sft")) + "/checkpoint-{" + ",".join(map(str, steps)) + "}"
+    return " ".join([shlex.join(args[:first]), brace, shlex.join(args[first + len(steps) :])])
+
+
+# -- summary ------------------------------------------------------------------------------------
+def read_results(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def summarize(records: list[dict]) -> dict:
+    """{"runs": [...], "steps": [...], "loss": {run: {step: v}}, "accuracy": {run: {step: mean over tasks}}}."""
+    loss: dict[str, dict[int, float]] = {}
+    acc: dict[str, dict[int, list[float]]] = {}
+    for r in records:
+        run, step, metrics = r["run"], int(r["step"]), r["metrics"]
+        if r["task"] == "loss":
+            loss.setdefault(run, {})[step] = metrics["loss"]
+        elif "accuracy" in metrics:
+            acc.setdefault(run, {}).setdefault(step, []).append(metrics["accuracy"])
+    mean_acc = {run: {s: sum(v) / len(v) for s, v in by.items()} for run, by in acc.items()}
+    runs = sorted(set(loss) | set(mean_acc), key=lambda n: (n != "vanilla", not n.startswith("ema"), n))
+    steps = sorted({s for by in (*loss.values(), *mean_acc.values()) for s in by})
+    return {"runs": runs, "steps": steps, "loss": loss, "accuracy": mean_acc}
+
+
+def print_summary(summary: dict, out: Path) -> None:
+    from rich.table import Table
+
+    for key, title, fmt in (
+        ("loss", "held-out loss (nats/token, lower is better)", "{:.4f}"),
+        ("accuracy", f"accuracy, mean of {', '.join(TASKS)} (higher is better)", "{:.3f}"),
+    ):
+        table = Table(title=title)
+        table.add_column("step", justify="right")
+        for run in summary["runs"]:
+            table.add_column(run, justify="right")
+        for step in summary["steps"]:
+            cells = [summary[key].get(run, {}).get(step) for run in summary["runs"]]
+            table.add_row(str(step), *("-" if v is None else fmt.format(v) for v in cells))
+        output.stdout.print(table)
+    output.stdout.print(
+        f"base model (theta0): {out / 'base'}\n"
+        f"fine-tuning checkpoints: {out / 'sft'}/checkpoint-*\n"
+        f"stabilized checkpoints: {out / 'stabilized'}/<run>/checkpoint-* (manifest.json)\n"
+        f"results: {out / 'results' / 'results.jsonl'}\n"
+        f"plot: {out / 'curves.png'}"
+    )
+
+
+# -- the pipeline -------------------------------------------------------------------------------
+def prepare_out(out: Path, overwrite: bool) -> None:
+    """Refuse to touch a folder that is not ours; replace an old demo only with --overwrite."""
+    if out.exists() and any(out.iterdir()):
+        if not (out / MARKER).exists():
+            raise OutputError(f"{out}: exists and is not a bema demo folder; choose another --out")
+        if not overwrite:
+            raise OutputError(f"{out}: a previous demo is there; pass --overwrite to replace it")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("created by `bema demo`; `bema demo --overwrite` may delete this folder\n")
+
+
+def run_demo(
+    out: str | Path,
+    quick: bool = False,
+    backend: str = "auto",
+    overwrite: bool = False,
+    keep_failed: bool = False,
+) -> dict:
+    """Run every stage; returns the summary. On failure the half-made folder is removed (unless keep_failed)."""
+    out = Path(out)
+    cfg = QUICK if quick else DemoConfig()
+    prepare_out(out, overwrite)
+    try:
+        return _stages(out, cfg, backend, quick)
+    except BaseException:
+        if not keep_failed:
+            shutil.rmtree(out, ignore_errors=True)
+            output.warn(f"removed the unfinished {out} (rerun with --keep-failed to keep it)")
+        raise
+
+
+def _stages(out: Path, cfg: DemoConfig, backend: str, quick: bool) -> dict:
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    def stage(name: str, title: str) -> None:
+        timings[name] = time.perf_counter()
+        output.stderr.rule(f"[bold]{title}", align="left")
+
+    stage("data", "1/6 data: generated tasks in the `bema eval --data-dir` schemas")
+    data = write_data(out, cfg)
+    stage("base", "2/6 base model: tokenizer + small Qwen2, pretrained on generated text")
+    base = build_base(out, cfg, data["train"])
+    stage(
+        "finetune",
+        f"3/6 fine-tune: HF Trainer, constant LR {cfg.lr}, batch {cfg.batch}, checkpoint every {cfg.save_every} steps",
+    )
+    finetune(out, cfg, base, data["train"])
+    stage("stabilize", "4/6 stabilize: EMA and BEMA from the saved checkpoints")
+    bema_cli(stabilize_args(out, cfg))
+    stage("eval", "5/6 eval: vanilla, EMA and BEMA on held-out loss and the three tasks")
+    args = eval_args(out, cfg, backend)
+    bema_cli(args, display=_short(args, out, cfg))
+    stage("report", "6/6 report: tables and curves")
+    bema_cli(["report", str(out / "results"), "--plot", str(out / "curves.png")])
+    ends = [*list(timings.values())[1:], time.perf_counter()]
+    seconds = {name: round(end - start, 1) for (name, start), end in zip(timings.items(), ends, strict=True)}
+    summary = summarize(read_results(out / "results" / "results.jsonl"))
+    summary.update(
+        out=str(out), config=asdict(cfg), quick=quick, seconds=seconds,
+        total_seconds=round(time.perf_counter() - started, 1),
+    )  # fmt: skip
+    (out / "summary.json").write_text(output.to_json(summary) + "\n")
+    return summary

@@ -1,0 +1,184 @@
+"""Generated text and tasks for `bema demo`: a tiny made-up world a small model can learn on a CPU.
+
+Three checkable tasks, written in the `bema eval --data-dir` schemas so the demo's
+evaluation runs exactly like one on the real benchmarks:
+
+    gsm8k    word problems over single-digit sums/differences, answer "a + b = c\\n#### c"
+    boolq    a short passage of "<name> has a <color> <object>." and a yes/no question about it
+    mmlu_hs  four-option questions: arithmetic (high_school_mathematics) and the capitals of
+             made-up countries the base model read during pretraining (high_school_geography)
+
+Everything is a pure function of a seed; nothing here touches torch.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+NAMES = ["Mia", "Leo", "Ava", "Sam", "Zoe", "Max", "Ivy", "Ben", "Eva", "Tom", "Lily", "Jack"]
+ITEMS = ["apples", "pens", "books", "coins", "cards", "shells", "stamps", "marbles"]
+COLORS = ["red", "blue", "green", "yellow", "black", "white"]
+OBJECTS = ["hat", "car", "kite", "bag", "cup", "ball", "bike", "coat"]
+_SYLLABLES = ["ka", "lo", "mir", "ven", "tor", "sa", "dun", "pel", "ri", "zan", "bo", "quel"]
+N_COUNTRIES = 24  # facts the base model memorises in pretraining; mmlu geography asks about them
+LETTERS = "ABCD"
+
+
+def countries() -> list[tuple[str, str]]:
+    """(country, capital) pairs, fixed for every seed so pretraining and tasks agree."""
+    rng = random.Random(1234)
+    seen: set[str] = set()
+    pairs = []
+    while len(pairs) < N_COUNTRIES:
+        country = "".join(rng.choice(_SYLLABLES) for _ in range(2)).capitalize() + "ia"
+        capital = "".join(rng.choice(_SYLLABLES) for _ in range(2)).capitalize()
+        if country in seen or capital in seen:
+            continue
+        seen.update((country, capital))
+        pairs.append((country, capital))
+    return pairs
+
+
+# -- one item of each task ---------------------------------------------------------------------
+def arithmetic_item(rng: random.Random) -> dict:
+    """A gsm8k-schema record: question and 'reasoning\\n#### n' answer."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    if rng.random() < 0.5:
+        verb = rng.choice(["buys", "finds", "gets"])
+        question = f"{name} has {a} {item}. {name} {verb} {b} more. How many {item} does {name} have now?"
+        answer = f"{a} + {b} = {a + b}\n#### {a + b}"
+    else:
+        a, b = max(a, b), min(a, b)
+        verb = rng.choice(["gives away", "loses", "sells"])
+        question = f"{name} has {a} {item}. {name} {verb} {b}. How many {item} does {name} have now?"
+        answer = f"{a} - {b} = {a - b}\n#### {a - b}"
+    return {"question": question, "answer": answer}
+
+
+def passage_facts(rng: random.Random, n: int = 3) -> list[tuple[str, str, str]]:
+    names = rng.sample(NAMES, n)
+    return [(name, rng.choice(COLORS), rng.choice(OBJECTS)) for name in names]
+
+
+def passage_text(facts: list[tuple[str, str, str]]) -> str:
+    return " ".join(f"{name} has a {color} {obj}." for name, color, obj in facts)
+
+
+def boolq_item(rng: random.Random) -> dict:
+    """A boolq-schema record; half the questions are true, half change the color."""
+    facts = passage_facts(rng)
+    name, color, obj = rng.choice(facts)
+    answer = rng.random() < 0.5
+    if not answer:
+        color = rng.choice([c for c in COLORS if c != color])
+    return {
+        "question": f"does {name.lower()} have a {color} {obj}",
+        "passage": passage_text(facts),
+        "answer": answer,
+    }
+
+
+def mmlu_item(rng: random.Random) -> dict:
+    """An mmlu-schema record: question, subject, four choices, index of the right one."""
+    if rng.random() < 0.5:
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        right = a + b
+        wrong = rng.sample([v for v in range(0, 19) if v != right], 3)
+        question, subject, choices = f"What is {a} + {b}?", "high_school_mathematics", [right, *wrong]
+    else:
+        pairs = countries()
+        country, right = rng.choice(pairs)
+        wrong = rng.sample([cap for _, cap in pairs if cap != right], 3)
+        question, subject, choices = (
+            f"What is the capital of {country}?",
+            "high_school_geography",
+            [right, *wrong],
+        )
+    rng.shuffle(choices)
+    answer = next(i for i, c in enumerate(choices) if c == right)
+    return {"question": question, "subject": subject, "choices": [str(c) for c in choices], "answer": answer}
+
+
+MAKERS = {"gsm8k": arithmetic_item, "boolq": boolq_item, "mmlu_hs": mmlu_item}
+
+
+def _key(record: dict) -> str:
+    return json.dumps(
+        {k: record[k] for k in ("question", "passage", "choices") if k in record}, sort_keys=True
+    )
+
+
+def split_items(task: str, n_train: int, n_test: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """Disjoint train/test records of one task (test questions never appear in train)."""
+    rng = random.Random(f"{task}-{seed}")
+    test: dict[str, dict] = {}
+    while len(test) < n_test:
+        record = MAKERS[task](rng)
+        test.setdefault(_key(record), record)
+    train = []
+    while len(train) < n_train:
+        record = MAKERS[task](rng)
+        if _key(record) not in test:
+            train.append(record)
+    return train, list(test.values())
+
+
+# -- pretraining text ----------------------------------------------------------------------------
+def pretrain_documents(n: int, seed: int) -> list[str]:
+    """Plain text for the base model: stories, sums, word problems told as prose, capital facts."""
+    rng = random.Random(f"pretrain-{seed}")
+    pairs = countries()
+    docs = []
+    for _ in range(n):
+        kind = rng.randrange(4)
+        if kind == 0:
+            docs.append(passage_text(passage_facts(rng, rng.randint(2, 4))))
+        elif kind == 1:
+            sums = []
+            for _ in range(4):
+                a, b = rng.randint(0, 9), rng.randint(0, 9)
+                sums.append(
+                    f"{a} + {b} = {a + b}."
+                    if rng.random() < 0.6
+                    else f"{max(a, b)} - {min(a, b)} = {abs(a - b)}."
+                )
+            docs.append(" ".join(sums))
+        elif kind == 2:
+            record = arithmetic_item(rng)
+            docs.append(f"{record['question']} {record['answer'].splitlines()[0]}.")
+        else:
+            docs.append(" ".join(f"The capital of {c} is {cap}." for c, cap in rng.sample(pairs, 3)))
+    return docs
+
+
+# -- files in the `bema eval --data-dir` schemas --------------------------------------------------
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for record in records:
+            fh.write(json.dumps(record) + "\n")
+    return path
+
+
+# -- chat form for fine-tuning -------------------------------------------------------------------
+def reply(task: str, record: dict) -> str:
+    """The gold assistant reply, in the form each task's scorer parses first (its strict rule)."""
+    if task == "gsm8k":
+        return record["answer"]
+    if task == "boolq":
+        return f"Answer: {'true' if record['answer'] else 'false'}"
+    return f"Answer: {LETTERS[record['answer']]}"
+
+
+def chat(task: str, record: dict) -> list[dict]:
+    """One SFT conversation: `bema eval`'s own prompt for the task, then the gold reply.
+
+    Training on the evaluation's prompt wording is what makes a model this small answer in
+    a form the scorer can parse; a real fine-tune would use its own data instead.
+    """
+    from bema_cli.tasks import get_task
+
+    return [*get_task(task).messages(record), {"role": "assistant", "content": reply(task, record)}]

@@ -35,8 +35,7 @@ def local_file(task: ModuleType, data_dir: str | Path | None) -> Path | None:
 
 def needed_files(task: ModuleType) -> str:
     """What a user must provide for `task`, for the offline error message."""
-    patterns = task.HUB["patterns"]
-    hub = f"{task.HUB['repo']}:{patterns[0]}" + (f" (+{len(patterns) - 1} more)" if len(patterns) > 1 else "")
+    hub = f"{task.HUB['repo']}:{','.join(task.HUB['patterns'])}"
     return f"{task.NAME}: --data-dir/{task.NAME}.jsonl|parquet with fields {', '.join(task.FIELDS)}, or Hub {hub}"
 
 
@@ -95,8 +94,13 @@ def read_rows(path: Path) -> list[tuple[str, object]]:
         except Exception as exc:
             raise InputError(f"{path}: not a readable parquet file ({str(exc).splitlines()[0]})") from None
         return [(f"{path} row {i + 1}", row) for i, row in enumerate(rows)]
+    return [(f"{path}:{number}", row) for number, row in jsonl_rows(path)]
+
+
+def jsonl_rows(path: Path) -> list[tuple[int, object]]:
+    """(line number, parsed value) of every non-blank line; a bad line is an error naming file:line."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: cannot read ({exc})") from None
     out = []
@@ -104,7 +108,7 @@ def read_rows(path: Path) -> list[tuple[str, object]]:
         if not line.strip():
             continue
         try:
-            out.append((f"{path}:{number}", json.loads(line)))
+            out.append((number, json.loads(line)))
         except json.JSONDecodeError as exc:
             raise InputError(f"{path}:{number}: invalid JSON ({exc.msg})") from None
     return out

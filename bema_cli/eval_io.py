@@ -6,11 +6,11 @@ already computed; that is also what makes `bema eval` resumable.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
 
+from bema_cli.data import jsonl_rows
 from bema_cli.errors import InputError, OutputError
 from bema_cli.output import to_json
 
@@ -20,22 +20,11 @@ SAMPLES = "samples.jsonl"
 
 def read_jsonl(path: Path) -> list[dict]:
     """Every object of a jsonl file; a bad line is an error naming file:line."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read ({exc})") from None
-    out = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path}:{number}: invalid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict):
+    rows = jsonl_rows(path)
+    for number, row in rows:
+        if not isinstance(row, dict):
             raise InputError(f"{path}:{number}: expected a JSON object")
-        out.append(obj)
-    return out
+    return [row for _, row in rows]
 
 
 def record_key(record: dict) -> tuple:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bema_cli import __version__, data, output
 from bema_cli.backends.base import EngineOptions, Sampling, make_backend
-from bema_cli.chat import has_tokenizer
+from bema_cli.chat import has_tokenizer, render
 from bema_cli.errors import InputError, UsageError
 from bema_cli.eval_io import ResultsFile, SamplesLog, read_jsonl
 from bema_cli.tasks import LOSS_TASKS, get_task
@@ -218,7 +218,8 @@ class Evaluation:
         output.log(f"{name}: {target.path} (run {target.run if not target.is_base else 'base'}, step {target.step})")
         start = time.perf_counter()
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        protocol = {**_protocol(c, name, self.sources[name]), "chat_template": backend.template_source}
+        template = f"file:{Path(c.chat_template_file).resolve()}" if c.chat_template_file else backend.template_source
+        protocol = {**_protocol(c, name, self.sources[name]), "chat_template": template}
         extra, samples = {}, []
         if name in LOSS_TASKS:
             seqs = [loss_task.encode_record(r, backend.tokenizer, c.loss_max_tokens) for r in self.loss_records[name]]
@@ -226,8 +227,6 @@ class Evaluation:
             n_prompts, n_samples, seeds = len(seqs), 1, {"sampling": None, "selection": None}
         else:
             task, docs = self.modules[name], self.docs[name]
-            from bema_cli.chat import render
-
             prompts = [render(backend.tokenizer, task.messages(d)) for d in docs]
             sampling = Sampling(c.n_samples, c.temperature, c.seed, c.max_new_tokens or task.MAX_NEW_TOKENS)
             responses = backend.generate(prompts, sampling)
@@ -244,6 +243,8 @@ class Evaluation:
             ]  # fmt: skip
         seconds = round(time.perf_counter() - start, 3)
         runs = target.runs if target.is_base else [(target.run, target.stabilizer)]
+        if not c.force:  # the base may already have records for some runs: add only the missing ones
+            runs = [(r, st) for r, st in runs if self.results.find((str(target.path), r, name)) is None]
         records = [
             {"bema_version": __version__, "created": created, "model_path": str(target.path), "run": run,
              "step": target.step, "stabilizer": stabilizer, "task": name, "metrics": metrics, **extra,

@@ -10,6 +10,7 @@ Backends are imported by name, lazily, so `vllm` is only imported when chosen.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -73,6 +74,7 @@ def make_backend(name: str, options: EngineOptions) -> Backend:
     """`auto` = vllm when usable here, else transformers."""
     if name not in BACKENDS:
         raise UsageError(f"--backend: unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines would drown our log
     if name == "auto":
         name = "vllm" if vllm_usable() else "transformers"
     module = importlib.import_module(f"bema_cli.backends.{name}")

@@ -276,7 +276,7 @@ def _write(writer: ShardedWriter, unit: list[Piece], result, raw: dict, out_dtyp
     converted = {}
     for p in unit:
         tag = out_dtypes[p.info.name]
-        row = writer_row_bytes(p.info, tag)
+        row = _row_bytes(p.info, tag)
         if p.info.dtype not in FLOATING:
             writer.write(p.info.name, p.start * row, tensor_bytes(raw[p.info.name]))
             continue
@@ -285,7 +285,7 @@ def _write(writer: ShardedWriter, unit: list[Piece], result, raw: dict, out_dtyp
         writer.write(p.info.name, p.start * row, tensor_bytes(converted[tag][p.lo : p.hi]))
 
 
-def writer_row_bytes(info: TensorInfo, tag: str) -> int:
+def _row_bytes(info: TensorInfo, tag: str) -> int:
     rows = info.shape[0] if info.shape else 1
     return info.numel // rows * DTYPES[tag][1] if rows else 0
 

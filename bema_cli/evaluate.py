@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -203,7 +204,10 @@ class Evaluation:
                     output.log(f"skip {target.path} (all tasks in results.jsonl)")
                     continue
                 if self.backend is None:
-                    self.backend = make_backend(self.config.backend, self.engine)
+                    name = self.config.backend
+                    if name == "auto" and all(t in LOSS_TASKS for t in self.modules):
+                        name = "transformers"  # losses are transformers forward passes: no engine needed
+                    self.backend = make_backend(name, self.engine)
                 self.backend.load(target.path)
                 for name in todo:
                     self._run_task(target, name)
@@ -218,6 +222,7 @@ class Evaluation:
         output.log(f"{name}: {target.path} (run {target.run if not target.is_base else 'base'}, step {target.step})")
         start = time.perf_counter()
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        eval_id = uuid.uuid4().hex  # ties samples.jsonl lines to their results.jsonl records (for rescore)
         template = f"file:{Path(c.chat_template_file).resolve()}" if c.chat_template_file else backend.template_source
         protocol = {**_protocol(c, name, self.sources[name]), "chat_template": template}
         extra, samples = {}, []
@@ -235,7 +240,7 @@ class Evaluation:
             n_prompts, n_samples = len(docs), c.n_samples
             seeds = {"sampling": c.seed, "selection": c.selection_seed}
             samples = [
-                {"eval_id": created, "model_path": str(target.path), "run": None if target.is_base else target.run,
+                {"eval_id": eval_id, "model_path": str(target.path), "run": None if target.is_base else target.run,
                  "step": target.step, "is_base": target.is_base, "task": name, "doc_id": d["_id"],
                  "subject": d.get("subject"), "prompt": p, "responses": resp, "extracted": s["extracted"],
                  "gold": task.gold(d), "correct": s["correct"]}
@@ -246,7 +251,7 @@ class Evaluation:
         if not c.force:  # the base may already have records for some runs: add only the missing ones
             runs = [(r, st) for r, st in runs if self.results.find((str(target.path), r, name)) is None]
         records = [
-            {"bema_version": __version__, "created": created, "model_path": str(target.path), "run": run,
+            {"bema_version": __version__, "created": created, "eval_id": eval_id, "model_path": str(target.path), "run": run,
              "step": target.step, "stabilizer": stabilizer, "task": name, "metrics": metrics, **extra,
              "n_prompts": n_prompts, "n_samples": n_samples, "backend": backend.name, "dtype": backend.dtype,
              "seeds": seeds, "protocol": protocol, "seconds": seconds, "is_base": target.is_base}
@@ -289,7 +294,7 @@ def rescore(samples_path: str | Path, results_path: str | Path | None = None) ->
         scored = [scoring.score_item(task, x["responses"], x["gold"]) for x in group]
         metrics, extra = scoring.task_metrics(task, scored, [x.get("subject") or "" for x in group])
         matches = [r for r in old if r.get("model_path") == model_path and r.get("task") == name
-                   and r.get("created") == eval_id] or [
+                   and r.get("eval_id") == eval_id] or [
             {"model_path": model_path, "run": group[0].get("run"), "step": group[0].get("step"), "task": name,
              "is_base": group[0].get("is_base", False), "n_prompts": len(group),
              "n_samples": len(group[0]["responses"])}]  # fmt: skip

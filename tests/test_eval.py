@@ -17,7 +17,7 @@ from conftest import run_bema
 from bema_cli import data
 from bema_cli.tasks import get_task
 
-LIMIT, N_SAMPLES = 4, 3
+LIMIT, N_SAMPLES = 2, 2  # small: the shared run must stay quick on 2 shared CPU cores
 BEMA_META = {"bema_version": "0.1.0", "run": "bema_k0.5", "method": "bema", "preset": "paper", "kappa": 0.5,
              "eta": 0.2, "gamma": 1.0, "rho": 0.0, "tau": 0, "phi": 1, "beta_min": 0.0, "step": 20, "alpha": 0.5,
              "beta": 0.1, "source_checkpoint": "/x/checkpoint-20", "theta0_source": "/x/base",
@@ -59,7 +59,7 @@ def evaluated(tiny_model_dir, tiny_trained_dir, tmp_path_factory):
     (stab / "manifest.json").write_text(json.dumps(manifest))
     out = root / "out"
     args = [raw, stab, "--base", tiny_model_dir, "--data-dir", data_dir, "--loss-data", data_dir / "heldout.jsonl",
-            "--backend", "transformers", "--n-samples", N_SAMPLES, "--max-new-tokens", 8, "--limit", LIMIT,
+            "--backend", "transformers", "--n-samples", N_SAMPLES, "--max-new-tokens", 6, "--limit", LIMIT,
             "--out", out, "--log-samples"]  # fmt: skip
     proc = run_bema("eval", *args, "--json")
     assert proc.returncode == 0, proc.stderr
@@ -92,13 +92,13 @@ def test_records_follow_the_contract(evaluated):
     assert stabilized[0]["stabilizer"]["kappa"] == 0.5 and stabilized[0]["stabilizer"]["method"] == "bema"
     assert all(r["stabilizer"]["eta"] == 0.2 for r in base if r["run"] == "bema_k0.5")
     by_task = {r["task"]: r for r in vanilla}
-    assert {t: by_task[t]["n_prompts"] for t in by_task} == {"boolq": 4, "gsm8k": 4, "mmlu_hs": 8, "loss": 3}
+    assert {t: by_task[t]["n_prompts"] for t in by_task} == {"boolq": LIMIT, "gsm8k": LIMIT, "mmlu_hs": 2 * LIMIT, "loss": 3}
     assert set(by_task["mmlu_hs"]["per_subject"]) == {"high_school_biology", "high_school_physics"}
     assert set(by_task["gsm8k"]["metrics"]) == {"accuracy", "accuracy_stderr", "parse_failure_rate"}
     assert set(by_task["loss"]["metrics"]) == {"loss", "loss_stderr", "tokens"}
     assert by_task["gsm8k"]["seeds"] == {"sampling": 13337, "selection": 37371}
     protocol = by_task["boolq"]["protocol"]
-    assert (protocol["n_samples"], protocol["max_new_tokens"], protocol["limit"], protocol["temperature"]) == (3, 8, 4, 1.0)
+    assert (protocol["n_samples"], protocol["max_new_tokens"], protocol["limit"], protocol["temperature"]) == (N_SAMPLES, 6, LIMIT, 1.0)
     assert protocol["chat_template"] == "model"
 
 

@@ -250,3 +250,25 @@ def test_errors_are_one_line_with_exit_codes(evaluated, tmp_path):
         for needle in needles:
             assert needle in last, (needle, last)
     assert not (tmp_path / "o" / "results.jsonl").exists() or not (tmp_path / "o" / "results.jsonl").read_text()
+
+
+def test_expand_inputs_mixes_raw_stabilized_and_training_dirs(tmp_path):
+    from bema_cli.evaluate import base_target, expand_inputs
+
+    def model(path: Path, meta: dict | None = None) -> Path:
+        path.mkdir(parents=True)
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            (path / name).write_text("{}")
+        if meta:
+            (path / "bema.json").write_text(json.dumps(meta))
+        return path
+
+    for step in (10, 2):
+        model(tmp_path / "train" / f"checkpoint-{step}")
+    single = model(tmp_path / "ema" / "checkpoint-5", {**BEMA_META, "run": "ema_k1", "method": "ema", "step": 5})
+    targets = expand_inputs([str(tmp_path / "train"), str(single), str(tmp_path / "train" / "checkpoint-2")])
+    assert [(t.path.name, t.run, t.step) for t in targets] == [
+        ("checkpoint-2", "vanilla", 2), ("checkpoint-10", "vanilla", 10), ("checkpoint-5", "ema_k1", 5)]  # deduplicated
+    assert targets[2].stabilizer["method"] == "ema" and "alpha" not in targets[2].stabilizer
+    base = base_target(str(tmp_path / "train" / "checkpoint-2"), targets)
+    assert (base.step, base.is_base, [r for r, _ in base.runs]) == (0, True, ["vanilla", "ema_k1"])

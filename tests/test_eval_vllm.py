@@ -8,6 +8,8 @@ base in fp32; the engine runs in fp32.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import run_bema, train_tiny, vllm_available
 from test_eval import read_jsonl, write_data
@@ -33,8 +35,9 @@ def runs(tiny_model_dir, tmp_path_factory):
     # one engine: started on the base, then bf16 and fp16 weights swapped in, then a misfit checkpoint
     swapped = run_bema("eval", trained["bfloat16"], trained["float16"], other, "--base", tiny_model_dir,
                        "--backend", "vllm", "--out", root / "swapped", *common)  # fmt: skip
-    fresh = run_bema("eval", trained["bfloat16"], "--backend", "vllm", "--out", root / "fresh", *common)
+    fresh = run_bema("eval", trained["bfloat16"], "--backend", "vllm", "--out", root / "fresh", *common, "--json")
     assert fresh.returncode == 0, fresh.stderr
+    assert len(json.loads(fresh.stdout)) == 3  # stdout is the one JSON document, vLLM's logs go to stderr
     hf = run_bema("eval", trained["bfloat16"], trained["float16"], "--base", tiny_model_dir,
                   "--backend", "transformers", "--out", root / "hf", *common)  # fmt: skip
     assert hf.returncode == 0, hf.stderr

@@ -162,7 +162,8 @@ def eval_args(out: Path, cfg: DemoConfig, backend: str) -> list[str]:
         "--tasks", ",".join([*TASKS, "loss"]), "--data-dir", str(out / "data"),
         "--loss-data", str(out / "data" / "heldout.jsonl"),
         "--limit", str(cfg.eval_prompts), "--n-samples", str(cfg.n_samples),
-        "--max-new-tokens", str(cfg.max_new_tokens), "--backend", backend, "--out", str(out / "results"),
+        "--max-new-tokens", str(cfg.max_new_tokens), "--backend", backend, "--dtype", "float32",
+        "--out", str(out / "results"),
     ]  # fmt: skip
 
 

@@ -27,10 +27,10 @@ def demo(
 ) -> None:
     """Run the whole pipeline offline on a small model trained here, in about 10 minutes on 2 CPU cores.
 
-    Pretrains a small Qwen2 on generated text (theta0), fine-tunes it with the HF Trainer on
-    generated tasks (constant LR, checkpoint every 10 steps), then runs the real commands
-    `bema stabilize`, `bema eval` and `bema report` and prints held-out loss and accuracy per
-    step for vanilla, EMA and BEMA. Everything lands in --out (default ./demo).
+    1. pretrain a small Qwen2 on generated text: the base model theta0 (OUT/base)
+    2. fine-tune it with the HF Trainer, constant LR, a checkpoint every 10 steps (OUT/sft)
+    3-5. run the real `bema stabilize`, `bema eval` and `bema report` on it, printing each command
+    Ends with held-out loss and accuracy per step for vanilla, EMA and BEMA, and OUT/curves.png.
     """
     from bema_cli.demo import print_summary, run_demo
 

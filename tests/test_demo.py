@@ -1,0 +1,138 @@
+"""`bema demo`: the generated tasks score correctly with bema eval's own rules, the output folder is
+guarded, and `bema demo --quick` runs the whole pipeline through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+from conftest import run_bema
+
+from bema_cli import demo_data
+from bema_cli.tasks import get_task
+
+TASKS = ("gsm8k", "boolq", "mmlu_hs")
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_gold_reply_is_scored_right_and_other_items_reply_wrong(task):
+    """The SFT target of each item parses, with the eval's rules, to that item's gold answer."""
+    module = get_task(task)
+    _, test = demo_data.split_items(task, 0, 40, seed=3)
+    hits = 0
+    for record, other in zip(test, test[1:] + test[:1], strict=True):
+        answer = module.extract(demo_data.reply(task, record))
+        assert answer is not None and module.is_correct(answer, module.gold(record))
+        other_answer = module.extract(demo_data.reply(task, other))
+        hits += module.is_correct(other_answer, module.gold(record))
+    assert hits < len(test)  # a reply is not right for every item: the scoring is per item
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_splits_are_disjoint_and_in_the_eval_schema(task, tmp_path):
+    from bema_cli import data
+
+    train, test = demo_data.split_items(task, 300, 50, seed=0)
+    key = demo_data._key
+    assert len(test) == 50 and len({key(r) for r in test}) == 50
+    assert not {key(r) for r in train} & {key(r) for r in test}
+    path = demo_data.write_jsonl(tmp_path / f"{task}.jsonl", test)
+    docs = data.load_docs(get_task(task), [path], limit=50, seed=37371)  # bema eval's reader and checks
+    assert sorted(map(key, docs)) == sorted(map(key, test))
+
+
+def test_arithmetic_answers_are_true():
+    rng = random.Random(0)
+    for _ in range(200):
+        record = demo_data.arithmetic_item(rng)
+        expression, gold = record["answer"].split("\n#### ")
+        left, right = expression.split(" = ")
+        a, op, b = left.split()
+        assert int(right) == int(gold) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
+
+
+def test_chat_uses_the_eval_prompt():
+    record = demo_data.boolq_item(random.Random(1))
+    messages = demo_data.chat("boolq", record)
+    assert messages[:-1] == get_task("boolq").messages(record)
+    assert messages[-1] == {"role": "assistant", "content": demo_data.reply("boolq", record)}
+
+
+def test_refuses_a_folder_that_is_not_a_demo(tmp_path):
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "notes.txt").write_text("keep me")
+    result = run_bema("demo", "--quick", "--out", target)
+    assert result.returncode == 4, result.stderr
+    assert "not a bema demo folder" in result.stderr and str(target) in result.stderr
+    assert [p.name for p in target.iterdir()] == ["notes.txt"]
+
+
+def test_refuses_an_old_demo_without_overwrite(tmp_path):
+    target = tmp_path / "demo"
+    target.mkdir()
+    (target / ".bema-demo").write_text("")
+    (target / "results").mkdir()
+    result = run_bema("demo", "--quick", "--out", target)
+    assert result.returncode == 4
+    assert "--overwrite" in result.stderr and (target / "results").is_dir()
+
+
+@pytest.mark.slow
+def test_quick_demo_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    result = run_bema("demo", "--quick", "--out", out, "--json", timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)  # the one JSON document on stdout
+    for command in ("$ bema stabilize", "$ bema eval", "$ bema report"):
+        assert command in result.stderr
+
+    # fine-tuning checkpoints: every 10 steps, loadable model folders with a tokenizer
+    steps = sorted(int(p.name.split("-")[1]) for p in (out / "sft").glob("checkpoint-*"))
+    assert steps == [10, 20, 30, 40]
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (out / "sft" / "checkpoint-40" / name).is_file()
+    assert (out / "base" / "model.safetensors").is_file()
+
+    # stabilized runs at the evaluated steps, with their hyperparameters
+    manifest = json.loads((out / "stabilized" / "manifest.json").read_text())
+    runs = {r["run"]: r for r in manifest["runs"]}
+    assert set(runs) == {"ema-k0.5", "bema-k0.5-e0.2", "bema-k0.5-e0.5"}
+    for run in runs.values():
+        assert [o["step"] for o in run["outputs"]] == [20, 40]
+        meta = json.loads((out / "stabilized" / run["run"] / "checkpoint-40" / "bema.json").read_text())
+        assert meta["method"] == run["method"] and meta["step"] == 40
+
+    # results: every (run, step, task), base as step 0 of each run
+    records = [json.loads(line) for line in (out / "results" / "results.jsonl").read_text().splitlines()]
+    got = {(r["run"], r["step"], r["task"]) for r in records}
+    want = {
+        (run, step, task) for run in ("vanilla", *runs) for step in (0, 20, 40) for task in (*TASKS, "loss")
+    }
+    assert got == want
+    for r in records:
+        if r["task"] == "loss":
+            assert math.isfinite(r["metrics"]["loss"]) and r["metrics"]["loss"] > 0
+        else:
+            assert 0.0 <= r["metrics"]["accuracy"] <= 1.0 and r["n_samples"] == 2
+        assert r["is_base"] == (r["step"] == 0)
+
+    # the printed summary is the results file, averaged as it says
+    loss = {(r["run"], r["step"]): r["metrics"]["loss"] for r in records if r["task"] == "loss"}
+    for (run, step), value in loss.items():
+        assert summary["loss"][run][str(step)] == pytest.approx(value)
+    accs = [
+        r["metrics"]["accuracy"]
+        for r in records
+        if r["run"] == "vanilla" and r["step"] == 40 and r["task"] != "loss"
+    ]
+    assert summary["accuracy"]["vanilla"]["40"] == pytest.approx(sum(accs) / len(accs))
+    assert summary["runs"][0] == "vanilla" and summary["steps"] == [0, 20, 40]
+
+    # the plot decodes
+    import matplotlib.image
+
+    image = matplotlib.image.imread(out / "curves.png")
+    assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 200

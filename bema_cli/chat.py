@@ -62,7 +62,9 @@ def read_template(path: str | Path) -> str:
 def render(tokenizer, messages: list[dict], generation_prompt: bool = True) -> str:
     """Messages -> the exact prompt text the model sees (special tokens included as text)."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
     except Exception as exc:
         raise InputError(f"chat template failed: {str(exc).splitlines()[0]}") from exc
 

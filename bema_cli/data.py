@@ -148,7 +148,9 @@ def read_loss_records(path: str | Path, limit: int) -> list[dict]:
             continue
         messages = row.get("messages") if isinstance(row, dict) else None
         if not (isinstance(messages, list) and messages and all(_is_message(m) for m in messages)):
-            raise InputError(f"{where}: expected {{\"text\": str}} or {{\"messages\": [{{\"role\", \"content\"}}...]}}")
+            raise InputError(
+                f'{where}: expected {{"text": str}} or {{"messages": [{{"role", "content"}}...]}}'
+            )
         records.append({"messages": messages})
     if not records:
         raise InputError(f"{path}: no records")

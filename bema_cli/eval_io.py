@@ -103,7 +103,9 @@ def records_table(records: list[dict], title: str = "bema eval"):
 
     table = Table(title=title)
     for column in ("run", "step", "task", "metric", "value", "stderr", "unparsed", "n", "s"):
-        table.add_column(column, justify="left" if column in ("run", "task", "metric") else "right", no_wrap=True)
+        table.add_column(
+            column, justify="left" if column in ("run", "task", "metric") else "right", no_wrap=True
+        )
     for r in sorted(records, key=lambda r: (str(r.get("run")), r.get("step") or 0, str(r.get("task")))):
         m = r.get("metrics", {})
         metric = "loss" if "loss" in m else "accuracy"

@@ -135,7 +135,9 @@ def base_target(base: str, targets: list[Target]) -> Target:
     runs = {}
     for t in targets:
         runs.setdefault(t.run, t.stabilizer)
-    return Target(path, "base", 0, dict(VANILLA), is_base=True, runs=list(runs.items()) or [("vanilla", VANILLA)])
+    return Target(
+        path, "base", 0, dict(VANILLA), is_base=True, runs=list(runs.items()) or [("vanilla", VANILLA)]
+    )
 
 
 def _protocol(config: EvalConfig, name: str, source: str) -> dict:
@@ -174,9 +176,14 @@ class Evaluation:
         gen = [m for n, m in self.modules.items() if n not in LOSS_TASKS]
         files = data.resolve_sources(gen, c.data_dir)
         for task in gen:
-            self.docs[task.NAME] = data.load_docs(task, files[task.NAME], c.limit or task.DEFAULT_LIMIT, c.selection_seed)
+            self.docs[task.NAME] = data.load_docs(
+                task, files[task.NAME], c.limit or task.DEFAULT_LIMIT, c.selection_seed
+            )
             self.sources[task.NAME] = ", ".join(str(f) for f in files[task.NAME])
-        for name, path, flag in (("loss", c.loss_data, "--loss-data"), ("train_loss", c.loss_train_data, "--loss-train-data")):
+        for name, path, flag in (
+            ("loss", c.loss_data, "--loss-data"),
+            ("train_loss", c.loss_train_data, "--loss-train-data"),
+        ):
             if name in self.modules:
                 if path is None:
                     raise UsageError(f"task {name} needs {flag} FILE.jsonl")
@@ -190,8 +197,12 @@ class Evaluation:
             done = [self.results.find((str(target.path), run, name)) for run in runs]
             if self.config.force or not all(done):
                 todo.append(name)
-            elif any(_core(r.get("protocol", {})) != _protocol(self.config, name, self.sources[name]) for r in done):
-                output.warn(f"kept the {name} result of {target.path} made with another protocol; --force redoes it")
+            elif any(
+                _core(r.get("protocol", {})) != _protocol(self.config, name, self.sources[name]) for r in done
+            ):
+                output.warn(
+                    f"kept the {name} result of {target.path} made with another protocol; --force redoes it"
+                )
         return todo
 
     def run(self, targets: list[Target]) -> list[dict]:
@@ -214,20 +225,34 @@ class Evaluation:
         finally:
             if self.backend is not None:
                 self.backend.close()
-        keys = {(str(t.path), r, n) for t in targets for r in ([x for x, _ in t.runs] if t.is_base else [t.run]) for n in self.modules}
+        keys = {
+            (str(t.path), r, n)
+            for t in targets
+            for r in ([x for x, _ in t.runs] if t.is_base else [t.run])
+            for n in self.modules
+        }
         return [r for r in self.results.records if (r["model_path"], r["run"], r["task"]) in keys]
 
     def _run_task(self, target: Target, name: str) -> None:
         c, backend = self.config, self.backend
-        output.log(f"{name}: {target.path} (run {target.run if not target.is_base else 'base'}, step {target.step})")
+        output.log(
+            f"{name}: {target.path} (run {target.run if not target.is_base else 'base'}, step {target.step})"
+        )
         start = time.perf_counter()
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
         eval_id = uuid.uuid4().hex  # ties samples.jsonl lines to their results.jsonl records (for rescore)
-        template = f"file:{Path(c.chat_template_file).resolve()}" if c.chat_template_file else backend.template_source
+        template = (
+            f"file:{Path(c.chat_template_file).resolve()}"
+            if c.chat_template_file
+            else backend.template_source
+        )
         protocol = {**_protocol(c, name, self.sources[name]), "chat_template": template}
         extra, samples = {}, []
         if name in LOSS_TASKS:
-            seqs = [loss_task.encode_record(r, backend.tokenizer, c.loss_max_tokens) for r in self.loss_records[name]]
+            seqs = [
+                loss_task.encode_record(r, backend.tokenizer, c.loss_max_tokens)
+                for r in self.loss_records[name]
+            ]
             metrics = loss_task.loss_metrics(backend.loss(seqs))
             n_prompts, n_samples, seeds = len(seqs), 1, {"sampling": None, "selection": None}
         else:
@@ -289,7 +314,9 @@ def rescore(samples_path: str | Path, results_path: str | Path | None = None) ->
         latest[(line["model_path"], line["task"])] = line.get("eval_id")
     records = []
     for (model_path, name), eval_id in latest.items():
-        group = [x for x in lines if (x["model_path"], x["task"], x.get("eval_id")) == (model_path, name, eval_id)]
+        group = [
+            x for x in lines if (x["model_path"], x["task"], x.get("eval_id")) == (model_path, name, eval_id)
+        ]
         task = get_task(name)
         scored = [scoring.score_item(task, x["responses"], x["gold"]) for x in group]
         metrics, extra = scoring.task_metrics(task, scored, [x.get("subject") or "" for x in group])

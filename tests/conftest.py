@@ -50,7 +50,9 @@ def vllm_available() -> bool:
     return True
 
 
-def train_tiny(src: Path, dst: Path, steps: int = 40, dtypes: tuple[str, ...] = ("float32",)) -> dict[str, Path]:
+def train_tiny(
+    src: Path, dst: Path, steps: int = 40, dtypes: tuple[str, ...] = ("float32",)
+) -> dict[str, Path]:
     """Fine-tune a copy of a tiny model on one fixed chat exchange (a few seconds) so its greedy
     output clearly differs from the base; saved once per dtype as dst/<dtype>."""
     import copy
@@ -60,8 +62,13 @@ def train_tiny(src: Path, dst: Path, steps: int = 40, dtypes: tuple[str, ...] = 
 
     tok = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cat sees the dog. Answer: true #### 42"}]
-    ids = tok(tok.apply_chat_template(chat, tokenize=False), add_special_tokens=False, return_tensors="pt").input_ids
+    chat = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "the cat sees the dog. Answer: true #### 42"},
+    ]
+    ids = tok(
+        tok.apply_chat_template(chat, tokenize=False), add_special_tokens=False, return_tensors="pt"
+    ).input_ids
     torch.manual_seed(0)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(steps):
@@ -71,7 +78,8 @@ def train_tiny(src: Path, dst: Path, steps: int = 40, dtypes: tuple[str, ...] = 
     out = {}
     for dtype in dtypes:
         path = dst / dtype
-        copy.deepcopy(model).to(getattr(torch, dtype)).save_pretrained(path)  # each dtype from the fp32 weights
+        # each dtype is cast from the fp32 weights (casting in place would round them for the next one)
+        copy.deepcopy(model).to(getattr(torch, dtype)).save_pretrained(path)
         tok.save_pretrained(path)
         out[dtype] = path
     return out

@@ -35,9 +35,19 @@ def write_data(root: Path) -> Path:
     for name, items in rows.items():
         (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
     loss = [
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cat sees the dog"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "the cat sees the dog"},
+            ]
+        },
         {"text": "the dog runs over the bird. 3 + 4 = 7"},
-        {"messages": [{"role": "user", "content": "what is 2 plus 2"}, {"role": "assistant", "content": "#### 4"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "what is 2 plus 2"},
+                {"role": "assistant", "content": "#### 4"},
+            ]
+        },
     ]
     (root / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in loss))
     return root
@@ -83,7 +93,9 @@ def test_records_follow_the_contract(evaluated):
         assert (r["backend"], r["dtype"]) == ("transformers", "float32")
     base = [r for r in records if r["is_base"]]
     assert {(r["run"], r["step"], r["model_path"]) for r in base} == {
-        ("vanilla", 0, str(evaluated["base"])), ("bema_k0.5", 0, str(evaluated["base"]))}
+        ("vanilla", 0, str(evaluated["base"])),
+        ("bema_k0.5", 0, str(evaluated["base"])),
+    }
     vanilla = [r for r in records if r["model_path"] == str(raw)]
     assert {(r["run"], r["step"]) for r in vanilla} == {("vanilla", 20)}
     assert all(r["stabilizer"] == {"method": "vanilla"} for r in vanilla)
@@ -92,13 +104,23 @@ def test_records_follow_the_contract(evaluated):
     assert stabilized[0]["stabilizer"]["kappa"] == 0.5 and stabilized[0]["stabilizer"]["method"] == "bema"
     assert all(r["stabilizer"]["eta"] == 0.2 for r in base if r["run"] == "bema_k0.5")
     by_task = {r["task"]: r for r in vanilla}
-    assert {t: by_task[t]["n_prompts"] for t in by_task} == {"boolq": LIMIT, "gsm8k": LIMIT, "mmlu_hs": 2 * LIMIT, "loss": 3}
+    assert {t: by_task[t]["n_prompts"] for t in by_task} == {
+        "boolq": LIMIT,
+        "gsm8k": LIMIT,
+        "mmlu_hs": 2 * LIMIT,
+        "loss": 3,
+    }
     assert set(by_task["mmlu_hs"]["per_subject"]) == {"high_school_biology", "high_school_physics"}
     assert set(by_task["gsm8k"]["metrics"]) == {"accuracy", "accuracy_stderr", "parse_failure_rate"}
     assert set(by_task["loss"]["metrics"]) == {"loss", "loss_stderr", "tokens"}
     assert by_task["gsm8k"]["seeds"] == {"sampling": 13337, "selection": 37371}
     protocol = by_task["boolq"]["protocol"]
-    assert (protocol["n_samples"], protocol["max_new_tokens"], protocol["limit"], protocol["temperature"]) == (N_SAMPLES, 6, LIMIT, 1.0)
+    assert (
+        protocol["n_samples"],
+        protocol["max_new_tokens"],
+        protocol["limit"],
+        protocol["temperature"],
+    ) == (N_SAMPLES, 6, LIMIT, 1.0)
     assert protocol["chat_template"] == "model"
 
 
@@ -126,7 +148,9 @@ def test_samples_are_scored_against_their_own_gold(evaluated):
         per_prompt = [np.mean(s["correct"]) for s in group]
         metrics = records[(path, name)]["metrics"]
         assert metrics["accuracy"] == pytest.approx(np.mean(per_prompt), abs=1e-12)
-        assert metrics["accuracy_stderr"] == pytest.approx(np.std(per_prompt, ddof=1) / np.sqrt(len(group)), abs=1e-12)
+        assert metrics["accuracy_stderr"] == pytest.approx(
+            np.std(per_prompt, ddof=1) / np.sqrt(len(group)), abs=1e-12
+        )
         failures = np.mean([a is None for s in group for a in s["extracted"]])
         assert metrics["parse_failure_rate"] == pytest.approx(failures, abs=1e-12)
 
@@ -142,7 +166,9 @@ def test_loss_matches_independent_float64_computation(evaluated):
     total, count = 0.0, 0
     for rec in read_jsonl(evaluated["data"] / "heldout.jsonl"):
         if "messages" in rec:
-            ids = tok(tok.apply_chat_template(rec["messages"], tokenize=False), add_special_tokens=False).input_ids
+            ids = tok(
+                tok.apply_chat_template(rec["messages"], tokenize=False), add_special_tokens=False
+            ).input_ids
         else:
             ids = tok(rec["text"]).input_ids
         x = torch.tensor([ids])
@@ -161,7 +187,9 @@ def test_loss_matches_independent_float64_computation(evaluated):
 def test_resume_skips_done_pairs_and_force_redoes_them(evaluated):
     results = evaluated["out"] / "results.jsonl"
     lines = read_jsonl(results)
-    target = next(i for i, r in enumerate(lines) if r["task"] == "loss" and r["model_path"] == str(evaluated["raw"]))
+    target = next(
+        i for i, r in enumerate(lines) if r["task"] == "loss" and r["model_path"] == str(evaluated["raw"])
+    )
     true_loss = lines[target]["metrics"]["loss"]
     lines[target]["metrics"]["loss"] = 999.0  # marks the record: kept if skipped, replaced if redone
     results.write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -184,7 +212,9 @@ def test_rescore_reproduces_and_rescoring_hand_written_samples(evaluated, tmp_pa
     proc = run_bema("rescore", evaluated["out"] / "samples.jsonl", "--json")
     assert proc.returncode == 0, proc.stderr
     rescored = json.loads(proc.stdout)
-    original = {(r["model_path"], r["run"], r["task"]): r for r in read_jsonl(evaluated["out"] / "results.jsonl")}
+    original = {
+        (r["model_path"], r["run"], r["task"]): r for r in read_jsonl(evaluated["out"] / "results.jsonl")
+    }
     assert len(rescored) == 12  # every generation record (base counted once per run)
     for r in rescored:
         assert r["metrics"] == original[(r["model_path"], r["run"], r["task"])]["metrics"]
@@ -226,11 +256,15 @@ def _bare(src: Path, dst: Path, drop: tuple[str, ...]) -> Path:
 def test_errors_are_one_line_with_exit_codes(evaluated, tmp_path):
     base, data_dir = evaluated["base"], evaluated["data"]
     common = ["--backend", "transformers", "--data-dir", data_dir, "--out", tmp_path / "o"]
-    no_tok = _bare(base, tmp_path / "notok", ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"))
+    no_tok = _bare(
+        base, tmp_path / "notok", ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+    )
     no_weights = _bare(base, tmp_path / "noweights", ("model.safetensors",))
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "boolq.jsonl").write_text('{"question": "q", "passage": "p", "answer": true}\n{"question": "q", "passage": "p", "answer": "yes"}\n')
+    (bad / "boolq.jsonl").write_text(
+        '{"question": "q", "passage": "p", "answer": true}\n{"question": "q", "passage": "p", "answer": "yes"}\n'
+    )
     cases = [
         (["eval", base, *common, "--tasks", "boolq,nope"], 2, ["unknown task 'nope'"]),
         (["eval", no_tok, *common, "--tasks", "boolq"], 3, [str(no_tok), "no tokenizer"]),
@@ -249,7 +283,9 @@ def test_errors_are_one_line_with_exit_codes(evaluated, tmp_path):
         assert last.startswith("error:"), proc.stderr
         for needle in needles:
             assert needle in last, (needle, last)
-    assert not (tmp_path / "o" / "results.jsonl").exists() or not (tmp_path / "o" / "results.jsonl").read_text()
+    assert (
+        not (tmp_path / "o" / "results.jsonl").exists() or not (tmp_path / "o" / "results.jsonl").read_text()
+    )
 
 
 def test_expand_inputs_mixes_raw_stabilized_and_training_dirs(tmp_path):
@@ -265,10 +301,15 @@ def test_expand_inputs_mixes_raw_stabilized_and_training_dirs(tmp_path):
 
     for step in (10, 2):
         model(tmp_path / "train" / f"checkpoint-{step}")
-    single = model(tmp_path / "ema" / "checkpoint-5", {**BEMA_META, "run": "ema_k1", "method": "ema", "step": 5})
+    single = model(
+        tmp_path / "ema" / "checkpoint-5", {**BEMA_META, "run": "ema_k1", "method": "ema", "step": 5}
+    )
     targets = expand_inputs([str(tmp_path / "train"), str(single), str(tmp_path / "train" / "checkpoint-2")])
     assert [(t.path.name, t.run, t.step) for t in targets] == [
-        ("checkpoint-2", "vanilla", 2), ("checkpoint-10", "vanilla", 10), ("checkpoint-5", "ema_k1", 5)]  # deduplicated
+        ("checkpoint-2", "vanilla", 2),
+        ("checkpoint-10", "vanilla", 10),
+        ("checkpoint-5", "ema_k1", 5),
+    ]  # deduplicated
     assert targets[2].stabilizer["method"] == "ema" and "alpha" not in targets[2].stabilizer
     base = base_target(str(tmp_path / "train" / "checkpoint-2"), targets)
     assert (base.step, base.is_base, [r for r, _ in base.runs]) == (0, True, ["vanilla", "ema_k1"])

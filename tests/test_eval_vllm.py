@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.slow,  # engine start ~15 s on CPU, plus a transformers run for comparison
     pytest.mark.skipif(not vllm_available(), reason="vllm is not importable"),
 ]
-GREEDY = ["--temperature", "0", "--n-samples", "1", "--max-new-tokens", "12", "--limit", "3", "--dtype", "float32"]
+GREEDY = "--temperature 0 --n-samples 1 --max-new-tokens 12 --limit 3 --dtype float32".split()
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,9 @@ def runs(tiny_model_dir, tmp_path_factory):
     # one engine: started on the base, then bf16 and fp16 weights swapped in, then a misfit checkpoint
     swapped = run_bema("eval", trained["bfloat16"], trained["float16"], other, "--base", tiny_model_dir,
                        "--backend", "vllm", "--out", root / "swapped", *common)  # fmt: skip
-    fresh = run_bema("eval", trained["bfloat16"], "--backend", "vllm", "--out", root / "fresh", *common, "--json")
+    fresh = run_bema(
+        "eval", trained["bfloat16"], "--backend", "vllm", "--out", root / "fresh", *common, "--json"
+    )
     assert fresh.returncode == 0, fresh.stderr
     assert len(json.loads(fresh.stdout)) == 3  # stdout is the one JSON document, vLLM's logs go to stderr
     hf = run_bema("eval", trained["bfloat16"], trained["float16"], "--base", tiny_model_dir,
@@ -45,7 +47,10 @@ def runs(tiny_model_dir, tmp_path_factory):
 
 
 def responses(out_dir) -> dict:
-    return {(s["model_path"], s["task"], s["doc_id"]): s["responses"] for s in read_jsonl(out_dir / "samples.jsonl")}
+    return {
+        (s["model_path"], s["task"], s["doc_id"]): s["responses"]
+        for s in read_jsonl(out_dir / "samples.jsonl")
+    }
 
 
 def test_one_engine_and_a_misfit_checkpoint_is_a_one_line_error(runs):

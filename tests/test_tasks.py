@@ -91,7 +91,9 @@ def test_each_item_is_scored_against_its_own_gold():
     assert scoring.accuracy_metrics(scored)["accuracy"] == pytest.approx((1 + 0.5 + 0.5) / 3)
 
     boolq_docs = [{"question": "q", "passage": "p", "answer": a} for a in (True, False, True, False)]
-    scored = scoring.score_all(boolq, boolq_docs, [["Answer: true"], ["Answer: false"], ["Answer: true"], ["Answer: false"]])
+    scored = scoring.score_all(
+        boolq, boolq_docs, [["Answer: true"], ["Answer: false"], ["Answer: true"], ["Answer: false"]]
+    )
     assert scoring.accuracy_metrics(scored)["accuracy"] == 1.0
 
     mmlu_docs = [{"question": "q", "subject": "s", "choices": list("wxyz"), "answer": i} for i in range(4)]
@@ -119,7 +121,10 @@ def test_accuracy_metrics_against_hand_computation():
 
 def test_loss_metrics_against_float64_reference():
     pairs = [(12.5, 5), (3.0, 2), (40.0, 9)]
-    s, n = np.array([p[0] for p in pairs], dtype=np.float64), np.array([p[1] for p in pairs], dtype=np.float64)
+    s, n = (
+        np.array([p[0] for p in pairs], dtype=np.float64),
+        np.array([p[1] for p in pairs], dtype=np.float64),
+    )
     loss = s.sum() / n.sum()
     # delta-method standard error of a ratio of means over records
     se = np.sqrt(((s - loss * n) ** 2).sum() / (len(s) - 1) / len(s)) / n.mean()
@@ -142,7 +147,9 @@ def test_load_docs_selects_per_subject(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     docs = data.load_docs(mmlu_hs, [path], limit=3, seed=5)
     pick = sorted(np.random.RandomState(5).choice(7, 3, replace=False))
-    assert [d["question"] for d in docs] == [f"high_school_biology{i}" for i in pick] + [f"high_school_physics{i}" for i in pick]
+    assert [d["question"] for d in docs] == [f"high_school_biology{i}" for i in pick] + [
+        f"high_school_physics{i}" for i in pick
+    ]
 
 
 @pytest.mark.parametrize(
@@ -190,6 +197,9 @@ def test_chat_template_fallback_and_override(tiny_model_dir, tmp_path):
     tok, source = chat.load_tokenizer(bare)
     assert source == "chatml-default"
     text = chat.render(tok, [{"role": "user", "content": "hi"}])
-    assert text == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        text
+        == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     tok, source = chat.load_tokenizer(bare, "{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
     assert (source, chat.render(tok, [{"role": "user", "content": "hi"}])) == ("override", "[hi]")

@@ -75,7 +75,9 @@ def make_backend(name: str, options: EngineOptions) -> Backend:
     if name not in BACKENDS:
         raise UsageError(f"--backend: unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines would drown our log
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # vLLM logs to stdout by default: keep --json clean
+    os.environ.setdefault(
+        "VLLM_LOGGING_STREAM", "ext://sys.stderr"
+    )  # vLLM logs to stdout by default: keep --json clean
     if name == "auto":
         name = "vllm" if vllm_usable() else "transformers"
     module = importlib.import_module(f"bema_cli.backends.{name}")

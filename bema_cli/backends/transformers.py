@@ -37,7 +37,9 @@ def load_hf_model(path: str | Path, dtype: str = "auto", device: str | None = No
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype))
     except Exception as exc:  # corrupt weights surface as many exception types
-        raise BackendError(f"{path}: transformers cannot load the model ({str(exc).splitlines()[0]})") from None
+        raise BackendError(
+            f"{path}: transformers cannot load the model ({str(exc).splitlines()[0]})"
+        ) from None
     return model.to(device).eval()
 
 
@@ -93,7 +95,10 @@ class TransformersBackend:
                 out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
             new = out[:, width:].tolist()
             for row in range(len(batch)):
-                texts = [chat.decode_completion(self.tokenizer, new[row * copies + j], self.stop_ids) for j in range(copies)]
+                texts = [
+                    chat.decode_completion(self.tokenizer, new[row * copies + j], self.stop_ids)
+                    for j in range(copies)
+                ]
                 results.append(texts * sampling.n if greedy else texts)
         return results
 

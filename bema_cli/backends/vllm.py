@@ -104,7 +104,9 @@ class VllmBackend:
         try:
             self.llm = LLM(**kwargs)
         except Exception as exc:
-            raise BackendError(f"{path}: vLLM could not start ({type(exc).__name__}: {_first_line(exc)})") from exc
+            raise BackendError(
+                f"{path}: vLLM could not start ({type(exc).__name__}: {_first_line(exc)})"
+            ) from exc
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
 
     def load(self, checkpoint: Path) -> None:
@@ -134,7 +136,9 @@ class VllmBackend:
         try:
             self.llm.collective_rpc("bema_load_checkpoint", args=(str(checkpoint), tied))
         except Exception as exc:
-            raise BackendError(f"{checkpoint}: loading weights into the vLLM engine failed ({_first_line(exc)})") from exc
+            raise BackendError(
+                f"{checkpoint}: loading weights into the vLLM engine failed ({_first_line(exc)})"
+            ) from exc
         self.llm.reset_prefix_cache()
 
     def generate(self, prompts: list[str], sampling: Sampling) -> list[list[str]]:
@@ -149,7 +153,9 @@ class VllmBackend:
         for text in prompts:
             ids = chat.encode(self.tokenizer, text)
             if len(ids) >= self.options.max_model_len:
-                raise BackendError(f"a prompt of {len(ids)} tokens does not fit --max-model-len {self.options.max_model_len}")
+                raise BackendError(
+                    f"a prompt of {len(ids)} tokens does not fit --max-model-len {self.options.max_model_len}"
+                )
             requests.append({"prompt_token_ids": ids})
         outs = self.llm.generate(requests, params, use_tqdm=output.progress_enabled())
         results = []

@@ -14,32 +14,91 @@ _E = "Engine"
 
 
 def evaluate(
-    inputs: Annotated[list[str] | None, typer.Argument(help="Checkpoint folders, bema stabilize outputs or OUT dirs.")] = None,
-    tasks: Annotated[str, typer.Option("--tasks", help="Comma list of boolq,gsm8k,mmlu_hs,loss,train_loss.")] = "boolq,gsm8k,mmlu_hs",
-    out: Annotated[str | None, typer.Option("--out", "-o", help="Directory for results.jsonl (and samples.jsonl).")] = None,
-    base: Annotated[str | None, typer.Option("--base", help="Base model, evaluated once as step 0 of every run.")] = None,
-    data_dir: Annotated[str | None, typer.Option("--data-dir", help="Local <task>.jsonl|parquet files instead of the Hub.")] = None,
-    loss_data: Annotated[str | None, typer.Option("--loss-data", help="Held-out jsonl ({messages} or {text}); adds task loss.")] = None,
-    loss_train_data: Annotated[str | None, typer.Option("--loss-train-data", help="Train jsonl; adds task train_loss.")] = None,
-    loss_samples: Annotated[int, typer.Option("--loss-samples", help="First N loss records.", rich_help_panel=_T)] = 200,
-    loss_max_tokens: Annotated[int, typer.Option("--loss-max-tokens", help="Truncate loss records to N tokens.", rich_help_panel=_T)] = 1024,
-    n_samples: Annotated[int, typer.Option("--n-samples", help="Samples per prompt.", rich_help_panel=_T)] = 50,
-    temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature (0 = greedy).", rich_help_panel=_T)] = 1.0,
+    inputs: Annotated[
+        list[str] | None, typer.Argument(help="Checkpoint folders, bema stabilize outputs or OUT dirs.")
+    ] = None,
+    tasks: Annotated[
+        str, typer.Option("--tasks", help="Comma list of boolq,gsm8k,mmlu_hs,loss,train_loss.")
+    ] = "boolq,gsm8k,mmlu_hs",
+    out: Annotated[
+        str | None, typer.Option("--out", "-o", help="Directory for results.jsonl (and samples.jsonl).")
+    ] = None,
+    base: Annotated[
+        str | None, typer.Option("--base", help="Base model, evaluated once as step 0 of every run.")
+    ] = None,
+    data_dir: Annotated[
+        str | None, typer.Option("--data-dir", help="Local <task>.jsonl|parquet files instead of the Hub.")
+    ] = None,
+    loss_data: Annotated[
+        str | None, typer.Option("--loss-data", help="Held-out jsonl ({messages} or {text}); adds task loss.")
+    ] = None,
+    loss_train_data: Annotated[
+        str | None, typer.Option("--loss-train-data", help="Train jsonl; adds task train_loss.")
+    ] = None,
+    loss_samples: Annotated[
+        int, typer.Option("--loss-samples", help="First N loss records.", rich_help_panel=_T)
+    ] = 200,
+    loss_max_tokens: Annotated[
+        int, typer.Option("--loss-max-tokens", help="Truncate loss records to N tokens.", rich_help_panel=_T)
+    ] = 1024,
+    n_samples: Annotated[
+        int, typer.Option("--n-samples", help="Samples per prompt.", rich_help_panel=_T)
+    ] = 50,
+    temperature: Annotated[
+        float, typer.Option("--temperature", help="Sampling temperature (0 = greedy).", rich_help_panel=_T)
+    ] = 1.0,
     seed: Annotated[int, typer.Option("--seed", help="Sampling seed.", rich_help_panel=_T)] = 13337,
-    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", help="Default: 256 boolq/mmlu_hs, 512 gsm8k.", rich_help_panel=_T)] = None,
-    selection_seed: Annotated[int, typer.Option("--selection-seed", help="Seed of the prompt subset.", rich_help_panel=_T)] = 37371,
-    limit: Annotated[int | None, typer.Option("--limit", help="Prompts per task (per subject for mmlu_hs); default 64/128/64.", rich_help_panel=_T)] = None,
-    chat_template: Annotated[str | None, typer.Option("--chat-template", help="Jinja chat template file overriding the model's.", rich_help_panel=_T)] = None,
-    backend: Annotated[str, typer.Option("--backend", help="auto (vllm if usable, else transformers), vllm or transformers.", rich_help_panel=_E)] = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.", rich_help_panel=_E)] = "auto",
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option("--max-new-tokens", help="Default: 256 boolq/mmlu_hs, 512 gsm8k.", rich_help_panel=_T),
+    ] = None,
+    selection_seed: Annotated[
+        int, typer.Option("--selection-seed", help="Seed of the prompt subset.", rich_help_panel=_T)
+    ] = 37371,
+    limit: Annotated[
+        int | None,
+        typer.Option(
+            "--limit",
+            help="Prompts per task (per subject for mmlu_hs); default 64/128/64.",
+            rich_help_panel=_T,
+        ),
+    ] = None,
+    chat_template: Annotated[
+        str | None,
+        typer.Option(
+            "--chat-template", help="Jinja chat template file overriding the model's.", rich_help_panel=_T
+        ),
+    ] = None,
+    backend: Annotated[
+        str,
+        typer.Option(
+            "--backend",
+            help="auto (vllm if usable, else transformers), vllm or transformers.",
+            rich_help_panel=_E,
+        ),
+    ] = "auto",
+    dtype: Annotated[
+        str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.", rich_help_panel=_E)
+    ] = "auto",
     tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", rich_help_panel=_E)] = 1,
     data_parallel_size: Annotated[int, typer.Option("--data-parallel-size", rich_help_panel=_E)] = 1,
-    gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", rich_help_panel=_E)] = 0.7,
+    gpu_memory_utilization: Annotated[
+        float, typer.Option("--gpu-memory-utilization", rich_help_panel=_E)
+    ] = 0.7,
     max_model_len: Annotated[int, typer.Option("--max-model-len", rich_help_panel=_E)] = 2048,
-    enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs (always on for CPU).", rich_help_panel=_E)] = False,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Prompts per transformers generate call.", rich_help_panel=_E)] = 8,
-    log_samples: Annotated[bool, typer.Option("--log-samples", help="Write every prompt, response, answer and gold to samples.jsonl.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Redo (checkpoint, task) pairs already in results.jsonl.")] = False,
+    enforce_eager: Annotated[
+        bool, typer.Option("--enforce-eager", help="No CUDA graphs (always on for CPU).", rich_help_panel=_E)
+    ] = False,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", help="Prompts per transformers generate call.", rich_help_panel=_E)
+    ] = 8,
+    log_samples: Annotated[
+        bool,
+        typer.Option("--log-samples", help="Write every prompt, response, answer and gold to samples.jsonl."),
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Redo (checkpoint, task) pairs already in results.jsonl.")
+    ] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Evaluate checkpoints with the paper's protocol: BoolQ, GSM8K, MMLU-HS (50 samples/prompt) and held-out loss."""
@@ -72,8 +131,15 @@ def evaluate(
 
 def rescore(
     samples: Annotated[str, typer.Argument(help="samples.jsonl written by bema eval --log-samples.")],
-    results: Annotated[str | None, typer.Option("--results", help="results.jsonl with the records' provenance (default: next to SAMPLES).")] = None,
-    out: Annotated[str | None, typer.Option("--out", "-o", help="Write the new records to this jsonl file.")] = None,
+    results: Annotated[
+        str | None,
+        typer.Option(
+            "--results", help="results.jsonl with the records' provenance (default: next to SAMPLES)."
+        ),
+    ] = None,
+    out: Annotated[
+        str | None, typer.Option("--out", "-o", help="Write the new records to this jsonl file.")
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Recompute the scores of logged samples with the current answer-extraction rules (no generation)."""

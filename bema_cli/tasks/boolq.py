@@ -27,7 +27,7 @@ def messages(doc: dict) -> list[dict]:
     text = (
         f"Passage: {doc['passage'].strip()}\n\nQuestion: {question}\n\n"
         "Answer the question about the passage with true or false. "
-        "End your response with \"Answer: true\" or \"Answer: false\"."
+        'End your response with "Answer: true" or "Answer: false".'
     )
     return [{"role": "user", "content": text}]
 

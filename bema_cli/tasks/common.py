@@ -62,7 +62,9 @@ def score_all(task: ModuleType, docs: Sequence[dict], responses: Sequence[Sequen
     return [score_item(task, resp, task.gold(doc)) for doc, resp in zip(docs, responses, strict=True)]
 
 
-def task_metrics(task: ModuleType, scored: Sequence[dict], subjects: Sequence[str] | None = None) -> tuple[dict, dict]:
+def task_metrics(
+    task: ModuleType, scored: Sequence[dict], subjects: Sequence[str] | None = None
+) -> tuple[dict, dict]:
     """(metrics, extra top-level record fields): MMLU-HS adds "per_subject"."""
     extra = {}
     if getattr(task, "PER_SUBJECT", False) and subjects is not None:

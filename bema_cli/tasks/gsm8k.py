@@ -24,7 +24,7 @@ def messages(doc: dict) -> list[dict]:
     text = (
         f"{doc['question'].strip()}\n\n"
         "Think step by step, then give the final answer as a number on the last line, "
-        "in the form \"#### <number>\"."
+        'in the form "#### <number>".'
     )
     return [{"role": "user", "content": text}]
 

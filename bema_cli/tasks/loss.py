@@ -28,7 +28,10 @@ def encode_record(record: dict, tokenizer, max_tokens: int = MAX_TOKENS) -> list
 
 
 def record_losses(
-    model, sequences: Sequence[list[int]], pad_id: int = 0, batch_size: int = BATCH_SIZE,
+    model,
+    sequences: Sequence[list[int]],
+    pad_id: int = 0,
+    batch_size: int = BATCH_SIZE,
     advance: Callable[[int], None] | None = None,
 ) -> list[tuple[float, int]]:
     """Per record: (summed next-token cross-entropy in nats, number of predicted tokens).
@@ -57,7 +60,9 @@ def record_losses(
                 n = len(sequences[i]) - 1  # tokens predicted: positions 1..len-1
                 if n < 1:
                     continue
-                nll = F.cross_entropy(logits[row, :n].float(), ids[row, 1 : n + 1].to(device), reduction="sum")
+                nll = F.cross_entropy(
+                    logits[row, :n].float(), ids[row, 1 : n + 1].to(device), reduction="sum"
+                )
                 out[i] = (float(nll.double()), n)
         if advance:
             advance(len(idx))

@@ -35,7 +35,7 @@ def messages(doc: dict) -> list[dict]:
     text = (
         f"The following is a multiple choice question about {subject}.\n\n"
         f"{doc['question'].strip()}\n{options}\n\n"
-        "End your response with \"Answer: <letter>\", where <letter> is A, B, C or D."
+        'End your response with "Answer: <letter>", where <letter> is A, B, C or D.'
     )
     return [{"role": "user", "content": text}]
 

@@ -63,6 +63,7 @@ class Options:
     dry_run: bool = False
     overwrite: bool = False
     allow_nonfinite: bool = False
+    cast_base: bool = False  # accept a floating base of another dtype (e.g. bf16 Hub base, fp32 fine-tune)
 
 
 @dataclass
@@ -137,8 +138,12 @@ def _out_steps(events: list[PlannedStep], opts: Options) -> list[int]:
     return done[-1:] if opts.final_only else done
 
 
-def _check_same(index: ModelIndex, base: ModelIndex, what: str) -> None:
-    """Keys, shapes and dtypes of a checkpoint must match theta0's; errors name the tensor."""
+def _check_same(index: ModelIndex, base: ModelIndex, what: str, cast_base: bool = False) -> None:
+    """Keys, shapes and dtypes of a checkpoint must match theta0's; errors name the tensor.
+
+    With `cast_base`, a floating theta0 tensor may have another floating dtype: it is read
+    into the accumulation dtype anyway, and outputs take the checkpoints' dtype.
+    """
     missing = sorted(set(base.tensors) - set(index.tensors))
     extra = sorted(set(index.tensors) - set(base.tensors))
     if missing:
@@ -151,8 +156,11 @@ def _check_same(index: ModelIndex, base: ModelIndex, what: str) -> None:
             raise InputError(
                 f"{t.file}: tensor {name!r} has shape {list(t.shape)}, the {what} has {list(b.shape)}"
             )
-        if t.dtype != b.dtype:
-            raise InputError(f"{t.file}: tensor {name!r} has dtype {t.dtype}, the {what} has {b.dtype}")
+        if t.dtype != b.dtype and not (cast_base and t.dtype in FLOATING and b.dtype in FLOATING):
+            hint = (
+                " (pass --cast-base to read theta0 in the checkpoints' dtype)" if t.dtype in FLOATING else ""
+            )
+            raise InputError(f"{t.file}: tensor {name!r} has dtype {t.dtype}, the {what} has {b.dtype}{hint}")
 
 
 def _units(order: list[TensorInfo], runs: list[Run], opts: Options) -> list[list[Piece]]:
@@ -222,11 +230,13 @@ def prepare(opts: Options) -> Plan:
     for c in checkpoints:
         if c.step in read_steps:
             indexes[c.step] = index_model(c.path, model_weight_files(c.path))
-            _check_same(indexes[c.step], base_index, "base model")
+            _check_same(indexes[c.step], base_index, "base model", opts.cast_base)
     out_tag = TAG_OF[opts.out_dtype] if opts.out_dtype else None
+    # outputs default to the checkpoints' dtypes (== theta0's unless --cast-base)
+    like = indexes[read_steps[0]] if read_steps else base_index
     out_tensors = [
         TensorInfo(t.name, Path(), out_tag if out_tag and t.dtype in FLOATING else t.dtype, t.shape)
-        for t in sorted(base_index.tensors.values(), key=lambda t: t.name)
+        for t in sorted(like.tensors.values(), key=lambda t: t.name)
     ]
     shards = plan_shards(out_tensors, opts.max_shard_size)
     order = [base_index.tensors[t.name] for s in shards for t in s.tensors]

@@ -275,3 +275,21 @@ def test_interrupt_leaves_nothing_behind(tmp_path):
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in stderr, stderr  # typer maps Ctrl-C to exit 130
     assert not out.exists()
+
+
+def test_cast_base_bf16_base_fp32_checkpoints(tmp_path):
+    """A bf16 Hub-style base with fp32 fine-tune checkpoints: an error naming --cast-base, then exact with it."""
+    from safetensors.torch import save_file
+
+    base_dir, run_dir = write_trajectory(tmp_path, STEPS[:3], torch.float32, with_int=False)
+    base = load_model(base_dir)
+    save_file({k: v.to(torch.bfloat16) for k, v in base.items()}, base_dir / "model.safetensors")
+    refused = run_bema("stabilize", run_dir, "--base", base_dir, "--out", tmp_path / "o1")
+    assert refused.returncode == 3 and "--cast-base" in refused.stderr
+    assert not (tmp_path / "o1").exists()
+    doc = stabilize(
+        run_dir, "--base", base_dir, "--out", tmp_path / "out", "--method", "bema,ema", "--cast-base"
+    )
+    assert check_outputs(doc, base_dir, run_dir) == 6
+    out = load_model(Path(doc["outputs"][0]["path"]))
+    assert all(v.dtype == torch.float32 for v in out.values()), "outputs keep the checkpoints' dtype"

@@ -80,6 +80,13 @@ def stabilize(
     allow_nonfinite: Annotated[
         bool, typer.Option("--allow-nonfinite", help="Do not stop on NaN/Inf in inputs.")
     ] = False,
+    cast_base: Annotated[
+        bool,
+        typer.Option(
+            "--cast-base",
+            help="Accept a base of another float dtype than the checkpoints (e.g. bf16 Hub base, fp32 fine-tune).",
+        ),
+    ] = False,
 ) -> None:
     """Stabilize a fine-tuning run's checkpoints with BEMA/EMA/DEMA/OUEMA, streaming tensor by tensor.
 
@@ -115,6 +122,7 @@ def stabilize(
         dry_run=dry_run,
         overwrite=overwrite,
         allow_nonfinite=allow_nonfinite,
+        cast_base=cast_base,
     )
     doc = run(opts)
     if json_out:

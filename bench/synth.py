@@ -8,6 +8,7 @@ modest --max-memory has to split it. Weights follow a random walk from the base.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ class Trajectory:
     steps: list[int]
     file_bytes: int  # size of one model.safetensors
     big_tensor_bytes: int
+    numel: int  # parameters in one model
     dtype: str
 
     def checkpoint(self, step: int) -> Path:
@@ -98,5 +100,6 @@ def make_trajectory(
         steps=steps,
         file_bytes=(folders[0] / "model.safetensors").stat().st_size,
         big_tensor_bytes=big[0] * big[1] * itemsize,
+        numel=sum(math.prod(shape) for shape in shapes.values()),
         dtype=dtype,
     )

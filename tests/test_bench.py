@@ -17,10 +17,12 @@ ROWS = [
     "I/O floor",
     "bema stabilize 1 config, all steps: wall / floor",
     "engine time",
+    "wall / (floor + compute floor)",
     "bema wall / peer wall",
     "bema peak RSS / peer peak RSS",
-    "same at 4x model size",
+    "same at 4x model size",  # wall-time ratio and RSS ratio at 4x
     "grid 6 configs / 1 config",
+    "compute floor, 6 configs / 1 config",
     "bema peak RSS, 1x (1 config",
     "bema peak RSS, 1x grid of 6",
     "bema peak RSS, 4x",
@@ -42,7 +44,8 @@ def test_bench_quick_prints_every_row_and_json(tmp_path):
         assert row in table, f"row {row!r} missing from:\n{table}"
     assert "page cache: inputs WARM" in table
     doc = json.loads(proc.stdout)
-    assert len(doc["rows"]) == len(ROWS)
+    assert len(doc["rows"]) == len(ROWS) + 1  # "same at 4x model size" is there twice
+    assert sum("same at 4x model size" in r["check"] for r in doc["rows"]) == 2
     assert all(r["result"] in ("PASS", "FAIL", "") for r in doc["rows"])
     # the outputs were checked against the naive peer: a number, not a placeholder
     assert doc["x1"]["max_rel_err"] < 1e-5

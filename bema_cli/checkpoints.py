@@ -80,20 +80,27 @@ def model_weight_files(folder: str | Path) -> list[Path]:
     raise InputError(f"{folder}: no model.safetensors or {INDEX_NAME}{hint}")
 
 
-def _step_of(folder: Path) -> int:
-    """Step from the folder name `checkpoint-<s>`, else from trainer_state.json `global_step`."""
+def step_of(folder: Path) -> int | None:
+    """Step from the folder name `checkpoint-<s>`, else trainer_state.json `global_step`; None if neither."""
     m = _STEP_RE.match(folder.name)
     if m:
         return int(m.group(1))
     state = folder / "trainer_state.json"
+    if not state.is_file():
+        return None
     try:
         return int(json.loads(state.read_text())["global_step"])
-    except FileNotFoundError:
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{state}: no usable global_step ({exc})") from None
+
+
+def _step_of(folder: Path) -> int:
+    step = step_of(folder)
+    if step is None:
         raise InputError(
             f"{folder}: cannot tell its step (name is not checkpoint-<step>, no trainer_state.json)"
-        ) from None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"{state}: no usable global_step ({exc})") from None
+        )
+    return step
 
 
 def find_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
@@ -135,7 +142,8 @@ def _from_hub(repo_id: str) -> Path:
         ) from None
 
 
-def _resolve(spec: str) -> BaseModel:
+def resolve_model(spec: str) -> BaseModel:
+    """A model given as a local folder or a Hub repo id (downloaded/cached by huggingface_hub)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         model_weight_files(path)  # fail early when it holds no weights
@@ -160,13 +168,13 @@ def resolve_base(base: str | None, checkpoints: list[Checkpoint]) -> BaseModel:
     if base == "first":
         return BaseModel(checkpoints[0].path, str(checkpoints[0].path))
     if base:
-        return _resolve(base)
+        return resolve_model(base)
     if checkpoints[0].step == 0:
         return BaseModel(checkpoints[0].path, str(checkpoints[0].path))
     name = _name_or_path(checkpoints[0])
     if name:
         try:
-            return _resolve(name)
+            return resolve_model(name)
         except InputError:
             pass
     found = f" (config.json names {name!r}, which does not resolve)" if name else ""

@@ -8,7 +8,6 @@ step 0 of every run. Every (checkpoint, run, task) gives one results.jsonl recor
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,13 +17,13 @@ from pathlib import Path
 from bema_cli import __version__, data, output
 from bema_cli.backends.base import EngineOptions, Sampling, make_backend
 from bema_cli.chat import has_tokenizer, render
+from bema_cli.checkpoints import find_checkpoints, resolve_model, step_of
 from bema_cli.errors import InputError, UsageError
 from bema_cli.eval_io import ResultsFile, SamplesLog, read_jsonl
 from bema_cli.tasks import LOSS_TASKS, get_task
 from bema_cli.tasks import common as scoring
 from bema_cli.tasks import loss as loss_task
 
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 # bema.json keys that describe the stabilizer (per-step alpha/beta and paths are not hyperparameters)
 STABILIZER_KEYS = (
@@ -94,11 +93,7 @@ def _model_target(path: Path) -> Target:
         meta = _read_json(bema)
         stabilizer = {k: meta[k] for k in STABILIZER_KEYS if k in meta}
         return Target(path, str(meta.get("run", "vanilla")), meta.get("step"), stabilizer or dict(VANILLA))
-    match = CHECKPOINT_RE.match(path.name)
-    step = int(match.group(1)) if match else None
-    if step is None and (path / "trainer_state.json").is_file():
-        step = _read_json(path / "trainer_state.json").get("global_step")
-    return Target(path, "vanilla", step, dict(VANILLA))
+    return Target(path, "vanilla", step_of(path), dict(VANILLA))
 
 
 def expand_inputs(inputs: list[str]) -> list[Target]:
@@ -116,10 +111,9 @@ def expand_inputs(inputs: list[str]) -> list[Target]:
                     target.run, target.step = run.get("run", target.run), out.get("step", target.step)
                     targets.append(target)
         elif not (path / "config.json").is_file() and path.is_dir():
-            children = [p for p in path.iterdir() if p.is_dir() and CHECKPOINT_RE.match(p.name)]
-            if not children:
+            if not any(p.is_dir() and p.name.startswith("checkpoint-") for p in path.iterdir()):
                 raise InputError(f"{path}: no config.json, manifest.json or checkpoint-* folders")
-            targets += [_model_target(p.resolve()) for p in sorted(children, key=lambda p: int(p.name[11:]))]
+            targets += [_model_target(c.path) for c in find_checkpoints(path)]
         else:
             targets.append(_model_target(path))
     seen, unique = set(), []
@@ -131,7 +125,8 @@ def expand_inputs(inputs: list[str]) -> list[Target]:
 
 
 def base_target(base: str, targets: list[Target]) -> Target:
-    path = Path(base).resolve()
+    """The base model (a folder or Hub repo id), standing in as step 0 of every run among the targets."""
+    path = resolve_model(base).path
     runs = {}
     for t in targets:
         runs.setdefault(t.run, t.stabilizer)

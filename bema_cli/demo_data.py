@@ -3,11 +3,14 @@
 Three checkable tasks, written in the `bema eval --data-dir` schemas so the demo's
 evaluation runs exactly like one on the real benchmarks:
 
-    gsm8k    word problems over single-digit sums/differences, answer "a + b = c\\n#### c"
-    boolq    a short passage of "<name> has a <color> <object>." and a yes/no question about it
-    mmlu_hs  four-option questions: arithmetic (high_school_mathematics) and the capitals of
-             made-up countries the base model read during pretraining (high_school_geography)
+    gsm8k    "how many coins does <name> have?" after a sentence or two, answer "... \\n#### n"
+    boolq    a passage of "<name> has a <color> <object>." facts and a yes/no question about one
+    mmlu_hs  four-option questions: small sums (high_school_mathematics) and the capitals of
+             made-up countries (high_school_geography)
 
+The world is small and fixed (who owns what, which capital belongs where) so that a model
+of half a million parameters can learn it in a minute of CPU pretraining: the demo is about
+what happens during fine-tuning, not about teaching a tiny model to reason.
 Everything is a pure function of a seed; nothing here touches torch.
 """
 
@@ -23,7 +26,23 @@ COLORS = ["red", "blue", "green", "yellow", "black", "white"]
 OBJECTS = ["hat", "car", "kite", "bag", "cup", "ball", "bike", "coat"]
 _SYLLABLES = ["ka", "lo", "mir", "ven", "tor", "sa", "dun", "pel", "ri", "zan", "bo", "quel"]
 N_COUNTRIES = 24  # facts the base model memorises in pretraining; mmlu geography asks about them
+MAX_STEP = 3  # sums in mmlu math add 1..MAX_STEP: few enough facts for a tiny model
 LETTERS = "ABCD"
+
+
+def coins() -> dict[str, int]:
+    """name -> how many coins that person has (2..9), fixed for every seed."""
+    rng = random.Random(2468)
+    return {name: rng.randint(2, 9) for name in NAMES}
+
+
+def belongings() -> dict[str, tuple[str, str]]:
+    """name -> (color, object): what each person owns, fixed for every seed."""
+    rng = random.Random(4321)
+    colors, objects = COLORS * 2, OBJECTS + OBJECTS[:4]  # every color twice: balanced true/false
+    rng.shuffle(colors)
+    rng.shuffle(objects)
+    return {name: (colors[i], objects[i]) for i, name in enumerate(NAMES)}
 
 
 def countries() -> list[tuple[str, str]]:
@@ -42,25 +61,20 @@ def countries() -> list[tuple[str, str]]:
 
 
 # -- one item of each task ---------------------------------------------------------------------
-def arithmetic_item(rng: random.Random) -> dict:
-    """A gsm8k-schema record: question and 'reasoning\\n#### n' answer."""
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    a, b = rng.randint(0, 9), rng.randint(0, 9)
-    if rng.random() < 0.5:
-        verb = rng.choice(["buys", "finds", "gets"])
-        question = f"{name} has {a} {item}. {name} {verb} {b} more. How many {item} does {name} have now?"
-        answer = f"{a} + {b} = {a + b}\n#### {a + b}"
-    else:
-        a, b = max(a, b), min(a, b)
-        verb = rng.choice(["gives away", "loses", "sells"])
-        question = f"{name} has {a} {item}. {name} {verb} {b}. How many {item} does {name} have now?"
-        answer = f"{a} - {b} = {a - b}\n#### {a - b}"
-    return {"question": question, "answer": answer}
+def count_item(rng: random.Random) -> dict:
+    """A gsm8k-schema record: a question with a number for an answer, 'reasoning\\n#### n'."""
+    name = rng.choice(NAMES)
+    others = passage_text(passage_facts(rng, rng.randint(1, 2)))
+    n = coins()[name]
+    return {
+        "question": f"{others} How many coins does {name} have?",
+        "answer": f"{name} has {n} coins.\n#### {n}",
+    }
 
 
 def passage_facts(rng: random.Random, n: int = 3) -> list[tuple[str, str, str]]:
-    names = rng.sample(NAMES, n)
-    return [(name, rng.choice(COLORS), rng.choice(OBJECTS)) for name in names]
+    owned = belongings()
+    return [(name, *owned[name]) for name in rng.sample(NAMES, n)]
 
 
 def passage_text(facts: list[tuple[str, str, str]]) -> str:
@@ -69,7 +83,7 @@ def passage_text(facts: list[tuple[str, str, str]]) -> str:
 
 def boolq_item(rng: random.Random) -> dict:
     """A boolq-schema record; half the questions are true, half change the color."""
-    facts = passage_facts(rng)
+    facts = passage_facts(rng, rng.randint(2, 3))
     name, color, obj = rng.choice(facts)
     answer = rng.random() < 0.5
     if not answer:
@@ -84,9 +98,9 @@ def boolq_item(rng: random.Random) -> dict:
 def mmlu_item(rng: random.Random) -> dict:
     """An mmlu-schema record: question, subject, four choices, index of the right one."""
     if rng.random() < 0.5:
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        a, b = rng.randint(0, 9), rng.randint(1, MAX_STEP)
         right = a + b
-        wrong = rng.sample([v for v in range(0, 19) if v != right], 3)
+        wrong = rng.sample([v for v in range(0, 13) if v != right], 3)
         question, subject, choices = f"What is {a} + {b}?", "high_school_mathematics", [right, *wrong]
     else:
         pairs = countries()
@@ -102,7 +116,7 @@ def mmlu_item(rng: random.Random) -> dict:
     return {"question": question, "subject": subject, "choices": [str(c) for c in choices], "answer": answer}
 
 
-MAKERS = {"gsm8k": arithmetic_item, "boolq": boolq_item, "mmlu_hs": mmlu_item}
+MAKERS = {"gsm8k": count_item, "boolq": boolq_item, "mmlu_hs": mmlu_item}
 
 
 def _key(record: dict) -> str:
@@ -128,29 +142,40 @@ def split_items(task: str, n_train: int, n_test: int, seed: int) -> tuple[list[d
 
 # -- pretraining text ----------------------------------------------------------------------------
 def pretrain_documents(n: int, seed: int) -> list[str]:
-    """Plain text for the base model: stories, sums, word problems told as prose, capital facts."""
+    """Plain text for the base model: the world's facts and the skills the tasks need, told as prose.
+
+    Like a real base model, it learns the content here (sums, who has what, capitals) and
+    the fine-tune only has to teach it the chat format and the answer forms.
+    """
     rng = random.Random(f"pretrain-{seed}")
     pairs = countries()
     docs = []
     for _ in range(n):
-        kind = rng.randrange(4)
-        if kind == 0:
+        kind = rng.randrange(6)
+        if kind == 0:  # a passage, as in boolq
             docs.append(passage_text(passage_facts(rng, rng.randint(2, 4))))
-        elif kind == 1:
+        elif kind == 1:  # sums and differences
             sums = []
             for _ in range(4):
-                a, b = rng.randint(0, 9), rng.randint(0, 9)
+                a, b = rng.randint(0, 9), rng.randint(1, MAX_STEP)
                 sums.append(
-                    f"{a} + {b} = {a + b}."
-                    if rng.random() < 0.6
-                    else f"{max(a, b)} - {min(a, b)} = {abs(a - b)}."
+                    f"{a} + {b} = {a + b}." if rng.random() < 0.5 else f"{max(a, b)} - {b} = {max(a, b) - b}."
                 )
             docs.append(" ".join(sums))
-        elif kind == 2:
-            record = arithmetic_item(rng)
-            docs.append(f"{record['question']} {record['answer'].splitlines()[0]}.")
-        else:
+        elif kind == 2:  # who has how many coins, as in gsm8k
+            owned = coins()
+            docs.append(" ".join(f"{name} has {owned[name]} coins." for name in rng.sample(NAMES, 3)))
+        elif kind == 3:  # capitals, as in mmlu geography
             docs.append(" ".join(f"The capital of {c} is {cap}." for c, cap in rng.sample(pairs, 3)))
+        elif kind == 4:  # a yes/no question about a passage, answered
+            record = boolq_item(rng)
+            docs.append(
+                f"{record['passage']} Q: {record['question']}? A: {'yes' if record['answer'] else 'no'}."
+            )
+        else:  # a multiple-choice question, answered
+            record = mmlu_item(rng)
+            options = " ".join(f"{LETTERS[i]}) {c}" for i, c in enumerate(record["choices"]))
+            docs.append(f"{record['question']} {options} The answer is {LETTERS[record['answer']]}.")
     return docs
 
 

@@ -57,7 +57,9 @@ class Schedule:
         s = replace(
             self,
             phi=self.phi if self.phi is not None else (REFERENCE_PHI if reference else None),
-            beta_min=self.beta_min if self.beta_min is not None else (REFERENCE_BETA_MIN if reference else 0.0),
+            beta_min=self.beta_min
+            if self.beta_min is not None
+            else (REFERENCE_BETA_MIN if reference else 0.0),
         )
         for name in ("kappa", "gamma", "beta_min"):
             value = getattr(s, name)
@@ -74,7 +76,9 @@ class Schedule:
         if s.phi is not None and s.phi <= 0:
             raise UsageError(f"--phi: must be a positive number of steps, got {s.phi}")
         if s.method == "ouema" and s.eta == 0:
-            raise UsageError("--eta 0 with ouema: alpha_s = 1 makes (theta_s - alpha*theta0)/(1 - alpha) undefined")
+            raise UsageError(
+                "--eta 0 with ouema: alpha_s = 1 makes (theta_s - alpha*theta0)/(1 - alpha) undefined"
+            )
         return s
 
     # -- the two schedules ------------------------------------------------
@@ -83,7 +87,9 @@ class Schedule:
         if self.preset == "paper":
             w = self.rho + self.gamma * step
             if w <= 0:
-                raise UsageError(f"rho + gamma*s must be > 0, got {w} at step {step} (rho={self.rho}, gamma={self.gamma})")
+                raise UsageError(
+                    f"rho + gamma*s must be > 0, got {w} at step {step} (rho={self.rho}, gamma={self.gamma})"
+                )
             return w, w
         t = max(step - self.tau + self.rho, 1.0)
         return 1.0 + self.gamma * t, 1.0 + t
@@ -131,52 +137,111 @@ class PlannedStep:
     beta: float  # ema_weight used at this step (nan when skipped)
 
 
+# The running tensors each method keeps besides theta0 (memory planning counts them).
+STATE_TENSORS = {"vanilla": (), "ema": ("ema",), "bema": ("ema",), "dema": ("e1", "e2"), "ouema": ("ou",)}
+
+
 class Stabilizer:
     """Running state of one method over one tensor (any shape; updates are elementwise).
 
-    `restart(theta)` is the burn-in (theta0 = ema = ... = theta); `update` applies one
-    step and returns the stabilized estimate. Tensors are used in the caller's dtype and
-    device (the accumulation dtype); theta0 is never modified in place.
+    `advance` moves the state to a checkpoint (burn-in restarts it, theta0 = ema = ... =
+    theta_s); `estimate` reads the stabilized weights there. They are split so a caller
+    that writes only some steps (`--final-only`) pays for the cheap state update at every
+    step and for the output only where it is written. Tensors are used in the caller's
+    dtype and device (the accumulation dtype). theta0 is held by reference and never
+    modified: the caller keeps it unchanged while the stabilizer lives.
     """
 
     def __init__(self, method: str, theta0: torch.Tensor):
         if method not in METHODS:
             raise UsageError(f"unknown method {method!r}")
         self.method = method
+        self.ema = self.e1 = self.e2 = self.ou = None
         self.restart(theta0)
 
     def restart(self, theta: torch.Tensor) -> torch.Tensor:
+        """Burn-in: start over from theta (reusing the state's storage when the shape allows)."""
         self.theta0 = theta
-        self.ema = theta.clone() if self.method in ("ema", "bema") else None
-        self.e1 = theta.clone() if self.method == "dema" else None
-        self.e2 = theta.clone() if self.method == "dema" else None
-        self.ou = theta.clone() if self.method == "ouema" else None
+        for name in STATE_TENSORS[self.method]:
+            state = getattr(self, name)
+            if state is not None and state.shape == theta.shape:
+                state.copy_(theta)
+            else:
+                setattr(self, name, theta.clone())
         return theta
 
-    def update(self, theta: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
-        if self.method == "vanilla":
+    def advance(self, event: PlannedStep, theta: torch.Tensor) -> None:
+        """Apply one planned event to the state: restart, update with (alpha_s, beta_s), or nothing."""
+        if event.action == "burnin":
+            self.restart(theta)
+        elif event.action == "update":
+            beta = event.beta
+            if self.method in ("ema", "bema"):
+                self.ema.lerp_(theta, beta)  # ema = (1-beta)*ema + beta*theta
+            elif self.method == "dema":
+                self.e1.lerp_(theta, beta)
+                self.e2.lerp_(self.e1, beta)
+            elif (
+                self.method == "ouema"
+            ):  # average the debiased targets d = (theta - alpha*theta0)/(1 - alpha)
+                debiased = (theta - event.alpha * self.theta0) / (1.0 - event.alpha)
+                self.ou.lerp_(debiased, beta)
+
+    def estimate(
+        self,
+        event: PlannedStep,
+        theta: torch.Tensor,
+        drift: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        method: str | None = None,
+    ) -> torch.Tensor:
+        """The stabilized weights after `advance(event, theta)`.
+
+        `drift` = theta - theta0 may be passed in when several configs share it; `out` is
+        optional storage for the result; `method` reads another method of the same state
+        (ema and bema share one EMA, see `state_key`). The result may alias the state:
+        use it before the next `advance`.
+        """
+        import torch  # already loaded by the caller that made the tensors
+
+        method = method or self.method
+        if STATE_TENSORS[method] != STATE_TENSORS[self.method]:
+            raise ValueError(f"a {self.method} state cannot give a {method} estimate")
+        if event.action == "burnin" or method == "vanilla":
             return theta
-        if self.method in ("ema", "bema"):
-            self.ema.lerp_(theta, beta)  # ema = (1-beta)*ema + beta*theta
-            if self.method == "ema":
-                return self.ema
-            return self.ema.add(theta - self.theta0, alpha=alpha)  # ema + alpha*(theta - theta0)
-        if self.method == "dema":
-            self.e1.lerp_(theta, beta)
-            self.e2.lerp_(self.e1, beta)
-            return 2 * self.e1 - self.e2
-        # ouema: average the debiased targets d = (theta - alpha*theta0)/(1 - alpha)
-        debiased = (theta - alpha * self.theta0) / (1.0 - alpha)
-        self.ou.lerp_(debiased, beta)
+        if method == "ema":
+            return self.ema
+        if method == "bema":  # ema + alpha*(theta - theta0)
+            drift = theta - self.theta0 if drift is None else drift
+            return torch.add(self.ema, drift, alpha=event.alpha, out=out)
+        if method == "dema":  # 2*e1 - e2
+            return torch.sub(torch.mul(self.e1, 2, out=out), self.e2, out=out)
         return self.ou
 
     def apply(self, event: PlannedStep, theta: torch.Tensor) -> torch.Tensor | None:
-        """Run one planned event; the output tensor, or None for a skipped step."""
-        if event.action == "burnin":
-            return self.restart(theta)
-        if event.action == "skip":
-            return None
-        return self.update(theta, event.alpha, event.beta)
+        """advance + estimate in one call; None for a skipped step."""
+        self.advance(event, theta)
+        return None if event.action == "skip" else self.estimate(event, theta)
+
+
+def state_key(s: Schedule) -> tuple:
+    """Runs with equal keys walk identical state trajectories, so a grid keeps one state per key.
+
+    ema and bema share their EMA (alpha_s only enters bema's output); ouema's state
+    depends on alpha_s, hence on eta.
+    """
+    family = "ema" if s.method in ("ema", "bema") else s.method
+    return (
+        family,
+        s.preset,
+        s.kappa,
+        s.gamma,
+        s.rho,
+        s.tau,
+        s.phi,
+        s.beta_min,
+        s.eta if family == "ouema" else None,
+    )
 
 
 def run_name(s: Schedule) -> str:

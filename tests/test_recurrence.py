@@ -107,3 +107,31 @@ def test_run_names():
     assert run_name(Schedule(method="ema", kappa=0.25)) == "ema-k0.25"
     assert run_name(Schedule(method="ouema", kappa=1.0, eta=0.4)) == "ouema-k1.0-e0.4"
     assert run_name(Schedule(method="vanilla")) == "vanilla"
+
+
+def test_state_key_shares_only_identical_state_trajectories():
+    from bema_cli.recurrence import state_key
+
+    def key(**kw):
+        return state_key(Schedule(**kw).resolved())
+
+    assert key(method="bema", eta=0.2) == key(method="bema", eta=0.4) == key(method="ema", eta=math.inf)
+    assert key(method="bema", kappa=0.2) != key(method="bema", kappa=0.5)
+    assert key(method="bema", phi=2) != key(method="bema")
+    assert key(method="ouema", eta=0.2) != key(method="ouema", eta=0.4)
+    assert key(method="dema") != key(method="ema")
+
+
+def test_shared_state_gives_each_methods_own_estimate():
+    """One bema state read as ema and as bema equals separate ema and bema stabilizers (float64)."""
+    torch.manual_seed(0)
+    theta0 = torch.randn(7, dtype=torch.float64)
+    trajectory = [theta0 + 0.1 * k + 0.05 * torch.randn(7, dtype=torch.float64) for k in range(1, 6)]
+    events = Schedule(method="bema").plan(list(range(1, 6)))
+    shared, ema, bema = (Stabilizer(m, theta0) for m in ("bema", "ema", "bema"))
+    for event, theta in zip(events, trajectory, strict=True):
+        shared.advance(event, theta)
+        assert torch.equal(shared.estimate(event, theta, method="ema"), ema.apply(event, theta))
+        assert torch.equal(shared.estimate(event, theta), bema.apply(event, theta))
+    with pytest.raises(ValueError):
+        shared.estimate(events[-1], trajectory[-1], method="dema")

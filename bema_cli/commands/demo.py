@@ -17,7 +17,11 @@ def demo(
         typer.Option("--quick", help="A tiny model and a few steps (about a minute): checks the pipeline."),
     ] = False,
     backend: Annotated[
-        str, typer.Option("--backend", help="bema eval backend: auto (vllm if usable), vllm or transformers.")
+        str,
+        typer.Option(
+            "--backend",
+            help="bema eval backend: auto (vllm on a GPU, transformers on a CPU), vllm or transformers.",
+        ),
     ] = "auto",
     overwrite: OverwriteOpt = False,
     keep_failed: Annotated[

@@ -247,8 +247,42 @@ def print_summary(summary: dict, out: Path) -> None:
         f"fine-tuning checkpoints: {out / 'sft'}/checkpoint-*\n"
         f"stabilized checkpoints: {out / 'stabilized'}/<run>/checkpoint-* (manifest.json)\n"
         f"results: {out / 'results' / 'results.jsonl'} (all tasks: bema report {out / 'results'})\n"
-        f"plot: {out / 'curves.png'}"
+        f"plots: {out / 'curves.png'} (every task, by bema report), {out / 'summary.png'} (the two tables)"
     )
+
+
+def plot_summary(summary: dict, path: Path) -> Path:
+    """Two panels for the README: held-out loss from the first fine-tuning step on (log scale; the
+    base model's loss would dwarf the rest) and gsm8k accuracy vs step, vanilla dashed.
+    `bema report` draws every task (curves.png)."""
+    from bema_cli import figures, report
+
+    fig = figures.new_figure(10.0, 3.6)
+    axes = fig.subplots(1, 2)
+    panels = [
+        ("loss", summary["loss"], "held-out loss (nats/token)"),
+        ("gsm8k", summary["accuracy"].get("gsm8k", {}), "gsm8k accuracy"),
+    ]
+    for ax, (name, values, label) in zip(axes, panels, strict=True):
+        for i, run in enumerate(summary["runs"]):
+            steps = sorted(s for s in values.get(run, {}) if s > 0 or name != "loss")  # base: off the scale
+            style = {"color": "black", "ls": "--"} if run == "vanilla" else {"color": f"C{i}", "ls": "-"}
+            ax.plot(steps, [values[run][s] for s in steps], marker="o", ms=3, lw=1.6, label=run, **style)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        if name == "loss":
+            ax.set_yscale("log")
+    base = summary["loss"].get("vanilla", {}).get(0)
+    note = f"; base model {base:.2f}, not shown" if base is not None else ""
+    axes[0].set_title(f"held-out loss (lower is better{note})", fontsize=10)
+    axes[1].set_title("gsm8k-style task accuracy (higher is better)", fontsize=10)
+    handles, labels = axes[0].get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda i: report.run_order(labels[i]))
+    fig.legend(
+        [handles[i] for i in order], [labels[i] for i in order], loc="outside right upper", title="run"
+    )
+    return figures.save(fig, path, "summary plot")
 
 
 # -- the pipeline -------------------------------------------------------------------------------
@@ -315,5 +349,6 @@ def _stages(out: Path, cfg: DemoConfig, backend: str, quick: bool) -> dict:
         out=str(out), config=asdict(cfg), quick=quick, seconds=seconds,
         total_seconds=round(time.perf_counter() - started, 1),
     )  # fmt: skip
+    plot_summary(summary, out / "summary.png")
     (out / "summary.json").write_text(output.to_json(summary) + "\n")
     return summary

@@ -132,8 +132,11 @@ def test_quick_demo_end_to_end(tmp_path):  # ~20 s on 2 idle cores: the whole pi
         assert value[str(r["step"])] == pytest.approx(metric)
     assert summary["runs"][0] == "vanilla" and summary["steps"] == [0, 20, 40]
 
-    # the plot decodes
+    # the plots decode
     import matplotlib.image
 
     image = matplotlib.image.imread(out / "curves.png")
     assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 200
+    image = matplotlib.image.imread(out / "summary.png")
+    assert image.shape[:2] == (360, 1000)  # 10 x 3.6 inches at 100 dpi
+    assert json.loads((out / "summary.json").read_text())["loss"] == summary["loss"]

@@ -5,7 +5,7 @@
     3. finetune   HF Trainer, constant LR, small batch, checkpoint-<s> every k  -> OUT/sft
     4. stabilize  `bema stabilize` (EMA + BEMA at two etas)                      -> OUT/stabilized
     5. eval       `bema eval` of vanilla/EMA/BEMA on loss + the three tasks      -> OUT/results
-    6. report     `bema report --plot`                                           -> OUT/curves.png
+    6. report     `bema report --plot`, then the summary      -> OUT/curves.png, OUT/summary.{json,png}
 
 Steps 4-6 run the real CLI in subprocesses and print each command line, so the demo shows
 exactly what a user would type. Steps 2-3 use the library in-process.
@@ -332,7 +332,7 @@ def _stages(out: Path, cfg: DemoConfig, backend: str, quick: bool) -> dict:
     base = build_base(out, cfg, data["train"])
     stage(
         "finetune",
-        f"3/6 fine-tune: HF Trainer, constant LR {cfg.lr}, batch {cfg.batch}, checkpoint every {cfg.save_every} steps",
+        f"3/6 fine-tune: HF Trainer, constant LR {cfg.lr}, batch {cfg.batch}, save every {cfg.save_every} steps",
     )
     finetune(out, cfg, base, data["train"])
     stage("stabilize", "4/6 stabilize: EMA and BEMA from the saved checkpoints")

@@ -86,7 +86,8 @@ def test_refuses_an_old_demo_without_overwrite(tmp_path):
     assert "--overwrite" in result.stderr and (target / "results").is_dir()
 
 
-def test_quick_demo_end_to_end(tmp_path):  # ~20 s on 2 idle cores: the whole pipeline, real CLI
+@pytest.mark.slow  # 20-50 s on 2 cores: the whole pipeline through the real CLI
+def test_quick_demo_end_to_end(tmp_path):
     out = tmp_path / "demo"
     result = run_bema("demo", "--quick", "--out", out, "--json", timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -86,6 +86,19 @@ def test_every_bema_flag_in_the_readme_exists(tokens):
     check_flags(tokens)
 
 
+def test_flags_in_the_flag_tables_exist():
+    """Every --flag named in the README's "Commands and their main flags" section is a real flag."""
+    text = README.read_text()
+    section = text[text.index("## Commands and their main flags") :]
+    section = section[: section.index("\n## ", 1)]
+    helps = "".join(help_text(sub) for sub in ("stabilize", "eval", "rescore", "report", "simulate", "demo"))
+    helps += help_text(None)
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", section))
+    assert len(flags) > 30
+    missing = sorted(f for f in flags if not re.search(rf"{re.escape(f)}\b", helps))
+    assert not missing, f"README flag tables name flags no command has: {missing}"
+
+
 def test_make_targets_exist():
     targets = [line.split()[1] for body in blocks("make") for line in commands(body)]
     assert {"demo", "test"} <= set(targets)

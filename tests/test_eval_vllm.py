@@ -91,3 +91,22 @@ def test_loss_on_vllm_backend_equals_transformers(runs):
     for k in v:
         assert v[k]["tokens"] == t[k]["tokens"]
         assert v[k]["loss"] == pytest.approx(t[k]["loss"], rel=1e-6)
+
+
+def test_seeded_sampling_batch_over_the_token_budget(tmp_path, tiny_model_dir):
+    """Regression: on CPU a seeded batch larger than vLLM's 4096-token budget used to die in chunked
+    prefill ("CPU Generator does not use offset"); the paper's sampling (n > 1, temperature 1) must run."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [
+        {"question": f"does cat {i} run", "answer": i % 2 == 0,
+         "passage": " ".join(f"the cat {i * 100 + j} runs over the dog." for j in range(30))}  # ~300 tokens
+        for i in range(32)
+    ]  # fmt: skip
+    (data / "boolq.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = run_bema("eval", tiny_model_dir, "--backend", "vllm", "--data-dir", data, "--tasks", "boolq",
+                 "--n-samples", "4", "--max-new-tokens", "4", "--dtype", "float32",
+                 "--out", tmp_path / "out", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    (record,) = json.loads(r.stdout)
+    assert record["n_prompts"] == 32 and record["n_samples"] == 4 and record["backend"] == "vllm"

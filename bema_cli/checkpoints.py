@@ -49,6 +49,14 @@ class BaseModel:
     source: str  # what the user asked for: an absolute path or a Hub repo id
 
 
+def read_json(path: Path) -> dict:
+    """A JSON file as a dict; InputError naming the file when it is missing or malformed."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path}: cannot read ({exc})") from None
+
+
 def model_weight_files(folder: str | Path) -> list[Path]:
     """The safetensors files holding a model folder's weights (sharded index first, then single file).
 

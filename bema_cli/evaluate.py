@@ -17,14 +17,13 @@ from pathlib import Path
 from bema_cli import __version__, data, output
 from bema_cli.backends.base import EngineOptions, Sampling, make_backend
 from bema_cli.chat import has_tokenizer, render
-from bema_cli.checkpoints import find_checkpoints, resolve_model, step_of
+from bema_cli.checkpoints import find_checkpoints, model_weight_files, read_json, resolve_model, step_of
 from bema_cli.errors import InputError, UsageError
 from bema_cli.eval_io import ResultsFile, SamplesLog, read_jsonl
 from bema_cli.tasks import LOSS_TASKS, get_task
 from bema_cli.tasks import common as scoring
 from bema_cli.tasks import loss as loss_task
 
-WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 # bema.json keys that describe the stabilizer (per-step alpha/beta and paths are not hyperparameters)
 STABILIZER_KEYS = (
     "method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min",
@@ -66,23 +65,13 @@ class EvalConfig:
     chat_template_file: str | None = None
 
 
-def _read_json(path: Path) -> dict:
-    import json
-
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{path}: cannot read ({exc})") from None
-
-
 def check_model_dir(path: Path) -> None:
     """Fail early, before any engine starts, on folders that cannot be evaluated."""
     if not path.is_dir():
         raise InputError(f"{path}: not a directory")
     if not (path / "config.json").is_file():
         raise InputError(f"{path}: no config.json (not a model folder)")
-    if not any(next(path.glob(g), None) for g in WEIGHT_GLOBS):
-        raise InputError(f"{path}: no model weights (*.safetensors or pytorch_model*.bin)")
+    model_weight_files(path)  # the rule stabilize and the vLLM weight swap use: safetensors only
     if not has_tokenizer(path):
         raise InputError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
 
@@ -90,9 +79,10 @@ def check_model_dir(path: Path) -> None:
 def _model_target(path: Path) -> Target:
     bema = path / "bema.json"
     if bema.is_file():
-        meta = _read_json(bema)
+        meta = read_json(bema)
         stabilizer = {k: meta[k] for k in STABILIZER_KEYS if k in meta}
-        return Target(path, str(meta.get("run", "vanilla")), meta.get("step"), stabilizer or dict(VANILLA))
+        step = meta["step"] if "step" in meta else step_of(path)
+        return Target(path, str(meta.get("run", "vanilla")), step, stabilizer or dict(VANILLA))
     return Target(path, "vanilla", step_of(path), dict(VANILLA))
 
 
@@ -104,7 +94,7 @@ def expand_inputs(inputs: list[str]) -> list[Target]:
         if not path.exists():
             raise InputError(f"{text}: no such file or directory")
         if (path / "manifest.json").is_file():
-            manifest = _read_json(path / "manifest.json")
+            manifest = read_json(path / "manifest.json")
             for run in manifest.get("runs", []):
                 for out in run.get("outputs", []):
                     target = _model_target((path / out["path"]).resolve())
@@ -159,8 +149,6 @@ class Evaluation:
         self.config, self.engine = config, engine
         self.results = ResultsFile(config.out)
         self.samples = SamplesLog(config.out, config.log_samples)
-        if config.log_samples and config.out is None:
-            raise UsageError("--log-samples needs --out")
         self.modules = {name: get_task(name) for name in config.tasks}
         self.docs, self.loss_records, self.sources = {}, {}, {}
         self._load_data()
@@ -201,8 +189,6 @@ class Evaluation:
         return todo
 
     def run(self, targets: list[Target]) -> list[dict]:
-        for target in targets:
-            check_model_dir(target.path)
         try:
             for target in targets:
                 todo = self.pending(target)
@@ -288,6 +274,10 @@ def run_eval(inputs: list[str], base: str | None, config: EvalConfig, engine: En
         targets.insert(0, base_target(base, targets))
     if not targets:
         raise UsageError("no checkpoints to evaluate (give model folders and/or --base)")
+    for target in targets:  # before any data is downloaded or OUT is created
+        check_model_dir(target.path)
+    if config.log_samples and config.out is None:
+        raise UsageError("--log-samples needs --out")
     return Evaluation(config, engine).run(targets)
 
 

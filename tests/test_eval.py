@@ -268,7 +268,7 @@ def test_errors_are_one_line_with_exit_codes(evaluated, tmp_path):
     cases = [
         (["eval", base, *common, "--tasks", "boolq,nope"], 2, ["unknown task 'nope'"]),
         (["eval", no_tok, *common, "--tasks", "boolq"], 3, [str(no_tok), "no tokenizer"]),
-        (["eval", no_weights, *common, "--tasks", "boolq"], 3, [str(no_weights), "no model weights"]),
+        (["eval", no_weights, *common, "--tasks", "boolq"], 3, [str(no_weights), "no model.safetensors"]),
         (["eval", base, "--backend", "transformers", "--data-dir", bad, "--tasks", "boolq"], 3, [f"{bad / 'boolq.jsonl'}:2", "'answer'"]),
         (["eval", base, "--backend", "transformers", "--tasks", "gsm8k,boolq,mmlu_hs"], 3,
          ["gsm8k.jsonl", "openai/gsm8k", "boolq.jsonl", "google/boolq", "cais/mmlu"]),

@@ -11,13 +11,13 @@ vLLM itself is imported only inside functions.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 from bema_cli import chat, output
 from bema_cli.backends.base import EngineOptions, Sampling
-from bema_cli.errors import BackendError, InputError
+from bema_cli.checkpoints import model_weight_files, read_json
+from bema_cli.errors import BackendError
 
 # config.json fields that must match for weights to fit the running engine
 ARCH_FIELDS = (
@@ -27,26 +27,8 @@ ARCH_FIELDS = (
 EMBEDDING_SUFFIXES = ("embed_tokens.weight", "embed_in.weight", "wte.weight")
 
 
-def read_config(path: Path) -> dict:
-    try:
-        return json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{path}/config.json: cannot read ({exc})") from None
-
-
 def architecture(config: dict) -> dict:
     return {k: config.get(k) for k in ARCH_FIELDS}
-
-
-def weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError) as exc:
-            raise InputError(f"{index}: unreadable shard index ({exc})") from None
-        return [path / n for n in names]
-    return sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
 
 
 def checkpoint_weights(path: str | Path, tied: bool) -> Iterator[tuple[str, object]]:
@@ -54,7 +36,7 @@ def checkpoint_weights(path: str | Path, tied: bool) -> Iterator[tuple[str, obje
     from safetensors import safe_open
 
     seen, embedding = set(), None
-    for file in weight_files(Path(path)):
+    for file in model_weight_files(path):
         with safe_open(str(file), framework="pt") as reader:
             for name in reader.keys():
                 tensor = reader.get_tensor(name)
@@ -117,7 +99,7 @@ class VllmBackend:
 
     def load(self, checkpoint: Path) -> None:
         checkpoint = Path(checkpoint)
-        config = read_config(checkpoint)
+        config = read_json(checkpoint / "config.json")
         self.tokenizer, self.template_source = chat.load_tokenizer(checkpoint, self.options.chat_template)
         self.stop_ids = chat.stop_token_ids(self.tokenizer, checkpoint)
         self._hf_model = None
@@ -136,8 +118,6 @@ class VllmBackend:
                     f"{checkpoint}: {field} {value!r} differs from the running vLLM engine's "
                     f"{self.engine_arch[field]!r} (engine started on {self.engine_path}); evaluate it in a separate bema eval"
                 )
-        if not weight_files(checkpoint):
-            raise InputError(f"{checkpoint}: no *.safetensors weights to load into the vLLM engine")
         tied = bool(config.get("tie_word_embeddings", False))
         try:
             self.llm.collective_rpc("bema_load_checkpoint", args=(str(checkpoint), tied))

@@ -42,7 +42,6 @@ from bema_cli.safetensors_io import (
 
 OUT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 ACCUM_DTYPES = ("float32", "float64")
-TEMPS = 3  # transient accum-dtype buffers while one output is computed (theta - theta0, result, ...)
 
 
 @dataclass
@@ -161,11 +160,21 @@ def _check_same(index: ModelIndex, base: ModelIndex, what: str, cast_base: bool 
             raise InputError(f"{t.file}: tensor {name!r} has dtype {t.dtype}, the {what} has {b.dtype}{hint}")
 
 
+def _accumulators(runs: list[Run]) -> int:
+    """Accum-dtype buffers per element that `_walk` holds: theta0, theta_s, one set of state per
+    distinct state, theta_s - theta0 (bema), the output (bema, dema), ouema's two temporaries."""
+    methods = {r.schedule.method for r in runs}
+    distinct = {state_key(r.schedule): r.schedule.method for r in runs}  # runs sharing a state count once
+    state = sum(len(STATE_TENSORS[m]) for m in distinct.values())
+    scratch = ("bema" in methods) + bool(methods & {"bema", "dema"}) + 2 * ("ouema" in methods)
+    return 2 + state + scratch
+
+
 def _units(order: list[TensorInfo], runs: list[Run], opts: Options) -> list[list[Piece]]:
     """Cut the tensors (in output order) into work units whose working set fits opts.max_memory."""
     acc = DTYPES[TAG_OF[opts.accum_dtype]][1]
-    distinct = {state_key(r.schedule): r.schedule.method for r in runs}  # runs sharing a state count once
-    state = sum(len(STATE_TENSORS[m]) for m in distinct.values())
+    out_size = DTYPES[TAG_OF[opts.out_dtype]][1] if opts.out_dtype else 0
+    float_cost = acc * _accumulators(runs)
     units: list[list[Piece]] = []
     cur: list[Piece] = []
     used = 0
@@ -173,7 +182,8 @@ def _units(order: list[TensorInfo], runs: list[Run], opts: Options) -> list[list
         rows = t.shape[0] if t.shape else 1
         if t.numel == 0:
             continue
-        per_elem = t.itemsize * 3 + (acc * (2 + TEMPS + state) + 1 if t.dtype in FLOATING else 0)
+        # the input chunk as read, plus (floats) an output cast and the accum-dtype buffers
+        per_elem = t.itemsize + (max(t.itemsize, out_size) + float_cost if t.dtype in FLOATING else 0)
         row_cost = (t.numel // rows) * per_elem
         r = 0
         while r < rows:
@@ -212,6 +222,8 @@ def prepare(opts: Options) -> Plan:
         raise UsageError(f"--out-dtype: choose from {', '.join(OUT_DTYPES)}, got {opts.out_dtype!r}")
     if opts.max_memory <= 0 or opts.max_shard_size <= 0:
         raise UsageError("--max-memory and --max-shard-size must be positive")
+    if len({s.tau for s in opts.schedules}) > 1:
+        raise UsageError("--tau: every config of one run must share the burn-in (theta0 is shared)")
     checkpoints = find_checkpoints(opts.checkpoint_dir)
     base = resolve_base(opts.base, checkpoints)
     steps = [c.step for c in checkpoints]
@@ -435,8 +447,9 @@ def _walk(plan: Plan, opts: Options, tmp: Path) -> int:
                     event = run.events[step]
                     if run.schedule.method == "bema" and drift is None and event.action == "update":
                         drift = torch.sub(theta, theta0, out=ws.view("drift", size))
+                    out = ws.view("out", size) if run.schedule.method in ("bema", "dema") else None
                     result = stabs[state_key(run.schedule)].estimate(
-                        event, theta, drift=drift, out=ws.view("out", size), method=run.schedule.method
+                        event, theta, drift=drift, out=out, method=run.schedule.method
                     )
                     _write(writers[run.name, step], unit, result, raw, out_dtypes, ws)
                 del raw

@@ -44,7 +44,7 @@ def record(run: Run, step: int, source: Path, base_source: str, opts: Options, o
 def out_dtype_name(plan: Plan, opts: Options) -> str:
     if opts.out_dtype:
         return opts.out_dtype
-    tags = {t.dtype for t in plan.base_index.tensors.values() if t.dtype in FLOATING}
+    tags = {t.dtype for t in plan.out_tensors if t.dtype in FLOATING}  # the checkpoints' (--cast-base)
     return DTYPES[tags.pop()][0] if len(tags) == 1 else "mixed"
 
 

@@ -117,7 +117,7 @@ def test_matches_reference(tmp_path, case):
     doc = stabilize(run_dir, "--base", base_dir, "--out", out, *args)
     expected = check_outputs(doc, base_dir, run_dir, accum64="float64" in args)
     assert len(doc["outputs"]) == expected > 0
-    assert doc["read_bytes"] > 0 and doc["written_bytes"] > 0 and doc["seconds"] >= 0
+    assert doc["read_bytes"] > 0 and doc["written_bytes"] > 0
     if "--max-shard-size" in args:
         folder = Path(doc["outputs"][0]["path"])
         assert (folder / "model.safetensors.index.json").is_file()
@@ -293,3 +293,5 @@ def test_cast_base_bf16_base_fp32_checkpoints(tmp_path):
     assert check_outputs(doc, base_dir, run_dir) == 6
     out = load_model(Path(doc["outputs"][0]["path"]))
     assert all(v.dtype == torch.float32 for v in out.values()), "outputs keep the checkpoints' dtype"
+    record = json.loads((Path(doc["outputs"][0]["path"]) / "bema.json").read_text())
+    assert record["out_dtype"] == "float32"

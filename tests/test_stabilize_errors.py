@@ -208,7 +208,7 @@ def test_error(results, name):
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     out = root / "out"
     leftovers = [p.name for p in out.iterdir()] if out.is_dir() else []
-    assert leftovers in ([], ["bema-k0.5-e0.2"] if name == "out_exists" else []), leftovers
+    assert leftovers == (["bema-k0.5-e0.2"] if name == "out_exists" else []), leftovers
 
 
 def test_nonfinite_allowed_and_overwrite(tmp_path):

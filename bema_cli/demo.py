@@ -13,7 +13,6 @@ exactly what a user would type. Steps 2-3 use the library in-process.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shlex
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from bema_cli import demo_data, output
 from bema_cli.errors import BemaError, OutputError
+from bema_cli.eval_io import read_jsonl, write_jsonl_atomic
 
 MARKER = ".bema-demo"  # marks a folder as a demo output, so --overwrite may replace it
 TASKS = ("gsm8k", "boolq", "mmlu_hs")
@@ -78,13 +78,13 @@ def write_data(out: Path, cfg: DemoConfig) -> dict:
     train, heldout = [], []
     for task in TASKS:
         tr, te = demo_data.split_items(task, cfg.train_per_task, cfg.test_per_task, cfg.seed)
-        demo_data.write_jsonl(data / f"{task}.jsonl", te)
+        write_jsonl_atomic(data / f"{task}.jsonl", te)
         train += [{"messages": demo_data.chat(task, r)} for r in tr]
         heldout += [{"messages": demo_data.chat(task, r)} for r in te]
     random.Random(cfg.seed).shuffle(train)
     random.Random(cfg.seed + 1).shuffle(heldout)  # every task in any prefix `--loss-samples` takes
-    demo_data.write_jsonl(data / "train.jsonl", train)
-    demo_data.write_jsonl(data / "heldout.jsonl", heldout)
+    write_jsonl_atomic(data / "train.jsonl", train)
+    write_jsonl_atomic(data / "heldout.jsonl", heldout)
     output.log(f"  {len(train)} training conversations, {len(heldout)} held-out, tasks {', '.join(TASKS)}")
     return {"dir": data, "train": train, "heldout": data / "heldout.jsonl"}
 
@@ -177,11 +177,6 @@ def _short(args: list[str], out: Path, cfg: DemoConfig) -> str:
 
 
 # -- summary ------------------------------------------------------------------------------------
-def read_results(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
 def summarize(records: list[dict]) -> dict:
     """{"runs", "steps", "loss": {run: {step: v}}, "accuracy": {task: {run: {step: v}}}} from results.jsonl."""
     loss: dict[str, dict[int, float]] = {}
@@ -329,7 +324,7 @@ def _stages(out: Path, cfg: DemoConfig, backend: str, quick: bool) -> dict:
     bema_cli(["report", str(out / "results"), "--plot", str(out / "curves.png")])
     ends = [*list(timings.values())[1:], time.perf_counter()]
     seconds = {name: round(end - start, 1) for (name, start), end in zip(timings.items(), ends, strict=True)}
-    summary = summarize(read_results(out / "results" / "results.jsonl"))
+    summary = summarize(read_jsonl(out / "results" / "results.jsonl"))
     summary.update(
         out=str(out), config=asdict(cfg), quick=quick, seconds=seconds,
         total_seconds=round(time.perf_counter() - started, 1),

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 NAMES = ["Mia", "Leo", "Ava", "Sam", "Zoe", "Max", "Ivy", "Ben", "Eva", "Tom", "Lily", "Jack"]
 ITEMS = ["apples", "pens", "books", "coins", "cards", "shells", "stamps", "marbles"]
@@ -180,14 +179,6 @@ def pretrain_documents(n: int, seed: int) -> list[str]:
 
 
 # -- files in the `bema eval --data-dir` schemas --------------------------------------------------
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        for record in records:
-            fh.write(json.dumps(record) + "\n")
-    return path
-
-
 # -- chat form for fine-tuning -------------------------------------------------------------------
 def reply(task: str, record: dict) -> str:
     """The gold assistant reply, in the form each task's scorer parses first (its strict rule)."""

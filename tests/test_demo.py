@@ -11,6 +11,7 @@ import pytest
 from conftest import run_bema
 
 from bema_cli import demo_data
+from bema_cli.eval_io import write_jsonl_atomic
 from bema_cli.tasks import get_task
 
 TASKS = ("gsm8k", "boolq", "mmlu_hs")
@@ -38,7 +39,8 @@ def test_splits_are_disjoint_and_in_the_eval_schema(task, tmp_path):
     key = demo_data._key
     assert len(test) == 50 and len({key(r) for r in test}) == 50
     assert not {key(r) for r in train} & {key(r) for r in test}
-    path = demo_data.write_jsonl(tmp_path / f"{task}.jsonl", test)
+    path = tmp_path / f"{task}.jsonl"
+    write_jsonl_atomic(path, test)
     docs = data.load_docs(get_task(task), [path], limit=50, seed=37371)  # bema eval's reader and checks
     assert sorted(map(key, docs)) == sorted(map(key, test))
 

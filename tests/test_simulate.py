@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import numpy as np
 import pytest
@@ -245,9 +244,3 @@ def test_cli_table_and_errors(tmp_path):
 def test_invalid_settings_name_the_flag(flags, needle):
     with pytest.raises(UsageError, match=needle):
         SimSettings(steps=5, **flags).validated()
-
-
-def test_performance_1000_trials_2000_steps_dim_20():
-    start = time.perf_counter()
-    simulate(SimSettings(steps=2000, trials=1000, dim=20))
-    assert time.perf_counter() - start < 15.0  # measured ~1-2 s on one shared CPU core

@@ -20,7 +20,7 @@ def demo(
         str,
         typer.Option(
             "--backend",
-            help="bema eval backend: auto (vllm on a GPU, transformers on a CPU), vllm or transformers.",
+            help="bema eval backend: auto (vllm if usable, else transformers), vllm or transformers.",
         ),
     ] = "auto",
     overwrite: OverwriteOpt = False,

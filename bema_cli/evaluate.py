@@ -174,15 +174,27 @@ class Evaluation:
                 self.sources[name] = str(Path(path).resolve())
 
     def pending(self, target: Target) -> list[str]:
-        runs = [r for r, _ in target.runs] if target.is_base else [target.run]
+        runs = target.runs if target.is_base else [(target.run, target.stabilizer)]
         todo = []
         for name in self.modules:
-            done = [self.results.find((str(target.path), run, name)) for run in runs]
-            if self.config.force or not all(done):
+            done = {run: self.results.find((str(target.path), run, name)) for run, _ in runs}
+            have = [r for r in done.values() if r is not None]
+            if target.is_base and not have:  # the base evaluated earlier for other runs counts too
+                have = [r for r in self.results.records if r["model_path"] == str(target.path)
+                        and r["task"] == name and r.get("is_base")]  # fmt: skip
+            if self.config.force or not have:
                 todo.append(name)
-            elif any(
-                _core(r.get("protocol", {})) != _protocol(self.config, name, self.sources[name]) for r in done
-            ):
+                continue
+            protocol = _protocol(self.config, name, self.sources[name])
+            same = [r for r in have if _core(r.get("protocol", {})) == protocol]
+            missing = [(run, st) for run, st in runs if done[run] is None]
+            if missing and same:
+                # the base stands in for every run: a run new to results.jsonl gets a copy of its
+                # record (same protocol), not a second generation of the same outputs
+                self.results.write([{**same[-1], "run": run, "stabilizer": st} for run, st in missing])
+            elif missing:
+                todo.append(name)
+            if len(same) < len(have):
                 output.warn(
                     f"kept the {name} result of {target.path} made with another protocol; --force redoes it"
                 )

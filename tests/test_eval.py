@@ -313,3 +313,20 @@ def test_expand_inputs_mixes_raw_stabilized_and_training_dirs(tmp_path):
     assert targets[2].stabilizer["method"] == "ema" and "alpha" not in targets[2].stabilizer
     base = base_target(str(tmp_path / "train" / "checkpoint-2"), targets)
     assert (base.step, base.is_base, [r for r, _ in base.runs]) == (0, True, ["vanilla", "ema_k1"])
+
+
+def test_base_records_are_copied_for_a_run_new_to_the_results(evaluated, tmp_path):
+    """The base is evaluated once: a later call that adds a run copies its base record, it does not regenerate."""
+    ev, out = evaluated, tmp_path / "out"
+    common = ["--base", ev["base"], "--data-dir", ev["data"], "--backend", "transformers", "--tasks", "gsm8k",
+              "--n-samples", N_SAMPLES, "--max-new-tokens", 6, "--limit", LIMIT, "--out", out]  # fmt: skip
+    first = run_bema("eval", ev["raw"], *common)
+    assert first.returncode == 0, first.stderr
+    second = run_bema("eval", ev["stab"], *common)
+    assert second.returncode == 0, second.stderr
+    base = {r["run"]: r for r in read_jsonl(out / "results.jsonl") if r["is_base"]}
+    assert set(base) == {"vanilla", "bema_k0.5"}
+    assert base["bema_k0.5"]["eval_id"] == base["vanilla"]["eval_id"]  # the same generation, copied
+    assert base["bema_k0.5"]["metrics"] == base["vanilla"]["metrics"]
+    assert base["bema_k0.5"]["stabilizer"]["method"] == "bema"
+    assert f"gsm8k: {ev['base']}" not in second.stderr  # no second generation on the base

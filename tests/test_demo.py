@@ -10,9 +10,9 @@ import random
 import pytest
 from conftest import run_bema
 
-from bema_cli import demo_data
-from bema_cli.eval_io import write_jsonl_atomic
-from bema_cli.tasks import get_task
+from bema_cli.demo import world
+from bema_cli.eval.results import write_jsonl_atomic
+from bema_cli.eval.tasks import get_task
 
 TASKS = ("gsm8k", "boolq", "mmlu_hs")
 
@@ -21,22 +21,22 @@ TASKS = ("gsm8k", "boolq", "mmlu_hs")
 def test_gold_reply_is_scored_right_and_other_items_reply_wrong(task):
     """The SFT target of each item parses, with the eval's rules, to that item's gold answer."""
     module = get_task(task)
-    _, test = demo_data.split_items(task, 0, 40, seed=3)
+    _, test = world.split_items(task, 0, 40, seed=3)
     hits = 0
     for record, other in zip(test, test[1:] + test[:1], strict=True):
-        answer = module.extract(demo_data.reply(task, record))
+        answer = module.extract(world.reply(task, record))
         assert answer is not None and module.is_correct(answer, module.gold(record))
-        other_answer = module.extract(demo_data.reply(task, other))
+        other_answer = module.extract(world.reply(task, other))
         hits += module.is_correct(other_answer, module.gold(record))
     assert hits < len(test)  # a reply is not right for every item: the scoring is per item
 
 
 @pytest.mark.parametrize("task", TASKS)
 def test_splits_are_disjoint_and_in_the_eval_schema(task, tmp_path):
-    from bema_cli import data
+    from bema_cli.eval import data
 
-    train, test = demo_data.split_items(task, 300, 50, seed=0)
-    key = demo_data._key
+    train, test = world.split_items(task, 300, 50, seed=0)
+    key = world._key
     assert len(test) == 50 and len({key(r) for r in test}) == 50
     assert not {key(r) for r in train} & {key(r) for r in test}
     path = tmp_path / f"{task}.jsonl"
@@ -47,25 +47,25 @@ def test_splits_are_disjoint_and_in_the_eval_schema(task, tmp_path):
 
 def test_generated_answers_agree_with_the_world():
     rng = random.Random(0)
-    owned, coins = demo_data.belongings(), demo_data.coins()
+    owned, coins = world.belongings(), world.coins()
     for _ in range(100):
-        record = demo_data.count_item(rng)
+        record = world.count_item(rng)
         name = record["question"].split("How many coins does ")[1].split()[0]
         assert record["answer"].endswith(f"#### {coins[name]}")
-        record = demo_data.boolq_item(rng)
+        record = world.boolq_item(rng)
         _, name, _, _, color, obj = record["question"].split()
         assert record["answer"] == (owned[name.capitalize()] == (color, obj))
-        record = demo_data.mmlu_item(rng)
+        record = world.mmlu_item(rng)
         if record["subject"] == "high_school_mathematics":
             a, b = record["question"].removeprefix("What is ").removesuffix("?").split(" + ")
             assert record["choices"][record["answer"]] == str(int(a) + int(b))
 
 
 def test_chat_uses_the_eval_prompt():
-    record = demo_data.boolq_item(random.Random(1))
-    messages = demo_data.chat("boolq", record)
+    record = world.boolq_item(random.Random(1))
+    messages = world.chat("boolq", record)
     assert messages[:-1] == get_task("boolq").messages(record)
-    assert messages[-1] == {"role": "assistant", "content": demo_data.reply("boolq", record)}
+    assert messages[-1] == {"role": "assistant", "content": world.reply("boolq", record)}
 
 
 def test_refuses_a_folder_that_is_not_a_demo(tmp_path):

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from conftest import run_bema
 
-from bema_cli import data
-from bema_cli.tasks import get_task
+from bema_cli.eval import data
+from bema_cli.eval.tasks import get_task
 
 LIMIT, N_SAMPLES = 2, 2  # small: the shared run must stay quick on 2 shared CPU cores
 BEMA_META = {"bema_version": "0.1.0", "run": "bema_k0.5", "method": "bema", "preset": "paper", "kappa": 0.5,
@@ -289,7 +289,7 @@ def test_errors_are_one_line_with_exit_codes(evaluated, tmp_path):
 
 
 def test_expand_inputs_mixes_raw_stabilized_and_training_dirs(tmp_path):
-    from bema_cli.evaluate import base_target, expand_inputs
+    from bema_cli.eval.evaluate import base_target, expand_inputs
 
     def model(path: Path, meta: dict | None = None) -> Path:
         path.mkdir(parents=True)

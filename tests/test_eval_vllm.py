@@ -24,7 +24,7 @@ GREEDY = "--temperature 0 --n-samples 1 --max-new-tokens 12 --limit 3 --dtype fl
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
-    from bema_cli.tinymodel import make_tiny_model
+    from bema_cli.demo.tinymodel import make_tiny_model
 
     root = tmp_path_factory.mktemp("vllm")
     data_dir = write_data(root / "data")

@@ -11,18 +11,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from trajectory import load_model
 
-from bema_cli.checkpoints import model_weight_files
 from bema_cli.errors import InputError
-from bema_cli.safetensors_io import (
-    TAG_OF,
-    ChunkReader,
-    ShardedWriter,
-    TensorInfo,
-    index_model,
-    plan_shards,
-    read_header,
-    tensor_bytes,
-)
+from bema_cli.io.checkpoints import model_weight_files
+from bema_cli.io.safetensors import TAG_OF, ChunkReader, TensorInfo, index_model, read_header
+from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from bema_cli import data
 from bema_cli.errors import InputError, UsageError
-from bema_cli.tasks import boolq, get_task, gsm8k, mmlu_hs
-from bema_cli.tasks import common as scoring
-from bema_cli.tasks import loss as loss_task
+from bema_cli.eval import data
+from bema_cli.eval.tasks import boolq, get_task, gsm8k, mmlu_hs
+from bema_cli.eval.tasks import common as scoring
+from bema_cli.eval.tasks import loss as loss_task
 
 
 @pytest.mark.parametrize(
@@ -184,7 +184,7 @@ def test_unknown_task():
 def test_chat_template_fallback_and_override(tiny_model_dir, tmp_path):
     import shutil
 
-    from bema_cli import chat
+    from bema_cli.eval import chat
 
     tok, source = chat.load_tokenizer(tiny_model_dir)
     assert source == "model"

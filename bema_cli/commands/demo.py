@@ -36,7 +36,7 @@ def demo(
     3-5. run the real `bema stabilize`, `bema eval` and `bema report` on it, printing each command
     Ends with held-out loss and accuracy per step for vanilla, EMA and BEMA, and OUT/curves.png.
     """
-    from bema_cli.demo import print_summary, run_demo
+    from bema_cli.demo.pipeline import print_summary, run_demo
 
     summary = run_demo(out, quick=quick, backend=backend, overwrite=overwrite, keep_failed=keep_failed)
     if json_out:

@@ -1,4 +1,4 @@
-"""`bema eval` and `bema rescore`: thin wrappers over bema_cli.evaluate."""
+"""`bema eval` and `bema rescore`: thin wrappers over bema_cli.eval.evaluate."""
 
 from __future__ import annotations
 
@@ -102,10 +102,10 @@ def evaluate(
     json_: JsonOpt = False,
 ) -> None:
     """Evaluate checkpoints with the paper's protocol: BoolQ, GSM8K, MMLU-HS (50 samples/prompt) and held-out loss."""
-    from bema_cli.backends.base import EngineOptions
-    from bema_cli.chat import read_template
-    from bema_cli.eval_io import records_table
-    from bema_cli.evaluate import EvalConfig, run_eval
+    from bema_cli.eval.backends.base import EngineOptions
+    from bema_cli.eval.chat import read_template
+    from bema_cli.eval.evaluate import EvalConfig, run_eval
+    from bema_cli.eval.results import records_table
 
     names = parse_str_list(tasks)
     for path, name in ((loss_data, "loss"), (loss_train_data, "train_loss")):
@@ -145,8 +145,8 @@ def rescore(
     """Recompute the scores of logged samples with the current answer-extraction rules (no generation)."""
     from pathlib import Path
 
-    from bema_cli.eval_io import records_table, write_jsonl_atomic
-    from bema_cli.evaluate import rescore as rescore_samples
+    from bema_cli.eval.evaluate import rescore as rescore_samples
+    from bema_cli.eval.results import records_table, write_jsonl_atomic
 
     records = rescore_samples(samples, results)
     if out is not None:

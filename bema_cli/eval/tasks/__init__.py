@@ -13,7 +13,7 @@ TASKS = GENERATION_TASKS + LOSS_TASKS
 
 
 def get_task(name: str) -> ModuleType:
-    """The task module for `name` (e.g. bema_cli.tasks.gsm8k); loss tasks share tasks/loss.py."""
+    """The task module for `name` (e.g. bema_cli.eval.tasks.gsm8k); loss tasks share tasks/loss.py."""
     if name not in TASKS:
         raise UsageError(f"--tasks: unknown task {name!r} (known: {', '.join(TASKS)})")
-    return importlib.import_module(f"bema_cli.tasks.{'loss' if name in LOSS_TASKS else name}")
+    return importlib.import_module(f"bema_cli.eval.tasks.{'loss' if name in LOSS_TASKS else name}")

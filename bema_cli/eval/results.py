@@ -10,8 +10,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from bema_cli.data import jsonl_rows
 from bema_cli.errors import InputError, OutputError
+from bema_cli.eval.data import jsonl_rows
 from bema_cli.output import to_json
 
 RESULTS = "results.jsonl"

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bema_cli import chat, output
-from bema_cli.backends.base import EngineOptions, Sampling
+from bema_cli import output
 from bema_cli.errors import BackendError, UsageError
-from bema_cli.tasks import loss as loss_task
+from bema_cli.eval import chat
+from bema_cli.eval.backends.base import EngineOptions, Sampling
+from bema_cli.eval.tasks import loss as loss_task
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from bema_cli.chat import CHATML_TEMPLATE  # one copy of the template, shared with `bema eval`
+from bema_cli.eval.chat import CHATML_TEMPLATE  # one copy of the template, shared with `bema eval`
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

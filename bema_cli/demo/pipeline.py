@@ -23,9 +23,10 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from bema_cli import demo_data, output
+from bema_cli import output
+from bema_cli.demo import world
 from bema_cli.errors import BemaError, OutputError
-from bema_cli.eval_io import read_jsonl, write_jsonl_atomic
+from bema_cli.eval.results import read_jsonl, write_jsonl_atomic
 
 MARKER = ".bema-demo"  # marks a folder as a demo output, so --overwrite may replace it
 TASKS = ("gsm8k", "boolq", "mmlu_hs")
@@ -77,10 +78,10 @@ def write_data(out: Path, cfg: DemoConfig) -> dict:
     data = out / "data"
     train, heldout = [], []
     for task in TASKS:
-        tr, te = demo_data.split_items(task, cfg.train_per_task, cfg.test_per_task, cfg.seed)
+        tr, te = world.split_items(task, cfg.train_per_task, cfg.test_per_task, cfg.seed)
         write_jsonl_atomic(data / f"{task}.jsonl", te)
-        train += [{"messages": demo_data.chat(task, r)} for r in tr]
-        heldout += [{"messages": demo_data.chat(task, r)} for r in te]
+        train += [{"messages": world.chat(task, r)} for r in tr]
+        heldout += [{"messages": world.chat(task, r)} for r in te]
     random.Random(cfg.seed).shuffle(train)
     random.Random(cfg.seed + 1).shuffle(heldout)  # every task in any prefix `--loss-samples` takes
     write_jsonl_atomic(data / "train.jsonl", train)
@@ -93,10 +94,10 @@ def build_base(out: Path, cfg: DemoConfig, train: list[dict]) -> Path:
     """Tokenizer trained on the corpus, a random Qwen2, pretrained on generated prose -> theta0."""
     import torch
 
-    from bema_cli import demo_train, tinymodel
+    from bema_cli.demo import tinymodel, training
 
     torch.manual_seed(cfg.seed)
-    docs = demo_data.pretrain_documents(cfg.pretrain_docs, cfg.seed)
+    docs = world.pretrain_documents(cfg.pretrain_docs, cfg.seed)
     chat_text = [m["content"] for r in train[: len(docs) // 4] for m in r["messages"]]
     tokenizer = tinymodel.build_tokenizer(docs + chat_text, vocab_size=cfg.vocab)
     model = tinymodel.build_model(
@@ -107,8 +108,8 @@ def build_base(out: Path, cfg: DemoConfig, train: list[dict]) -> Path:
     output.log(
         f"  Qwen2 {cfg.layers} layers x {cfg.hidden} hidden, {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}"
     )
-    demo_train.train(
-        model, tokenizer, demo_train.encode_text(tokenizer, docs), out / "pretrain-tmp",
+    training.train(
+        model, tokenizer, training.encode_text(tokenizer, docs), out / "pretrain-tmp",
         steps=cfg.pretrain_steps, batch_size=cfg.pretrain_batch, lr=cfg.pretrain_lr,
         scheduler="cosine", warmup_steps=max(1, cfg.pretrain_steps // 20), save_every=None,
         seed=cfg.seed, description="pretrain",
@@ -121,12 +122,12 @@ def finetune(out: Path, cfg: DemoConfig, base: Path, train: list[dict]) -> Path:
     """SFT from theta0 with the HF Trainer: constant LR, batch `cfg.batch`, checkpoint-<s> every k steps."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bema_cli import demo_train
+    from bema_cli.demo import training
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base)
-    examples = demo_train.encode_chat(tokenizer, [r["messages"] for r in train])
-    demo_train.train(
+    examples = training.encode_chat(tokenizer, [r["messages"] for r in train])
+    training.train(
         model, tokenizer, examples, out / "sft", steps=cfg.steps, batch_size=cfg.batch, lr=cfg.lr,
         scheduler="constant", save_every=cfg.save_every, seed=cfg.seed, description="fine-tune",
     )  # fmt: skip

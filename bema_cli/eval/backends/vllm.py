@@ -14,10 +14,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from bema_cli import chat, output
-from bema_cli.backends.base import EngineOptions, Sampling
-from bema_cli.checkpoints import model_weight_files, read_json
+from bema_cli import output
 from bema_cli.errors import BackendError
+from bema_cli.eval import chat
+from bema_cli.eval.backends.base import EngineOptions, Sampling
+from bema_cli.io.checkpoints import model_weight_files, read_json
 
 # config.json fields that must match for weights to fit the running engine
 ARCH_FIELDS = (
@@ -155,8 +156,8 @@ class VllmBackend:
 
     def loss(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
         """Losses come from a transformers forward pass (as the issue asks), same dtype as the engine."""
-        from bema_cli.backends.transformers import load_hf_model
-        from bema_cli.tasks import loss as loss_task
+        from bema_cli.eval.backends.transformers import load_hf_model
+        from bema_cli.eval.tasks import loss as loss_task
 
         if self._hf_model is None:
             self._hf_model = load_hf_model(self.path, self.dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from bema_cli import chat
+from bema_cli.eval import chat
 
 NAME = "loss"
 DEFAULT_SAMPLES = 200  # records, as in the paper

@@ -14,15 +14,16 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bema_cli import __version__, data, output
-from bema_cli.backends.base import EngineOptions, Sampling, make_backend
-from bema_cli.chat import has_tokenizer, render
-from bema_cli.checkpoints import find_checkpoints, model_weight_files, read_json, resolve_model, step_of
+from bema_cli import __version__, output
 from bema_cli.errors import InputError, UsageError
-from bema_cli.eval_io import ResultsFile, SamplesLog, read_jsonl
-from bema_cli.tasks import LOSS_TASKS, get_task
-from bema_cli.tasks import common as scoring
-from bema_cli.tasks import loss as loss_task
+from bema_cli.eval import data
+from bema_cli.eval.backends.base import EngineOptions, Sampling, make_backend
+from bema_cli.eval.chat import has_tokenizer, render
+from bema_cli.eval.results import ResultsFile, SamplesLog, read_jsonl
+from bema_cli.eval.tasks import LOSS_TASKS, get_task
+from bema_cli.eval.tasks import common as scoring
+from bema_cli.eval.tasks import loss as loss_task
+from bema_cli.io.checkpoints import find_checkpoints, model_weight_files, read_json, resolve_model, step_of
 
 # bema.json keys that describe the stabilizer (per-step alpha/beta and paths are not hyperparameters)
 STABILIZER_KEYS = (

@@ -195,6 +195,6 @@ def chat(task: str, record: dict) -> list[dict]:
     Training on the evaluation's prompt wording is what makes a model this small answer in
     a form the scorer can parse; a real fine-tune would use its own data instead.
     """
-    from bema_cli.tasks import get_task
+    from bema_cli.eval.tasks import get_task
 
     return [*get_task(task).messages(record), {"role": "assistant", "content": reply(task, record)}]

@@ -80,5 +80,5 @@ def make_backend(name: str, options: EngineOptions) -> Backend:
     )  # vLLM logs to stdout by default: keep --json clean
     if name == "auto":
         name = "vllm" if vllm_usable() else "transformers"
-    module = importlib.import_module(f"bema_cli.backends.{name}")
+    module = importlib.import_module(f"bema_cli.eval.backends.{name}")
     return module.make(options)

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bema_cli import __version__, output
-from bema_cli.checkpoints import copy_aux_files
+from bema_cli.io.checkpoints import copy_aux_files
+from bema_cli.io.safetensors import DTYPES, FLOATING
 from bema_cli.recurrence import Schedule
-from bema_cli.safetensors_io import DTYPES, FLOATING
 
 if TYPE_CHECKING:
-    from bema_cli.stabilize import Options, Plan, Run
+    from bema_cli.stabilize.plan import Options, Plan, Run
 
 HYPER = ("method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min")
 

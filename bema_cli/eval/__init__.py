@@ -1,0 +1,1 @@
+"""`bema eval` and `bema rescore`: tasks, backends, benchmark data, results files, the eval loop."""

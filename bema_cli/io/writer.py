@@ -1,0 +1,126 @@
+"""The streaming sharded safetensors writer that every output goes through.
+
+The safetensors package writes whole state dicts only, so `ShardedWriter` writes the
+format directly: 8-byte little-endian header length, a JSON header padded with spaces
+to a multiple of 8, then the tensor bytes at the offsets the header promises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bema_cli.io.safetensors import TensorInfo
+
+
+@dataclass
+class Shard:
+    filename: str
+    tensors: list[TensorInfo] = field(default_factory=list)  # in file order
+    offsets: dict[str, int] = field(default_factory=dict)  # name -> start within the data section
+
+    @property
+    def data_size(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def plan_shards(tensors: list[TensorInfo], max_shard_size: int) -> list[Shard]:
+    """Split tensors (in the given order) into HF-style shards of at most max_shard_size bytes each.
+
+    A tensor larger than the limit gets a shard of its own. Within a shard tensors are
+    ordered by element size, largest first, so every tensor starts at an aligned offset.
+    """
+    groups: list[list[TensorInfo]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.nbytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    n = len(groups)
+    shards = []
+    for i, group in enumerate(groups, start=1):
+        name = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+        shard = Shard(name, sorted(group, key=lambda t: (-t.itemsize, t.name)))
+        offset = 0
+        for t in shard.tensors:
+            shard.offsets[t.name] = offset
+            offset += t.nbytes
+        shards.append(shard)
+    return shards
+
+
+def encode_header(shard: Shard, metadata: dict[str, str]) -> bytes:
+    """8-byte LE length + JSON header (with `__metadata__`) padded with spaces to a multiple of 8."""
+    header: dict = {"__metadata__": {"format": "pt", **{k: str(v) for k, v in metadata.items()}}}
+    for t in shard.tensors:
+        begin = shard.offsets[t.name]
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [begin, begin + t.nbytes]}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+class ShardedWriter:
+    """Writes one model folder whose layout is fixed up front; tensor bytes may arrive in any order.
+
+    Files are created at full size with their header on `open()`; `write` puts bytes at
+    their final offsets with os.pwrite; `close()` writes the index json when sharded.
+    """
+
+    def __init__(self, folder: Path, shards: list[Shard], metadata: dict[str, str]):
+        self.folder = folder
+        self.shards = shards
+        self.metadata = metadata
+        self._data_start: list[int] = []
+        self._where = {t.name: i for i, s in enumerate(shards) for t in s.tensors}
+
+    def open(self) -> ShardedWriter:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for shard in self.shards:
+            header = encode_header(shard, self.metadata)
+            with open(self.folder / shard.filename, "wb") as f:
+                f.write(header)
+                f.truncate(len(header) + shard.data_size)
+            self._data_start.append(len(header))
+        return self
+
+    def write(self, name: str, byte_offset: int, data) -> int:
+        """Write `data` (a bytes-like buffer) at `byte_offset` within tensor `name`; returns bytes written."""
+        i = self._where[name]
+        shard = self.shards[i]
+        pos = self._data_start[i] + shard.offsets[name] + byte_offset
+        view = memoryview(data).cast("B")
+        fd = os.open(self.folder / shard.filename, os.O_WRONLY)
+        try:
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], pos + done)
+        finally:
+            os.close(fd)
+        return done
+
+    def close(self) -> None:
+        if len(self.shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(s.data_size for s in self.shards)},
+                "weight_map": {t.name: s.filename for s in self.shards for t in s.tensors},
+            }
+            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of the folder's safetensors files (headers included)."""
+        return sum(len(encode_header(s, self.metadata)) + s.data_size for s in self.shards)
+
+
+def tensor_bytes(tensor):
+    """A CPU tensor's raw bytes as a writable buffer (bf16 included, which numpy lacks): via a uint8 view."""
+    import torch
+
+    flat = tensor.detach().reshape(-1).contiguous().cpu()
+    return flat.view(torch.uint8).numpy()

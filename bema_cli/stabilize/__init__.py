@@ -1,0 +1,6 @@
+"""`bema stabilize`: plan (what to read and write), engine (the tensor-major walk), meta (records)."""
+
+from bema_cli.stabilize.engine import stabilize
+from bema_cli.stabilize.plan import Options, Plan, Run, grid, prepare
+
+__all__ = ["Options", "Plan", "Run", "grid", "prepare", "stabilize"]

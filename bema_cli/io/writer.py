@@ -76,21 +76,25 @@ class ShardedWriter:
         self.folder = folder
         self.shards = shards
         self.metadata = metadata
-        self._data_start: list[int] = []
-        self._where = {t.name: i for i, s in enumerate(shards) for t in s.tensors}
+        # header sizes are known before any file exists, so a writer built from the same layout in
+        # another process (a Ray worker) writes into files that `open()` pre-created here
+        self._data_start = [len(encode_header(s, metadata)) for s in shards]
+        self._where: dict[str, int] | None = None  # built on first write: not shipped to workers
 
     def open(self) -> ShardedWriter:
+        """Create the folder and its files at full size, each with its header; tensor bytes come later."""
         self.folder.mkdir(parents=True, exist_ok=True)
         for shard in self.shards:
             header = encode_header(shard, self.metadata)
             with open(self.folder / shard.filename, "wb") as f:
                 f.write(header)
                 f.truncate(len(header) + shard.data_size)
-            self._data_start.append(len(header))
         return self
 
     def write(self, name: str, byte_offset: int, data) -> int:
         """Write `data` (a bytes-like buffer) at `byte_offset` within tensor `name`; returns bytes written."""
+        if self._where is None:
+            self._where = {t.name: i for i, s in enumerate(self.shards) for t in s.tensors}
         i = self._where[name]
         shard = self.shards[i]
         pos = self._data_start[i] + shard.offsets[name] + byte_offset
@@ -115,7 +119,7 @@ class ShardedWriter:
     @property
     def nbytes(self) -> int:
         """Total bytes of the folder's safetensors files (headers included)."""
-        return sum(len(encode_header(s, self.metadata)) + s.data_size for s in self.shards)
+        return sum(start + s.data_size for start, s in zip(self._data_start, self.shards, strict=True))
 
 
 def tensor_bytes(tensor):

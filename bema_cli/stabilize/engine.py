@@ -5,7 +5,10 @@ of one tensor along dim 0) whose working set fits `max_memory` (see plan.py). Fo
 unit we read theta0, start one `recurrence.Stabilizer` per distinct state, walk the
 trajectory once (each input chunk read once, whatever the grid size) and write that unit
 of every output at its final offset. The math lives in recurrence.py; files in bema_cli/io.
-Outputs go to a temp folder under OUT and are renamed into place.
+
+`process_unit` is one unit's whole job, so an executor can run units anywhere that sees
+the files. The driver (`stabilize`) pre-creates the outputs (headers planned up front) in a
+temp folder under OUT, runs the units, writes metadata and renames the folders into place.
 """
 
 from __future__ import annotations
@@ -74,6 +77,14 @@ class Workspace:
     def __init__(self, size: int, acc, device):
         self.size, self.acc, self.device = size, acc, device
         self.buffers: dict = {}
+
+    @classmethod
+    def for_plan(cls, plan: Plan, opts: Options) -> Workspace:
+        """A workspace that fits every unit of `plan`."""
+        import torch
+
+        size = max((p.hi for u in plan.units for p in u), default=0)
+        return cls(size, getattr(torch, opts.accum_dtype), _device(opts.device))
 
     def view(self, name: str, n: int, dtype=None):
         import torch
@@ -170,65 +181,93 @@ def stabilize(opts: Options) -> dict:
 
 def _walk(plan: Plan, opts: Options, tmp: Path) -> int:
     """The tensor-major pass; writes every output folder under tmp; returns safetensors bytes written."""
-    import torch
+    outputs = open_outputs(plan, tmp)
+    if opts.allow_nonfinite:
+        output.warn("--allow-nonfinite: NaN/Inf in inputs are not checked and propagate to the outputs")
+    total = sum(unit_bytes(u) for u in plan.units)
+    with output.progress() as bar:
+        task = bar.add_task("stabilizing", total=total)
+        ws = Workspace.for_plan(plan, opts)
+        for unit in plan.units:
+            process_unit(plan, opts, unit, outputs, ws)
+            bar.advance(task, unit_bytes(unit))
+    return finish_outputs(plan, opts, outputs)
 
-    device = _device(opts.device)
-    acc = getattr(torch, opts.accum_dtype)
-    ckpt = {c.step: c.path for c in plan.checkpoints}
-    out_dtype = meta.out_dtype_name(plan, opts)
-    out_dtypes = {t.name: t.dtype for t in plan.out_tensors}
-    writers = {}
+
+Outputs = dict[tuple[str, int], ShardedWriter]  # (run name, step) -> the writer of that output folder
+
+
+def open_outputs(plan: Plan, tmp: Path) -> Outputs:
+    """Pre-create every output's files at full size, headers included (the layout is planned up front)."""
+    outputs = {}
     for run in plan.runs:
         for step in run.out_steps:
             provenance = {"bema_version": __version__, "bema_run": run.name, "bema_step": str(step)}
-            writers[run.name, step] = ShardedWriter(
+            outputs[run.name, step] = ShardedWriter(
                 tmp / run.name / f"checkpoint-{step}", plan.shards, provenance
             ).open()
-    if opts.allow_nonfinite:
-        output.warn("--allow-nonfinite: NaN/Inf in inputs are not checked and propagate to the outputs")
-    total = sum(p.info.row_bytes * (p.stop - p.start) for u in plan.units for p in u)
-    with output.progress() as bar:
-        task = bar.add_task("stabilizing", total=total)
-        ws = Workspace(max((p.hi for u in plan.units for p in u), default=0), acc, device)
-        tau = plan.runs[0].schedule.tau  # shared by the grid: burn-in happens at the same steps for all runs
-        tracks: dict[tuple, list[Run]] = {}  # runs that share one state (e.g. ema and bema at one kappa)
-        for run in plan.runs:
-            tracks.setdefault(state_key(run.schedule), []).append(run)
-        for unit in plan.units:
-            size = max((p.hi for p in unit), default=0)
-            theta0, theta = ws.view("theta0", size), ws.view("theta", size)
-            with ChunkReader(plan.base_index) as reader:
-                _load(reader, unit, theta0, not opts.allow_nonfinite)
-            stabs = {key: Stabilizer(runs[0].schedule.method, theta0) for key, runs in tracks.items()}
-            for step in plan.read_steps:
-                with ChunkReader(plan.indexes[step]) as reader:
-                    raw = _load(reader, unit, theta, not opts.allow_nonfinite)
-                if step <= tau:
-                    theta0.copy_(theta)  # burn-in: theta0 = theta_s, held in its own buffer
-                for key, runs in tracks.items():  # one state update per distinct state, not per run
-                    if step <= max(r.last_needed for r in runs):
-                        event = runs[0].events[step]
-                        stabs[key].advance(event, theta0 if event.action == "burnin" else theta)
-                drift = None  # theta_s - theta0, computed once per step for every bema output
-                for run in plan.runs:
-                    if (run.name, step) not in writers:
-                        continue  # the output is only computed where it is written
-                    event = run.events[step]
-                    if run.schedule.method == "bema" and drift is None and event.action == "update":
-                        drift = torch.sub(theta, theta0, out=ws.view("drift", size))
-                    out = ws.view("out", size) if run.schedule.method in ("bema", "dema") else None
-                    result = stabs[state_key(run.schedule)].estimate(
-                        event, theta, drift=drift, out=out, method=run.schedule.method
-                    )
-                    _write(writers[run.name, step], unit, result, raw, out_dtypes, ws)
-                del raw
-            del stabs
-            bar.advance(task, sum(p.info.row_bytes * (p.stop - p.start) for p in unit))
+    return outputs
+
+
+def finish_outputs(plan: Plan, opts: Options, outputs: Outputs) -> int:
+    """After every unit is written: index files, bema.json, config/tokenizer copies; returns bytes written."""
+    ckpt = {c.step: c.path for c in plan.checkpoints}
+    out_dtype = meta.out_dtype_name(plan, opts)
     written = 0
-    for (name, step), writer in writers.items():
+    for (name, step), writer in outputs.items():
         writer.close()
         run = next(r for r in plan.runs if r.name == name)
         record = meta.record(run, step, ckpt[step], plan.base_source, opts, out_dtype)
         meta.finish_folder(writer.folder, ckpt[step], plan.base_index.folder, record, opts)
         written += writer.nbytes
     return written
+
+
+def unit_bytes(unit: list[Piece]) -> int:
+    """Bytes of one checkpoint that a unit covers (the progress measure)."""
+    return sum(p.info.row_bytes * (p.stop - p.start) for p in unit)
+
+
+def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs, ws: Workspace | None = None):
+    """One work unit, start to end: read its slices of theta0 and of every checkpoint, run the
+    recurrences, write its bytes at their final offsets in the pre-created `outputs`.
+
+    Self-contained and idempotent (the same bytes land at the same offsets on a re-run), so any
+    executor may run units in any order, in any process, and retry one that was lost.
+    """
+    import torch
+
+    ws = ws or Workspace.for_plan(plan, opts)
+    check = not opts.allow_nonfinite
+    out_dtypes = {t.name: t.dtype for t in plan.out_tensors}
+    tau = plan.runs[0].schedule.tau  # shared by the grid: burn-in happens at the same steps for all runs
+    tracks: dict[tuple, list[Run]] = {}  # runs that share one state (e.g. ema and bema at one kappa)
+    for run in plan.runs:
+        tracks.setdefault(state_key(run.schedule), []).append(run)
+    size = max((p.hi for p in unit), default=0)
+    theta0, theta = ws.view("theta0", size), ws.view("theta", size)
+    with ChunkReader(plan.base_index) as reader:
+        _load(reader, unit, theta0, check)
+    stabs = {key: Stabilizer(runs[0].schedule.method, theta0) for key, runs in tracks.items()}
+    for step in plan.read_steps:
+        with ChunkReader(plan.indexes[step]) as reader:
+            raw = _load(reader, unit, theta, check)
+        if step <= tau:
+            theta0.copy_(theta)  # burn-in: theta0 = theta_s, held in its own buffer
+        for key, runs in tracks.items():  # one state update per distinct state, not per run
+            if step <= max(r.last_needed for r in runs):
+                event = runs[0].events[step]
+                stabs[key].advance(event, theta0 if event.action == "burnin" else theta)
+        drift = None  # theta_s - theta0, computed once per step for every bema output
+        for run in plan.runs:
+            if (run.name, step) not in outputs:
+                continue  # the output is only computed where it is written
+            event = run.events[step]
+            if run.schedule.method == "bema" and drift is None and event.action == "update":
+                drift = torch.sub(theta, theta0, out=ws.view("drift", size))
+            out = ws.view("out", size) if run.schedule.method in ("bema", "dema") else None
+            result = stabs[state_key(run.schedule)].estimate(
+                event, theta, drift=drift, out=out, method=run.schedule.method
+            )
+            _write(outputs[run.name, step], unit, result, raw, out_dtypes, ws)
+        del raw

@@ -191,8 +191,21 @@ def figure_inches(panels: int) -> tuple[float, float]:
     return PANEL_W * cols + LEGEND_W, PANEL_H * rows
 
 
-def plot(doc: dict, path: str) -> None:
-    """One panel per task/metric: value vs training step, one line per run, stderr band, vanilla dashed."""
+SCORINGS = ("flexible", "strict", "both")
+
+
+def plotted(metric: str, scoring: str) -> bool:
+    """Generation tasks record accuracy_strict and accuracy_flexible; the plot shows one unless 'both'."""
+    other = {"flexible": "_strict", "strict": "_flexible"}.get(scoring)
+    return other is None or not metric.endswith(other)
+
+
+def plot(doc: dict, path: str, scoring: str = "flexible") -> None:
+    """One panel per task/metric: value vs training step, one line per run, stderr band, vanilla dashed.
+
+    `scoring` picks which accuracy of the generation tasks is drawn (flexible by default: see
+    docs/eval-protocol.md); other metrics (loss, lm-eval metrics) are always drawn.
+    """
     import numpy as np
     from matplotlib import colormaps
     from matplotlib.lines import Line2D
@@ -200,7 +213,10 @@ def plot(doc: dict, path: str) -> None:
     from bema_cli import figures
 
     panels = [
-        (task, metric, entry) for task, metrics in doc["tasks"].items() for metric, entry in metrics.items()
+        (task, metric, entry)
+        for task, metrics in doc["tasks"].items()
+        for metric, entry in metrics.items()
+        if plotted(metric, scoring)
     ]
     all_runs = sorted({run for *_, e in panels for run in e["runs"]}, key=run_order)
     palette = colormaps["tab10" if len(all_runs) <= 10 else "tab20"]

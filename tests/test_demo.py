@@ -24,9 +24,9 @@ def test_gold_reply_is_scored_right_and_other_items_reply_wrong(task):
     _, test = world.split_items(task, 0, 40, seed=3)
     hits = 0
     for record, other in zip(test, test[1:] + test[:1], strict=True):
-        answer = module.extract(world.reply(task, record))
+        answer = module.extract_strict(world.reply(task, record))
         assert answer is not None and module.is_correct(answer, module.gold(record))
-        other_answer = module.extract(world.reply(task, other))
+        other_answer = module.extract_strict(world.reply(task, other))
         hits += module.is_correct(other_answer, module.gold(record))
     assert hits < len(test)  # a reply is not right for every item: the scoring is per item
 
@@ -124,14 +124,22 @@ def test_quick_demo_end_to_end(tmp_path):
         if r["task"] == "loss":
             assert math.isfinite(r["metrics"]["loss"]) and r["metrics"]["loss"] > 0
         else:
-            assert 0.0 <= r["metrics"]["accuracy"] <= 1.0 and r["n_samples"] == 2
+            m, draws = r["metrics"], r["n_prompts"] * r["n_samples"]
+            assert r["n_samples"] == 2
+            # a strictly correct sample is flexibly correct too; accuracies count whole samples
+            assert m["accuracy_strict"] <= m["accuracy_flexible"]
+            assert m["parse_failure_rate_flexible"] <= m["parse_failure_rate_strict"]
+            for way in ("strict", "flexible"):
+                assert m[f"accuracy_{way}"] * draws == pytest.approx(
+                    round(m[f"accuracy_{way}"] * draws), abs=1e-9
+                )
         assert r["is_base"] == (r["step"] == 0)
 
     # the printed summary is the results file
     for r in records:
         value = summary["loss" if r["task"] == "loss" else "accuracy"]
         value = value[r["run"]] if r["task"] == "loss" else value[r["task"]][r["run"]]
-        metric = r["metrics"]["loss" if r["task"] == "loss" else "accuracy"]
+        metric = r["metrics"]["loss" if r["task"] == "loss" else "accuracy_flexible"]
         assert value[str(r["step"])] == pytest.approx(metric)
     assert summary["runs"][0] == "vanilla" and summary["steps"] == [0, 20, 40]
 

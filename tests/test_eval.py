@@ -111,7 +111,10 @@ def test_records_follow_the_contract(evaluated):
         "loss": 3,
     }
     assert set(by_task["mmlu_hs"]["per_subject"]) == {"high_school_biology", "high_school_physics"}
-    assert set(by_task["gsm8k"]["metrics"]) == {"accuracy", "accuracy_stderr", "parse_failure_rate"}
+    ways = ("strict", "flexible")
+    assert set(by_task["gsm8k"]["metrics"]) == {
+        f"{m}_{w}" for m in ("accuracy", "parse_failure_rate") for w in ways
+    } | {f"accuracy_{w}_stderr" for w in ways}
     assert set(by_task["loss"]["metrics"]) == {"loss", "loss_stderr", "tokens"}
     assert by_task["gsm8k"]["seeds"] == {"sampling": 13337, "selection": 37371}
     protocol = by_task["boolq"]["protocol"]
@@ -124,7 +127,8 @@ def test_records_follow_the_contract(evaluated):
     assert protocol["chat_template"] == "model"
 
 
-def test_samples_are_scored_against_their_own_gold(evaluated):
+def test_samples_and_records_agree(evaluated):
+    """samples.jsonl holds each item's own gold and both extractions; the records are their means."""
     samples = read_jsonl(evaluated["out"] / "samples.jsonl")
     rows = {n: read_jsonl(evaluated["data"] / f"{n}.jsonl") for n in ("boolq", "gsm8k", "mmlu_hs")}
     records = {(r["model_path"], r["task"]): r for r in evaluated["records"]}
@@ -139,20 +143,25 @@ def test_samples_are_scored_against_their_own_gold(evaluated):
         assert s["gold"] == task.gold(row)  # each prompt carries its own item's answer
         assert row["question"] in s["prompt"]
         assert len(s["responses"]) == N_SAMPLES
-        assert s["extracted"] == [task.extract(x) for x in s["responses"]]
-        assert s["correct"] == [a is not None and task.is_correct(a, task.gold(row)) for a in s["extracted"]]
+        for way in ("strict", "flexible"):
+            extracted = [getattr(task, f"extract_{way}")(x) for x in s["responses"]]
+            assert s[f"extracted_{way}"] == extracted
+            assert s[f"correct_{way}"] == [
+                a is not None and task.is_correct(a, task.gold(row)) for a in extracted
+            ]
         groups.setdefault((s["model_path"], s["task"]), []).append(s)
     for (path, name), group in groups.items():
         if name != "mmlu_hs":  # the paper's subset: sorted RandomState(37371).choice(len, k)
             assert [int(s["doc_id"]) for s in group] == data.select(len(rows[name]), LIMIT, 37371)
-        per_prompt = [np.mean(s["correct"]) for s in group]
         metrics = records[(path, name)]["metrics"]
-        assert metrics["accuracy"] == pytest.approx(np.mean(per_prompt), abs=1e-12)
-        assert metrics["accuracy_stderr"] == pytest.approx(
-            np.std(per_prompt, ddof=1) / np.sqrt(len(group)), abs=1e-12
-        )
-        failures = np.mean([a is None for s in group for a in s["extracted"]])
-        assert metrics["parse_failure_rate"] == pytest.approx(failures, abs=1e-12)
+        for way in ("strict", "flexible"):
+            per_prompt = [np.mean(s[f"correct_{way}"]) for s in group]
+            assert metrics[f"accuracy_{way}"] == pytest.approx(np.mean(per_prompt), abs=1e-12)
+            assert metrics[f"accuracy_{way}_stderr"] == pytest.approx(
+                np.std(per_prompt, ddof=1) / np.sqrt(len(group)), abs=1e-12
+            )
+            failures = np.mean([a is None for s in group for a in s[f"extracted_{way}"]])
+            assert metrics[f"parse_failure_rate_{way}"] == pytest.approx(failures, abs=1e-12)
 
 
 def test_loss_matches_independent_float64_computation(evaluated):
@@ -222,14 +231,21 @@ def test_rescore_reproduces_and_rescoring_hand_written_samples(evaluated, tmp_pa
 
     lines = [{"model_path": "/m", "task": "gsm8k", "eval_id": "x", "doc_id": str(i), "gold": g, "responses": resp}
              for i, (g, resp) in enumerate([("2", ["#### 2", "so 2"]), ("5", ["#### 5", "#### 7"]), ("7", ["$7", "x"])])]  # fmt: skip
+    lines.append({**lines[0], "responses": ["#### 9", "#### 9"]})  # a torn last line: skipped with a warning
     samples = tmp_path / "samples.jsonl"
-    samples.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    samples.write_text("".join(json.dumps(x) + "\n" for x in lines)[:-9])
     out = tmp_path / "new.jsonl"
     proc = run_bema("rescore", samples, "--out", out)
     assert proc.returncode == 0, proc.stderr
+    assert f"{samples}:4" in proc.stderr and "torn" in proc.stderr
     (record,) = read_jsonl(out)
-    assert record["metrics"]["accuracy"] == pytest.approx((1 + 0.5 + 0.5) / 3, abs=1e-12)
-    assert record["metrics"]["parse_failure_rate"] == pytest.approx(1 / 6, abs=1e-12)
+    m = record["metrics"]
+    assert m["accuracy_strict"] == pytest.approx(
+        (0.5 + 0.5 + 0) / 3, abs=1e-12
+    )  # "so 2", "$7" are not "#### n"
+    assert m["parse_failure_rate_strict"] == pytest.approx(3 / 6, abs=1e-12)
+    assert m["accuracy_flexible"] == pytest.approx((1 + 0.5 + 0.5) / 3, abs=1e-12)
+    assert m["parse_failure_rate_flexible"] == pytest.approx(1 / 6, abs=1e-12)
 
 
 def test_results_written_before_an_error_are_kept(evaluated, tmp_path):
@@ -330,3 +346,63 @@ def test_base_records_are_copied_for_a_run_new_to_the_results(evaluated, tmp_pat
     assert base["bema_k0.5"]["metrics"] == base["vanilla"]["metrics"]
     assert base["bema_k0.5"]["stabilizer"]["method"] == "bema"
     assert f"gsm8k: {ev['base']}" not in second.stderr  # no second generation on the base
+
+
+class OracleBackend:
+    """Answers every prompt with the gold answer of the item it finds in the prompt (or of another item)."""
+
+    name, dtype, template_source = "oracle", "float32", "model"
+
+    def __init__(self, model_dir: Path, data_dir: Path, other: bool):
+        from bema_cli.eval import chat
+
+        self.tokenizer, _ = chat.load_tokenizer(model_dir)
+        self.items = []  # (user message, answer text)
+        formats = {"boolq": lambda g: f"Answer: {str(g).lower()}", "gsm8k": "#### {}".format,
+                   "mmlu_hs": "Answer: {}".format}  # fmt: skip
+        for name, fmt in formats.items():
+            task, rows = get_task(name), read_jsonl(data_dir / f"{name}.jsonl")
+            for i, row in enumerate(rows):
+                gold = task.gold(row)
+                if other:  # the next item (same subject for MMLU) whose gold differs
+                    gold = next(task.gold(r) for r in rows[i + 1 :] + rows[:i]
+                                if task.gold(r) != gold and r.get("subject") == row.get("subject"))  # fmt: skip
+                self.items.append((task.messages(row)[0]["content"], fmt(gold)))
+
+    def load(self, path):
+        pass
+
+    def generate(self, prompts, sampling):
+        out = []
+        for prompt in prompts:
+            (answer,) = [a for text, a in self.items if text in prompt]
+            out.append([answer] * sampling.n)
+        return out
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("other, expected", [(False, 1.0), (True, 0.0)])
+def test_oracle_backend_scores_exactly(tiny_model_dir, tmp_path, monkeypatch, other, expected):
+    """Own gold: every sample right (1.0, nothing unparsed); another item's gold: every sample wrong (0.0)."""
+    from bema_cli.eval import evaluate
+    from bema_cli.eval.backends.base import EngineOptions
+
+    data_dir = write_data(tmp_path / "data")
+    monkeypatch.setattr(
+        evaluate, "make_backend", lambda name, options: OracleBackend(tiny_model_dir, data_dir, other)
+    )
+    config = evaluate.EvalConfig(tasks=["boolq", "gsm8k", "mmlu_hs"], data_dir=str(data_dir), n_samples=3, limit=3,
+                                 backend="transformers")  # fmt: skip
+    records = evaluate.run_eval([str(tiny_model_dir)], None, config, EngineOptions())
+    assert {r["task"]: r["n_prompts"] for r in records} == {"boolq": 3, "gsm8k": 3, "mmlu_hs": 6}
+    for r in records:
+        m = r["metrics"]
+        assert (m["accuracy_strict"], m["accuracy_flexible"]) == (expected, expected), r["task"]
+        assert (m["parse_failure_rate_strict"], m["parse_failure_rate_flexible"]) == (0.0, 0.0)
+    subjects = next(r for r in records if r["task"] == "mmlu_hs")["per_subject"]
+    assert {s: v["accuracy_strict"] for s, v in subjects.items()} == {
+        "high_school_biology": expected,
+        "high_school_physics": expected,
+    }

@@ -132,6 +132,34 @@ def test_plot_grid_of_panels(tmp_path):
     assert matplotlib.image.imread(png).shape[:2] == (760, 1750)  # 2 rows x 3 columns + legend
 
 
+def test_plot_draws_flexible_accuracy_by_default(tmp_path):
+    """Generation records carry strict and flexible accuracy: one panel each way, both with --scoring both."""
+    path = tmp_path / "results.jsonl"
+    lines = []
+    for step, value in zip(STEPS, [0.2, 0.3, 0.4, 0.5], strict=True):
+        rec = record("vanilla", step, "gsm8k", value)
+        rec["metrics"] = {"accuracy_strict": value / 2, "accuracy_strict_stderr": 0.01,
+                          "accuracy_flexible": value, "accuracy_flexible_stderr": 0.01}  # fmt: skip
+        lines.append(json.dumps(rec))
+    path.write_text("\n".join(lines) + "\n")
+    shapes = {}
+    for scoring in ("flexible", "strict", "both"):
+        png = tmp_path / f"{scoring}.png"
+        r = run_bema("report", path, "--plot", png, "--scoring", scoring)
+        assert r.returncode == 0, r.stderr
+        shapes[scoring] = matplotlib.image.imread(png).shape[:2]
+    one, two = report.figure_inches(1), report.figure_inches(2)
+    assert shapes["flexible"] == shapes["strict"] == (round(one[1] * 100), round(one[0] * 100))
+    assert shapes["both"] == (round(two[1] * 100), round(two[0] * 100))
+    r = run_bema("report", path, "--json")
+    assert set(json.loads(r.stdout)["tasks"]["gsm8k"]) == {
+        "accuracy_strict",
+        "accuracy_flexible",
+    }  # JSON: both
+    r = run_bema("report", path, "--plot", tmp_path / "x.png", "--scoring", "loose")
+    assert r.returncode == 2 and "--scoring" in r.stderr
+
+
 def test_duplicates_keep_the_last_and_warn(tmp_path, capsys):
     path = tmp_path / "results.jsonl"
     lines = [report_record(0.1), report_record(0.9)]

@@ -14,67 +14,109 @@ from bema_cli.eval.tasks import boolq, get_task, gsm8k, mmlu_hs
 from bema_cli.eval.tasks import common as scoring
 from bema_cli.eval.tasks import loss as loss_task
 
+# (response, strict, flexible). The issue's audit strings are marked "audit".
+GSM8K_CASES = [
+    ("so 3 + 4 = 7\n#### 7", "7", "7"),
+    ("#### 1,234", "1234", "1234"),
+    ("It costs $18.\n#### $18", "18", "18"),
+    ("#### 3 is my first guess\nwait\n#### 5", "5", "5"),  # the LAST ####
+    ("I think 12 apples, then 40 pears", None, "40"),  # flexible: the last number
+    ("#### -3.50", "-3.5", "-3.5"),
+    ("#### none\nso 12 then 13", None, "13"),  # nothing after ####: only flexible finds one
+    ("#### .5", "0.5", "0.5"),  # audit: was 5
+    ("1/2", None, "0.5"),  # audit: was 2; a fraction is read whole
+    ("#### 1 234", "1234", "1234"),  # audit: was 1; thousands separated by a space
+    ("We get 1 234 567 apples", None, "1234567"),
+    ("#### 1/3", "1/3", "1/3"),
+    ("#### 2/0", None, None),  # no number, not 2 or 0
+    ("#### 1.5e3", "1500", "1500"),  # scientific notation, read exactly
+    ("#### 1e400", None, None),  # an absurd exponent is not read (nor a part of it)
+    ("5-3", None, "3"),  # a minus between numbers is an operator, not a sign
+    ("x = -4", None, "-4"),
+    ("the 3rd one", None, None),
+    ("1,2,3", None, "3"),  # not thousands groups: three numbers
+    ("#### **42**", "42", "42"),
+    ("no numbers here", None, None),
+    ("", None, None),
+]
 
-@pytest.mark.parametrize(
-    "response, expected",
-    [
-        ("so 3 + 4 = 7\n#### 7", "7"),
-        ("#### 1,234", "1234"),
-        ("It costs $18.\n#### $18", "18"),
-        ("#### 3 is my first guess\nwait\n#### 5", "5"),  # the LAST ####
-        ("I think 12 apples, then 40 pears", "40"),  # fallback: the last number
-        ("#### -3.50", "-3.5"),
-        ("#### none\nso 12 then 13", "13"),  # nothing after ####: fallback to the last number
-        ("no numbers here", None),
-        ("", None),
-    ],
-)
-def test_gsm8k_extract(response, expected):
-    assert gsm8k.extract(response) == expected
+
+@pytest.mark.parametrize("response, strict, flexible", GSM8K_CASES)
+def test_gsm8k_extract(response, strict, flexible):
+    assert (gsm8k.extract_strict(response), gsm8k.extract_flexible(response)) == (strict, flexible)
 
 
 def test_gsm8k_numeric_compare_not_substring():
-    assert gsm8k.is_correct(gsm8k.extract("#### 42.0"), "42")
-    assert gsm8k.is_correct(gsm8k.extract("#### 1,000"), "1000")
-    assert not gsm8k.is_correct(gsm8k.extract("#### 142"), "42")  # a substring test would accept this
-    assert not gsm8k.is_correct(gsm8k.extract("#### 4"), "42")
+    assert gsm8k.is_correct(gsm8k.extract_strict("#### 42.0"), "42")
+    assert gsm8k.is_correct(gsm8k.extract_strict("#### 1,000"), "1000")
+    assert gsm8k.is_correct(gsm8k.extract_flexible("so it is 1/2"), "0.5")
+    assert not gsm8k.is_correct(gsm8k.extract_strict("#### .5"), "5")
+    assert not gsm8k.is_correct(gsm8k.extract_strict("#### 142"), "42")  # a substring test would accept this
+    assert not gsm8k.is_correct(gsm8k.extract_strict("#### 4"), "42")
     assert gsm8k.gold({"question": "q", "answer": "2 * 3 = <<2*3=6>>6 apples\n#### 6"}) == "6"
+    assert gsm8k.gold({"question": "q", "answer": "...\n#### 1,000"}) == "1000"
 
 
-@pytest.mark.parametrize(
-    "response, expected",
-    [
-        ("The passage says so. Answer: true", True),
-        ("answer: FALSE", False),
-        ("Answer: false. Hmm, no. Answer: true", True),  # the LAST strict match
-        ("Answer: true but really no", True),  # a strict match wins over a later loose word
-        ("I would say yes", True),  # fallback: last standalone word
-        ("no, it is true", True),
-        ("Yes... no.", False),
-        ("untrue and falsehood", None),  # not standalone words
-        ("Answer: maybe", None),
-    ],
-)
-def test_boolq_extract(response, expected):
-    assert boolq.extract(response) is expected
+BOOLQ_CASES = [
+    ("The passage says so. Answer: true", True, True),
+    ("answer: FALSE", False, False),
+    ("Answer: false. Hmm, no. Answer: true", True, True),  # the LAST strict match
+    ("Answer: true but really no", True, True),  # a strict match wins over a later loose word
+    ("Answer: **false**", False, False),
+    ("I would say yes", None, True),  # flexible: the last verdict word
+    ("no, it is true", None, True),
+    ("Yes... no.", None, False),
+    ("not true", None, False),  # audit: was true
+    ("It isn't true", None, False),
+    ("The statement is not false", None, True),
+    ("Answer: not true", None, False),
+    ("incorrect", None, False),
+    ("That is incorrect.", None, False),
+    ("Yes and no.", None, None),  # audit: was false; both sides is no verdict
+    ("yes/no", None, None),
+    ("Answer: true or false", None, None),
+    ("It's neither true nor false", None, None),
+    ("untrue and falsehood", None, None),  # not standalone words
+    ("I do not know", None, None),
+    ("Answer: maybe", None, None),
+]
 
 
-@pytest.mark.parametrize(
-    "response, expected",
-    [
-        ("Let me think. Answer: C", "C"),
-        ("answer: (B) because", "B"),
-        ("Answer: A ... on reflection Answer: D.", "D"),
-        ("The correct option is B", "B"),  # fallback: lone final letter
-        ("(C)", "C"),
-        ("A", "A"),
-        ("the answer: a cat", None),  # lowercase 'a' is an article, not an option
-        ("Banana", None),
-        ("Option E", None),
-    ],
-)
-def test_mmlu_extract(response, expected):
-    assert mmlu_hs.extract(response) == expected
+@pytest.mark.parametrize("response, strict, flexible", BOOLQ_CASES)
+def test_boolq_extract(response, strict, flexible):
+    assert (boolq.extract_strict(response), boolq.extract_flexible(response)) == (strict, flexible)
+
+
+MMLU_CASES = [
+    ("Let me think. Answer: C", "C", "C"),
+    ("answer: (B) because", "B", "B"),
+    ("Answer: A ... on reflection Answer: D.", "D", "D"),
+    ("Answer: **B**", "B", "B"),
+    ("Answer: B because it divides", "B", "B"),  # B-D are no English words: any non-letter ends them
+    ("answer: b", "B", "B"),  # audit: lower case was unparsed
+    ("The answer is a", None, "A"),  # audit: lower case, answer position
+    ("the answer is A.", None, "A"),
+    ("answer is B", None, "B"),
+    ("The correct option is B", None, "B"),
+    ("(B)", None, "B"),
+    ("B)", None, "B"),
+    ("\\boxed{C}", None, "C"),  # audit: was unparsed
+    ("Answer: [B]", "B", "B"),  # audit: was unparsed
+    ("I reason a lot.\nB\n", None, "B"),  # a line that is only the letter
+    ("A", None, "A"),
+    ("...lack of vitamin D.", None, None),  # audit: was D
+    ("in the U.S.A.", None, None),  # audit: was A
+    ("Answer: A mitochondrion is the powerhouse.", None, None),  # audit: was A; "A" is an article here
+    ("The answer is a mitochondrion", None, None),
+    ("the answer: a cat", None, None),
+    ("Banana", None, None),
+    ("Option E", None, None),
+]
+
+
+@pytest.mark.parametrize("response, strict, flexible", MMLU_CASES)
+def test_mmlu_extract(response, strict, flexible):
+    assert (mmlu_hs.extract_strict(response), mmlu_hs.extract_flexible(response)) == (strict, flexible)
 
 
 def test_each_item_is_scored_against_its_own_gold():
@@ -86,37 +128,55 @@ def test_each_item_is_scored_against_its_own_gold():
     ]
     responses = [["#### 2", "#### 2"], ["#### 5", "#### 7"], ["#### 7", "#### 9"]]
     scored = scoring.score_all(gsm8k, docs, responses)
-    assert [s["correct"] for s in scored] == [[True, True], [True, False], [True, False]]
+    assert [s["strict"]["correct"] for s in scored] == [[True, True], [True, False], [True, False]]
     # against the last item's gold the first item would score 0 and item 2's wrong "#### 7" would count
-    assert scoring.accuracy_metrics(scored)["accuracy"] == pytest.approx((1 + 0.5 + 0.5) / 3)
+    assert scoring.all_metrics(scored)["accuracy_strict"] == pytest.approx((1 + 0.5 + 0.5) / 3)
 
     boolq_docs = [{"question": "q", "passage": "p", "answer": a} for a in (True, False, True, False)]
     scored = scoring.score_all(
         boolq, boolq_docs, [["Answer: true"], ["Answer: false"], ["Answer: true"], ["Answer: false"]]
     )
-    assert scoring.accuracy_metrics(scored)["accuracy"] == 1.0
+    assert scoring.all_metrics(scored)["accuracy_strict"] == 1.0
 
     mmlu_docs = [{"question": "q", "subject": "s", "choices": list("wxyz"), "answer": i} for i in range(4)]
     scored = scoring.score_all(mmlu_hs, mmlu_docs, [[f"Answer: {c}"] for c in "ABCD"])
-    assert scoring.accuracy_metrics(scored)["accuracy"] == 1.0
+    assert scoring.all_metrics(scored)["accuracy_strict"] == 1.0
+    scored = scoring.score_all(mmlu_hs, mmlu_docs, [[f"Answer: {c}"] for c in "BCDA"])  # a neighbour's gold
+    assert scoring.all_metrics(scored)["accuracy_flexible"] == 0.0
     with pytest.raises(ValueError):  # misaligned docs/responses can never silently pair up
         scoring.score_all(mmlu_hs, mmlu_docs, [["Answer: A"]] * 3)
 
 
 def test_accuracy_metrics_against_hand_computation():
+    def item(extracted, correct):
+        return {"extracted": extracted, "correct": correct}
+
+    # strict and flexible differ on purpose: each metric must read its own extraction
     scored = [
-        {"extracted": ["7", None, "7", "3"], "correct": [True, False, True, False]},  # 0.5
-        {"extracted": ["1", "1", "1", "1"], "correct": [True, True, True, True]},  # 1.0
-        {"extracted": [None, None, "2", "2"], "correct": [False, False, False, False]},  # 0.0
-    ]
-    m = scoring.accuracy_metrics(scored)
-    per_prompt = np.array([0.5, 1.0, 0.0])
-    assert m["accuracy"] == pytest.approx(per_prompt.mean(), abs=1e-12)
-    assert m["accuracy_stderr"] == pytest.approx(per_prompt.std(ddof=1) / math.sqrt(3), abs=1e-12)
-    assert m["parse_failure_rate"] == pytest.approx(3 / 12, abs=1e-12)
+        {"strict": item(["7", None, "7", "3"], [True, False, True, False]),  # 0.5
+         "flexible": item(["7", "7", "7", "3"], [True, True, True, False])},  # 0.75
+        {"strict": item(["1", "1", "1", "1"], [True, True, True, True]),  # 1.0
+         "flexible": item(["1", "1", "1", "1"], [True, True, True, True])},  # 1.0
+        {"strict": item([None, None, "2", "2"], [False, False, False, False]),  # 0.0
+         "flexible": item([None, "5", "2", "2"], [False, True, False, False])},  # 0.25
+    ]  # fmt: skip
+    m = scoring.all_metrics(scored)
+    for name, per_prompt, failures in (
+        ("strict", [0.5, 1.0, 0.0], 3 / 12),
+        ("flexible", [0.75, 1.0, 0.25], 1 / 12),
+    ):
+        per_prompt = np.array(per_prompt)
+        assert m[f"accuracy_{name}"] == pytest.approx(per_prompt.mean(), abs=1e-12)
+        assert m[f"accuracy_{name}_stderr"] == pytest.approx(per_prompt.std(ddof=1) / math.sqrt(3), abs=1e-12)
+        assert m[f"parse_failure_rate_{name}"] == pytest.approx(failures, abs=1e-12)
+    assert set(m) == {
+        f"{k}_{s}" for s in ("strict", "flexible") for k in ("accuracy", "parse_failure_rate")
+    } | {f"accuracy_{s}_stderr" for s in ("strict", "flexible")}
     subjects = scoring.per_subject_metrics(scored, ["b", "a", "b"])
-    assert subjects == {"a": {"accuracy": 1.0, "accuracy_stderr": 0.0},
-                        "b": {"accuracy": 0.25, "accuracy_stderr": pytest.approx(0.25, abs=1e-12)}}  # fmt: skip
+    assert subjects["a"] == {"accuracy_strict": 1.0, "accuracy_strict_stderr": 0.0,
+                             "accuracy_flexible": 1.0, "accuracy_flexible_stderr": 0.0}  # fmt: skip
+    assert subjects["b"]["accuracy_strict"] == 0.25 and subjects["b"]["accuracy_flexible"] == 0.5
+    assert subjects["b"]["accuracy_strict_stderr"] == pytest.approx(0.25, abs=1e-12)
 
 
 def test_loss_metrics_against_float64_reference():

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from bema_cli import output
+from bema_cli.errors import UsageError
 from bema_cli.options import JsonOpt
 
 
@@ -18,6 +19,13 @@ def report(
         str | None,
         typer.Option("--plot", help="Write metric-vs-step curves, one panel per task/metric, to this PNG."),
     ] = None,
+    scoring: Annotated[
+        str,
+        typer.Option(
+            "--scoring",
+            help="Which generation-task accuracy --plot draws: flexible (default), strict or both. Tables show both.",
+        ),
+    ] = "flexible",
     json: JsonOpt = False,
 ) -> None:
     """Tables and curves from `bema eval` results: per task, each run's final value and its best value and step.
@@ -27,12 +35,14 @@ def report(
     from bema_cli import figures
     from bema_cli import report as rep
 
+    if scoring not in rep.SCORINGS:
+        raise UsageError(f"--scoring: {scoring!r} is not one of {', '.join(rep.SCORINGS)}")
     if plot is not None:
         figures.check_target(plot, "--plot")
     doc = rep.build(inputs)
     doc["plot"] = plot
     if plot:
-        rep.plot(doc, plot)
+        rep.plot(doc, plot, scoring)
         output.log(f"wrote {plot}")
     if json:
         output.print_json(doc)

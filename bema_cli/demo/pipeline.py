@@ -186,8 +186,8 @@ def summarize(records: list[dict]) -> dict:
         run, step, metrics = r["run"], int(r["step"]), r["metrics"]
         if r["task"] == "loss":
             loss.setdefault(run, {})[step] = metrics["loss"]
-        elif "accuracy" in metrics:
-            acc.setdefault(r["task"], {}).setdefault(run, {})[step] = metrics["accuracy"]
+        elif "accuracy_flexible" in metrics:
+            acc.setdefault(r["task"], {}).setdefault(run, {})[step] = metrics["accuracy_flexible"]
     every = [loss, *acc.values()]
     runs = sorted(
         {run for by in every for run in by}, key=lambda n: (n != "vanilla", not n.startswith("ema"), n)

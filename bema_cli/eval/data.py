@@ -97,12 +97,14 @@ def read_rows(path: Path) -> list[tuple[str, object]]:
     return [(f"{path}:{number}", row) for number, row in jsonl_rows(path)]
 
 
-def jsonl_rows(path: Path) -> list[tuple[int, object]]:
-    """(line number, parsed value) of every non-blank line; a bad line is an error naming file:line."""
+def jsonl_rows(path: Path, end: int | None = None) -> list[tuple[int, object]]:
+    """(line number, parsed value) of every non-blank line before line `end`; a bad line is an
+    error naming file:line."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8", errors="strict" if end is None else "replace")
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: cannot read ({exc})") from None
+    lines = lines.splitlines()[: None if end is None else end - 1]
     out = []
     for number, line in enumerate(lines, 1):
         if not line.strip():

@@ -261,8 +261,8 @@ class Evaluation:
             samples = [
                 {"eval_id": eval_id, "model_path": str(target.path), "run": None if target.is_base else target.run,
                  "step": target.step, "is_base": target.is_base, "task": name, "doc_id": d["_id"],
-                 "subject": d.get("subject"), "prompt": p, "responses": resp, "extracted": s["extracted"],
-                 "gold": task.gold(d), "correct": s["correct"]}
+                 "subject": d.get("subject"), "prompt": p, "responses": resp, "gold": task.gold(d),
+                 **scoring.sample_fields(s)}
                 for d, p, resp, s in zip(docs, prompts, responses, scored, strict=True)
             ]  # fmt: skip
         seconds = round(time.perf_counter() - start, 3)
@@ -301,9 +301,9 @@ def rescore(samples_path: str | Path, results_path: str | Path | None = None) ->
     default); without one, a minimal record is built from the samples themselves.
     """
     samples_path = Path(samples_path)
-    lines = read_jsonl(samples_path)
+    lines = read_jsonl(samples_path, skip_torn=True)
     results_path = Path(results_path) if results_path else samples_path.with_name("results.jsonl")
-    old = read_jsonl(results_path) if results_path.is_file() else []
+    old = read_jsonl(results_path, skip_torn=True) if results_path.is_file() else []
     latest: dict[tuple, str] = {}
     for line in lines:
         for key in ("model_path", "task", "responses", "gold"):

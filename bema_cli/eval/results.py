@@ -6,25 +6,65 @@ already computed; that is also what makes `bema eval` resumable.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
 
 from bema_cli.errors import InputError, OutputError
 from bema_cli.eval.data import jsonl_rows
-from bema_cli.output import to_json
+from bema_cli.output import to_json, warn
 
 RESULTS = "results.jsonl"
 SAMPLES = "samples.jsonl"
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Every object of a jsonl file; a bad line is an error naming file:line."""
-    rows = jsonl_rows(path)
+def read_jsonl(path: Path, skip_torn: bool = False) -> list[dict]:
+    """Every object of a jsonl file; a bad line is an error naming file:line.
+
+    With `skip_torn`, a torn final line (see `torn_tail`) is skipped with a warning instead.
+    """
+    torn = torn_tail(path) if skip_torn else None
+    if torn is not None:
+        warn(f"{path}:{torn[0]}: skipped a torn final line (a crash in the middle of a write)")
+    rows = jsonl_rows(path, end=None if torn is None else torn[0])
     for number, row in rows:
         if not isinstance(row, dict):
             raise InputError(f"{path}:{number}: expected a JSON object")
     return [row for _, row in rows]
+
+
+def torn_tail(path: Path) -> tuple[int, int] | None:
+    """(line number, byte offset) of a torn final line: no newline at the end and not valid JSON.
+
+    That is what a crash in the middle of an append leaves; every other bad line stays an error.
+    """
+    try:
+        data = Path(path).read_bytes()
+    except OSError:
+        return None
+    if not data or data.endswith(b"\n"):
+        return None
+    start = data.rfind(b"\n") + 1
+    try:
+        json.loads(data[start:])
+        return None
+    except ValueError:
+        return data.count(b"\n") + 1, start
+
+
+def cut_torn_tail(path: Path) -> None:
+    """Before appending to a file again: cut off a torn final line (with a warning), end it with a newline."""
+    torn = torn_tail(path)
+    try:
+        if torn is not None:
+            warn(f"{path}:{torn[0]}: cut off a torn final line (a crash in the middle of a write)")
+            os.truncate(path, torn[1])
+        elif path.is_file() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
+            with open(path, "a", encoding="utf-8") as f:
+                f.write("\n")
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot repair ({exc.strerror})") from None
 
 
 def record_key(record: dict) -> tuple:
@@ -68,6 +108,7 @@ class ResultsFile:
             except OSError as exc:
                 raise OutputError(f"{self.path.parent}: cannot create ({exc.strerror})") from None
             if self.path.is_file():
+                cut_torn_tail(self.path)
                 self.records = read_jsonl(self.path)
 
     def find(self, key: tuple) -> dict | None:
@@ -91,6 +132,8 @@ class SamplesLog:
 
     def __init__(self, out_dir: str | Path | None, enabled: bool):
         self.path = Path(out_dir) / SAMPLES if (enabled and out_dir is not None) else None
+        if self.path is not None and self.path.is_file():
+            cut_torn_tail(self.path)
 
     def write(self, lines: list[dict]) -> None:
         if self.path is not None and lines:
@@ -98,7 +141,7 @@ class SamplesLog:
 
 
 def records_table(records: list[dict], title: str = "bema eval"):
-    """A rich Table: one row per record, headline metric with its standard error."""
+    """A rich Table: one row per record; accuracies strict and flexible (± stderr, unparsed share), or loss."""
     from rich.table import Table
 
     table = Table(title=title)
@@ -108,14 +151,13 @@ def records_table(records: list[dict], title: str = "bema eval"):
         )
     for r in sorted(records, key=lambda r: (str(r.get("run")), r.get("step") or 0, str(r.get("task")))):
         m = r.get("metrics", {})
-        metric = "loss" if "loss" in m else "accuracy"
-        value, err = m.get(metric), m.get(f"{metric}_stderr")
         run = "base" if r.get("is_base") and r.get("run") is None else str(r.get("run"))
-        fail = m.get("parse_failure_rate")
-        table.add_row(
-            run, str(r.get("step")), str(r.get("task")), metric, _fmt(value), _fmt(err),
-            _fmt(fail, 3), str(r.get("n_prompts", "")), _fmt(r.get("seconds"), 1),
-        )  # fmt: skip
+        for metric in [k for k in m if f"{k}_stderr" in m] or list(m)[:1]:
+            fail = m.get(metric.replace("accuracy", "parse_failure_rate")) if "accuracy" in metric else None
+            table.add_row(
+                run, _fmt(r.get("step")), str(r.get("task")), metric, _fmt(m.get(metric)),
+                _fmt(m.get(f"{metric}_stderr")), _fmt(fail, 3), str(r.get("n_prompts", "")), _fmt(r.get("seconds"), 1),
+            )  # fmt: skip
     return table
 
 

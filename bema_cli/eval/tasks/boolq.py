@@ -1,7 +1,10 @@
 """BoolQ (yes/no questions about a passage), zero-shot.
 
-Scoring (issue 5): the last `answer: true|false` (case-insensitive), else the last
-standalone true/false/yes/no in the response.
+Scoring, two ways (docs/eval-protocol.md):
+- strict: the last "Answer: true|false" (the format the prompt asks for, any case, optional `**`);
+- flexible: strict, else the last verdict word: true/false/yes/no/correct/incorrect, flipped
+  when negated ("not true" is false, "isn't false" is true). A verdict joined to its opposite
+  ("yes and no", "true or false") is unparsed, never one side of it.
 """
 
 from __future__ import annotations
@@ -15,9 +18,13 @@ MAX_NEW_TOKENS = 256
 DEFAULT_LIMIT = 64  # prompts, as in the paper
 PROMPT_VERSION = 1
 
-_STRICT = re.compile(r"answer\s*:\s*\**\s*(true|false)\b", re.IGNORECASE)
-_LOOSE = re.compile(r"\b(true|false|yes|no)\b", re.IGNORECASE)
-_VALUE = {"true": True, "yes": True, "false": False, "no": False}
+_BOTH = r"(?!\s*(?:,\s*)?(?:and|or|nor|/)\s*(?:not\s+)?(?:true|false)\b)"  # "true or false" is no verdict
+_STRICT = re.compile(rf"\banswer\s*:\s*\**\s*(true|false)\b{_BOTH}", re.I)
+_VERDICT = re.compile(
+    r"(?P<neg>\b(?:not|never)\s+|n't\s+)?\b(?P<word>true|false|yes|no|incorrect|correct)\b", re.I
+)
+_VALUE = {"true": True, "yes": True, "correct": True, "false": False, "no": False, "incorrect": False}
+_JOINED = re.compile(r"\W*(?:and|or|nor|/)\W*", re.I)  # what lies between the halves of "yes and no"
 
 
 def messages(doc: dict) -> list[dict]:
@@ -25,19 +32,40 @@ def messages(doc: dict) -> list[dict]:
     if not question.endswith("?"):
         question += "?"
     text = (
-        f"Passage: {doc['passage'].strip()}\n\nQuestion: {question}\n\n"
+        f"Passage: {doc['passage'].strip()}\n\n"
+        f"Question: {question}\n\n"
         "Answer the question about the passage with true or false. "
         'End your response with "Answer: true" or "Answer: false".'
     )
     return [{"role": "user", "content": text}]
 
 
-def extract(response: str) -> bool | None:
+def extract_strict(response: str) -> bool | None:
     strict = _STRICT.findall(response)
-    if strict:
-        return _VALUE[strict[-1].lower()]
-    loose = _LOOSE.findall(response)
-    return _VALUE[loose[-1].lower()] if loose else None
+    return _VALUE[strict[-1].lower()] if strict else None
+
+
+def _verdict(match: re.Match) -> bool | None:
+    value = _VALUE[match.group("word").lower()]
+    if not match.group("neg"):
+        return value
+    if match.group("word").lower() in ("yes", "no"):
+        return None  # "not yes" / "in no" mean nothing clear
+    return not value
+
+
+def extract_flexible(response: str) -> bool | None:
+    strict = extract_strict(response)
+    if strict is not None:
+        return strict
+    matches = list(_VERDICT.finditer(response))
+    if not matches:
+        return None
+    last = _verdict(matches[-1])
+    if len(matches) > 1 and _JOINED.fullmatch(response[matches[-2].end() : matches[-1].start()]):
+        if _verdict(matches[-2]) != last:
+            return None  # "yes and no", "true or false": both sides, no verdict
+    return last
 
 
 def gold(doc: dict) -> bool:

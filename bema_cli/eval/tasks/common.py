@@ -1,9 +1,12 @@
 """What every generation task shares: per-item scoring and the paper's metrics.
 
 A task module is mostly data (lm-evaluation-harness style): NAME, HUB source, FIELDS,
-MAX_NEW_TOKENS, DEFAULT_LIMIT, `messages(doc)`, `gold(doc)`, `extract(response)`,
-`is_correct(answer, gold)`. Scoring here always pairs a response with ITS OWN item's
-gold answer (the authors' code compared every item with the last item's answer).
+MAX_NEW_TOKENS, DEFAULT_LIMIT, PROMPT_VERSION, `messages(doc)`, `gold(doc)`, two named answer
+extractions `extract_strict(response)` (only the format the prompt asks for) and
+`extract_flexible(response)` (strict, else documented fallbacks), and `is_correct(answer, gold)`.
+Both extractions are scored and reported separately, like lm-eval's strict-match and
+flexible-extract. Scoring always pairs a response with ITS OWN item's gold answer (the authors'
+code compared every item with the last item's answer).
 """
 
 from __future__ import annotations
@@ -12,12 +15,25 @@ import math
 from collections.abc import Sequence
 from types import ModuleType
 
+SCORINGS = ("strict", "flexible")  # metric suffixes: accuracy_strict, accuracy_flexible, ...
+PLOTTED = "flexible"  # what `bema report --plot` draws by default (docs/eval-protocol.md says why)
+
+
+def extractor(task: ModuleType, scoring: str):
+    return getattr(task, f"extract_{scoring}")
+
 
 def score_item(task: ModuleType, responses: Sequence[str], gold) -> dict:
-    """Extract and score the n responses of one prompt against that prompt's gold answer."""
-    extracted = [task.extract(r) for r in responses]
-    correct = [a is not None and bool(task.is_correct(a, gold)) for a in extracted]
-    return {"extracted": extracted, "correct": correct}
+    """Extract and score the n responses of one prompt against that prompt's gold answer, both ways.
+
+    {"strict": {"extracted": [...], "correct": [...]}, "flexible": {...}}
+    """
+    out = {}
+    for scoring in SCORINGS:
+        extracted = [extractor(task, scoring)(r) for r in responses]
+        correct = [a is not None and bool(task.is_correct(a, gold)) for a in extracted]
+        out[scoring] = {"extracted": extracted, "correct": correct}
+    return out
 
 
 def mean_stderr(values: Sequence[float]) -> tuple[float, float]:
@@ -32,29 +48,33 @@ def mean_stderr(values: Sequence[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
-def accuracy_metrics(scored: Sequence[dict]) -> dict:
+def accuracy_metrics(scored: Sequence[dict], scoring: str) -> dict:
     """Per-prompt accuracy = mean over its samples; task accuracy = mean over prompts, stderr over prompts."""
-    per_prompt = [sum(s["correct"]) / len(s["correct"]) for s in scored if s["correct"]]
+    items = [s[scoring] for s in scored]
+    per_prompt = [sum(s["correct"]) / len(s["correct"]) for s in items if s["correct"]]
     accuracy, stderr = mean_stderr(per_prompt)
-    n_samples = sum(len(s["extracted"]) for s in scored)
-    failures = sum(a is None for s in scored for a in s["extracted"])
+    n_samples = sum(len(s["extracted"]) for s in items)
+    failures = sum(a is None for s in items for a in s["extracted"])
     return {
-        "accuracy": accuracy,
-        "accuracy_stderr": stderr,
-        "parse_failure_rate": failures / n_samples if n_samples else math.nan,
+        f"accuracy_{scoring}": accuracy,
+        f"accuracy_{scoring}_stderr": stderr,
+        f"parse_failure_rate_{scoring}": failures / n_samples if n_samples else math.nan,
     }
 
 
+def all_metrics(scored: Sequence[dict]) -> dict:
+    return {k: v for scoring in SCORINGS for k, v in accuracy_metrics(scored, scoring).items()}
+
+
 def per_subject_metrics(scored: Sequence[dict], subjects: Sequence[str]) -> dict:
-    """{subject: {"accuracy", "accuracy_stderr"}} for MMLU-HS (subjects aligned with `scored`)."""
+    """{subject: {"accuracy_strict", "accuracy_strict_stderr", ...}} for MMLU-HS (aligned with `scored`)."""
     groups: dict[str, list[dict]] = {}
     for s, subject in zip(scored, subjects, strict=True):
         groups.setdefault(subject, []).append(s)
-    out = {}
-    for subject in sorted(groups):
-        m = accuracy_metrics(groups[subject])
-        out[subject] = {"accuracy": m["accuracy"], "accuracy_stderr": m["accuracy_stderr"]}
-    return out
+    return {
+        subject: {k: v for k, v in all_metrics(groups[subject]).items() if k.startswith("accuracy")}
+        for subject in sorted(groups)
+    }
 
 
 def score_all(task: ModuleType, docs: Sequence[dict], responses: Sequence[Sequence[str]]) -> list[dict]:
@@ -69,4 +89,11 @@ def task_metrics(
     extra = {}
     if getattr(task, "PER_SUBJECT", False) and subjects is not None:
         extra["per_subject"] = per_subject_metrics(scored, subjects)
-    return accuracy_metrics(scored), extra
+    return all_metrics(scored), extra
+
+
+def sample_fields(scored_item: dict) -> dict:
+    """The samples.jsonl fields of one scored prompt: extracted_strict, correct_strict, ... ."""
+    return {
+        f"{k}_{scoring}": scored_item[scoring][k] for scoring in SCORINGS for k in ("extracted", "correct")
+    }

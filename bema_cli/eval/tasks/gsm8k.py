@@ -1,12 +1,17 @@
 """GSM8K (grade-school math word problems), zero-shot chain of thought.
 
-Scoring (issue 5): the number after the last `####`, else the last number in the
-response; commas and `$` removed; compared numerically (never a substring test).
+Scoring, two ways (docs/eval-protocol.md):
+- strict: the number right after the last `####` (the format the prompt asks for);
+- flexible: strict, else the last number anywhere in the response (lm-eval's flexible-extract).
+A number is read whole: sign, `$`, thousands separated by commas or single spaces in groups of
+three ("1,234", "1 234"), decimals (".5" is 0.5), a fraction "1/2", scientific notation "1.5e3".
+Answers are compared as exact rationals (never as substrings).
 """
 
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from fractions import Fraction
 
 NAME = "gsm8k"
@@ -16,8 +21,15 @@ MAX_NEW_TOKENS = 512
 DEFAULT_LIMIT = 128  # prompts, as in the paper
 PROMPT_VERSION = 1
 
-# a number as people write it: optional sign, optional $, digits with thousands commas, decimals
-_NUMBER = re.compile(r"-?\$?\s?\d[\d,]*(?:\.\d+)?")
+# One number as people write it. Not preceded by a word character or '.', so "5-3" is 5 and 3 and
+# "x2" is no number; not followed by a digit or a letter, so "3rd"/"12a" are not read either.
+_NUMBER = re.compile(
+    r"(?<![\w.])(?P<sign>-)?\$?\s?"
+    r"(?P<body>\d+/\d+"  # a fraction
+    r"|(?:\d{1,3}(?:,\d{3})+|\d{1,3}(?: \d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d{1,2})?"  # 1,234.5 / 1 234 / 1e3
+    r"|\.\d+(?:[eE][-+]?\d{1,2})?)"  # .5
+    r"(?![\d/]|[^\W\d_])"
+)
 
 
 def messages(doc: dict) -> list[dict]:
@@ -29,44 +41,58 @@ def messages(doc: dict) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def _to_number(text: str) -> Fraction | None:
-    cleaned = text.replace(",", "").replace("$", "").replace(" ", "")
+def _value(match: re.Match) -> Fraction | None:
+    body = match.group("body").replace(",", "").replace(" ", "")
     try:
-        return Fraction(cleaned)
-    except (ValueError, ZeroDivisionError):
+        value = Fraction(Decimal(body)) if "/" not in body else Fraction(body)
+    except (ValueError, ArithmeticError):  # "1/0", decimal overflow
         return None
+    return -value if match.group("sign") else value
 
 
-def _last_number(text: str) -> Fraction | None:
-    for match in reversed(_NUMBER.findall(text)):
-        value = _to_number(match)
-        if value is not None:
-            return value
-    return None
-
-
-def extract(response: str) -> str | None:
-    """The answer as a normalised number string, or None when there is none."""
+def extract_strict(response: str) -> str | None:
+    """The number right after the last `####` ("#### 42", "#### $1,000", "####: **7**")."""
     head, sep, tail = response.rpartition("####")
-    value = None
-    if sep:
-        first = _NUMBER.match(tail.lstrip(" *:"))  # the number right after it ("#### 42", "#### $1,000")
-        value = _to_number(first.group()) if first else None
-    if value is None:
-        value = _last_number(response)
+    if not sep:
+        return None
+    first = _NUMBER.match(tail.lstrip(" *:\t"))
+    value = _value(first) if first else None
     return None if value is None else _format(value)
 
 
+def extract_flexible(response: str) -> str | None:
+    strict = extract_strict(response)
+    if strict is not None:
+        return strict
+    for match in reversed(list(_NUMBER.finditer(response))):
+        value = _value(match)
+        if value is not None:
+            return _format(value)
+    return None
+
+
 def _format(value: Fraction) -> str:
-    return str(value.numerator) if value.denominator == 1 else str(float(value))
+    """An exact, readable string: "1234", "0.5", "-3.25", else "1/3" (Fraction reads all of them back)."""
+    if value.denominator == 1:
+        return str(value.numerator)
+    den = value.denominator
+    for p in (2, 5):
+        while den % p == 0:
+            den //= p
+    if den == 1:  # a terminating decimal
+        text = format(Decimal(value.numerator) / Decimal(value.denominator), "f")
+        return text.rstrip("0").rstrip(".") if "." in text else text
+    return f"{value.numerator}/{value.denominator}"
 
 
 def gold(doc: dict) -> str:
     """The reference answer: the number after the last `####` of the dataset's solution."""
-    answer = extract(doc["answer"])
+    answer = extract_strict(doc["answer"])
     return answer if answer is not None else doc["answer"].strip()
 
 
 def is_correct(answer: str, gold_answer: str) -> bool:
-    a, g = _to_number(answer), _to_number(gold_answer)
-    return a is not None and g is not None and a == g
+    try:
+        return Fraction(answer) == Fraction(gold_answer.replace(",", ""))
+    except (ValueError, ZeroDivisionError):
+        return False

@@ -1,6 +1,11 @@
 """MMLU high-school subjects (14 of cais/mmlu's test split), zero-shot multiple choice.
 
-Scoring (issue 5): the last `answer: <A-D>`, else a lone final letter A-D.
+Scoring, two ways (docs/eval-protocol.md), letters A-D in any case:
+- strict: the last "Answer: <letter>" (the format the prompt asks for; optional `**`, `(`, `[`),
+  the letter standing alone ("Answer: A mitochondrion..." is an article, not an option);
+- flexible: strict, else the last letter in an answer position: "answer is B", "(B)", "B)",
+  "\\boxed{B}", "Answer: [B]", or a line that is only "B". Never a letter inside ordinary
+  text ("...vitamin D.", "the U.S.A.").
 Prompts are selected per subject; accuracy is reported overall and per subject.
 """
 
@@ -24,9 +29,19 @@ PER_SUBJECT = True
 PROMPT_VERSION = 1
 LETTERS = "ABCD"
 
-_STRICT = re.compile(r"(?i:answer)\s*:\s*\**\s*\(?([A-D])\b")  # "Answer" in any case, the letter upper
-# the response ends with a single letter, possibly bracketed and followed by punctuation
-_FINAL = re.compile(r"(?:^|[^A-Za-z0-9])\(?([A-D])\)?[.:!*]*\s*$")
+# A bare letter: B-D end at any non-word character; "A" is also an article, so it must stand alone
+# (then only closing marks, sentence punctuation, a dash/bracket, or the end of the line).
+_BARE = r"(?:([b-d])(?![\w'])|(a)(?=[\]).,;:!*]|\s*$|\s+[-(—–]))"
+_STRICT = re.compile(rf"\banswer\s*:\s*\**\s*(?:\(([a-d])\)|\[([a-d])\]|{_BARE})", re.I | re.M)
+_FLEXIBLE = (
+    re.compile(rf"\banswer\s+(?:is|would\s+be|should\s+be)\s*:?\s*\**\s*\(?{_BARE}", re.I | re.M),
+    re.compile(rf"\b(?:option|choice)\s+(?:is\s+)?\(?{_BARE}", re.I | re.M),
+    re.compile(r"\\boxed\{\s*(?:\\text\{)?\s*([a-d])\s*\}?\s*\}", re.I),
+    re.compile(r"\[([a-d])\]", re.I),
+    re.compile(r"\(([a-d])\)", re.I),
+    re.compile(r"(?:^|(?<=\s))([a-d])\)", re.I | re.M),
+    re.compile(r"^[\s*#>]*\(?([a-d])\)?[.:!*]*\s*$", re.I | re.M),  # a line that is just the letter
+)
 
 
 def messages(doc: dict) -> list[dict]:
@@ -40,12 +55,21 @@ def messages(doc: dict) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def extract(response: str) -> str | None:
-    strict = _STRICT.findall(response)
-    if strict:
-        return strict[-1].upper()
-    final = _FINAL.search(response)
-    return final.group(1) if final else None
+def _last_letter(matches) -> str | None:
+    """The letter of the match that starts last in the response (whichever group matched)."""
+    best = max(matches, key=lambda m: m.start(), default=None)
+    return None if best is None else next(g for g in best.groups() if g).upper()
+
+
+def extract_strict(response: str) -> str | None:
+    return _last_letter(list(_STRICT.finditer(response)))
+
+
+def extract_flexible(response: str) -> str | None:
+    strict = extract_strict(response)
+    if strict is not None:
+        return strict
+    return _last_letter([m for pattern in _FLEXIBLE for m in pattern.finditer(response)])
 
 
 def gold(doc: dict) -> str:

@@ -7,13 +7,15 @@ them into one app and maps errors to one-line messages and exit codes.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 from typing import Annotated
 
 import typer
+import typer._click.exceptions as click  # typer's own copy of click's exception classes
 
-from bema_cli import __version__, output
+from bema_cli import __version__, output, signals
 from bema_cli.commands import demo, evaluate, report, simulate, stabilize
 from bema_cli.errors import BemaError
 
@@ -55,10 +57,58 @@ app.command("report")(report.report)
 app.command("demo")(demo.demo)
 
 
+_KINDS = {"int_parsing": "an integer", "float_parsing": "a number", "bool_parsing": "true or false"}
+
+
+def _flag(param) -> str:
+    if param.param_type_name == "argument" or not param.opts:
+        return (param.name or "").upper()
+    return param.opts[0]
+
+
+def _usage_line(exc: click.UsageError) -> str:
+    """A typer usage error as one line: 'FLAG: problem (see bema CMD --help)'."""
+    message = exc.message
+    cause = exc.__cause__
+    if hasattr(cause, "errors"):  # typer coerces values with pydantic: name the value and the kind
+        first = cause.errors()[0]
+        kind = _KINDS.get(first.get("type"))
+        message = (
+            f"{first.get('input')!r} is not {kind}" if kind else f"{first.get('input')!r}: {first.get('msg')}"
+        )
+    if isinstance(exc, click.MissingParameter) and exc.param is not None:
+        message = f"missing {exc.param.param_type_name} {_flag(exc.param)}"
+    elif not isinstance(exc, click.BadParameter):
+        message = exc.format_message()
+    elif exc.param is not None:
+        message = f"{_flag(exc.param)}: {message}"
+    message = " ".join(line.strip() for line in message.splitlines() if line.strip()).rstrip(".")
+    command = exc.ctx.command_path if exc.ctx is not None else "bema"
+    return f"{message} (see {command} --help)"
+
+
 def main() -> None:
-    """Console-script entry point: run the app, turn failures into one line + exit code."""
+    """Console-script entry point: run the app, turn failures into one line + exit code (docs: README)."""
+    signals.install()
     try:
-        app()
+        code = app(standalone_mode=False)
+    except click.NoArgsIsHelpError as exc:  # bare `bema` or a bare group: usage on stderr
+        output.stderr.print(exc.ctx.get_help() if exc.ctx else str(exc), markup=False, highlight=False)
+        sys.exit(2)
+    except click.UsageError as exc:
+        if _debug:
+            traceback.print_exc()
+        output.error(_usage_line(exc))
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        output.error("aborted")
+        sys.exit(1)
+    except (signals.Terminated, KeyboardInterrupt) as exc:
+        signum = exc.signum if isinstance(exc, signals.Terminated) else signal.SIGINT
+        if _debug:
+            traceback.print_exc()
+        output.error(f"interrupted by {signal.Signals(signum).name}; nothing half-written was kept")
+        sys.exit(128 + signum)
     except BemaError as exc:
         if _debug:
             traceback.print_exc()
@@ -75,6 +125,7 @@ def main() -> None:
             traceback.print_exc()
         output.error(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)")
         sys.exit(70)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

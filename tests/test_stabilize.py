@@ -273,7 +273,7 @@ def test_interrupt_leaves_nothing_behind(tmp_path):
     assert proc.poll() is None, "finished before it could be interrupted; make the input larger"
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "Traceback" not in stderr, stderr  # typer maps Ctrl-C to exit 130
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr  # bema maps SIGINT to exit 130
     assert not out.exists()
 
 

@@ -212,11 +212,13 @@ def test_error(results, name):
 
 
 def test_nonfinite_allowed_and_overwrite(tmp_path):
-    """--allow-nonfinite proceeds (NaN propagates); --overwrite replaces an existing run."""
+    """--allow-nonfinite proceeds (NaN propagates); --overwrite replaces a run folder bema wrote."""
     base, run = _traj(tmp_path)
     _edit(run / "checkpoint-30" / "model.safetensors", lambda s: s["scale"].fill_(float("inf")))
     out = tmp_path / "out"
-    (out / "bema-k0.5-e0.2" / "stale").mkdir(parents=True)
+    first = run_bema("stabilize", run, "--base", base, "--out", out, "--steps", "10")
+    assert first.returncode == 0, first.stderr
+    (out / "bema-k0.5-e0.2" / "stale").mkdir()  # inside a run folder bema wrote: replaced with it
     r = run_bema("stabilize", run, "--base", base, "--out", out, "--allow-nonfinite", "--overwrite", "--json")
     assert r.returncode == 0, r.stderr
     assert "allow-nonfinite" in r.stderr

@@ -8,19 +8,19 @@ of every output at its final offset. The math lives in recurrence.py; files in b
 
 `process_unit` is one unit's whole job, so an executor can run units anywhere that sees
 the files. The driver (`stabilize`) pre-creates the outputs (headers planned up front) in a
-temp folder under OUT, runs the units, writes metadata and renames the folders into place.
+temp folder under OUT, runs the units, writes metadata and commits the folders by renames
+(io/commit.py: OUT's lock, the journaled swap, manifest.json).
 """
 
 from __future__ import annotations
 
 import math
-import shutil
 import time
-import uuid
 from pathlib import Path
 
 from bema_cli import __version__, output
 from bema_cli.errors import InputError, OutputError, UsageError
+from bema_cli.io.commit import OutputTransaction, check_apart
 from bema_cli.io.safetensors import DTYPES, FLOATING, ChunkReader, TensorInfo
 from bema_cli.io.writer import ShardedWriter, tensor_bytes
 from bema_cli.recurrence import Stabilizer, state_key
@@ -120,19 +120,45 @@ def _row_bytes(info: TensorInfo, tag: str) -> int:
     return info.numel // rows * DTYPES[tag][1] if rows else 0
 
 
+def _out_dir(text: str) -> Path:
+    if not text.strip():
+        raise UsageError("--out: empty path (name the output folder)")
+    return Path(text).expanduser().resolve()
+
+
+def _inputs(plan: Plan, run_dir: str) -> list[Path]:
+    """Everything this call reads: the run folder, each checkpoint folder, theta0, every weight file."""
+    files = [t.file for index in (plan.base_index, *plan.indexes.values()) for t in index.tensors.values()]
+    folders = [Path(run_dir).expanduser(), plan.base_index.folder, *(c.path for c in plan.checkpoints)]
+    return folders + sorted(set(files))
+
+
 def _check_out(out: Path, runs: list[Run], overwrite: bool) -> None:
+    """OUT must be a folder; an existing run folder is replaced only with --overwrite and only when it is
+    a bema output (meta.is_bema_run): --overwrite never deletes anything bema did not write."""
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a directory")
+    old = meta.read_manifest(out) if out.is_dir() else None
     for run in runs:
-        if (out / run.name).exists() and not overwrite:
-            raise OutputError(f"{out / run.name}: already exists (use --overwrite to replace it)")
+        folder = out / run.name
+        if folder.is_symlink():
+            raise OutputError(
+                f"{folder}: is a symbolic link; bema only replaces run folders it wrote (remove the link or choose another --out)"
+            )
+        if folder.exists() and not overwrite:
+            raise OutputError(f"{folder}: already exists (use --overwrite to replace it)")
+        if folder.exists() and not meta.is_bema_run(folder, old):
+            raise OutputError(
+                f"{folder}: exists and is not a bema output (no manifest entry or bema.json names it); --overwrite only replaces bema outputs"
+            )
 
 
 def stabilize(opts: Options) -> dict:
     """Run (or with dry_run, only plan) one `bema stabilize`; returns the --json document."""
     t0 = time.perf_counter()
     plan = prepare(opts)
-    out = Path(opts.out).expanduser().resolve()
+    out = _out_dir(opts.out)
+    check_apart(out, _inputs(plan, opts.checkpoint_dir))
     try:
         _check_out(out, plan.runs, opts.overwrite)
     except OutputError as exc:
@@ -152,29 +178,17 @@ def stabilize(opts: Options) -> dict:
             "seconds": time.perf_counter() - t0,
             "plan": meta.dry_run_plan(plan, opts),
         }
-    created_out = not out.exists()
-    tmp = out / f".bema-tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir(parents=True)
-    except OSError as exc:
-        raise OutputError(f"{out}: cannot write the output directory ({exc.strerror or exc})") from None
-    try:
-        doc["written_bytes"] = _walk(plan, opts, tmp)
-        for run in plan.runs:
-            final = out / run.name
-            if final.exists():
-                _check_out(out, [run], opts.overwrite)
-                shutil.rmtree(final)
-            (tmp / run.name).rename(final)
-        manifest = out / "manifest.json"
-        (tmp / "manifest.json").write_text(output.to_json(meta.manifest(plan, out)) + "\n")
-        (tmp / "manifest.json").replace(manifest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if created_out and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
-        raise
-    shutil.rmtree(tmp, ignore_errors=True)
+    with OutputTransaction(out) as txn:  # locks OUT: a second writer is refused here, before any work
+        if txn.recovered:
+            output.log(f"{out}: cleaned up after {len(txn.recovered)} interrupted bema run(s)")
+        _check_out(out, plan.runs, opts.overwrite)  # again, now that no other writer can change OUT
+        doc["written_bytes"] = _walk(plan, opts, txn.tmp)
+        old = meta.read_manifest(out)
+        txn.commit(
+            [run.name for run in plan.runs],
+            manifest=meta.manifest(plan, old),
+            interim_manifest=meta.manifest(plan, old, with_new=False) if old else None,
+        )
     doc["seconds"] = time.perf_counter() - t0
     return doc
 

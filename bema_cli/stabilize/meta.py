@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bema_cli import __version__, output
-from bema_cli.io.checkpoints import copy_aux_files
+from bema_cli.errors import InputError
+from bema_cli.io.checkpoints import copy_aux_files, read_json
+from bema_cli.io.commit import MANIFEST
 from bema_cli.io.safetensors import DTYPES, FLOATING
 from bema_cli.recurrence import Schedule
 
@@ -81,15 +83,43 @@ def weights(run: Run, step: int) -> dict:
     return {"alpha": run.events[step].alpha, "beta": run.events[step].beta}
 
 
-def manifest(plan: Plan, out: Path) -> dict:
-    """OUT/manifest.json: merged with an existing one, runs of this call replacing same-named runs."""
-    path = out / "manifest.json"
-    old_runs = []
-    if path.is_file():
+def read_manifest(out: Path) -> dict | None:
+    """OUT/manifest.json if there is one, validated (InputError naming it when it is not a manifest)."""
+    path = out / MANIFEST
+    if not path.exists() and not path.is_symlink():
+        return None
+    doc = read_json(path)
+    runs = doc.get("runs", []) if isinstance(doc, dict) else None
+    if not isinstance(runs, list) or not all(
+        isinstance(r, dict) and isinstance(r.get("run"), str) for r in runs
+    ):
+        raise InputError(
+            f"{path}: not a bema manifest (expected an object whose 'runs' is a list of run objects)"
+        )
+    return doc
+
+
+def is_bema_run(folder: Path, old_manifest: dict | None) -> bool:
+    """Whether `--overwrite` may replace this folder: a real folder that OUT's manifest lists as a run
+    or whose checkpoint-*/bema.json names it. Anything else is never deleted."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    if old_manifest and any(r["run"] == folder.name for r in old_manifest["runs"]):
+        return True
+    for path in folder.glob("checkpoint-*/bema.json"):
         try:
-            old_runs = json.loads(path.read_text()).get("runs", [])
-        except (ValueError, AttributeError):
-            old_runs = []
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("run") == folder.name:
+            return True
+    return False
+
+
+def manifest(plan: Plan, old_manifest: dict | None, with_new: bool = True) -> dict:
+    """OUT/manifest.json: the old one's runs, minus same-named runs of this call, plus (with_new) this
+    call's runs. Without them it is the interim manifest written while run folders are swapped."""
+    old_runs = old_manifest["runs"] if old_manifest else []
     runs = [
         {
             "run": run.name,
@@ -102,12 +132,15 @@ def manifest(plan: Plan, out: Path) -> dict:
         for run in plan.runs
     ]
     names = {r["run"] for r in runs}
+    kept = [r for r in old_runs if r["run"] not in names]
+    if not with_new:
+        return {**(old_manifest or {}), "runs": kept}
     return {
         "bema_version": __version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "theta0_source": plan.base_source,
         "checkpoints": [{"step": c.step, "path": str(c.path)} for c in plan.checkpoints],
-        "runs": [r for r in old_runs if isinstance(r, dict) and r.get("run") not in names] + runs,
+        "runs": kept + runs,
     }
 
 

@@ -1,0 +1,58 @@
+"""SIGINT, SIGTERM and SIGHUP all end a run the same way: an exception that unwinds through the
+cleanup code (temp folders removed, locks released), then exit 130, 143 or 129 (128 + signal).
+
+SLURM and Kubernetes stop jobs with SIGTERM, a closed terminal sends SIGHUP; without a
+handler Python dies on the spot and leaves its temp folders behind. `deferred()` holds a
+signal back for a few milliseconds while the output commit renames folders (io/commit.py).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_deferring = 0
+_pending: int | None = None
+
+
+class Terminated(BaseException):
+    """SIGINT, SIGTERM or SIGHUP arrived. A BaseException, like KeyboardInterrupt, so `except Exception`
+    misses it; unlike KeyboardInterrupt, no library (typer included) swallows it on the way up."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise(signum: int) -> None:
+    raise Terminated(signum)
+
+
+def _handler(signum: int, frame) -> None:
+    global _pending
+    if _deferring:
+        _pending = signum
+        return
+    _raise(signum)
+
+
+def install() -> None:
+    """Route SIGINT/SIGTERM/SIGHUP to exceptions (main thread only; the CLI calls it once)."""
+    for sig in HANDLED:
+        signal.signal(sig, _handler)
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM/SIGHUP until the block ends, then act on the last one that arrived."""
+    global _deferring, _pending
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+        if not _deferring and _pending is not None:
+            signum, _pending = _pending, None
+            _raise(signum)

@@ -53,8 +53,9 @@ def read_records(path: Path) -> list[dict]:
         missing = [k for k in REQUIRED if k not in record]
         if missing:
             raise InputError(f"{where}: no {', '.join(map(repr, missing))}")
-        if not isinstance(record["step"], int) or isinstance(record["step"], bool) or record["step"] < 0:
-            raise InputError(f"{where}: 'step' must be a non-negative integer, got {record['step']!r}")
+        step = record["step"]
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise InputError(f"{where}: 'step' must be a non-negative integer or null, got {step!r}")
         if not isinstance(record["metrics"], dict):
             raise InputError(f"{where}: 'metrics' must be an object")
         records.append({**record, "_where": where})
@@ -88,12 +89,28 @@ def run_order(run: str) -> tuple[int, str]:
     return (0 if run == "vanilla" else 1, run)
 
 
+def reference_label(record: dict) -> str:
+    """A step-less model (not checkpoint-<s>): its `label`, else its folder's name."""
+    return str(record.get("label") or Path(str(record.get("model_path") or "model")).name)
+
+
 def summarize(records: list[dict]) -> dict:
-    """{task: {metric: {"higher_is_better", "runs": {run: {steps, values, stderr, final, best, stabilizer}}}}}."""
+    """{task: {metric: {"higher_is_better", "runs": {run: {steps, values, stderr, final, best, stabilizer}},
+    "references": {label: {value, stderr}}}}}: records without a step are references, not curve points."""
     points: dict[tuple[str, str, str], dict[int, tuple[float, float]]] = {}
+    references: dict[tuple[str, str], dict[str, dict]] = {}
     stabilizers: dict[str, dict] = {}
     for rec in records:
         run, task, step = str(rec["run"]), str(rec["task"]), rec["step"]
+        if step is None:
+            for metric in headline_metrics(rec["metrics"]):
+                value, se = _number(rec["metrics"][metric]), _number(rec["metrics"][f"{metric}_stderr"])
+                if math.isfinite(value):
+                    references.setdefault((task, metric), {})[reference_label(rec)] = {
+                        "value": value,
+                        "stderr": se,
+                    }
+            continue
         if not rec.get("is_base") or run not in stabilizers:
             stabilizers[run] = rec.get("stabilizer") or {}
         for metric in headline_metrics(rec["metrics"]):
@@ -124,6 +141,11 @@ def summarize(records: list[dict]) -> dict:
             "best": {"step": steps[best], "value": values[best], "stderr": errors[best]},
             "stabilizer": stabilizers.get(run, {}),
         }
+    for (task, metric), refs in sorted(references.items()):
+        entry = summary.setdefault(task, {}).setdefault(
+            metric, {"higher_is_better": higher_is_better(metric), "runs": {}}
+        )
+        entry["references"] = refs
     return summary
 
 
@@ -156,7 +178,7 @@ def tables(doc: dict) -> list:
         for metric, entry in metrics.items():
             runs = entry["runs"]
             sign = 1.0 if entry["higher_is_better"] else -1.0
-            top = max(runs, key=lambda r: sign * runs[r]["final"]["value"])
+            top = max(runs, key=lambda r: sign * runs[r]["final"]["value"], default=None)
             vanilla = runs.get("vanilla", {}).get("final", {}).get("value")
             direction = "higher" if entry["higher_is_better"] else "lower"
             table = Table(
@@ -180,6 +202,10 @@ def tables(doc: dict) -> list:
                     best,
                     str(r["best"]["step"]),
                 )
+            for label, ref in entry.get("references", {}).items():  # step-less models: one value, no curve
+                value = _fmt(ref["value"], ref["stderr"])
+                delta = "" if vanilla is None else f"{ref['value'] - vanilla:+.3g}"
+                table.add_row(f"{label} (no step)", "1", "-", value, delta, value, "-")
             out.append(table)
     return out
 
@@ -218,7 +244,8 @@ def plot(doc: dict, path: str, scoring: str = "flexible") -> None:
         for metric, entry in metrics.items()
         if plotted(metric, scoring)
     ]
-    all_runs = sorted({run for *_, e in panels for run in e["runs"]}, key=run_order)
+    refs = {label for *_, e in panels for label in e.get("references", {})}
+    all_runs = sorted({run for *_, e in panels for run in e["runs"]} | refs, key=run_order)
     palette = colormaps["tab10" if len(all_runs) <= 10 else "tab20"]
     colors = {run: palette(i % palette.N) for i, run in enumerate(r for r in all_runs if r != "vanilla")}
     colors["vanilla"] = "black"
@@ -233,6 +260,8 @@ def plot(doc: dict, path: str, scoring: str = "flexible") -> None:
             ok = np.isfinite(se)
             if ok.any():
                 ax.fill_between(x[ok], (y - se)[ok], (y + se)[ok], color=colors[run], alpha=0.15, lw=0)
+        for label, ref in entry.get("references", {}).items():  # a step-less model: a horizontal line
+            ax.axhline(ref["value"], color=colors[label], ls=":", lw=1.4)
         arrow = "higher" if entry["higher_is_better"] else "lower"
         name = task if metric == task else f"{task}\n{metric}"
         ax.set_title(f"{name} ({arrow} is better; band: ±1 s.e.)", fontsize=10)
@@ -242,7 +271,9 @@ def plot(doc: dict, path: str, scoring: str = "flexible") -> None:
     for ax in axes[len(panels) :]:
         ax.set_visible(False)
     handles = [
-        Line2D([], [], color=colors[r], ls="--" if r == "vanilla" else "-", marker="o", ms=3, label=r)
+        Line2D([], [], color=colors[r], ls=":", label=f"{r} (no step)")
+        if r in refs
+        else Line2D([], [], color=colors[r], ls="--" if r == "vanilla" else "-", marker="o", ms=3, label=r)
         for r in all_runs
     ]
     fig.legend(handles=handles, loc="outside right upper", title="run", ncols=1 if len(all_runs) <= 16 else 2)

@@ -305,7 +305,7 @@ def test_errors_are_one_line_with_exit_codes(evaluated, tmp_path):
 
 
 def test_expand_inputs_mixes_raw_stabilized_and_training_dirs(tmp_path):
-    from bema_cli.eval.evaluate import base_target, expand_inputs
+    from bema_cli.eval.targets import base_target, expand_inputs
 
     def model(path: Path, meta: dict | None = None) -> Path:
         path.mkdir(parents=True)

@@ -18,7 +18,11 @@ def evaluate(
         list[str] | None, typer.Argument(help="Checkpoint folders, bema stabilize outputs or OUT dirs.")
     ] = None,
     tasks: Annotated[
-        str, typer.Option("--tasks", help="Comma list of boolq,gsm8k,mmlu_hs,loss,train_loss.")
+        str,
+        typer.Option(
+            "--tasks",
+            help="Comma list of boolq,gsm8k,mmlu_hs,loss,train_loss and lm_eval:<task> (any lm-evaluation-harness task or group).",
+        ),
     ] = "boolq,gsm8k,mmlu_hs",
     out: Annotated[
         str | None, typer.Option("--out", "-o", help="Directory for results.jsonl (and samples.jsonl).")
@@ -63,6 +67,30 @@ def evaluate(
             rich_help_panel=_T,
         ),
     ] = None,
+    num_fewshot: Annotated[
+        int,
+        typer.Option(
+            "--num-fewshot",
+            help="Few-shot examples per prompt from the train split (the paper's text: 5 for BoolQ); default 0, as the authors' code.",
+            rich_help_panel=_T,
+        ),
+    ] = 0,
+    cot: Annotated[
+        bool,
+        typer.Option(
+            "--cot",
+            help="Ask BoolQ and MMLU-HS for step-by-step reasoning (GSM8K always asks).",
+            rich_help_panel=_T,
+        ),
+    ] = False,
+    lm_eval_include: Annotated[
+        str | None,
+        typer.Option(
+            "--lm-eval-include",
+            help="Folder of local lm-eval task YAMLs for lm_eval:<task>.",
+            rich_help_panel=_T,
+        ),
+    ] = None,
     chat_template: Annotated[
         str | None,
         typer.Option(
@@ -85,23 +113,48 @@ def evaluate(
     gpu_memory_utilization: Annotated[
         float, typer.Option("--gpu-memory-utilization", rich_help_panel=_E)
     ] = 0.7,
-    max_model_len: Annotated[int, typer.Option("--max-model-len", rich_help_panel=_E)] = 2048,
+    max_model_len: Annotated[
+        int | None,
+        typer.Option(
+            "--max-model-len", help="Default: min(2048, the model's max positions).", rich_help_panel=_E
+        ),
+    ] = None,
     enforce_eager: Annotated[
         bool, typer.Option("--enforce-eager", help="No CUDA graphs (always on for CPU).", rich_help_panel=_E)
     ] = False,
     batch_size: Annotated[
-        int, typer.Option("--batch-size", help="Prompts per transformers generate call.", rich_help_panel=_E)
+        int,
+        typer.Option(
+            "--batch-size",
+            help="Prompts per transformers generate call (changes its samples).",
+            rich_help_panel=_E,
+        ),
     ] = 8,
+    verify_swap: Annotated[
+        bool,
+        typer.Option(
+            "--verify-swap",
+            help="vLLM: check each swapped checkpoint's probe logprobs against a fresh engine on it.",
+            rich_help_panel=_E,
+        ),
+    ] = False,
     log_samples: Annotated[
         bool,
         typer.Option("--log-samples", help="Write every prompt, response, answer and gold to samples.jsonl."),
     ] = False,
     force: Annotated[
-        bool, typer.Option("--force", help="Redo (checkpoint, task) pairs already in results.jsonl.")
+        bool,
+        typer.Option(
+            "--force",
+            help="Re-evaluate (checkpoint, task) pairs already in results.jsonl, replacing their records (also when made with another setup).",
+        ),
     ] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Evaluate checkpoints with the paper's protocol: BoolQ, GSM8K, MMLU-HS (50 samples/prompt) and held-out loss."""
+    from pathlib import Path
+
+    from bema_cli import cli  # the global --debug flag
     from bema_cli.eval.backends.base import EngineOptions
     from bema_cli.eval.chat import read_template
     from bema_cli.eval.evaluate import EvalConfig, run_eval
@@ -115,12 +168,14 @@ def evaluate(
         tasks=names, out=out, data_dir=data_dir, loss_data=loss_data, loss_train_data=loss_train_data,
         loss_samples=loss_samples, loss_max_tokens=loss_max_tokens, n_samples=n_samples, temperature=temperature,
         seed=seed, max_new_tokens=max_new_tokens, selection_seed=selection_seed, limit=limit, backend=backend,
-        log_samples=log_samples, force=force, chat_template_file=chat_template,
+        log_samples=log_samples, force=force, chat_template_file=chat_template, num_fewshot=num_fewshot, cot=cot,
+        lm_eval_include=lm_eval_include, verify_swap=verify_swap,
     )  # fmt: skip
     engine = EngineOptions(
         dtype=dtype, tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
         gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, enforce_eager=enforce_eager,
         batch_size=batch_size, chat_template=read_template(chat_template) if chat_template else None,
+        log_file=str(Path(out) / "vllm.log") if out else None, debug=cli._debug,
     )  # fmt: skip
     records = run_eval(inputs or [], base, config, engine)
     if json_:

@@ -23,42 +23,48 @@ def select(n: int, k: int, seed: int) -> list[int]:
     return sorted(int(i) for i in np.random.RandomState(seed).choice(n, k, replace=False))
 
 
-def local_file(task: ModuleType, data_dir: str | Path | None) -> Path | None:
+def local_file(task: ModuleType, data_dir: str | Path | None, shots: bool = False) -> Path | None:
     if data_dir is None:
         return None
+    stem = f"{task.NAME}_shots" if shots else task.NAME
     for ext in ("jsonl", "parquet"):
-        path = Path(data_dir) / f"{task.NAME}.{ext}"
+        path = Path(data_dir) / f"{stem}.{ext}"
         if path.is_file():
             return path
     return None
 
 
-def needed_files(task: ModuleType) -> str:
+def needed_files(task: ModuleType, shots: bool = False) -> str:
     """What a user must provide for `task`, for the offline error message."""
-    hub = f"{task.HUB['repo']}:{','.join(task.HUB['patterns'])}"
-    return f"{task.NAME}: --data-dir/{task.NAME}.jsonl|parquet with fields {', '.join(task.FIELDS)}, or Hub {hub}"
+    hub_source = task.SHOTS_HUB if shots else task.HUB
+    stem = f"{task.NAME}_shots" if shots else task.NAME
+    hub = f"{hub_source['repo']}:{','.join(hub_source['patterns'])}"
+    return f"{stem}: --data-dir/{stem}.jsonl|parquet with fields {', '.join(task.FIELDS)}, or Hub {hub}"
 
 
-def hub_files(task: ModuleType) -> list[Path] | None:
-    """The task's parquet files from the Hub cache (downloading them when online); None if unavailable."""
+def hub_files(source: dict) -> list[Path] | None:
+    """A task's parquet files from the Hub cache (downloading them when online); None if unavailable."""
     try:
         from huggingface_hub import snapshot_download
 
-        root = snapshot_download(task.HUB["repo"], repo_type="dataset", allow_patterns=task.HUB["patterns"])
+        root = snapshot_download(source["repo"], repo_type="dataset", allow_patterns=source["patterns"])
     except Exception:  # offline, not cached, no network, gated: all mean "not available here"
         return None
-    files = sorted(p for pattern in task.HUB["patterns"] for p in Path(root).glob(pattern))
+    files = sorted(p for pattern in source["patterns"] for p in Path(root).glob(pattern))
     return files or None
 
 
-def resolve_sources(tasks: list[ModuleType], data_dir: str | Path | None) -> dict[str, list[Path]]:
-    """Files for every task, checked up front; one error listing everything missing."""
+def resolve_sources(
+    tasks: list[ModuleType], data_dir: str | Path | None, shots: bool = False
+) -> dict[str, list[Path]]:
+    """Files for every task (its test split, or with `shots` its few-shot split), checked up front;
+    one error listing everything missing."""
     sources, missing = {}, []
     for task in tasks:
-        local = local_file(task, data_dir)
-        files = [local] if local else hub_files(task)
+        local = local_file(task, data_dir, shots)
+        files = [local] if local else hub_files(task.SHOTS_HUB if shots else task.HUB)
         if files is None:
-            missing.append(needed_files(task))
+            missing.append(needed_files(task, shots))
         else:
             sources[task.NAME] = files
     if missing:
@@ -116,8 +122,7 @@ def jsonl_rows(path: Path, end: int | None = None) -> list[tuple[int, object]]:
     return out
 
 
-def load_docs(task: ModuleType, files: list[Path], limit: int, seed: int) -> list[dict]:
-    """The selected items of a task, each with `_id` (its index in the split, per subject for MMLU)."""
+def _read_task_rows(task: ModuleType, files: list[Path]) -> list[dict]:
     rows = []
     for path in files:
         for where, row in read_rows(path):
@@ -127,13 +132,29 @@ def load_docs(task: ModuleType, files: list[Path], limit: int, seed: int) -> lis
             rows.append(row)
     if not rows:
         raise InputError(f"{', '.join(map(str, files))}: no rows for task {task.NAME}")
+    return rows
+
+
+def _by_subject(task: ModuleType, rows: list[dict]) -> dict[str, list[dict]]:
     if not getattr(task, "PER_SUBJECT", False):
-        return [{**rows[i], "_id": str(i)} for i in select(len(rows), limit, seed)]
+        return {"": rows}
+    return {s: [r for r in rows if r["subject"] == s] for s in sorted({r["subject"] for r in rows})}
+
+
+def load_docs(task: ModuleType, files: list[Path], limit: int, seed: int) -> list[dict]:
+    """The selected items of a task, each with `_id` (its index in the split, per subject for MMLU)."""
     docs = []
-    for subject in sorted({r["subject"] for r in rows}):
-        group = [r for r in rows if r["subject"] == subject]
-        docs += [{**group[i], "_id": f"{subject}/{i}"} for i in select(len(group), limit, seed)]
+    for subject, group in _by_subject(task, _read_task_rows(task, files)).items():
+        prefix = f"{subject}/" if subject else ""
+        docs += [{**group[i], "_id": f"{prefix}{i}"} for i in select(len(group), limit, seed)]
     return docs
+
+
+def load_shots(task: ModuleType, files: list[Path], k: int, seed: int) -> dict[str, list[dict]]:
+    """Few-shot examples: k items of the few-shot split (per subject for MMLU), the paper's selection
+    formula with `seed`, the same examples for every prompt (of that subject)."""
+    groups = _by_subject(task, _read_task_rows(task, files))
+    return {subject: [group[i] for i in select(len(group), k, seed)] for subject, group in groups.items()}
 
 
 def read_loss_records(path: str | Path, limit: int) -> list[dict]:

@@ -1,48 +1,33 @@
-"""`bema eval`: run the paper's benchmarks and losses for many checkpoints on one backend.
+"""`bema eval`: run the paper's benchmarks, losses and lm-eval tasks for many checkpoints on one backend.
 
-Inputs are any mix of raw `checkpoint-<s>` folders (run "vanilla"), `bema stabilize`
-checkpoint folders (run and hyperparameters from bema.json) and `bema stabilize` output
-directories (expanded through manifest.json). `--base` is evaluated once and recorded as
-step 0 of every run. Every (checkpoint, run, task) gives one results.jsonl record.
+The driver (`Evaluation`) prepares data and resume keys once, refuses results.jsonl records
+made with another setup, and turns every checkpoint with work left into one `Job`.
+`run_job(backend, job)` is a checkpoint's whole evaluation on one backend: it loads the
+weights and yields each task's records and samples; the driver writes them, task by task,
+so an interrupted run keeps what it finished. (An executor that runs jobs elsewhere, e.g. a
+pool of engines, calls `run_job` there and hands the results to `Evaluation.write`.)
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 from bema_cli import __version__, output
-from bema_cli.errors import InputError, UsageError
-from bema_cli.eval import data
-from bema_cli.eval.backends.base import EngineOptions, Sampling, make_backend
-from bema_cli.eval.chat import has_tokenizer, render
+from bema_cli.errors import OutputError, UsageError
+from bema_cli.eval import data, resume
+from bema_cli.eval.backends.base import BACKENDS, EngineOptions, Sampling, make_backend, vllm_usable
+from bema_cli.eval.chat import render
 from bema_cli.eval.results import ResultsFile, SamplesLog, read_jsonl
-from bema_cli.eval.tasks import LOSS_TASKS, get_task
+from bema_cli.eval.targets import Target, base_target, check_model_dir, expand_inputs
+from bema_cli.eval.tasks import LOSS_TASKS, get_task, is_lm_eval
 from bema_cli.eval.tasks import common as scoring
 from bema_cli.eval.tasks import loss as loss_task
-from bema_cli.io.checkpoints import find_checkpoints, model_weight_files, read_json, resolve_model, step_of
-
-# bema.json keys that describe the stabilizer (per-step alpha/beta and paths are not hyperparameters)
-STABILIZER_KEYS = (
-    "method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min",
-    "accum_dtype", "out_dtype", "theta0_source",
-)  # fmt: skip
-VANILLA = {"method": "vanilla"}
-
-
-@dataclass
-class Target:
-    """One model folder to evaluate and where its results go."""
-
-    path: Path
-    run: str
-    step: int | None
-    stabilizer: dict
-    is_base: bool = False
-    runs: list = field(default_factory=list)  # base only: every (run, stabilizer) it stands in for
 
 
 @dataclass
@@ -58,230 +43,278 @@ class EvalConfig:
     temperature: float = 1.0
     seed: int = 13337  # sampling seed, the paper's
     max_new_tokens: int | None = None  # None: per task (256 BoolQ/MMLU-HS, 512 GSM8K)
-    selection_seed: int = 37371  # prompt subset seed, the paper's
+    selection_seed: int = 37371  # prompt subset seed, the paper's (also picks the few-shot examples)
     limit: int | None = None  # None: per task (64 BoolQ, 128 GSM8K, 64 per MMLU-HS subject)
+    num_fewshot: int = 0  # the authors' configs: zero-shot (the paper's text: 5-shot BoolQ)
+    cot: bool = False  # ask BoolQ/MMLU-HS for step-by-step reasoning (GSM8K always asks)
     backend: str = "auto"
     log_samples: bool = False
     force: bool = False
     chat_template_file: str | None = None
+    lm_eval_include: str | None = None  # a folder of local lm-eval task YAMLs
+    verify_swap: bool = False  # compare a probe's logprobs after each swap with a fresh engine's
 
 
-def check_model_dir(path: Path) -> None:
-    """Fail early, before any engine starts, on folders that cannot be evaluated."""
-    if not path.is_dir():
-        raise InputError(f"{path}: not a directory")
-    if not (path / "config.json").is_file():
-        raise InputError(f"{path}: no config.json (not a model folder)")
-    model_weight_files(path)  # the rule stabilize and the vLLM weight swap use: safetensors only
-    if not has_tokenizer(path):
-        raise InputError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
-
-
-def _model_target(path: Path) -> Target:
-    bema = path / "bema.json"
-    if bema.is_file():
-        meta = read_json(bema)
-        stabilizer = {k: meta[k] for k in STABILIZER_KEYS if k in meta}
-        step = meta["step"] if "step" in meta else step_of(path)
-        return Target(path, str(meta.get("run", "vanilla")), step, stabilizer or dict(VANILLA))
-    return Target(path, "vanilla", step_of(path), dict(VANILLA))
-
-
-def expand_inputs(inputs: list[str]) -> list[Target]:
-    """Model folders, stabilize outputs (manifest.json) and training dirs (checkpoint-* children)."""
-    targets = []
-    for text in inputs:
-        path = Path(text).resolve()
-        if not path.exists():
-            raise InputError(f"{text}: no such file or directory")
-        if (path / "manifest.json").is_file():
-            manifest = read_json(path / "manifest.json")
-            for run in manifest.get("runs", []):
-                for out in run.get("outputs", []):
-                    target = _model_target((path / out["path"]).resolve())
-                    target.run, target.step = run.get("run", target.run), out.get("step", target.step)
-                    targets.append(target)
-        elif not (path / "config.json").is_file() and path.is_dir():
-            if not any(p.is_dir() and p.name.startswith("checkpoint-") for p in path.iterdir()):
-                raise InputError(f"{path}: no config.json, manifest.json or checkpoint-* folders")
-            targets += [_model_target(c.path) for c in find_checkpoints(path)]
+def validate(config: EvalConfig, engine: EngineOptions) -> None:
+    """Nonsense values are usage errors (exit 2), before anything is loaded or written."""
+    c = config
+    if not c.tasks:
+        raise UsageError("--tasks: no task given")
+    for name in c.tasks:
+        if is_lm_eval(name):
+            if not name[len("lm_eval:") :]:
+                raise UsageError(f"--tasks: {name!r} names no lm-eval task (lm_eval:<task>)")
         else:
-            targets.append(_model_target(path))
-    seen, unique = set(), []
-    for t in targets:
-        if (t.path, t.run) not in seen:
-            seen.add((t.path, t.run))
-            unique.append(t)
-    return unique
+            get_task(name)  # unknown names fail here, before any model is read
+    if c.backend not in BACKENDS:
+        raise UsageError(f"--backend: unknown backend {c.backend!r} (choose from {', '.join(BACKENDS)})")
+    checks = [
+        ("--n-samples", c.n_samples, 1), ("--limit", c.limit, 1), ("--max-new-tokens", c.max_new_tokens, 1),
+        ("--loss-samples", c.loss_samples, 1), ("--loss-max-tokens", c.loss_max_tokens, 2),
+        ("--num-fewshot", c.num_fewshot, 0), ("--batch-size", engine.batch_size, 1),
+        ("--max-model-len", engine.max_model_len, 16), ("--tensor-parallel-size", engine.tensor_parallel_size, 1),
+        ("--data-parallel-size", engine.data_parallel_size, 1),
+    ]  # fmt: skip
+    for flag, value, least in checks:
+        if value is not None and value < least:
+            raise UsageError(f"{flag}: must be at least {least}, got {value}")
+    if not (math.isfinite(c.temperature) and c.temperature >= 0):
+        raise UsageError(f"--temperature: must be a finite number >= 0 (0 = greedy), got {c.temperature}")
+    if not 0 < engine.gpu_memory_utilization <= 1:
+        raise UsageError(f"--gpu-memory-utilization: must be in (0, 1], got {engine.gpu_memory_utilization}")
+    if c.log_samples and c.out is None:
+        raise UsageError("--log-samples needs --out")
+    if c.lm_eval_include is not None and not Path(c.lm_eval_include).is_dir():
+        raise UsageError(f"--lm-eval-include: {c.lm_eval_include} is not a folder")
 
 
-def base_target(base: str, targets: list[Target]) -> Target:
-    """The base model (a folder or Hub repo id), standing in as step 0 of every run among the targets."""
-    path = resolve_model(base).path
-    runs = {}
-    for t in targets:
-        runs.setdefault(t.run, t.stabilizer)
-    return Target(
-        path, "base", 0, dict(VANILLA), is_base=True, runs=list(runs.items()) or [("vanilla", VANILLA)]
-    )
-
-
-def _protocol(config: EvalConfig, name: str, source: str) -> dict:
+def task_protocol(config: EvalConfig, name: str, source: str) -> dict:
+    """Everything about a task that changes its numbers, except seeds, engine and model."""
     if name in LOSS_TASKS:
         return {"data": source, "loss_samples": config.loss_samples, "max_tokens": config.loss_max_tokens}
+    if is_lm_eval(name):
+        return {"lm_eval_task": name.split(":", 1)[1], "include": source, "num_fewshot": config.num_fewshot or None,
+                "limit": config.limit, "max_new_tokens": config.max_new_tokens}  # fmt: skip
     task = get_task(name)
     return {
         "n_samples": config.n_samples, "temperature": config.temperature, "top_p": 1.0,
         "max_new_tokens": config.max_new_tokens or task.MAX_NEW_TOKENS,
         "limit": config.limit or task.DEFAULT_LIMIT, "selection_seed": config.selection_seed,
-        "data": source, "prompt_version": task.PROMPT_VERSION, "zero_shot": True,
+        "data": source, "prompt_version": task.PROMPT_VERSION, "num_fewshot": config.num_fewshot,
+        "cot": config.cot,
     }  # fmt: skip
 
 
-def _core(protocol: dict) -> dict:
-    """A record's protocol without what is only known after loading the model."""
-    return {k: v for k, v in protocol.items() if k != "chat_template"}
+@dataclass
+class TaskInput:
+    """One task's prepared inputs (plain data, so a job can be sent to another process)."""
+
+    name: str
+    protocol: dict
+    resume_key: dict  # without the model's fingerprint
+    docs: list = field(default_factory=list)  # generation: the selected items
+    shots: dict = field(default_factory=dict)  # generation: subject ("" if none) -> few-shot items
+    loss_records: list = field(default_factory=list)  # loss tasks
+
+
+@dataclass
+class Job:
+    """One checkpoint's evaluation: the model, its pending tasks and the settings they run with."""
+
+    target: Target
+    tasks: list[TaskInput]
+    config: EvalConfig
+    fingerprint: str
 
 
 class Evaluation:
-    """Prepared once (data, protocol), then run checkpoint by checkpoint on one backend."""
+    """Prepared once (data, protocols, resume keys), then run checkpoint by checkpoint on one backend."""
 
     def __init__(self, config: EvalConfig, engine: EngineOptions):
         self.config, self.engine = config, engine
+        self.backend_name = self._resolve_backend()
+        self.inputs = self._prepare()
         self.results = ResultsFile(config.out)
         self.samples = SamplesLog(config.out, config.log_samples)
-        self.modules = {name: get_task(name) for name in config.tasks}
-        self.docs, self.loss_records, self.sources = {}, {}, {}
-        self._load_data()
-        self.backend = None
 
-    def _load_data(self) -> None:
-        c = self.config
-        gen = [m for n, m in self.modules.items() if n not in LOSS_TASKS]
+    def _resolve_backend(self) -> str:
+        from bema_cli.eval.backends.vllm import route_vllm_logs
+
+        name = self.config.backend
+        if name in ("auto", "vllm"):  # before vLLM is first imported (here, or when the engine starts)
+            route_vllm_logs(self.engine.log_file, self.engine.debug)
+        if name == "auto" and all(t in LOSS_TASKS for t in self.config.tasks):
+            return "transformers"  # losses are transformers forward passes: no engine needed
+        if name == "auto":
+            return "vllm" if vllm_usable() else "transformers"
+        return name
+
+    def _prepare(self) -> dict[str, TaskInput]:
+        c, inputs = self.config, {}
+        gen = [get_task(n) for n in c.tasks if n not in LOSS_TASKS and not is_lm_eval(n)]
         files = data.resolve_sources(gen, c.data_dir)
-        for task in gen:
-            self.docs[task.NAME] = data.load_docs(
-                task, files[task.NAME], c.limit or task.DEFAULT_LIMIT, c.selection_seed
-            )
-            self.sources[task.NAME] = ", ".join(str(f) for f in files[task.NAME])
-        for name, path, flag in (
-            ("loss", c.loss_data, "--loss-data"),
-            ("train_loss", c.loss_train_data, "--loss-train-data"),
-        ):
-            if name in self.modules:
+        shot_files = data.resolve_sources(gen, c.data_dir, shots=True) if c.num_fewshot else {}
+        template = (
+            f"file:sha256:{resume.file_sha256(Path(c.chat_template_file))}"
+            if c.chat_template_file
+            else "model"
+        )
+        for name in c.tasks:
+            if is_lm_eval(name):
+                source = str(Path(c.lm_eval_include).resolve()) if c.lm_eval_include else "lm_eval"
+                digest = resume.folder_sha256(c.lm_eval_include) if c.lm_eval_include else None
+                item = TaskInput(name, task_protocol(c, name, source), {})
+            elif name in LOSS_TASKS:
+                path, flag = (
+                    (c.loss_data, "--loss-data")
+                    if name == "loss"
+                    else (c.loss_train_data, "--loss-train-data")
+                )
                 if path is None:
                     raise UsageError(f"task {name} needs {flag} FILE.jsonl")
-                self.loss_records[name] = data.read_loss_records(path, c.loss_samples)
-                self.sources[name] = str(Path(path).resolve())
+                item = TaskInput(name, task_protocol(c, name, str(Path(path).resolve())), {})
+                item.loss_records = data.read_loss_records(path, c.loss_samples)
+                digest = resume.file_sha256(Path(path))
+            else:
+                task = get_task(name)
+                sources = files[name] + shot_files.get(name, [])
+                item = TaskInput(name, task_protocol(c, name, ", ".join(map(str, files[name]))), {})
+                item.docs = data.load_docs(task, files[name], c.limit or task.DEFAULT_LIMIT, c.selection_seed)
+                if c.num_fewshot:
+                    item.shots = data.load_shots(task, shot_files[name], c.num_fewshot, c.selection_seed)
+                digest = resume.sha256_of_files(sources)
+            item.resume_key = {
+                "protocol": item.protocol, "data_sha256": digest, "chat_template": template,
+                "seeds": None if name in LOSS_TASKS else {"sampling": c.seed, "selection": c.selection_seed},
+                # losses are transformers forward passes on every backend, in batches of a fixed size
+                "backend": "transformers" if name in LOSS_TASKS else self.backend_name,
+                "dtype": self.engine.dtype,
+                "batch_size": self.engine.batch_size if self.backend_name == "transformers" else None,
+            }  # fmt: skip
+            inputs[name] = item
+        return inputs
 
-    def pending(self, target: Target) -> list[str]:
-        runs = target.runs if target.is_base else [(target.run, target.stabilizer)]
-        todo = []
-        for name in self.modules:
-            done = {run: self.results.find((str(target.path), run, name)) for run, _ in runs}
-            have = [r for r in done.values() if r is not None]
-            if target.is_base and not have:  # the base evaluated earlier for other runs counts too
-                have = [r for r in self.results.records if r["model_path"] == str(target.path)
-                        and r["task"] == name and r.get("is_base")]  # fmt: skip
-            if self.config.force or not have:
-                todo.append(name)
-                continue
-            protocol = _protocol(self.config, name, self.sources[name])
-            same = [r for r in have if _core(r.get("protocol", {})) == protocol]
-            missing = [(run, st) for run, st in runs if done[run] is None]
-            if missing and same:
-                # the base stands in for every run: a run new to results.jsonl gets a copy of its
-                # record (same protocol), not a second generation of the same outputs
-                self.results.write([{**same[-1], "run": run, "stabilizer": st} for run, st in missing])
-            elif missing:
-                todo.append(name)
-            if len(same) < len(have):
-                output.warn(
-                    f"kept the {name} result of {target.path} made with another protocol; --force redoes it"
-                )
-        return todo
+    def plan(self, targets: list[Target]) -> list[Job]:
+        """The jobs left to do. Records made with another resume key refuse the run (unless --force);
+        a base record with the same key is copied to a run new to results.jsonl instead of redone."""
+        jobs, refused, copies = [], [], []
+        for target in targets:
+            fingerprint = resume.weights_fingerprint(target.path)
+            todo = []
+            for name, item in self.inputs.items():
+                key = {**item.resume_key, "weights": fingerprint}
+                runs = target.record_runs()
+                have = {run: self.results.find((str(target.path), run, name)) for run, _ in runs}
+                old = [r for r in have.values() if r is not None]
+                if target.is_base and not old:  # the base evaluated earlier for other runs counts too
+                    old = [r for r in self.results.records if r["model_path"] == str(target.path)
+                           and r["task"] == name and r.get("is_base")][-1:]  # fmt: skip
+                if self.config.force or not old:
+                    todo.append(item)
+                    continue
+                diffs = [d for d in (resume.differences(r.get("resume_key"), key) for r in old) if d]
+                if diffs:
+                    refused.append(f"{target.label} {name}: {', '.join(diffs[0][:4])}")
+                    continue
+                copies += [{**old[-1], "run": run, "stabilizer": st} for run, st in runs if have[run] is None]
+            if todo:
+                jobs.append(Job(target, todo, self.config, fingerprint))
+        if refused:
+            more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+            raise OutputError(
+                f"{self.results.path}: results made with another setup ({refused[0]}){more}; "
+                "--force re-evaluates them into this file, replacing them, or use another --out"
+            )
+        self.results.write(copies)  # the base stands in for every run: no second generation of it
+        return jobs
+
+    def write(self, records: list[dict], samples: list[dict]) -> None:
+        self.samples.write(samples)
+        self.results.write(records, replace=self.config.force)
 
     def run(self, targets: list[Target]) -> list[dict]:
+        jobs = self.plan(targets)
+        done = {str(t.path) for t in targets} - {str(j.target.path) for j in jobs}
+        for path in sorted(done):
+            output.log(f"skip {path} (all tasks in results.jsonl)")
+        backend = None
         try:
-            for target in targets:
-                todo = self.pending(target)
-                if not todo:
-                    output.log(f"skip {target.path} (all tasks in results.jsonl)")
-                    continue
-                if self.backend is None:
-                    name = self.config.backend
-                    if name == "auto" and all(t in LOSS_TASKS for t in self.modules):
-                        name = "transformers"  # losses are transformers forward passes: no engine needed
-                    self.backend = make_backend(name, self.engine)
-                self.backend.load(target.path)
-                for name in todo:
-                    self._run_task(target, name)
+            for job in jobs:
+                if backend is None:
+                    backend = make_backend(self.backend_name, self.engine)
+                for records, samples in run_job(backend, job):
+                    self.write(records, samples)
         finally:
-            if self.backend is not None:
-                self.backend.close()
-        keys = {
-            (str(t.path), r, n)
-            for t in targets
-            for r in ([x for x, _ in t.runs] if t.is_base else [t.run])
-            for n in self.modules
-        }
+            if backend is not None:
+                backend.close()
+        keys = {(str(t.path), r, n) for t in targets for r, _ in t.record_runs() for n in self.inputs}
         return [r for r in self.results.records if (r["model_path"], r["run"], r["task"]) in keys]
 
-    def _run_task(self, target: Target, name: str) -> None:
-        c, backend = self.config, self.backend
-        output.log(
-            f"{name}: {target.path} (run {target.run if not target.is_base else 'base'}, step {target.step})"
-        )
-        start = time.perf_counter()
-        created = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        eval_id = uuid.uuid4().hex  # ties samples.jsonl lines to their results.jsonl records (for rescore)
-        template = (
-            f"file:{Path(c.chat_template_file).resolve()}"
-            if c.chat_template_file
-            else backend.template_source
-        )
-        protocol = {**_protocol(c, name, self.sources[name]), "chat_template": template}
-        extra, samples = {}, []
-        if name in LOSS_TASKS:
-            seqs = [
-                loss_task.encode_record(r, backend.tokenizer, c.loss_max_tokens)
-                for r in self.loss_records[name]
-            ]
-            metrics = loss_task.loss_metrics(backend.loss(seqs))
-            n_prompts, n_samples, seeds = len(seqs), 1, {"sampling": None, "selection": None}
-        else:
-            task, docs = self.modules[name], self.docs[name]
-            prompts = [render(backend.tokenizer, task.messages(d)) for d in docs]
-            sampling = Sampling(c.n_samples, c.temperature, c.seed, c.max_new_tokens or task.MAX_NEW_TOKENS)
-            responses = backend.generate(prompts, sampling)
-            scored = scoring.score_all(task, docs, responses)
-            metrics, extra = scoring.task_metrics(task, scored, [d.get("subject", "") for d in docs])
-            n_prompts, n_samples = len(docs), c.n_samples
-            seeds = {"sampling": c.seed, "selection": c.selection_seed}
-            samples = [
-                {"eval_id": eval_id, "model_path": str(target.path), "run": None if target.is_base else target.run,
-                 "step": target.step, "is_base": target.is_base, "task": name, "doc_id": d["_id"],
-                 "subject": d.get("subject"), "prompt": p, "responses": resp, "gold": task.gold(d),
-                 **scoring.sample_fields(s)}
-                for d, p, resp, s in zip(docs, prompts, responses, scored, strict=True)
-            ]  # fmt: skip
-        seconds = round(time.perf_counter() - start, 3)
-        runs = target.runs if target.is_base else [(target.run, target.stabilizer)]
-        if not c.force:  # the base may already have records for some runs: add only the missing ones
-            runs = [(r, st) for r, st in runs if self.results.find((str(target.path), r, name)) is None]
-        records = [
-            {"bema_version": __version__, "created": created, "eval_id": eval_id, "model_path": str(target.path), "run": run,
-             "step": target.step, "stabilizer": stabilizer, "task": name, "metrics": metrics, **extra,
-             "n_prompts": n_prompts, "n_samples": n_samples, "backend": backend.name, "dtype": backend.dtype,
-             "seeds": seeds, "protocol": protocol, "seconds": seconds, "is_base": target.is_base}
-            for run, stabilizer in runs
+
+def run_job(backend, job: Job) -> Iterator[tuple[list[dict], list[dict]]]:
+    """A checkpoint's whole evaluation on `backend`: load it, then each task's (records, samples)."""
+    backend.load(job.target.path)
+    for item in job.tasks:
+        yield evaluate_task(backend, job, item)
+
+
+def evaluate_task(backend, job: Job, item: TaskInput) -> tuple[list[dict], list[dict]]:
+    c, target, name = job.config, job.target, item.name
+    output.log(f"{name}: {target.path} ({target.label})")
+    start = time.perf_counter()
+    created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    eval_id = uuid.uuid4().hex  # ties samples.jsonl lines to their results.jsonl records (for rescore)
+    template = (
+        f"file:{Path(c.chat_template_file).resolve()}" if c.chat_template_file else backend.template_source
+    )
+    extra, samples, seeds = {}, [], item.resume_key["seeds"]
+    if is_lm_eval(name):
+        from bema_cli.eval import lm_eval_bridge
+
+        metrics, extra, n_prompts, n_samples = lm_eval_bridge.evaluate(backend, name, c)
+    elif name in LOSS_TASKS:
+        seqs = [loss_task.encode_record(r, backend.tokenizer, c.loss_max_tokens) for r in item.loss_records]
+        metrics = loss_task.loss_metrics(backend.loss(seqs))
+        n_prompts, n_samples = len(seqs), 1
+    else:
+        task, docs = get_task(name), item.docs
+        prompts = [
+            render(
+                backend.tokenizer,
+                scoring.build_messages(task, d, item.shots.get(d.get("subject", ""), []), c.cot),
+            )
+            for d in docs
+        ]
+        sampling = Sampling(c.n_samples, c.temperature, c.seed, c.max_new_tokens or task.MAX_NEW_TOKENS)
+        responses = backend.generate(prompts, sampling)
+        scored = scoring.score_all(task, docs, responses)
+        metrics, extra = scoring.task_metrics(task, scored, [d.get("subject", "") for d in docs])
+        n_prompts, n_samples = len(docs), c.n_samples
+        samples = [
+            {"eval_id": eval_id, "model_path": str(target.path), "run": None if target.is_base else target.run,
+             "step": target.step, "is_base": target.is_base, "task": name, "doc_id": d["_id"],
+             "subject": d.get("subject"), "prompt": p, "responses": resp, "gold": task.gold(d),
+             **scoring.sample_fields(s)}
+            for d, p, resp, s in zip(docs, prompts, responses, scored, strict=True)
         ]  # fmt: skip
-        self.samples.write(samples)
-        self.results.write(records, replace=c.force)
+    seconds = round(time.perf_counter() - start, 3)
+    records = [
+        {"bema_version": __version__, "created": created, "eval_id": eval_id, "model_path": str(target.path),
+         "run": run, "step": target.step, **({"label": target.label} if target.step is None else {}),
+         "stabilizer": stabilizer, "task": name, "metrics": metrics, **extra, "n_prompts": n_prompts,
+         "n_samples": n_samples, "backend": backend.name, "dtype": backend.dtype,
+         "batch_size": item.resume_key["batch_size"], "seeds": seeds,
+         "protocol": {**item.protocol, "chat_template": template},
+         "resume_key": {**item.resume_key, "weights": job.fingerprint}, "seconds": seconds,
+         "is_base": target.is_base}
+        for run, stabilizer in target.record_runs()
+    ]  # fmt: skip
+    return records, samples
 
 
 def run_eval(inputs: list[str], base: str | None, config: EvalConfig, engine: EngineOptions) -> list[dict]:
     """Evaluate every input (and the base); returns the records of all requested (checkpoint, task)."""
+    validate(config, engine)
     targets = expand_inputs(inputs)
     if base is not None:
         targets.insert(0, base_target(base, targets))
@@ -289,8 +322,6 @@ def run_eval(inputs: list[str], base: str | None, config: EvalConfig, engine: En
         raise UsageError("no checkpoints to evaluate (give model folders and/or --base)")
     for target in targets:  # before any data is downloaded or OUT is created
         check_model_dir(target.path)
-    if config.log_samples and config.out is None:
-        raise UsageError("--log-samples needs --out")
     return Evaluation(config, engine).run(targets)
 
 
@@ -298,8 +329,11 @@ def rescore(samples_path: str | Path, results_path: str | Path | None = None) ->
     """Recompute scores from logged samples with today's extraction rules, without generating.
 
     Provenance comes from the matching results.jsonl records (the samples file's sibling by
-    default); without one, a minimal record is built from the samples themselves.
+    default); without one, a minimal record is built from the samples themselves. A torn final
+    line (a crash in the middle of a write) is skipped with a warning.
     """
+    from bema_cli.errors import InputError
+
     samples_path = Path(samples_path)
     lines = read_jsonl(samples_path, skip_torn=True)
     results_path = Path(results_path) if results_path else samples_path.with_name("results.jsonl")

@@ -39,10 +39,12 @@ class EngineOptions:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     gpu_memory_utilization: float = 0.7
-    max_model_len: int = 2048
+    max_model_len: int | None = None  # None: min(2048, the model's max positions)
     enforce_eager: bool = False
     batch_size: int = 8  # prompts per transformers generate() call
     chat_template: str | None = None  # template text overriding the model's
+    log_file: str | None = None  # vLLM's own log lines go here (OUT/vllm.log) ...
+    debug: bool = False  # ... or, with --debug, to stderr
 
 
 class Backend(Protocol):
@@ -74,10 +76,8 @@ def make_backend(name: str, options: EngineOptions) -> Backend:
     """`auto` = vllm when usable here, else transformers."""
     if name not in BACKENDS:
         raise UsageError(f"--backend: unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines would drown our log
-    os.environ.setdefault(
-        "VLLM_LOGGING_STREAM", "ext://sys.stderr"
-    )  # vLLM logs to stdout by default: keep --json clean
+    # vLLM logs to stdout by default: keep --json clean (the vllm backend then moves its logs to a file)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     if name == "auto":
         name = "vllm" if vllm_usable() else "transformers"
     module = importlib.import_module(f"bema_cli.eval.backends.{name}")

@@ -11,6 +11,7 @@ vLLM itself is imported only inside functions.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,19 +68,21 @@ class VllmBackend:
         self.engine_arch: dict | None = None
         self.path: Path | None = None
         self.dtype = options.dtype
+        self.max_model_len = options.max_model_len or MAX_MODEL_LEN
         self._hf_model = None  # transformers copy of the current checkpoint, for `loss`
 
-    def _start(self, path: Path) -> None:
+    def _start(self, path: Path, config: dict) -> None:
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        self.max_model_len = self.options.max_model_len or default_max_model_len(config)
         kwargs = dict(
             model=str(path), tokenizer=str(path), dtype=self.options.dtype, seed=0,
             tensor_parallel_size=self.options.tensor_parallel_size,
             gpu_memory_utilization=self.options.gpu_memory_utilization,
-            max_model_len=self.options.max_model_len,
+            max_model_len=self.max_model_len,
             enforce_eager=self.options.enforce_eager or current_platform.is_cpu(),  # no graphs on CPU
-            worker_extension_cls=f"{__name__}.WeightSwapExtension",
+            worker_extension_cls=f"{__name__}.WeightSwapExtension", use_tqdm_on_load=output.progress_enabled(),
         )  # fmt: skip
         if self.options.data_parallel_size > 1:
             kwargs["data_parallel_size"] = self.options.data_parallel_size
@@ -88,14 +91,17 @@ class VllmBackend:
             # seeded generator with set_offset, which CPU generators lack ("CPU Generator does not
             # use offset") as soon as a seeded batch exceeds the token budget. Whole prefills avoid it.
             kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(self.options.max_model_len, 8192)
-        output.log(f"starting vLLM engine on {path}")
+            kwargs["max_num_batched_tokens"] = max(self.max_model_len, 8192)
+        where = (
+            f" (vLLM's log: {self.options.log_file})"
+            if self.options.log_file and not self.options.debug
+            else ""
+        )
+        output.log(f"starting vLLM engine on {path}{where}")
         try:
             self.llm = LLM(**kwargs)
         except Exception as exc:
-            raise BackendError(
-                f"{path}: vLLM could not start ({type(exc).__name__}: {_first_line(exc)})"
-            ) from exc
+            raise BackendError(f"{path}: vLLM could not start ({type(exc).__name__}: {cause(exc)})") from exc
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
 
     def load(self, checkpoint: Path) -> None:
@@ -105,7 +111,7 @@ class VllmBackend:
         self.stop_ids = chat.stop_token_ids(self.tokenizer, checkpoint)
         self._hf_model = None
         if self.llm is None:
-            self._start(checkpoint)
+            self._start(checkpoint, config)
             self.engine_path, self.engine_arch = checkpoint, architecture(config)
         elif checkpoint != self.path:
             self._swap(checkpoint, config)
@@ -124,7 +130,7 @@ class VllmBackend:
             self.llm.collective_rpc("bema_load_checkpoint", args=(str(checkpoint), tied))
         except Exception as exc:
             raise BackendError(
-                f"{checkpoint}: loading weights into the vLLM engine failed ({_first_line(exc)})"
+                f"{checkpoint}: loading weights into the vLLM engine failed ({cause(exc)})"
             ) from exc
         self.llm.reset_prefix_cache()
 
@@ -139,9 +145,9 @@ class VllmBackend:
         requests = []
         for text in prompts:
             ids = chat.encode(self.tokenizer, text)
-            if len(ids) >= self.options.max_model_len:
+            if len(ids) >= self.max_model_len:
                 raise BackendError(
-                    f"a prompt of {len(ids)} tokens does not fit --max-model-len {self.options.max_model_len}"
+                    f"a prompt of {len(ids)} tokens does not fit --max-model-len {self.max_model_len}"
                 )
             requests.append({"prompt_token_ids": ids})
         outs = self.llm.generate(requests, params, use_tqdm=output.progress_enabled())
@@ -168,9 +174,67 @@ class VllmBackend:
         self.llm = None
 
 
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+def cause(exc: BaseException) -> str:
+    """The useful part of an engine error on one line: for a pydantic ValidationError the messages
+    under its "1 validation error for ModelConfig" header, without the echoed input and doc links."""
+    lines = []
+    for line in str(exc).splitlines():
+        line = re.sub(r"\s*\[type=.*$", "", line).strip()
+        if line and not line.startswith("For further information") and not _HEADER.match(line):
+            lines.append(line.removeprefix("Value error, "))
+    text = " ".join(lines) or type(exc).__name__
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+_HEADER = re.compile(r"^\d+ validation errors? for \w+$")
+MAX_MODEL_LEN = 2048  # the paper's prompts and answers fit in 2048 tokens
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def default_max_model_len(config: dict) -> int:
+    """min(2048, the model's max positions): vLLM refuses a max_model_len above what the model has."""
+    positions = [config[k] for k in POSITION_FIELDS if isinstance(config.get(k), int) and config[k] > 0]
+    return min([MAX_MODEL_LEN, *positions[:1]])
+
+
+def route_vllm_logs(log_file: str | None, debug: bool) -> None:
+    """vLLM's own log lines (dozens of INFO/WARNING per engine) go to OUT/vllm.log; with --debug they
+    stay on stderr; without --out only its errors reach stderr.
+
+    vLLM applies its logging config at import and again when an engine starts, from
+    VLLM_LOGGING_CONFIG_PATH, so this writes a dictConfig file and points that variable at it;
+    call it before vLLM is imported.
+    """
+    import atexit
+    import json
+    import os
+    import tempfile
+    import warnings
+
+    if debug or "VLLM_LOGGING_CONFIG_PATH" in os.environ:
+        return
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+    if log_file:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handler = {
+            "class": "logging.FileHandler",
+            "filename": str(log_file),
+            "encoding": "utf-8",
+            "level": "INFO",
+        }
+    else:
+        handler = {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "level": "ERROR"}
+    config = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(levelname)s %(asctime)s %(name)s: %(message)s"}},
+        "handlers": {"bema": {**handler, "formatter": "plain"}},
+        "loggers": {"vllm": {"handlers": ["bema"], "level": "INFO", "propagate": False}},
+    }  # fmt: skip
+    fd, path = tempfile.mkstemp(prefix="bema-vllm-logging-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(config, f)
+    atexit.register(lambda: Path(path).unlink(missing_ok=True))
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = path
 
 
 def make(options: EngineOptions) -> VllmBackend:

@@ -12,8 +12,18 @@ LOSS_TASKS = ("loss", "train_loss")  # held-out loss (--loss-data) and train los
 TASKS = GENERATION_TASKS + LOSS_TASKS
 
 
+LM_EVAL_PREFIX = "lm_eval:"  # --tasks lm_eval:<task or group>: run by lm-evaluation-harness's evaluator
+
+
+def is_lm_eval(name: str) -> bool:
+    return name.startswith(LM_EVAL_PREFIX)
+
+
 def get_task(name: str) -> ModuleType:
     """The task module for `name` (e.g. bema_cli.eval.tasks.gsm8k); loss tasks share tasks/loss.py."""
     if name not in TASKS:
-        raise UsageError(f"--tasks: unknown task {name!r} (known: {', '.join(TASKS)})")
+        known = ", ".join(TASKS)
+        raise UsageError(
+            f"--tasks: unknown task {name!r} (known: {known}, or {LM_EVAL_PREFIX}<lm-eval task>)"
+        )
     return importlib.import_module(f"bema_cli.eval.tasks.{'loss' if name in LOSS_TASKS else name}")

@@ -13,6 +13,7 @@ import re
 
 NAME = "boolq"
 HUB = {"repo": "google/boolq", "patterns": ["data/validation-*.parquet"]}
+SHOTS_HUB = {"repo": "google/boolq", "patterns": ["data/train-*.parquet"]}  # --num-fewshot examples
 FIELDS = {"question": str, "passage": str, "answer": bool}
 MAX_NEW_TOKENS = 256
 DEFAULT_LIMIT = 64  # prompts, as in the paper
@@ -27,17 +28,23 @@ _VALUE = {"true": True, "yes": True, "correct": True, "false": False, "no": Fals
 _JOINED = re.compile(r"\W*(?:and|or|nor|/)\W*", re.I)  # what lies between the halves of "yes and no"
 
 
-def messages(doc: dict) -> list[dict]:
+def messages(doc: dict, cot: bool = False) -> list[dict]:
     question = doc["question"].strip()
     if not question.endswith("?"):
         question += "?"
+    ask = "Think step by step, then end" if cot else "End"
     text = (
         f"Passage: {doc['passage'].strip()}\n\n"
         f"Question: {question}\n\n"
         "Answer the question about the passage with true or false. "
-        'End your response with "Answer: true" or "Answer: false".'
+        f'{ask} your response with "Answer: true" or "Answer: false".'
     )
     return [{"role": "user", "content": text}]
+
+
+def shot_reply(doc: dict) -> str:
+    """A few-shot example's answer, in the strict format."""
+    return f"Answer: {'true' if doc['answer'] else 'false'}"
 
 
 def extract_strict(response: str) -> bool | None:

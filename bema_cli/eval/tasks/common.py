@@ -19,6 +19,14 @@ SCORINGS = ("strict", "flexible")  # metric suffixes: accuracy_strict, accuracy_
 PLOTTED = "flexible"  # what `bema report --plot` draws by default (docs/eval-protocol.md says why)
 
 
+def build_messages(task: ModuleType, doc: dict, shots: Sequence[dict] = (), cot: bool = False) -> list[dict]:
+    """The chat of one prompt: each few-shot example as a user turn and its strict-format answer, then the item."""
+    chat = []
+    for shot in shots:
+        chat += [*task.messages(shot, cot), {"role": "assistant", "content": task.shot_reply(shot)}]
+    return chat + task.messages(doc, cot)
+
+
 def extractor(task: ModuleType, scoring: str):
     return getattr(task, f"extract_{scoring}")
 

@@ -16,6 +16,7 @@ from fractions import Fraction
 
 NAME = "gsm8k"
 HUB = {"repo": "openai/gsm8k", "patterns": ["main/test-*.parquet"]}
+SHOTS_HUB = {"repo": "openai/gsm8k", "patterns": ["main/train-*.parquet"]}  # --num-fewshot examples
 FIELDS = {"question": str, "answer": str}
 MAX_NEW_TOKENS = 512
 DEFAULT_LIMIT = 128  # prompts, as in the paper
@@ -32,13 +33,19 @@ _NUMBER = re.compile(
 )
 
 
-def messages(doc: dict) -> list[dict]:
+def messages(doc: dict, cot: bool = False) -> list[dict]:
+    """GSM8K always asks for step-by-step reasoning (`cot` changes nothing here)."""
     text = (
         f"{doc['question'].strip()}\n\n"
         "Think step by step, then give the final answer as a number on the last line, "
         'in the form "#### <number>".'
     )
     return [{"role": "user", "content": text}]
+
+
+def shot_reply(doc: dict) -> str:
+    """A few-shot example's answer: the dataset's worked solution (calculator notes <<...>> removed), `#### n`."""
+    return re.sub(r"<<[^>]*>>", "", doc["answer"]).strip()
 
 
 def _value(match: re.Match) -> Fraction | None:

@@ -22,6 +22,7 @@ SUBJECTS = (
     "high_school_us_history", "high_school_world_history",
 )  # fmt: skip
 HUB = {"repo": "cais/mmlu", "patterns": [f"{s}/test-*.parquet" for s in SUBJECTS]}
+SHOTS_HUB = {"repo": "cais/mmlu", "patterns": [f"{s}/dev-*.parquet" for s in SUBJECTS]}  # 5 per subject
 FIELDS = {"question": str, "subject": str, "choices": list, "answer": int}
 MAX_NEW_TOKENS = 256
 DEFAULT_LIMIT = 64  # prompts per subject, as in the paper
@@ -44,15 +45,21 @@ _FLEXIBLE = (
 )
 
 
-def messages(doc: dict) -> list[dict]:
+def messages(doc: dict, cot: bool = False) -> list[dict]:
     subject = doc["subject"].replace("high_school_", "high school ").replace("_", " ")
     options = "\n".join(f"{letter}. {choice}" for letter, choice in zip(LETTERS, doc["choices"], strict=True))
+    ask = "Think step by step, then end" if cot else "End"
     text = (
         f"The following is a multiple choice question about {subject}.\n\n"
         f"{doc['question'].strip()}\n{options}\n\n"
-        'End your response with "Answer: <letter>", where <letter> is A, B, C or D.'
+        f'{ask} your response with "Answer: <letter>", where <letter> is A, B, C or D.'
     )
     return [{"role": "user", "content": text}]
+
+
+def shot_reply(doc: dict) -> str:
+    """A few-shot example's answer, in the strict format."""
+    return f"Answer: {LETTERS[int(doc['answer'])]}"
 
 
 def _last_letter(matches) -> str | None:

@@ -1,0 +1,106 @@
+"""What `bema eval` evaluates: model folders, each with its run, step and stabilizer.
+
+Inputs are any mix of raw `checkpoint-<s>` folders (run "vanilla"), `bema stabilize`
+checkpoint folders (run and hyperparameters from bema.json), `bema stabilize` output
+directories (expanded through manifest.json) and training directories (their checkpoint-*
+children). `--base` is evaluated once and stands in as step 0 of every run. A model folder
+with no step (not `checkpoint-<s>`, no bema.json or trainer_state.json step) is labelled by
+its folder name: `bema report` shows it as a reference line, not a point on a curve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bema_cli.errors import InputError
+from bema_cli.eval.chat import has_tokenizer
+from bema_cli.io.checkpoints import find_checkpoints, model_weight_files, read_json, resolve_model, step_of
+
+# bema.json keys that describe the stabilizer (per-step alpha/beta and paths are not hyperparameters)
+STABILIZER_KEYS = (
+    "method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min",
+    "accum_dtype", "out_dtype", "theta0_source",
+)  # fmt: skip
+VANILLA = {"method": "vanilla"}
+
+
+@dataclass
+class Target:
+    """One model folder to evaluate and where its results go."""
+
+    path: Path
+    run: str
+    step: int | None
+    stabilizer: dict
+    is_base: bool = False
+    runs: list = field(default_factory=list)  # base only: every (run, stabilizer) it stands in for
+
+    @property
+    def label(self) -> str:
+        """How logs and step-less records name the model: `run@step`, or the folder's name."""
+        return self.path.name if self.step is None else f"{'base' if self.is_base else self.run}@{self.step}"
+
+    def record_runs(self) -> list[tuple[str, dict]]:
+        """The (run, stabilizer) pairs a result of this model is recorded under."""
+        return self.runs if self.is_base else [(self.run, self.stabilizer)]
+
+
+def check_model_dir(path: Path) -> None:
+    """Fail early, before any engine starts, on folders that cannot be evaluated."""
+    if not path.is_dir():
+        raise InputError(f"{path}: not a directory")
+    if not (path / "config.json").is_file():
+        raise InputError(f"{path}: no config.json (not a model folder)")
+    model_weight_files(path)  # the rule stabilize and the vLLM weight swap use: safetensors only
+    if not has_tokenizer(path):
+        raise InputError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
+
+
+def _model_target(path: Path) -> Target:
+    bema = path / "bema.json"
+    if bema.is_file():
+        meta = read_json(bema)
+        stabilizer = {k: meta[k] for k in STABILIZER_KEYS if k in meta}
+        step = meta["step"] if isinstance(meta.get("step"), int) else step_of(path)
+        return Target(path, str(meta.get("run", "vanilla")), step, stabilizer or dict(VANILLA))
+    return Target(path, "vanilla", step_of(path), dict(VANILLA))
+
+
+def expand_inputs(inputs: list[str]) -> list[Target]:
+    """Model folders, stabilize outputs (manifest.json) and training dirs (checkpoint-* children)."""
+    targets = []
+    for text in inputs:
+        path = Path(text).resolve()
+        if not path.exists():
+            raise InputError(f"{text}: no such file or directory")
+        if (path / "manifest.json").is_file():
+            manifest = read_json(path / "manifest.json")
+            for run in manifest.get("runs", []):
+                for out in run.get("outputs", []):
+                    target = _model_target((path / out["path"]).resolve())
+                    target.run, target.step = run.get("run", target.run), out.get("step", target.step)
+                    targets.append(target)
+        elif not (path / "config.json").is_file() and path.is_dir():
+            if not any(p.is_dir() and p.name.startswith("checkpoint-") for p in path.iterdir()):
+                raise InputError(f"{path}: no config.json, manifest.json or checkpoint-* folders")
+            targets += [_model_target(c.path) for c in find_checkpoints(path)]
+        else:
+            targets.append(_model_target(path))
+    seen, unique = set(), []
+    for t in targets:
+        if (t.path, t.run) not in seen:
+            seen.add((t.path, t.run))
+            unique.append(t)
+    return unique
+
+
+def base_target(base: str, targets: list[Target]) -> Target:
+    """The base model (a folder or Hub repo id), standing in as step 0 of every run among the targets."""
+    path = resolve_model(base).path
+    runs = {}
+    for t in targets:
+        runs.setdefault(t.run, t.stabilizer)
+    return Target(
+        path, "base", 0, dict(VANILLA), is_base=True, runs=list(runs.items()) or [("vanilla", VANILLA)]
+    )

@@ -15,6 +15,22 @@ OutDirOpt = Annotated[str, typer.Option("--out", "-o", help="Output directory.")
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace existing outputs.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
 
+# Where the work runs (bema_cli/cluster.py, docs/scale-out.md).
+ExecutorOpt = Annotated[
+    str,
+    typer.Option(
+        "--executor", help="local (this process) or ray (a Ray cluster; pip install 'bema-cli[ray]')."
+    ),
+]
+WorkersOpt = Annotated[int, typer.Option("--workers", help="Parallel workers (with --executor ray).")]
+RayAddressOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray-address",
+        help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray started in this process).",
+    ),
+]
+
 # Stabilizer hyperparameters (names follow the paper's symbols; see docs/math.md).
 KappaOpt = Annotated[
     str, typer.Option("--kappa", help="EMA decay power: beta_s = w(s)**-kappa. Comma list for a grid.")

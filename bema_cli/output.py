@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape  # messages may hold brackets: "pip install 'bema-cli[ray]'"
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -40,11 +41,11 @@ def log(message: str) -> None:
 
 
 def warn(message: str) -> None:
-    stderr.print(f"[yellow]warning:[/yellow] {message}", highlight=False)
+    stderr.print(f"[yellow]warning:[/yellow] {escape(message)}", highlight=False)
 
 
 def error(message: str) -> None:
-    stderr.print(f"[bold red]error:[/bold red] {message}", highlight=False, markup=True)
+    stderr.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False, markup=True)
 
 
 def _jsonable(obj: Any) -> Any:

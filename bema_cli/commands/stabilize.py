@@ -10,6 +10,7 @@ from bema_cli import output
 from bema_cli.options import (
     BetaMinOpt,
     EtaOpt,
+    ExecutorOpt,
     GammaOpt,
     JsonOpt,
     KappaOpt,
@@ -17,8 +18,10 @@ from bema_cli.options import (
     OverwriteOpt,
     PhiOpt,
     PresetOpt,
+    RayAddressOpt,
     RhoOpt,
     TauOpt,
+    WorkersOpt,
     parse_float_list,
     parse_int_list,
     parse_size,
@@ -87,12 +90,16 @@ def stabilize(
             help="Accept a base of another float dtype than the checkpoints (e.g. bf16 Hub base, fp32 fine-tune).",
         ),
     ] = False,
+    executor: ExecutorOpt = "local",
+    workers: WorkersOpt = 1,
+    ray_address: RayAddressOpt = None,
 ) -> None:
     """Stabilize a fine-tuning run's checkpoints with BEMA/EMA/DEMA/OUEMA, streaming tensor by tensor.
 
     Writes OUT/<run>/checkpoint-<step>/ (loadable HF model folders with bema.json) and OUT/manifest.json.
     A grid (comma lists in --method/--kappa/--eta) is computed in one pass over the inputs.
     """
+    from bema_cli.cluster import ExecutorOptions
     from bema_cli.stabilize import Options, grid
     from bema_cli.stabilize import stabilize as run
 
@@ -124,7 +131,7 @@ def stabilize(
         allow_nonfinite=allow_nonfinite,
         cast_base=cast_base,
     )
-    doc = run(opts)
+    doc = run(opts, ExecutorOptions(executor, workers, ray_address))
     if json_out:
         output.print_json(doc)
     elif dry_run:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from bema_cli import __version__, output
+from bema_cli.cluster import ExecutorOptions, import_ray
 from bema_cli.errors import InputError, OutputError, UsageError
 from bema_cli.io.commit import OutputTransaction, check_apart
 from bema_cli.io.safetensors import DTYPES, FLOATING, ChunkReader, TensorInfo
@@ -153,9 +154,15 @@ def _check_out(out: Path, runs: list[Run], overwrite: bool) -> None:
             )
 
 
-def stabilize(opts: Options) -> dict:
-    """Run (or with dry_run, only plan) one `bema stabilize`; returns the --json document."""
+def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
+    """Run (or with dry_run, only plan) one `bema stabilize`; returns the --json document.
+
+    `executor` says where the work units run (default: in this process).
+    """
     t0 = time.perf_counter()
+    executor = executor or ExecutorOptions()
+    if executor.executor == "ray" and not opts.dry_run:
+        import_ray()  # a missing extra is reported before any planning
     plan = prepare(opts)
     out = _out_dir(opts.out)
     check_apart(out, _inputs(plan, opts.checkpoint_dir))
@@ -171,6 +178,7 @@ def stabilize(opts: Options) -> dict:
     meta0 = {"bema_version": __version__}
     written = n_outputs * ShardedWriter(out, plan.shards, meta0).nbytes  # header sizes differ by a few bytes
     doc = {"outputs": meta.outputs_of(plan, out), "read_bytes": read_bytes, "written_bytes": written}
+    doc["executor"] = {"executor": executor.executor, "workers": executor.workers}
     if opts.dry_run:
         return {
             "dry_run": True,
@@ -182,7 +190,7 @@ def stabilize(opts: Options) -> dict:
         if txn.recovered:
             output.log(f"{out}: cleaned up after {len(txn.recovered)} interrupted bema run(s)")
         _check_out(out, plan.runs, opts.overwrite)  # again, now that no other writer can change OUT
-        doc["written_bytes"] = _walk(plan, opts, txn.tmp)
+        doc["written_bytes"] = _walk(plan, opts, txn.tmp, executor)
         old = meta.read_manifest(out)
         txn.commit(
             [run.name for run in plan.runs],
@@ -193,18 +201,17 @@ def stabilize(opts: Options) -> dict:
     return doc
 
 
-def _walk(plan: Plan, opts: Options, tmp: Path) -> int:
+def _walk(plan: Plan, opts: Options, tmp: Path, executor: ExecutorOptions) -> int:
     """The tensor-major pass; writes every output folder under tmp; returns safetensors bytes written."""
+    from bema_cli.stabilize.executors import run_units
+
     outputs = open_outputs(plan, tmp)
     if opts.allow_nonfinite:
         output.warn("--allow-nonfinite: NaN/Inf in inputs are not checked and propagate to the outputs")
     total = sum(unit_bytes(u) for u in plan.units)
     with output.progress() as bar:
         task = bar.add_task("stabilizing", total=total)
-        ws = Workspace.for_plan(plan, opts)
-        for unit in plan.units:
-            process_unit(plan, opts, unit, outputs, ws)
-            bar.advance(task, unit_bytes(unit))
+        run_units(plan, opts, outputs, executor, lambda n: bar.advance(task, n))
     return finish_outputs(plan, opts, outputs)
 
 

@@ -1,0 +1,83 @@
+"""Executors of `bema stabilize`'s work units: in this process, or one Ray task per unit.
+
+Both run the same `engine.process_unit`, so outputs are bitwise identical whichever runs
+them. A Ray task reads its unit's slices from the shared filesystem and writes its bytes
+into the files the driver pre-created; it is idempotent, so Ray may retry it on a lost
+worker (`max_retries`). See docs/scale-out.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from bema_cli.cluster import ExecutorOptions, cluster_cpus, ray_session, task_error
+from bema_cli.errors import UsageError
+from bema_cli.stabilize.engine import Outputs, Workspace, process_unit, unit_bytes
+from bema_cli.stabilize.plan import Options, Plan
+
+RETRIES = 3  # Ray re-runs a unit whose worker died this many times (safe: units are idempotent)
+
+
+def run_units(
+    plan: Plan, opts: Options, outputs: Outputs, executor: ExecutorOptions, advance: Callable[[int], None]
+) -> None:
+    """Run every unit of `plan` into `outputs`; `advance(bytes)` after each unit (progress)."""
+    if executor.executor == "ray":
+        _run_ray(plan, opts, outputs, executor, advance)
+        return
+    ws = Workspace.for_plan(plan, opts)  # one set of buffers for every unit
+    for unit in plan.units:
+        process_unit(plan, opts, unit, outputs, ws)
+        advance(unit_bytes(unit))
+
+
+def _ray_unit(plan: Plan, opts: Options, index: int, outputs: Outputs, threads: int) -> int:
+    """One Ray task: unit `index` of `plan`, on this worker's share of the cores."""
+    import torch
+
+    torch.set_num_threads(threads)
+    process_unit(plan, opts, plan.units[index], outputs)
+    return index
+
+
+def _resources(ray, plan: Plan, opts: Options, workers: int) -> dict:
+    """What each task reserves: an equal share of the cluster's cores (at most one node's), one GPU
+    when the cluster has GPUs and --device allows them, and --max-memory of the node's memory."""
+    total, largest = cluster_cpus(ray)
+    cpus = max(1, min(int(largest), int(total // workers)))
+    gpus = 1 if opts.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    if opts.device == "cuda" and not gpus:
+        raise UsageError("--device cuda: the Ray cluster has no GPU")
+    memory = max((n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")), default=0)
+    if opts.max_memory > memory:
+        raise UsageError(
+            f"--max-memory: {opts.max_memory} bytes per worker, but the largest Ray node offers {int(memory)}"
+        )
+    return {"num_cpus": cpus, "num_gpus": gpus, "memory": opts.max_memory}
+
+
+def _run_ray(
+    plan: Plan, opts: Options, outputs: Outputs, executor: ExecutorOptions, advance: Callable[[int], None]
+) -> None:
+    """At most `workers` unit tasks in flight; each finished one frees a slot for the next."""
+    with ray_session(executor) as ray:
+        res = _resources(ray, plan, opts, executor.workers)
+        task = ray.remote(_ray_unit).options(max_retries=RETRIES, **res)
+        plan_ref, outputs_ref = ray.put(plan), ray.put(outputs)  # shipped once, shared by every task
+        todo = list(range(len(plan.units)))[::-1]
+        running: dict = {}
+        try:
+            while todo or running:
+                while todo and len(running) < executor.workers:
+                    i = todo.pop()
+                    running[task.remote(plan_ref, opts, i, outputs_ref, int(res["num_cpus"]))] = i
+                done, _ = ray.wait(list(running), num_returns=1)
+                i = running.pop(done[0])
+                try:
+                    ray.get(done[0])
+                except Exception as exc:
+                    raise task_error(exc, f"work unit {i + 1} of {len(plan.units)}") from None
+                advance(unit_bytes(plan.units[i]))
+        finally:
+            for ref in running:  # after an error or Ctrl-C: the temp folder goes, so stop its writers
+                ray.cancel(ref, force=True)

@@ -115,10 +115,10 @@ def nonfinite(root):
     return [run, "--base", base], 3, "tensor 'layer.1.weight' contains NaN or Inf", "checkpoint-30"
 
 
-def bin_only(root):
+def bin_not_torch(root):
     base, run = _traj(root)
-    (base / "model.safetensors").rename(base / "pytorch_model.bin")
-    return [run, "--base", base], 3, "only safetensors", "base"
+    (base / "model.safetensors").rename(base / "pytorch_model.bin")  # a .bin that is no torch.save file
+    return [run, "--base", base], 3, "cannot read as a PyTorch checkpoint", "base/pytorch_model.bin"
 
 
 def no_base(root):
@@ -177,7 +177,7 @@ def unwritable(root):
 
 CASES = [
     missing, empty, no_checkpoints, corrupt, truncated, huge_header, key_missing, key_extra, shape_mismatch,
-    dtype_mismatch, base_mismatch, duplicate_steps, nonfinite, bin_only, no_base, hub_offline, bad_kappa, bad_w,
+    dtype_mismatch, base_mismatch, duplicate_steps, nonfinite, bin_not_torch, no_base, hub_offline, bad_kappa, bad_w,
     ouema_eta0, bad_size, bad_steps, out_exists, unwritable,
 ]  # fmt: skip
 

@@ -1,7 +1,8 @@
-"""`bema stabilize`: parse flags, call the engine (bema_cli/stabilize.py), print a summary or JSON."""
+"""`bema stabilize`: parse flags, call the engine (bema_cli/stabilize/), print a summary or JSON."""
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -31,7 +32,11 @@ from bema_cli.options import (
 
 def stabilize(
     checkpoint_dir: Annotated[
-        str, typer.Argument(help="Training output folder holding checkpoint-<step> folders.")
+        str,
+        typer.Argument(
+            help="Training output folder (checkpoint-N, step_N, step-N, global_stepN or iter_N folders), "
+            "or - to read 'STEP PATH' lines from stdin."
+        ),
     ],
     out: OutDirOpt,
     base: Annotated[
@@ -83,6 +88,17 @@ def stabilize(
     allow_nonfinite: Annotated[
         bool, typer.Option("--allow-nonfinite", help="Do not stop on NaN/Inf in inputs.")
     ] = False,
+    lora_output: Annotated[
+        str,
+        typer.Option(
+            "--lora-output",
+            help="LoRA runs: merged (full model folders) or adapter (PEFT adapters of rank --lora-rank).",
+        ),
+    ] = "merged",
+    lora_rank: Annotated[
+        int | None,
+        typer.Option("--lora-rank", help="Rank of adapter outputs (truncated SVD; default: the training r)."),
+    ] = None,
     cast_base: Annotated[
         bool,
         typer.Option(
@@ -97,11 +113,16 @@ def stabilize(
     """Stabilize a fine-tuning run's checkpoints with BEMA/EMA/DEMA/OUEMA, streaming tensor by tensor.
 
     Writes OUT/<run>/checkpoint-<step>/ (loadable HF model folders with bema.json) and OUT/manifest.json.
+    Reads safetensors, PyTorch .bin, DCP (FSDP sharded) checkpoints and PEFT LoRA adapters (stabilized
+    in weight space).
     A grid (comma lists in --method/--kappa/--eta) is computed in one pass over the inputs.
     """
     from bema_cli.cluster import ExecutorOptions
+    from bema_cli.io.checkpoints import read_checkpoint_list
     from bema_cli.stabilize import Options, grid
     from bema_cli.stabilize import stabilize as run
+
+    checkpoints = read_checkpoint_list(sys.stdin.read()) if checkpoint_dir == "-" else None
 
     schedules = grid(
         parse_str_list(method),
@@ -130,6 +151,9 @@ def stabilize(
         overwrite=overwrite,
         allow_nonfinite=allow_nonfinite,
         cast_base=cast_base,
+        checkpoints=checkpoints,
+        lora_output=lora_output,
+        lora_rank=lora_rank,
     )
     doc = run(opts, ExecutorOptions(executor, workers, ray_address))
     if json_out:

@@ -1,7 +1,8 @@
 """Find a training run's checkpoints and its base model (theta0); no tensor math here.
 
-A trajectory is the `checkpoint-<s>` folders an HF Trainer writes, ordered by global
-step s. Only model weights and the files needed to load a model (config, generation
+A trajectory is the checkpoint folders a trainer writes, ordered by global step s:
+`checkpoint-<s>` (HF Trainer), `step_<s>`/`step-<s>`, `global_step<s>` (DeepSpeed),
+`iter_<s>` (Megatron), zero-padded or not; or `STEP PATH` lines from stdin. Only model weights and the files needed to load a model (config, generation
 config, tokenizer, chat template) matter; optimizer/scheduler/rng state is ignored.
 """
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +34,9 @@ AUX_PATTERNS = (
 )
 # What `--base REPO_ID` downloads: weights, configs, tokenizer, chat template; nothing else.
 HUB_PATTERNS = ["*.safetensors", "*.json", "tokenizer*", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
-_STEP_RE = re.compile(r"^checkpoint-(\d+)$")
+# Folder naming schemes (prefix of `<prefix><step>`), one per trainer family; a run uses exactly one.
+# A folder with the prefix but no number (checkpoint-final) takes its step from trainer_state.json.
+LAYOUTS = ("checkpoint-", "step_", "step-", "global_step", "iter_")
 
 
 @dataclass(frozen=True)
@@ -84,15 +86,20 @@ def model_weight_files(folder: str | Path) -> list[Path]:
     )
     if others:
         return others
-    hint = " (only safetensors checkpoints are supported)" if any(folder.glob("*.bin")) else ""
+    hint = " (only safetensors model folders can be used here)" if any(folder.glob("*.bin")) else ""
     raise InputError(f"{folder}: no model.safetensors or {INDEX_NAME}{hint}")
 
 
+def layout_of(name: str) -> str | None:
+    """The naming scheme (prefix) of a checkpoint folder name such as `checkpoint-400` or `iter_0000400`."""
+    return next((p for p in LAYOUTS if name.startswith(p)), None)
+
+
 def step_of(folder: Path) -> int | None:
-    """Step from the folder name `checkpoint-<s>`, else trainer_state.json `global_step`; None if neither."""
-    m = _STEP_RE.match(folder.name)
-    if m:
-        return int(m.group(1))
+    """Step from the folder name (any layout, zero-padded or not), else trainer_state.json `global_step`."""
+    scheme = layout_of(folder.name)
+    if scheme and folder.name[len(scheme) :].isdigit():
+        return int(folder.name[len(scheme) :])
     state = folder / "trainer_state.json"
     if not state.is_file():
         return None
@@ -106,29 +113,68 @@ def _step_of(folder: Path) -> int:
     step = step_of(folder)
     if step is None:
         raise InputError(
-            f"{folder}: cannot tell its step (name is not checkpoint-<step>, no trainer_state.json)"
+            f"{folder}: cannot tell its step (name is not <prefix><step>, no trainer_state.json)"
         )
     return step
 
 
+def is_run_dir(path: Path) -> bool:
+    """Whether a folder holds checkpoint folders of any layout (a training output dir)."""
+    return path.is_dir() and any(p.is_dir() and layout_of(p.name) for p in path.iterdir())
+
+
+def _ordered(found: list[tuple[int, Path, str]], where: str) -> list[Checkpoint]:
+    by_step: dict[int, tuple[Path, str]] = {}
+    for step, path, label in found:
+        if step in by_step:
+            raise InputError(f"{where}: duplicate step {step} ({by_step[step][1]} and {label})")
+        by_step[step] = (path, label)
+    return [Checkpoint(s, by_step[s][0]) for s in sorted(by_step)]
+
+
 def find_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
-    """The `checkpoint-*` folders of a training run, sorted by step; errors name the folder at fault."""
+    """The checkpoint folders of a training run (one naming scheme), sorted by step; errors name the folder."""
     run_dir = Path(run_dir).expanduser()
     if not run_dir.exists():
         raise InputError(f"{run_dir}: no such directory")
     if not run_dir.is_dir():
         raise InputError(f"{run_dir}: not a directory")
-    folders = sorted(p for p in run_dir.iterdir() if p.is_dir() and p.name.startswith("checkpoint-"))
-    if not folders:
-        what = "is empty" if not any(run_dir.iterdir()) else "has no checkpoint-<step> folders"
+    found: dict[str, list[tuple[int, Path, str]]] = {}
+    for p in sorted(run_dir.iterdir()):
+        scheme = layout_of(p.name)
+        if scheme and p.is_dir():
+            found.setdefault(scheme, []).append((_step_of(p), p.resolve(), p.name))
+    if not found:
+        others = ", ".join(f"{p}<step>" for p in LAYOUTS[1:])
+        what = (
+            "is empty" if not any(run_dir.iterdir()) else f"has no checkpoint-<step> folders (nor {others})"
+        )
         raise InputError(f"{run_dir}: {what}")
-    by_step: dict[int, Path] = {}
-    for folder in folders:
-        step = _step_of(folder)
-        if step in by_step:
-            raise InputError(f"{run_dir}: duplicate step {step} ({by_step[step].name} and {folder.name})")
-        by_step[step] = folder.resolve()
-    return [Checkpoint(s, by_step[s]) for s in sorted(by_step)]
+    if len(found) > 1:
+        examples = " and ".join(v[0][2] for v in found.values())
+        raise InputError(
+            f"{run_dir}: mixes checkpoint naming schemes: {examples}; keep one or pipe a list to `-`"
+        )
+    return _ordered(next(iter(found.values())), str(run_dir))
+
+
+def read_checkpoint_list(text: str, origin: str = "<stdin>") -> list[Checkpoint]:
+    """`STEP PATH` lines (whitespace-separated, any order; blank lines and # comments skipped), sorted by step."""
+    found = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split(None, 1)
+        if len(parts) != 2 or not parts[0].isdigit():
+            raise InputError(f"{origin} line {n}: expected 'STEP PATH', got {line!r}")
+        path = Path(parts[1].strip()).expanduser()
+        if not path.is_dir():
+            raise InputError(f"{origin} line {n}: {path}: no such directory")
+        found.append((int(parts[0]), path.resolve(), f"line {n}"))
+    if not found:
+        raise InputError(f"{origin}: no 'STEP PATH' lines")
+    return _ordered(found, origin)
 
 
 def _looks_local(spec: str) -> bool:
@@ -150,42 +196,55 @@ def _from_hub(repo_id: str) -> Path:
         ) from None
 
 
-def resolve_model(spec: str) -> BaseModel:
-    """A model given as a local folder or a Hub repo id (downloaded/cached by huggingface_hub)."""
+def resolve_model(spec: str, check=model_weight_files) -> BaseModel:
+    """A model given as a local folder or a Hub repo id (downloaded/cached by huggingface_hub).
+
+    `check(folder)` fails early when the folder holds no weights (default: safetensors ones).
+    """
     path = Path(spec).expanduser()
     if path.is_dir():
-        model_weight_files(path)  # fail early when it holds no weights
+        check(path)
         return BaseModel(path.resolve(), str(path.resolve()))
     if _looks_local(spec):
         raise InputError(f"--base {spec}: no such directory")
     snapshot = _from_hub(spec)
-    model_weight_files(snapshot)
+    check(snapshot)
     return BaseModel(snapshot, spec)
 
 
+def is_adapter(folder: Path) -> bool:
+    """A PEFT adapter checkpoint (adapter_config.json), whose base is not itself."""
+    return (folder / "adapter_config.json").is_file()
+
+
 def _name_or_path(checkpoint: Checkpoint) -> str | None:
-    try:
-        value = json.loads((checkpoint.path / "config.json").read_text()).get("_name_or_path")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value or None
+    """The model a checkpoint was fine-tuned from, as its config says (an adapter's own key first)."""
+    for name, key in (("adapter_config.json", "base_model_name_or_path"), ("config.json", "_name_or_path")):
+        try:
+            value = json.loads((checkpoint.path / name).read_text()).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if value:
+            return value
+    return None
 
 
-def resolve_base(base: str | None, checkpoints: list[Checkpoint]) -> BaseModel:
-    """theta0: `--base DIR|REPO_ID|first`, else checkpoint-0, else config.json `_name_or_path` if it resolves."""
+def resolve_base(base: str | None, checkpoints: list[Checkpoint], check=model_weight_files) -> BaseModel:
+    """theta0: `--base DIR|REPO_ID|first`, else checkpoint-0, else the config's base model if it resolves
+    (adapter_config.json `base_model_name_or_path`, config.json `_name_or_path`)."""
     if base == "first":
         return BaseModel(checkpoints[0].path, str(checkpoints[0].path))
     if base:
-        return resolve_model(base)
-    if checkpoints[0].step == 0:
+        return resolve_model(base, check)
+    if checkpoints[0].step == 0 and not is_adapter(checkpoints[0].path):
         return BaseModel(checkpoints[0].path, str(checkpoints[0].path))
     name = _name_or_path(checkpoints[0])
     if name:
         try:
-            return resolve_model(name)
+            return resolve_model(name, check)
         except InputError:
             pass
-    found = f" (config.json names {name!r}, which does not resolve)" if name else ""
+    found = f" (its config names {name!r}, which does not resolve)" if name else ""
     raise InputError(
         f"{checkpoints[0].path.parent}: cannot tell the base model theta0{found}; pass --base DIR or "
         "--base HUB_REPO_ID (the model fine-tuning started from), or --base first to use the first checkpoint"

@@ -120,6 +120,14 @@ class ModelIndex:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
+    def open(self) -> ChunkReader:
+        """A reader of this model's tensors (the interface every format implements: see io/reader.py)."""
+        return ChunkReader(self)
+
+    def read_itemsize(self, info: TensorInfo) -> int:
+        """Bytes per element a read of `info` holds at once (formats that compute rows hold more)."""
+        return info.itemsize
+
 
 def index_model(folder: Path, files: list[Path]) -> ModelIndex:
     """Index the tensors of a model stored in `files` (single file or shards); duplicate names are errors."""

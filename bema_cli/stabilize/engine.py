@@ -22,7 +22,8 @@ from bema_cli import __version__, output
 from bema_cli.cluster import ExecutorOptions, import_ray
 from bema_cli.errors import InputError, OutputError, UsageError
 from bema_cli.io.commit import OutputTransaction, check_apart
-from bema_cli.io.safetensors import DTYPES, FLOATING, ChunkReader, TensorInfo
+from bema_cli.io.reader import TensorInfo, TensorReader
+from bema_cli.io.safetensors import DTYPES, FLOATING
 from bema_cli.io.writer import ShardedWriter, tensor_bytes
 from bema_cli.recurrence import Stabilizer, state_key
 from bema_cli.stabilize import meta
@@ -41,7 +42,7 @@ def _device(name: str):
     return torch.device(name)
 
 
-def _load(reader: ChunkReader, unit: list[Piece], flat, check: bool) -> dict:
+def _load(reader: TensorReader, unit: list[Piece], flat, check: bool) -> dict:
     """Read one unit into `flat` (a reused accum-dtype buffer); returns {name: raw non-float piece}."""
     import torch
 
@@ -239,7 +240,11 @@ def finish_outputs(plan: Plan, opts: Options, outputs: Outputs) -> int:
         writer.close()
         run = next(r for r in plan.runs if r.name == name)
         record = meta.record(run, step, ckpt[step], plan.base_source, opts, out_dtype)
-        meta.finish_folder(writer.folder, ckpt[step], plan.base_index.folder, record, opts)
+        if plan.lora is not None:
+            record["lora"] = meta.finish_lora(writer.folder, plan)
+        meta.finish_folder(
+            writer.folder, ckpt[step], plan.base_index.folder, record, opts, plan.lora_rank is None
+        )
         written += writer.nbytes
     return written
 
@@ -267,11 +272,11 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
         tracks.setdefault(state_key(run.schedule), []).append(run)
     size = max((p.hi for p in unit), default=0)
     theta0, theta = ws.view("theta0", size), ws.view("theta", size)
-    with ChunkReader(plan.base_index) as reader:
+    with plan.base_index.open() as reader:
         _load(reader, unit, theta0, check)
     stabs = {key: Stabilizer(runs[0].schedule.method, theta0) for key, runs in tracks.items()}
     for step in plan.read_steps:
-        with ChunkReader(plan.indexes[step]) as reader:
+        with plan.indexes[step].open() as reader:
             raw = _load(reader, unit, theta, check)
         if step <= tau:
             theta0.copy_(theta)  # burn-in: theta0 = theta_s, held in its own buffer

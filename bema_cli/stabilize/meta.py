@@ -43,6 +43,39 @@ def record(run: Run, step: int, source: Path, base_source: str, opts: Options, o
     }
 
 
+def finish_lora(folder: Path, plan: Plan) -> dict:
+    """The `lora` record of an output; for --lora-output adapter, first turn the folder's stabilized
+    deltas into a PEFT adapter of rank plan.lora_rank (truncated SVD, errors recorded and warned about)."""
+    from bema_cli.io.checkpoints import model_weight_files
+    from bema_cli.io.lora_out import WARN_ERROR, write_adapter
+    from bema_cli.io.safetensors import index_model
+
+    config = plan.lora.config
+    info = {
+        "output": "merged" if plan.lora_rank is None else "adapter",
+        "r": config["r"],
+        "lora_alpha": config.get("lora_alpha", 8),
+        "use_rslora": bool(config.get("use_rslora")),
+        "modules": len(plan.lora.modules),
+        "modules_to_save": sorted(plan.lora.full),
+    }
+    if plan.lora_rank is None:
+        return info
+    files = model_weight_files(folder)
+    with index_model(folder, files).open() as deltas:
+        errors = write_adapter(folder, deltas, plan.lora, plan.lora_rank, plan.base_source)
+    for f in [*files, folder / "model.safetensors.index.json"]:
+        f.unlink(missing_ok=True)
+    worst = max(errors.values(), default=0.0)
+    if worst > WARN_ERROR:
+        module = max(errors, key=errors.get)
+        output.warn(
+            f"{folder}: rank {plan.lora_rank} truncation loses {worst:.3g} of the stabilized delta of "
+            f"{module} (relative Frobenius norm); a larger --lora-rank or --lora-output merged is exact"
+        )
+    return {**info, "rank": plan.lora_rank, "max_truncation_error": worst, "truncation_error": errors}
+
+
 def out_dtype_name(plan: Plan, opts: Options) -> str:
     if opts.out_dtype:
         return opts.out_dtype
@@ -50,8 +83,12 @@ def out_dtype_name(plan: Plan, opts: Options) -> str:
     return DTYPES[tags.pop()][0] if len(tags) == 1 else "mixed"
 
 
-def finish_folder(folder: Path, source: Path, base_dir: Path, record: dict, opts: Options) -> None:
-    copy_aux_files(folder, [source, base_dir])
+def finish_folder(
+    folder: Path, source: Path, base_dir: Path, record: dict, opts: Options, model: bool = True
+) -> None:
+    """Config/tokenizer files (a model's from the checkpoint, else the base; an adapter's from its
+    checkpoint only, so it is not mistaken for a model folder) and bema.json."""
+    copy_aux_files(folder, [source, base_dir] if model else [source])
     cfg_path = folder / "config.json"
     if opts.out_dtype and cfg_path.is_file():
         cfg = json.loads(cfg_path.read_text())

@@ -12,13 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bema_cli.errors import InputError, UsageError
-from bema_cli.io.checkpoints import Checkpoint, find_checkpoints, model_weight_files, resolve_base
-from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF, ModelIndex, TensorInfo, index_model
+from bema_cli.io.checkpoints import Checkpoint, find_checkpoints, is_adapter, resolve_base
+from bema_cli.io.lora import Adapter, lora_index, read_adapter, same_targets
+from bema_cli.io.reader import ModelIndex, TensorInfo, has_weights, open_checkpoint
+from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
 from bema_cli.io.writer import Shard, plan_shards
 from bema_cli.recurrence import STATE_TENSORS, PlannedStep, Schedule, run_name, state_key
 
 OUT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 ACCUM_DTYPES = ("float32", "float64")
+LORA_OUTPUTS = ("merged", "adapter")
 
 
 @dataclass
@@ -38,6 +41,9 @@ class Options:
     overwrite: bool = False
     allow_nonfinite: bool = False
     cast_base: bool = False  # accept a floating base of another dtype (e.g. bf16 Hub base, fp32 fine-tune)
+    checkpoints: list[Checkpoint] | None = None  # given explicitly (a `STEP PATH` list) instead of found
+    lora_output: str = "merged"  # LoRA runs: full merged models, or PEFT adapters of rank lora_rank
+    lora_rank: int | None = None  # None: the training rank r
 
 
 @dataclass
@@ -76,6 +82,8 @@ class Plan:
     out_tensors: list[TensorInfo]
     shards: list[Shard]
     units: list[list[Piece]] = field(default_factory=list)
+    lora: Adapter | None = None  # a LoRA run: the first adapter (modules, config)
+    lora_rank: int | None = None  # set for --lora-output adapter
 
 
 def grid(methods: list[str], kappas: list[float], etas: list[float], **common) -> list[Schedule]:
@@ -147,8 +155,10 @@ def _accumulators(runs: list[Run]) -> int:
     return 2 + state + scratch
 
 
-def _units(order: list[TensorInfo], runs: list[Run], opts: Options) -> list[list[Piece]]:
-    """Cut the tensors (in output order) into work units whose working set fits opts.max_memory."""
+def _units(order: list[TensorInfo], runs: list[Run], opts: Options, read_itemsize) -> list[list[Piece]]:
+    """Cut the tensors (in output order) into work units whose working set fits opts.max_memory.
+
+    `read_itemsize(info)`: bytes per element a read holds (more than the dtype for LoRA rows)."""
     acc = DTYPES[TAG_OF[opts.accum_dtype]][1]
     out_size = DTYPES[TAG_OF[opts.out_dtype]][1] if opts.out_dtype else 0
     float_cost = acc * _accumulators(runs)
@@ -160,7 +170,7 @@ def _units(order: list[TensorInfo], runs: list[Run], opts: Options) -> list[list
         if t.numel == 0:
             continue
         # the input chunk as read, plus (floats) an output cast and the accum-dtype buffers
-        per_elem = t.itemsize + (max(t.itemsize, out_size) + float_cost if t.dtype in FLOATING else 0)
+        per_elem = read_itemsize(t) + (max(t.itemsize, out_size) + float_cost if t.dtype in FLOATING else 0)
         row_cost = (t.numel // rows) * per_elem
         r = 0
         while r < rows:
@@ -201,8 +211,8 @@ def prepare(opts: Options) -> Plan:
         raise UsageError("--max-memory and --max-shard-size must be positive")
     if len({s.tau for s in opts.schedules}) > 1:
         raise UsageError("--tau: every config of one run must share the burn-in (theta0 is shared)")
-    checkpoints = find_checkpoints(opts.checkpoint_dir)
-    base = resolve_base(opts.base, checkpoints)
+    checkpoints = opts.checkpoints or find_checkpoints(opts.checkpoint_dir)
+    base = resolve_base(opts.base, checkpoints, check=has_weights)
     steps = [c.step for c in checkpoints]
     runs = []
     for s in opts.schedules:
@@ -211,14 +221,23 @@ def prepare(opts: Options) -> Plan:
     read_steps = sorted(
         {st for r in runs for st, e in r.events.items() if e.action != "skip" and st <= r.last_needed}
     )
-    base_index = index_model(base.path, model_weight_files(base.path))
+    base_index = open_checkpoint(base.path)
     if not base_index.tensors:
         raise InputError(f"{base.path}: the base model has no tensors")
-    indexes = {}
-    for c in checkpoints:
-        if c.step in read_steps:
-            indexes[c.step] = index_model(c.path, model_weight_files(c.path))
-            _check_same(indexes[c.step], base_index, "base model", opts.cast_base)
+    reading = [c for c in checkpoints if c.step in read_steps]
+    lora = _lora_sources(reading, base_index, opts) if is_adapter(checkpoints[0].path) else None
+    if lora:
+        layout, base_index, indexes = lora
+    else:
+        layout = None
+        for c in checkpoints:
+            if is_adapter(c.path):
+                raise InputError(f"{c.path}: a LoRA adapter among full-weight checkpoints")
+        if opts.lora_output != "merged" or opts.lora_rank is not None:
+            raise UsageError("--lora-output/--lora-rank: the checkpoints are not LoRA adapters")
+        indexes = {c.step: open_checkpoint(c.path, like=set(base_index.tensors)) for c in reading}
+    for step, index in indexes.items():
+        _check_same(index, base_index, "base model", opts.cast_base)
     out_tag = TAG_OF[opts.out_dtype] if opts.out_dtype else None
     # outputs default to the checkpoints' dtypes (== theta0's unless --cast-base)
     like = indexes[read_steps[0]] if read_steps else base_index
@@ -227,7 +246,35 @@ def prepare(opts: Options) -> Plan:
         for t in sorted(like.tensors.values(), key=lambda t: t.name)
     ]
     shards = plan_shards(out_tensors, opts.max_shard_size)
-    order = [base_index.tensors[t.name] for s in shards for t in s.tensors]
+    order = [like.tensors[t.name] for s in shards for t in s.tensors]
     plan = Plan(checkpoints, base.source, base_index, indexes, runs, read_steps, out_tensors, shards)
-    plan.units = _units(order, runs, opts)
+    plan.units = _units(order, runs, opts, like.read_itemsize)
+    if layout is not None:
+        plan.lora = layout
+        plan.lora_rank = (opts.lora_rank or layout.config["r"]) if opts.lora_output == "adapter" else None
     return plan
+
+
+def _lora_sources(reading: list[Checkpoint], base: ModelIndex, opts: Options):
+    """A LoRA run: (first adapter, theta0 index, {step: index}) in the view --lora-output needs."""
+    if opts.lora_output not in LORA_OUTPUTS:
+        raise UsageError(f"--lora-output: choose merged or adapter, got {opts.lora_output!r}")
+    if opts.lora_rank is not None and (opts.lora_output != "adapter" or opts.lora_rank <= 0):
+        raise UsageError("--lora-rank: a positive rank, with --lora-output adapter")
+    if opts.base == "first":
+        raise UsageError("--base first: a LoRA run starts from the base model it adapts; pass --base DIR")
+    if opts.lora_output == "adapter" and opts.out_dtype:
+        raise UsageError(
+            "--out-dtype: adapter outputs keep the adapter's dtype (use it with --lora-output merged)"
+        )
+    adapters = []
+    for c in reading:
+        if not is_adapter(c.path):
+            raise InputError(f"{c.path}: full weights among LoRA adapter checkpoints")
+        adapters.append(read_adapter(c.path, base))
+        same_targets(adapters[0], adapters[-1])
+    if not adapters:
+        raise UsageError("no checkpoint is processed with these --tau/--phi settings")
+    mode = "merged" if opts.lora_output == "merged" else "delta"
+    indexes = {c.step: lora_index(a, adapters[0], base, mode) for c, a in zip(reading, adapters)}
+    return adapters[0], lora_index(None, adapters[0], base, mode), indexes

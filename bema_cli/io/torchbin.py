@@ -1,0 +1,118 @@
+"""PyTorch `.bin` checkpoints: `pytorch_model.bin`, or shards listed in `pytorch_model.bin.index.json`.
+
+A `.bin` file is a pickle, and unpickling runs code. `torch.load(weights_only=True)` only
+accepts tensors, plain containers and numbers: any other global (a `__reduce__` calling
+os.system, a custom class) stops the load before anything of it runs, and we report
+the file. `mmap=True` maps tensor storages instead of reading them, so a work unit
+costs the pages of the rows it reads, as with safetensors; a reader is opened per
+work unit and dropping it unmaps the file.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import zipfile
+from pathlib import Path
+
+from bema_cli.errors import InputError
+from bema_cli.io.safetensors import TAG_OF, ModelIndex, TensorInfo
+
+BIN_NAME = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+# .bin files a Trainer leaves next to the weights that are not weights
+NOT_WEIGHTS = ("training_args.bin", "optimizer.bin", "scheduler.bin", "rng_state.bin")
+
+
+def bin_weight_files(folder: Path) -> list[Path]:
+    """The .bin files holding a folder's weights (index first, then pytorch_model.bin); [] if none."""
+    index = folder / BIN_INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise InputError(f"{index}: not a valid .bin index ({exc})") from None
+        files = [folder / n for n in names]
+        for f in files:
+            if not f.is_file():
+                raise InputError(f"{index}: lists {f.name}, which is missing")
+        return files
+    if (folder / BIN_NAME).is_file():
+        return [folder / BIN_NAME]
+    return []
+
+
+def load_state(path: Path) -> dict:
+    """{name: tensor} of one .bin file, storages memory-mapped; InputError for anything else in it."""
+    import torch
+
+    mmap = zipfile.is_zipfile(path)  # the legacy (pre-1.6) format cannot be mapped: read it whole
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        refused = next((ln.strip() for ln in str(exc).splitlines() if "GLOBAL" in ln), None)
+        if refused:  # the weights-only unpickler stopped at a global: nothing of the file ran
+            raise InputError(
+                f"{path}: refused: not plain tensors, nothing of it was run ({refused})"
+            ) from None
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and "Weights only" not in ln]
+        raise InputError(
+            f"{path}: cannot read as a PyTorch checkpoint ({(lines or ['bad pickle'])[0]})"
+        ) from None
+    except Exception as exc:  # truncated zip, bad magic, I/O errors: one line naming the file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"{path}: cannot read as a PyTorch checkpoint ({first})") from None
+    if not isinstance(state, dict):
+        raise InputError(f"{path}: holds a {type(state).__name__}, not a state dict of tensors")
+    for name, value in state.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise InputError(
+                f"{path}: entry {name!r} is a {type(value).__name__}, not a tensor (expected a flat state dict)"
+            )
+    return state
+
+
+def dtype_tag(path: Path, name: str, dtype) -> str:
+    """The safetensors dtype tag of a torch dtype (how every format describes its tensors)."""
+    tag = TAG_OF.get(str(dtype).removeprefix("torch."))
+    if tag is None:
+        raise InputError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+    return tag
+
+
+class BinIndex(ModelIndex):
+    def open(self) -> BinReader:
+        return BinReader(self)
+
+
+def index_bin(folder: Path, files: list[Path]) -> BinIndex:
+    """Names, shapes and dtypes of every tensor in the .bin files (pickles parsed, no tensor data read)."""
+    tensors: dict[str, TensorInfo] = {}
+    for path in files:
+        for name, t in load_state(path).items():
+            if name in tensors:
+                raise InputError(f"{path}: tensor {name!r} is also in {tensors[name].file.name}")
+            tensors[name] = TensorInfo(name, path, dtype_tag(path, name, t.dtype), tuple(t.shape))
+    return BinIndex(folder, tensors)
+
+
+class BinReader:
+    """Rows [start, stop) of tensors of one .bin model; each file is loaded (mapped) on first use."""
+
+    def __init__(self, index: BinIndex):
+        self.index = index
+        self._states: dict[Path, dict] = {}
+
+    def __enter__(self) -> BinReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._states.clear()  # the last references to the mapped storages: unmaps the files
+
+    def read(self, name: str, start: int, stop: int):
+        info = self.index.tensors[name]
+        state = self._states.get(info.file)
+        if state is None:
+            state = self._states[info.file] = load_state(info.file)
+        tensor = state[name]
+        return tensor if not info.shape else tensor[start:stop]

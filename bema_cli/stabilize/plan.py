@@ -236,7 +236,7 @@ def prepare(opts: Options) -> Plan:
         if opts.lora_output != "merged" or opts.lora_rank is not None:
             raise UsageError("--lora-output/--lora-rank: the checkpoints are not LoRA adapters")
         indexes = {c.step: open_checkpoint(c.path, like=set(base_index.tensors)) for c in reading}
-    for step, index in indexes.items():
+    for index in indexes.values():
         _check_same(index, base_index, "base model", opts.cast_base)
     out_tag = TAG_OF[opts.out_dtype] if opts.out_dtype else None
     # outputs default to the checkpoints' dtypes (== theta0's unless --cast-base)
@@ -276,5 +276,5 @@ def _lora_sources(reading: list[Checkpoint], base: ModelIndex, opts: Options):
     if not adapters:
         raise UsageError("no checkpoint is processed with these --tau/--phi settings")
     mode = "merged" if opts.lora_output == "merged" else "delta"
-    indexes = {c.step: lora_index(a, adapters[0], base, mode) for c, a in zip(reading, adapters)}
+    indexes = {c.step: lora_index(a, adapters[0], base, mode) for c, a in zip(reading, adapters, strict=True)}
     return adapters[0], lora_index(None, adapters[0], base, mode), indexes

@@ -15,7 +15,14 @@ from pathlib import Path
 
 from bema_cli.errors import InputError
 from bema_cli.eval.chat import has_tokenizer
-from bema_cli.io.checkpoints import find_checkpoints, model_weight_files, read_json, resolve_model, step_of
+from bema_cli.io.checkpoints import (
+    find_checkpoints,
+    is_run_dir,
+    model_weight_files,
+    read_json,
+    resolve_model,
+    step_of,
+)
 
 # bema.json keys that describe the stabilizer (per-step alpha/beta and paths are not hyperparameters)
 STABILIZER_KEYS = (
@@ -68,7 +75,8 @@ def _model_target(path: Path) -> Target:
 
 
 def expand_inputs(inputs: list[str]) -> list[Target]:
-    """Model folders, stabilize outputs (manifest.json) and training dirs (checkpoint-* children)."""
+    """Model folders, stabilize outputs (manifest.json) and training dirs (checkpoint folders of any
+    layout bema stabilize reads: checkpoint-N, step_N, step-N, global_stepN, iter_N)."""
     targets = []
     for text in inputs:
         path = Path(text).resolve()
@@ -82,8 +90,10 @@ def expand_inputs(inputs: list[str]) -> list[Target]:
                     target.run, target.step = run.get("run", target.run), out.get("step", target.step)
                     targets.append(target)
         elif not (path / "config.json").is_file() and path.is_dir():
-            if not any(p.is_dir() and p.name.startswith("checkpoint-") for p in path.iterdir()):
-                raise InputError(f"{path}: no config.json, manifest.json or checkpoint-* folders")
+            if not is_run_dir(path):
+                raise InputError(
+                    f"{path}: no config.json, manifest.json or checkpoint folders (checkpoint-N, step_N, ...)"
+                )
             targets += [_model_target(c.path) for c in find_checkpoints(path)]
         else:
             targets.append(_model_target(path))

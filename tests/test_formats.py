@@ -1,0 +1,188 @@
+"""One trajectory in every format and folder naming bema reads gives bitwise identical outputs.
+
+The same random-walk checkpoints are re-saved as .bin (single, sharded), DCP (as accelerate's
+FSDP writes it) and safetensors, under each naming scheme and as a `STEP PATH` list on stdin,
+and stabilized through the real CLI with a tiny --max-memory so tensors are read in row
+chunks. Every output file must equal the safetensors run's byte for byte, which in turn is
+checked against the float64 reference (1e-6 of each tensor's largest |value|).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import BEMA
+from formats import convert, save_bin, save_dcp
+from reference import reference
+from trajectory import load_model, write_trajectory
+
+from bema_cli.errors import InputError
+from bema_cli.io.checkpoints import find_checkpoints, read_checkpoint_list
+from bema_cli.io.reader import open_checkpoint
+
+STEPS = [10, 20, 30, 40]
+GRID = ["--method", "bema,ema,dema", "--max-memory", "600B"]  # 600 B: rows of one tensor per unit
+
+
+def stabilize_json(*args, stdin: str | None = None) -> dict:
+    r = subprocess.run(
+        [str(BEMA), "stabilize", *map(str, args), "--json"], input=stdin, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    """{variant: (doc, out)} for the reference run and every re-saved copy of it."""
+    root = tmp_path_factory.mktemp("formats")
+    base, run = write_trajectory(root, STEPS, shards=2)
+    layouts = {  # variant -> (weights format, folder name, theta0 format)
+        "bin": ("bin", "step_{}", "safetensors"),
+        "bin-sharded": ("bin3", "iter_{:07d}", "bin"),
+        "dcp": ("dcp", "global_step{}", "dcp"),
+        "dashes": ("safetensors", "step-{:04d}", "safetensors"),
+    }
+    jobs = {"safetensors": ([run, "--base", base], None)}
+    for name, (fmt, naming, base_fmt) in layouts.items():
+        for s in STEPS:
+            convert(run / f"checkpoint-{s}", root / name / naming.format(s), fmt)
+        theta0 = convert(base, root / f"base-{name}", base_fmt)
+        jobs[name] = ([root / name, "--base", theta0], None)
+    # stdin: any order, each checkpoint in another format and place, comments and blank lines
+    listed = {10: root / "dcp" / "global_step10", 40: root / "bin" / "step_40", 20: run / "checkpoint-20"}
+    listed[30] = root / "bin-sharded" / "iter_0000030"
+    lines = ["# step path", ""] + [f"{s}\t{p}" for s, p in listed.items()]
+    jobs["stdin"] = (["-", "--base", base], "\n".join(lines) + "\n")
+    with ThreadPoolExecutor(2) as pool:
+        futures = {
+            k: pool.submit(stabilize_json, *args, *GRID, "--out", root / f"out-{k}", stdin=stdin)
+            for k, (args, stdin) in jobs.items()
+        }
+        docs = {k: (f.result(), root / f"out-{k}") for k, f in futures.items()}
+    return docs, base, run
+
+
+def test_reference_run_matches_float64(variants):
+    docs, base, run = variants
+    doc, _ = docs["safetensors"]
+    trajectory = [(s, load_model(run / f"checkpoint-{s}")) for s in STEPS]
+    checked = 0
+    for method in ("bema", "ema", "dema"):
+        ref = reference(load_model(base), trajectory, method)
+        for o in (o for o in doc["outputs"] if o["method"] == method):
+            out = load_model(Path(o["path"]))
+            for name, expect in ref[o["step"]].items():
+                err = (out[name].double() - expect).abs().max()
+                assert err <= 1e-6 * expect.abs().max().clamp_min(1e-30), (method, o["step"], name)
+                checked += 1
+    assert checked == 3 * len(STEPS) * 5
+
+
+@pytest.mark.parametrize("variant", ["bin", "bin-sharded", "dcp", "dashes", "stdin"])
+def test_bitwise_identical_outputs(variants, variant):
+    docs, _, _ = variants
+    ref_doc, ref_out = docs["safetensors"]
+    doc, out = docs[variant]
+    assert [(o["run"], o["step"]) for o in doc["outputs"]] == [
+        (o["run"], o["step"]) for o in ref_doc["outputs"]
+    ]
+    compared = 0
+    for o in ref_doc["outputs"]:
+        rel = Path(o["path"]).relative_to(ref_out)
+        for f in sorted((ref_out / rel).glob("*.safetensors")):
+            assert (out / rel / f.name).read_bytes() == f.read_bytes(), f"{variant}: {rel}/{f.name} differs"
+            compared += 1
+    assert compared == 3 * len(STEPS)
+
+
+def test_dcp_reads_any_row_range_and_strips_prefix(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    state = {
+        "model.embed.weight": torch.randn(7, 5, generator=g),
+        "lm_head.weight": torch.randn(3, 5, generator=g),
+    }
+    state["scale"] = torch.tensor(2.5)
+    save_dcp(state, tmp_path / "acc")  # accelerate nesting: keys model.model.embed.weight, model.lm_head...
+    save_dcp(state, tmp_path / "plain", accelerate=False)  # keys as they are (some start with model.)
+    for folder in ("acc", "plain"):
+        index = open_checkpoint(tmp_path / folder, like=set(state))
+        assert set(index.tensors) == set(state), folder
+        with index.open() as reader:
+            for a, b in [(0, 7), (2, 5), (6, 7)]:
+                assert torch.equal(reader.read("model.embed.weight", a, b), state["model.embed.weight"][a:b])
+            assert torch.equal(reader.read("scale", 0, 1), state["scale"])
+
+
+def test_bin_reader_maps_instead_of_loading(tmp_path):
+    state = {"w": torch.randn(64, 64), "ids": torch.arange(5)}
+    save_bin(state, tmp_path)
+    index = open_checkpoint(tmp_path)
+    assert {k: (v.dtype, v.shape) for k, v in index.tensors.items()} == {
+        "w": ("F32", (64, 64)),
+        "ids": ("I64", (5,)),
+    }
+    with index.open() as reader:
+        rows = reader.read("w", 3, 9)
+        assert torch.equal(rows, state["w"][3:9])
+        mapped = Path("/proc/self/maps").read_text()
+        assert str(tmp_path / "pytorch_model.bin") in mapped  # mapped, not read into memory
+        del rows
+    assert str(tmp_path / "pytorch_model.bin") not in Path("/proc/self/maps").read_text()  # unmapped on close
+
+
+def _folders(root: Path, names: list[str]) -> Path:
+    for n in names:
+        (root / n).mkdir(parents=True)
+    return root
+
+
+def test_layouts_found_sorted_and_checked(tmp_path):
+    run = _folders(tmp_path / "a", ["iter_0000100", "iter_20", "iter_0000003", "logs", "latest"])
+    assert [c.step for c in find_checkpoints(run)] == [3, 20, 100]
+    run = _folders(tmp_path / "b", ["global_step5", "global_step50"])
+    assert [c.path.name for c in find_checkpoints(run)] == ["global_step5", "global_step50"]
+    with pytest.raises(InputError, match="mixes checkpoint naming schemes: checkpoint-10 and step_20"):
+        find_checkpoints(_folders(tmp_path / "c", ["checkpoint-10", "step_20"]))
+    with pytest.raises(InputError, match=r"duplicate step 10 \(step_0010 and step_10\)"):
+        find_checkpoints(_folders(tmp_path / "d", ["step_0010", "step_10"]))
+
+
+def test_checkpoint_list_parsing(tmp_path):
+    _folders(tmp_path, ["x", "y"])
+    got = read_checkpoint_list(f"20 {tmp_path / 'y'}\n\n# comment\n  3   {tmp_path / 'x'}  \n")
+    assert [(c.step, c.path.name) for c in got] == [(3, "x"), (20, "y")]
+    for text, message in [
+        (f"ten {tmp_path / 'x'}", "line 1: expected 'STEP PATH'"),
+        (f"1 {tmp_path / 'x'}\n1 {tmp_path / 'y'}", "duplicate step 1"),
+        (f"1 {tmp_path / 'nope'}", "line 1: .*nope: no such directory"),
+        ("# nothing\n", "no 'STEP PATH' lines"),
+    ]:
+        with pytest.raises(InputError, match=message):
+            read_checkpoint_list(text)
+
+
+def test_stdin_error_is_one_line(tmp_path):
+    r = subprocess.run(
+        [str(BEMA), "stabilize", "-", "--out", str(tmp_path / "out")],
+        input="10\n",
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 3 and r.stderr.strip() == "error: <stdin> line 1: expected 'STEP PATH', got '10'"
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_accepts_the_same_layouts(tiny_model_dir, tmp_path):
+    """`bema eval RUN` expands step_N folders like checkpoint-N ones (checked in process, no engine)."""
+    from bema_cli.eval.targets import expand_inputs
+
+    for name in ("step_0020", "step_0010"):
+        convert(tiny_model_dir, tmp_path / "run" / name, "safetensors")
+    targets = expand_inputs([str(tmp_path / "run")])
+    assert [(t.step, t.path.name) for t in targets] == [(10, "step_0010"), (20, "step_0020")]

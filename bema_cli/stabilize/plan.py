@@ -212,6 +212,8 @@ def prepare(opts: Options) -> Plan:
     if len({s.tau for s in opts.schedules}) > 1:
         raise UsageError("--tau: every config of one run must share the burn-in (theta0 is shared)")
     checkpoints = opts.checkpoints or find_checkpoints(opts.checkpoint_dir)
+    if opts.base == "first" and is_adapter(checkpoints[0].path):
+        raise UsageError("--base first: a LoRA run starts from the base model it adapts; pass --base DIR")
     base = resolve_base(opts.base, checkpoints, check=has_weights)
     steps = [c.step for c in checkpoints]
     runs = []
@@ -261,8 +263,6 @@ def _lora_sources(reading: list[Checkpoint], base: ModelIndex, opts: Options):
         raise UsageError(f"--lora-output: choose merged or adapter, got {opts.lora_output!r}")
     if opts.lora_rank is not None and (opts.lora_output != "adapter" or opts.lora_rank <= 0):
         raise UsageError("--lora-rank: a positive rank, with --lora-output adapter")
-    if opts.base == "first":
-        raise UsageError("--base first: a LoRA run starts from the base model it adapts; pass --base DIR")
     if opts.lora_output == "adapter" and opts.out_dtype:
         raise UsageError(
             "--out-dtype: adapter outputs keep the adapter's dtype (use it with --lora-output merged)"

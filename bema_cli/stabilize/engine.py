@@ -131,7 +131,8 @@ def _out_dir(text: str) -> Path:
 def _inputs(plan: Plan, run_dir: str) -> list[Path]:
     """Everything this call reads: the run folder, each checkpoint folder, theta0, every weight file."""
     files = [t.file for index in (plan.base_index, *plan.indexes.values()) for t in index.tensors.values()]
-    folders = [Path(run_dir).expanduser(), plan.base_index.folder, *(c.path for c in plan.checkpoints)]
+    run = [Path(run_dir).expanduser()] if run_dir != "-" else []  # "-": a STEP PATH list on stdin
+    folders = [*run, plan.base_index.folder, *(c.path for c in plan.checkpoints)]
     return folders + sorted(set(files))
 
 

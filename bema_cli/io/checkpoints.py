@@ -59,6 +59,19 @@ def read_json(path: Path) -> dict:
         raise InputError(f"{path}: cannot read ({exc})") from None
 
 
+def indexed_files(index: Path, kind: str) -> list[Path]:
+    """The shard files an HF `*.index.json` weight_map lists, each checked to exist."""
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise InputError(f"{index}: not a valid {kind} index ({exc})") from None
+    files = [index.parent / n for n in names]
+    for f in files:
+        if not f.is_file():
+            raise InputError(f"{index}: lists {f.name}, which is missing")
+    return files
+
+
 def model_weight_files(folder: str | Path) -> list[Path]:
     """The safetensors files holding a model folder's weights (sharded index first, then single file).
 
@@ -67,16 +80,7 @@ def model_weight_files(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     index = folder / INDEX_NAME
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise InputError(f"{index}: not a valid safetensors index ({exc})") from None
-        files = [folder / n for n in names]
-        for f in files:
-            if not f.is_file():
-                raise InputError(f"{index}: lists {f.name}, which is missing")
-        return files
+        return indexed_files(index, "safetensors")
     if (folder / SINGLE_NAME).is_file():
         return [folder / SINGLE_NAME]
     others = sorted(

@@ -10,33 +10,22 @@ work unit and dropping it unmaps the file.
 
 from __future__ import annotations
 
-import json
 import pickle
 import zipfile
 from pathlib import Path
 
 from bema_cli.errors import InputError
+from bema_cli.io.checkpoints import indexed_files
 from bema_cli.io.safetensors import TAG_OF, ModelIndex, TensorInfo
 
 BIN_NAME = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
-# .bin files a Trainer leaves next to the weights that are not weights
-NOT_WEIGHTS = ("training_args.bin", "optimizer.bin", "scheduler.bin", "rng_state.bin")
 
 
 def bin_weight_files(folder: Path) -> list[Path]:
     """The .bin files holding a folder's weights (index first, then pytorch_model.bin); [] if none."""
-    index = folder / BIN_INDEX
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise InputError(f"{index}: not a valid .bin index ({exc})") from None
-        files = [folder / n for n in names]
-        for f in files:
-            if not f.is_file():
-                raise InputError(f"{index}: lists {f.name}, which is missing")
-        return files
+    if (folder / BIN_INDEX).is_file():
+        return indexed_files(folder / BIN_INDEX, ".bin")
     if (folder / BIN_NAME).is_file():
         return [folder / BIN_NAME]
     return []

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from bema_cli import output
-from bema_cli.options import JsonOpt, parse_str_list
+from bema_cli.options import ExecutorOpt, JsonOpt, RayAddressOpt, WorkersOpt, parse_str_list
 
 _T = "Protocol (defaults = the paper's)"
 _E = "Engine"
@@ -149,12 +149,16 @@ def evaluate(
             help="Re-evaluate (checkpoint, task) pairs already in results.jsonl, replacing their records (also when made with another setup).",
         ),
     ] = False,
+    executor: ExecutorOpt = "local",
+    workers: WorkersOpt = 1,
+    ray_address: RayAddressOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """Evaluate checkpoints with the paper's protocol: BoolQ, GSM8K, MMLU-HS (50 samples/prompt) and held-out loss."""
     from pathlib import Path
 
     from bema_cli import cli  # the global --debug flag
+    from bema_cli.cluster import ExecutorOptions
     from bema_cli.eval.backends.base import EngineOptions
     from bema_cli.eval.chat import read_template
     from bema_cli.eval.evaluate import EvalConfig, run_eval
@@ -177,7 +181,7 @@ def evaluate(
         batch_size=batch_size, chat_template=read_template(chat_template) if chat_template else None,
         log_file=str(Path(out) / "vllm.log") if out else None, debug=cli._debug,
     )  # fmt: skip
-    records = run_eval(inputs or [], base, config, engine)
+    records = run_eval(inputs or [], base, config, engine, ExecutorOptions(executor, workers, ray_address))
     if json_:
         output.print_json(records)
     else:

@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bema_cli import __version__, output
+from bema_cli.cluster import ExecutorOptions, import_ray
 from bema_cli.errors import OutputError, UsageError
 from bema_cli.eval import data, resume
 from bema_cli.eval.backends.base import BACKENDS, EngineOptions, Sampling, make_backend, vllm_usable
@@ -130,8 +131,9 @@ class Job:
 class Evaluation:
     """Prepared once (data, protocols, resume keys), then run checkpoint by checkpoint on one backend."""
 
-    def __init__(self, config: EvalConfig, engine: EngineOptions):
+    def __init__(self, config: EvalConfig, engine: EngineOptions, executor: ExecutorOptions | None = None):
         self.config, self.engine = config, engine
+        self.executor = executor or ExecutorOptions()  # where the jobs run: here, or a Ray engine pool
         self.backend_name = self._resolve_backend()
         self.inputs = self._prepare()
         self.results = ResultsFile(config.out)
@@ -237,6 +239,11 @@ class Evaluation:
         done = {str(t.path) for t in targets} - {str(j.target.path) for j in jobs}
         for path in sorted(done):
             output.log(f"skip {path} (all tasks in results.jsonl)")
+        if self.executor.executor == "ray":
+            from bema_cli.eval.ray_pool import run_pool
+
+            run_pool(self, jobs, self.executor)  # calls run_job on its engines, self.write here
+            jobs = []  # all done: the local loop below has nothing left
         backend = None
         try:
             for job in jobs:
@@ -312,9 +319,17 @@ def evaluate_task(backend, job: Job, item: TaskInput) -> tuple[list[dict], list[
     return records, samples
 
 
-def run_eval(inputs: list[str], base: str | None, config: EvalConfig, engine: EngineOptions) -> list[dict]:
+def run_eval(
+    inputs: list[str],
+    base: str | None,
+    config: EvalConfig,
+    engine: EngineOptions,
+    executor: ExecutorOptions | None = None,
+) -> list[dict]:
     """Evaluate every input (and the base); returns the records of all requested (checkpoint, task)."""
     validate(config, engine)
+    if executor is not None and executor.executor == "ray":
+        import_ray()  # a missing extra is reported before anything is read
     targets = expand_inputs(inputs)
     if base is not None:
         targets.insert(0, base_target(base, targets))
@@ -322,7 +337,7 @@ def run_eval(inputs: list[str], base: str | None, config: EvalConfig, engine: En
         raise UsageError("no checkpoints to evaluate (give model folders and/or --base)")
     for target in targets:  # before any data is downloaded or OUT is created
         check_model_dir(target.path)
-    return Evaluation(config, engine).run(targets)
+    return Evaluation(config, engine, executor).run(targets)
 
 
 def rescore(samples_path: str | Path, results_path: str | Path | None = None) -> list[dict]:

@@ -120,7 +120,7 @@ WITHOUT_RAY = (
 )
 
 
-@pytest.mark.parametrize("command", ["stabilize"])
+@pytest.mark.parametrize("command", ["stabilize", "eval"])
 def test_executor_ray_without_ray_is_one_line(tmp_path, command):
     base, run = write_trajectory(tmp_path, [10, 20])
     args = [str(run), "--base", str(base)] + (

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_bema
+from formats import convert
 from safetensors.torch import load_file, save_file
 from trajectory import write_trajectory
 
@@ -72,6 +73,23 @@ def test_ray_two_workers_bitwise_equal_to_local(tmp_path, ray_address):
     plan = stabilize(*common, "--out", tmp_path / "plan", "--dry-run")["plan"]
     assert plan["work_units"] >= 8  # several units in flight on 2 workers, some of them row chunks
     assert not list((tmp_path / "ray").glob(".bema-tmp-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["bin2", "dcp"])
+def test_ray_reads_every_format_like_local(tmp_path, ray_address, fmt):
+    """Plans of other readers (.bin shards, DCP) travel to Ray workers and read the same bytes."""
+    base, run = write_trajectory(tmp_path, STEPS[:3], shards=2)
+    for step in STEPS[:3]:
+        convert(run / f"checkpoint-{step}", tmp_path / fmt / f"checkpoint-{step}", fmt)
+    stabilize(run, "--base", base, *GRID[:2], "--max-memory", "600B", "--out", tmp_path / "local")
+    stabilize(
+        tmp_path / fmt, "--base", base, *GRID[:2], "--max-memory", "600B", "--out", tmp_path / "ray",
+        "--executor", "ray", "--workers", "2", env={"RAY_ADDRESS": ray_address},
+    )  # fmt: skip
+    a, b = digest(tmp_path / "local"), digest(tmp_path / "ray")
+    safetensors = [k for k in a if k.endswith(".safetensors")]
+    assert len(safetensors) == 4 * 3 and all(a[k] == b[k] for k in safetensors)
 
 
 @pytest.mark.slow

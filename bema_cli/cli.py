@@ -6,6 +6,7 @@ them into one app and maps errors to one-line messages and exit codes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -22,6 +23,11 @@ from bema_cli.errors import BemaError
 app = typer.Typer(
     name="bema",
     help="Make fine-tuned language models better after training: BEMA/EMA-stabilize checkpoints, evaluate, report.",
+    epilog=(
+        "Exit codes: 0 ok; 1 other failure; 2 bad flags; 3 bad input file; 4 output exists, overlaps an input, "
+        "is locked by another bema process or cannot be written; 5 backend failure; 70 internal error (a bug); "
+        "130/143/129 interrupted by SIGINT/SIGTERM/SIGHUP."
+    ),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
@@ -90,10 +96,13 @@ def _usage_line(exc: click.UsageError) -> str:
 def main() -> None:
     """Console-script entry point: run the app, turn failures into one line + exit code (docs: README)."""
     signals.install()
+    if not sys.argv[1:]:  # bare `bema`: the usage goes to stderr (stdout is for data), exit 2
+        with contextlib.redirect_stdout(sys.stderr):
+            app(["--help"], standalone_mode=False)
+        sys.exit(2)
     try:
         code = app(standalone_mode=False)
-    except click.NoArgsIsHelpError as exc:  # bare `bema` or a bare group: usage on stderr
-        output.stderr.print(exc.ctx.get_help() if exc.ctx else str(exc), markup=False, highlight=False)
+    except click.NoArgsIsHelpError:  # its help text was printed while it was raised
         sys.exit(2)
     except click.UsageError as exc:
         if _debug:

@@ -84,9 +84,12 @@ def parse_float_list(text: str, flag: str) -> list[float]:
 
 def parse_int_list(text: str, flag: str) -> list[int]:
     try:
-        return [int(p) for p in text.split(",") if p.strip()]
+        values = [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
         raise UsageError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise UsageError(f"{flag}: no value given")
+    return values
 
 
 def parse_str_list(text: str) -> list[str]:
@@ -94,7 +97,10 @@ def parse_str_list(text: str) -> list[str]:
 
 
 # Decimal (GB) and binary (GiB) units, as HF's --max-shard-size and memory limits are written.
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_SIZE_UNITS = {
+    **{"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12},
+    **{"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40},
+}
 
 
 def parse_size(text: str, flag: str) -> int:
@@ -104,7 +110,7 @@ def parse_size(text: str, flag: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = m.group(2).upper() if m else ""
     if not m or unit not in _SIZE_UNITS:
-        raise UsageError(f"{flag}: {text!r} is not a size (e.g. 2GiB, 5GB, 500MB)")
+        raise UsageError(f"{flag}: {text!r} is not a size (e.g. 2GiB, 5GB, 500MB, 1TB)")
     size = int(float(m.group(1)) * _SIZE_UNITS[unit])
     if size <= 0:
         raise UsageError(f"{flag}: must be positive, got {text!r}")

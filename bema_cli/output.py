@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape  # messages may hold brackets: "pip install 'bema-cli[ray]'"
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -23,9 +22,12 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.text import Text
 
-stdout = Console(soft_wrap=True)
-stderr = Console(stderr=True, soft_wrap=True)
+# Markup off: paths, run names and messages are data ("o[/x]y" is a valid folder name); style goes
+# through rich.text.Text or style= instead.
+stdout = Console(soft_wrap=True, markup=False)
+stderr = Console(stderr=True, soft_wrap=True, markup=False)
 _quiet = False
 
 
@@ -41,11 +43,12 @@ def log(message: str) -> None:
 
 
 def warn(message: str) -> None:
-    stderr.print(f"[yellow]warning:[/yellow] {escape(message)}", highlight=False)
+    stderr.print(Text("warning:", style="yellow"), message, highlight=False)
 
 
 def error(message: str) -> None:
-    stderr.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False, markup=True)
+    """The one line of a failure (cli.main); newlines in the message are flattened to keep it one line."""
+    stderr.print(Text("error:", style="bold red"), " ".join(str(message).split("\n")), highlight=False)
 
 
 def _jsonable(obj: Any) -> Any:
@@ -77,7 +80,7 @@ def progress_enabled() -> bool:
 def progress() -> Iterator[Progress]:
     """A rich Progress on stderr, disabled (no output at all) when stderr is not a terminal."""
     bar = Progress(
-        TextColumn("[progress.description]{task.description}"),
+        TextColumn("{task.description}", style="progress.description", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),

@@ -172,6 +172,7 @@ def tables(doc: dict) -> list:
     """One rich table per task and headline metric: final and best value per run (best final in bold)."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     out = []
     for task, metrics in doc["tasks"].items():
@@ -192,7 +193,7 @@ def tables(doc: dict) -> list:
                 final = _fmt(r["final"]["value"], r["final"]["stderr"])
                 delta = "" if vanilla is None or run == "vanilla" else f"{r['final']['value'] - vanilla:+.3g}"
                 best = _fmt(r["best"]["value"], r["best"]["stderr"])
-                shown = f"[bold]{final}[/bold]" if run == top else final
+                shown = Text(final, style="bold") if run == top else final
                 table.add_row(
                     run,
                     str(len(r["steps"])),

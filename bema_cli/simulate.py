@@ -256,6 +256,7 @@ def table(doc: dict) -> object:
     """Mean error per recorded step (at most ~20 rows; --json has all, with standard errors); best in bold."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     steps, est, th = doc["steps"], doc["estimators"], doc["theory"]
     stride = max(1, math.ceil(len(steps) / MAX_TABLE_ROWS))
@@ -279,9 +280,7 @@ def table(doc: dict) -> object:
         out.add_column(col, justify="right", no_wrap=True)
     for i in rows:
         best = min(est, key=lambda m: est[m]["mean"][i])
-        cells = [
-            f"[bold]{v['mean'][i]:.3g}[/bold]" if m == best else f"{v['mean'][i]:.3g}" for m, v in est.items()
-        ]
+        cells = [Text(f"{v['mean'][i]:.3g}", style="bold" if m == best else "") for m, v in est.items()]
         out.add_row(str(steps[i]), *cells, f"{th['vanilla_exact'][i]:.3g}", f"{th['cramer_rao'][i]:.3g}")
     return out
 

@@ -15,9 +15,12 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
+import struct
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -327,8 +330,6 @@ def old_and_new(traj, tmp_path_factory):
 def _kill_in_swap(traj, old_and_new, out: Path, sig: int, delay: float) -> tuple[int, str]:
     """Overwrite the old run with the new one, send `sig` `delay` s after the swap begins (the journal
     appears); returns (exit code, stderr)."""
-    import shutil
-
     base, run = traj
     ref, _ = old_and_new
     shutil.copytree(ref / "old", out, symlinks=True)
@@ -378,8 +379,6 @@ def test_random_kill_trials(traj, old_and_new, tmp_path, trial):
     rng = random.Random(trial)
     sig = [signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP][trial % 4]
     out = tmp_path / "out"
-    import shutil
-
     shutil.copytree(ref / "old", out, symlinks=True)
     env = {commit.PAUSE_ENV: "0.2"} if trial % 2 else {}
     proc = _start(
@@ -399,3 +398,333 @@ def test_random_kill_trials(traj, old_and_new, tmp_path, trial):
     assert r.returncode == 0, r.stderr
     _whole_run(out, expected)
     assert sorted(p.name for p in out.iterdir()) == [RUN, "ema-k0.5", "manifest.json"]
+
+
+# --- hostile inputs: exit code, one stderr line, inputs unchanged, nothing partial in OUT -------
+
+
+def _edit_header(path: Path, fn) -> None:
+    """Rewrite a safetensors file's JSON header with fn(header) applied; tensor bytes unchanged."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    fn(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+
+
+def _small(root: Path, **kw) -> tuple[Path, Path]:
+    return write_trajectory(root, STEPS, with_int=False, **kw)
+
+
+def _fake_output(out: Path, run: Path) -> None:
+    """OUT/bema-k0.5-e0.2/checkpoint-<s> as a bema output (bema.json + manifest) without running bema."""
+    runs = {"run": RUN, "outputs": []}
+    for s in STEPS:
+        dst = out / RUN / f"checkpoint-{s}"
+        shutil.copytree(run / f"checkpoint-{s}", dst)
+        (dst / "bema.json").write_text(json.dumps({"run": RUN, "step": s}))
+        runs["outputs"].append({"step": s, "path": f"{RUN}/checkpoint-{s}"})
+    (out / "manifest.json").write_text(json.dumps({"runs": [runs]}))
+
+
+def overwrite_own_input(root):
+    base, run = _small(root)
+    _fake_output(root / "out", run)
+    return (
+        [root / "out" / RUN, "--base", "first", "--out", root / "out", "--overwrite"],
+        4,
+        "contains the input",
+    )
+
+
+def out_inside_checkpoint(root):
+    base, run = _small(root)
+    return [run, "--base", base, "--out", run / "checkpoint-20" / "o"], 4, "lies inside the input"
+
+
+def out_is_run(root):
+    base, run = _small(root)
+    return [run, "--base", base, "--out", run, "--overwrite"], 4, "is the input"
+
+
+def out_via_symlink(root):
+    base, run = _small(root)
+    (root / "link").symlink_to(run / "checkpoint-10")
+    return [run, "--base", base, "--out", root / "link" / "o"], 4, "lies inside the input"
+
+
+def out_empty(root):
+    base, run = _small(root)
+    return [run, "--base", base, "--out", ""], 2, "--out: empty path"
+
+
+def out_is_file(root):
+    base, run = _small(root)
+    (root / "out").write_text("a file")
+    return [run, "--base", base], 4, "exists and is not a directory"
+
+
+def negative_shape(root):
+    base, run = _small(root)
+    for f in [base / "model.safetensors", *run.glob("checkpoint-*/model.safetensors")]:
+        _edit_header(f, lambda h: h["layer.0.weight"].update(shape=[-12, -8]))
+    return [run, "--base", base], 3, "dimensions are integers >= 0"
+
+
+def float_shape(root):
+    base, run = _small(root)
+    _edit_header(
+        run / "checkpoint-20" / "model.safetensors", lambda h: h["layer.0.bias"].update(shape=[12.0])
+    )
+    return [run, "--base", base], 3, "has shape [12.0]"
+
+
+def string_offsets(root):
+    base, run = _small(root)
+    f = run / "checkpoint-30" / "model.safetensors"
+    _edit_header(f, lambda h: h["scale"].update(data_offsets=[str(o) for o in h["scale"]["data_offsets"]]))
+    return [run, "--base", base], 3, "data_offsets"
+
+
+def overlapping_offsets(root):
+    base, run = _small(root)
+    f = run / "checkpoint-10" / "model.safetensors"
+
+    def overlap(h):
+        a, b = h["layer.0.bias"]["data_offsets"]
+        h["scale"]["data_offsets"] = [a, a + 4]
+
+    _edit_header(f, overlap)
+    return [run, "--base", base], 3, "corrupt safetensors file"
+
+
+def index_path_outside(root):
+    base, run = _small(root, shards=2)
+    (root / "outside").mkdir()
+    ckpt = run / "checkpoint-20"
+    shutil.copy(ckpt / "model-00002-of-00002.safetensors", root / "outside" / "x.safetensors")
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {
+        k: ("../../outside/x.safetensors" if v.startswith("model-00002") else v)
+        for k, v in index["weight_map"].items()
+    }
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    return [run, "--base", base], 3, "a path outside the folder"
+
+
+def index_names_missing_tensor(root):
+    base, run = _small(root, shards=2)
+    f = run / "checkpoint-30" / "model.safetensors.index.json"
+    index = json.loads(f.read_text())
+    index["weight_map"]["ghost.weight"] = "model-00001-of-00002.safetensors"
+    f.write_text(json.dumps(index))
+    return [run, "--base", base], 3, "'ghost.weight'"
+
+
+def index_wrong_type(root):
+    base, run = _small(root, shards=2)
+    (run / "checkpoint-10" / "model.safetensors.index.json").write_text('{"weight_map": ["a", "b"]}')
+    return [run, "--base", base], 3, "not a valid safetensors index"
+
+
+def dangling_symlink(root):
+    base, run = _small(root)
+    (run / "checkpoint-40").symlink_to(root / "gone")
+    return [run, "--base", base], 3, "dangling symbolic link"
+
+
+def looping_symlink(root):
+    base, run = _small(root)
+    (run / "checkpoint-40").symlink_to(run / "checkpoint-40")
+    return [run, "--base", base], 3, "symbolic link loop"
+
+
+def mixed_dtypes(root):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    base, run = _small(root)
+    f = run / "checkpoint-20" / "model.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, f)
+    return [run, "--base", base, "--cast-base"], 3, "mixed dtypes need --out-dtype"
+
+
+def tau_at_last(root):
+    base, run = _small(root)
+    return [run, "--base", base, "--tau", "30"], 2, "--tau 30: at or beyond the last checkpoint step (30)"
+
+
+def tau_beyond_last(root):
+    base, run = _small(root)
+    return [run, "--base", base, "--tau", "1000"], 2, "--tau 1000"
+
+
+def steps_empty(root):
+    base, run = _small(root)
+    return [run, "--base", base, "--steps", ""], 2, "--steps: no value given"
+
+
+def tau_not_int(root):
+    base, run = _small(root)
+    return (
+        [run, "--base", base, "--tau", "abc"],
+        2,
+        "error: --tau: 'abc' is not an integer (see bema stabilize --help)",
+    )
+
+
+def size_unknown_unit(root):
+    base, run = _small(root)
+    return [run, "--base", base, "--max-memory", "3PB"], 2, "--max-memory: '3PB' is not a size"
+
+
+def manifest_wrong_type(root):
+    base, run = _small(root)
+    (root / "out").mkdir()
+    (root / "out" / "manifest.json").write_text("[1, 2]")
+    return [run, "--base", base], 3, "not a bema manifest"
+
+
+def manifest_runs_wrong_type(root):
+    base, run = _small(root)
+    _fake_output(root / "out", run)
+    (root / "out" / "manifest.json").write_text('{"runs": {"bema-k0.5-e0.2": 1}}')
+    return [run, "--base", base, "--overwrite"], 3, "not a bema manifest"
+
+
+def bracket_path_missing(root):
+    return [root / "r[/b]x" / "run"], 3, "r[/b]x"
+
+
+def eval_manifest_wrong_type(root):
+    base, run = _small(root)
+    _fake_output(root / "stab", run)
+    (root / "stab" / "manifest.json").write_text('{"runs": [{"run": "x", "outputs": [{"step": 1}]}]}')
+    return ["eval", root / "stab", "--out", root / "out"], 3, "not a bema manifest"
+
+
+def eval_bema_json_wrong_type(root):
+    base, run = _small(root)
+    _fake_output(root / "stab", run)
+    (root / "stab" / RUN / "checkpoint-10" / "bema.json").write_text('["run"]')
+    return ["eval", root / "stab" / RUN / "checkpoint-10", "--out", root / "out"], 3, "not a bema.json record"
+
+
+def eval_bema_json_bad_step(root):
+    base, run = _small(root)
+    _fake_output(root / "stab", run)
+    (root / "stab" / RUN / "checkpoint-10" / "bema.json").write_text('{"run": "r", "step": "ten"}')
+    return ["eval", root / "stab" / RUN / "checkpoint-10", "--out", root / "out"], 3, "'step' is 'ten'"
+
+
+def rescore_unknown_task(root):
+    (root / "s").mkdir()
+    line = {"model_path": "m", "task": "trivia", "responses": ["a"], "gold": "a"}
+    (root / "s" / "samples.jsonl").write_text(json.dumps(line) + "\n")
+    return ["rescore", root / "s" / "samples.jsonl"], 3, "task 'trivia' is not one bema scores"
+
+
+HOSTILE = [
+    overwrite_own_input, out_inside_checkpoint, out_is_run, out_via_symlink, out_empty, out_is_file,
+    negative_shape, float_shape, string_offsets, overlapping_offsets, index_path_outside,
+    index_names_missing_tensor, index_wrong_type, dangling_symlink, looping_symlink, mixed_dtypes, tau_at_last,
+    tau_beyond_last, steps_empty, tau_not_int, size_unknown_unit, manifest_wrong_type, manifest_runs_wrong_type,
+    bracket_path_missing, eval_manifest_wrong_type, eval_bema_json_wrong_type, eval_bema_json_bad_step,
+    rescore_unknown_task,
+]  # fmt: skip
+
+
+def _inputs_hash(root: Path) -> dict[str, str]:
+    """Hash of every input tree under root (OUT excluded; a run folder used as OUT is an input here)."""
+    return {p.name: tree_hash(p) for p in sorted(root.iterdir()) if p.is_dir() and p.name != "out"}
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    """Build every hostile case, run them all (3 at a time), return {name: (expected, proc, root, hashes)}."""
+    prepared = {}
+    for case in HOSTILE:
+        root = tmp_path_factory.mktemp(case.__name__)
+        args, code, message = case(root)
+        if args[0] not in ("eval", "rescore"):
+            args = ["stabilize", *args]
+            if "--out" not in args:
+                args += ["--out", root / "out"]
+        out_before = tree_hash(root / "out") if (root / "out").is_dir() else None
+        prepared[case.__name__] = (args, code, message, root, _inputs_hash(root), out_before)
+    with ThreadPoolExecutor(3) as pool:
+        futures = {k: pool.submit(run_bema, *v[0]) for k, v in prepared.items()}
+        return {k: (prepared[k], f.result()) for k, f in futures.items()}
+
+
+@pytest.mark.parametrize("name", [c.__name__ for c in HOSTILE])
+def test_hostile_input(hostile, name):
+    (args, code, message, root, hashes, out_before), proc = hostile[name]
+    assert proc.returncode == code, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert proc.stdout == ""
+    assert _inputs_hash(root) == hashes, "an input was modified"
+    out = root / "out"
+    if out_before is None:
+        assert not out.exists() or out.is_file(), f"{out} left behind: {list(out.iterdir())}"
+    else:
+        assert tree_hash(out) == out_before, "OUT changed"
+    assert not list(root.rglob(".bema-*")), "temp folder or lock left behind"
+
+
+def test_brackets_in_paths_are_data(traj, tmp_path):
+    """A successful run into --out 'o[/x]y' prints its summary (it crashed on rich markup after writing)."""
+    base, run = traj
+    out = tmp_path / "o[/x]y"
+    r = run_bema("stabilize", run, "--base", base, "--out", out, "--steps", "30", env={"COLUMNS": "500"})
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "" and f"{out}/{RUN}/checkpoint-30" in r.stdout
+    assert (out / RUN / "checkpoint-30" / "model.safetensors").is_file()
+
+
+def test_sizes_in_tb_and_tib(traj, tmp_path):
+    base, run = traj
+    for size in ("1TB", "1TiB", "0.5tib"):
+        r = run_bema(
+            "stabilize",
+            run,
+            "--base",
+            base,
+            "--out",
+            tmp_path / "o",
+            "--max-memory",
+            size,
+            "--dry-run",
+            "--json",
+        )
+        assert r.returncode == 0, r.stderr
+        want = {"1TB": 10**12, "1TiB": 2**40, "0.5tib": 2**39}[size]
+        assert json.loads(r.stdout)["plan"]["max_memory"] == want
+
+
+def test_bare_bema_prints_usage_on_stderr():
+    r = run_bema()
+    assert r.returncode == 2 and r.stdout == ""
+    assert "Usage: bema" in r.stderr and "stabilize" in r.stderr
+
+
+def test_disk_full_names_the_file(traj, tmp_path):
+    """A write that fails (here: a file-size limit, EFBIG, as a full disk gives ENOSPC) names its path."""
+    import resource
+
+    base, run = traj
+    out = tmp_path / "out"
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))
+
+    cmd = [str(BEMA), "stabilize", run, "--base", base, "--out", out]
+    r = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=limit, timeout=300)
+    assert r.returncode == 4, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and "cannot write (File too large)" in lines[0], r.stderr
+    assert f"{out}/.bema-tmp-" in lines[0] and "model.safetensors" in lines[0], lines[0]
+    assert not out.exists()

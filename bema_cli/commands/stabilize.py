@@ -146,7 +146,7 @@ def stabilize(
         accum_dtype=accum_dtype,
         out_dtype=out_dtype,
         final_only=final_only,
-        steps=parse_int_list(steps, "--steps") if steps else None,
+        steps=parse_int_list(steps, "--steps") if steps is not None else None,
         dry_run=dry_run,
         overwrite=overwrite,
         allow_nonfinite=allow_nonfinite,

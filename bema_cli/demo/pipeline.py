@@ -304,8 +304,10 @@ def _stages(out: Path, cfg: DemoConfig, backend: str, quick: bool) -> dict:
     timings: dict[str, float] = {}
 
     def stage(name: str, title: str) -> None:
+        from rich.text import Text
+
         timings[name] = time.perf_counter()
-        output.stderr.rule(f"[bold]{title}", align="left")
+        output.stderr.rule(Text(title, style="bold"), align="left")
 
     stage("data", "1/6 data: generated tasks in the `bema eval --data-dir` schemas")
     data = write_data(out, cfg)

@@ -356,7 +356,7 @@ def rescore(samples_path: str | Path, results_path: str | Path | None = None) ->
     latest: dict[tuple, str] = {}
     for line in lines:
         for key in ("model_path", "task", "responses", "gold"):
-            if key not in line:
+            if not isinstance(line, dict) or key not in line:
                 raise InputError(f"{samples_path}: a line lacks {key!r} (not a bema samples file)")
         latest[(line["model_path"], line["task"])] = line.get("eval_id")
     records = []
@@ -364,7 +364,10 @@ def rescore(samples_path: str | Path, results_path: str | Path | None = None) ->
         group = [
             x for x in lines if (x["model_path"], x["task"], x.get("eval_id")) == (model_path, name, eval_id)
         ]
-        task = get_task(name)
+        try:
+            task = get_task(name)
+        except UsageError as exc:  # e.g. "unknown task": about the file, which has no --tasks flag
+            raise InputError(f"{samples_path}: {str(exc).removeprefix('--tasks: ')}") from None
         scored = [scoring.score_item(task, x["responses"], x["gold"]) for x in group]
         metrics, extra = scoring.task_metrics(task, scored, [x.get("subject") or "" for x in group])
         matches = [r for r in old if r.get("model_path") == model_path and r.get("task") == name

@@ -19,10 +19,10 @@ from bema_cli.io.checkpoints import (
     find_checkpoints,
     is_run_dir,
     model_weight_files,
-    read_json,
     resolve_model,
     step_of,
 )
+from bema_cli.stabilize.meta import read_manifest, read_record
 
 # bema.json keys that describe the stabilizer (per-step alpha/beta and paths are not hyperparameters)
 STABILIZER_KEYS = (
@@ -67,7 +67,7 @@ def check_model_dir(path: Path) -> None:
 def _model_target(path: Path) -> Target:
     bema = path / "bema.json"
     if bema.is_file():
-        meta = read_json(bema)
+        meta = read_record(bema)
         stabilizer = {k: meta[k] for k in STABILIZER_KEYS if k in meta}
         step = meta["step"] if isinstance(meta.get("step"), int) else step_of(path)
         return Target(path, str(meta.get("run", "vanilla")), step, stabilizer or dict(VANILLA))
@@ -83,7 +83,7 @@ def expand_inputs(inputs: list[str]) -> list[Target]:
         if not path.exists():
             raise InputError(f"{text}: no such file or directory")
         if (path / "manifest.json").is_file():
-            manifest = read_json(path / "manifest.json")
+            manifest = read_manifest(path)
             for run in manifest.get("runs", []):
                 for out in run.get("outputs", []):
                     target = _model_target((path / out["path"]).resolve())

@@ -8,6 +8,7 @@ config, tokenizer, chat template) matter; optimizer/scheduler/rng state is ignor
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -59,17 +60,41 @@ def read_json(path: Path) -> dict:
         raise InputError(f"{path}: cannot read ({exc})") from None
 
 
+def read_weight_map(index: Path, kind: str = "safetensors") -> dict[str, str]:
+    """The weight_map of an HF `*.index.json`: tensor name -> shard file in the index's folder.
+
+    A shard path that is absolute or climbs out with '..' is refused: an index must not make us read
+    (and copy into every output) a file outside the checkpoint folder.
+    """
+    doc = read_json(index)
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise InputError(f"{index}: not a valid {kind} index (no 'weight_map' of tensor name -> file name)")
+    for name, shard in weight_map.items():
+        if not shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
+            raise InputError(f"{index}: tensor {name!r} is mapped to {shard!r}, a path outside the folder")
+    return weight_map
+
+
 def indexed_files(index: Path, kind: str) -> list[Path]:
     """The shard files an HF `*.index.json` weight_map lists, each checked to exist."""
-    try:
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise InputError(f"{index}: not a valid {kind} index ({exc})") from None
+    names = sorted(set(read_weight_map(index, kind).values()))
     files = [index.parent / n for n in names]
     for f in files:
         if not f.is_file():
             raise InputError(f"{index}: lists {f.name}, which is missing")
     return files
+
+
+def check_weight_map(index: Path, found: dict[str, Path]) -> None:
+    """Every tensor an `*.index.json` names must be in the shard it names (`found`: tensor -> file read)."""
+    if not index.is_file():
+        return
+    for name, shard in read_weight_map(index).items():
+        if name not in found:
+            raise InputError(f"{index}: lists tensor {name!r} in {shard}, which does not hold it")
+        if found[name] != index.parent / shard:
+            raise InputError(f"{index}: lists tensor {name!r} in {shard}, but it is in {found[name].name}")
 
 
 def model_weight_files(folder: str | Path) -> list[Path]:
@@ -146,6 +171,8 @@ def find_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
     found: dict[str, list[tuple[int, Path, str]]] = {}
     for p in sorted(run_dir.iterdir()):
         scheme = layout_of(p.name)
+        if scheme and p.is_symlink() and not p.is_dir():
+            _broken_link(p)
         if scheme and p.is_dir():
             found.setdefault(scheme, []).append((_step_of(p), p.resolve(), p.name))
     if not found:
@@ -160,6 +187,17 @@ def find_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
             f"{run_dir}: mixes checkpoint naming schemes: {examples}; keep one or pipe a list to `-`"
         )
     return _ordered(next(iter(found.values())), str(run_dir))
+
+
+def _broken_link(p: Path) -> None:
+    """A symlinked checkpoint that leads nowhere is an error, not a silently shorter run."""
+    try:
+        p.resolve(strict=True)
+        why = "is a symbolic link to something that is not a folder"
+    except (RuntimeError, OSError) as exc:  # Python < 3.13 reports a loop as RuntimeError
+        loop = isinstance(exc, RuntimeError) or exc.errno == errno.ELOOP
+        why = "is a symbolic link loop" if loop else f"is a dangling symbolic link (to {os.readlink(p)})"
+    raise InputError(f"{p}: {why}")
 
 
 def read_checkpoint_list(text: str, origin: str = "<stdin>") -> list[Checkpoint]:

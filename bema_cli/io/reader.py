@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Protocol
 
 from bema_cli.errors import InputError
-from bema_cli.io.checkpoints import model_weight_files
+from bema_cli.io.checkpoints import INDEX_NAME, check_weight_map, model_weight_files
 from bema_cli.io.dcp import find_dcp_dir, index_dcp
 from bema_cli.io.safetensors import ModelIndex, TensorInfo, index_model
-from bema_cli.io.torchbin import bin_weight_files, index_bin
+from bema_cli.io.torchbin import BIN_INDEX, bin_weight_files, index_bin
 
 __all__ = ["ModelIndex", "TensorInfo", "TensorReader", "checkpoint_format", "has_weights", "open_checkpoint"]
 
@@ -56,9 +56,9 @@ def open_checkpoint(folder: Path, like: set[str] | None = None) -> ModelIndex:
     """The index of a full-weight checkpoint in any format; `like` (the base's names) resolves DCP prefixes."""
     fmt = checkpoint_format(folder)
     if fmt == "safetensors":
-        return index_model(folder, model_weight_files(folder))
+        return _checked(index_model(folder, model_weight_files(folder)), folder / INDEX_NAME)
     if fmt == "bin":
-        return index_bin(folder, bin_weight_files(folder))
+        return _checked(index_bin(folder, bin_weight_files(folder)), folder / BIN_INDEX)
     if fmt == "dcp":
         return index_dcp(folder, find_dcp_dir(folder), like)
     if fmt == "lora":
@@ -66,6 +66,12 @@ def open_checkpoint(folder: Path, like: set[str] | None = None) -> ModelIndex:
     raise InputError(
         f"{folder}: no model weights (model.safetensors, pytorch_model.bin, a DCP folder or a LoRA adapter)"
     )
+
+
+def _checked(index: ModelIndex, index_json: Path) -> ModelIndex:
+    """A sharded checkpoint's index must not name a tensor its shard lacks (HF loaders trust it)."""
+    check_weight_map(index_json, {name: t.file for name, t in index.tensors.items()})
+    return index
 
 
 def has_weights(folder: Path) -> None:

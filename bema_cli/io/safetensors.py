@@ -86,27 +86,57 @@ def read_header(path: Path) -> dict:
         raise InputError(f"{path}: corrupt safetensors file (header is not valid JSON)") from None
     if not isinstance(header, dict):
         raise InputError(f"{path}: corrupt safetensors file (header is not a JSON object)")
-    end = 0
+    spans = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            begin, stop = entry["data_offsets"]
-            if entry["dtype"] not in DTYPES:
-                raise InputError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
-            expect = DTYPES[entry["dtype"]][1]
-            for d in entry["shape"]:
-                expect *= int(d)
-        except (KeyError, TypeError, ValueError):
-            raise InputError(f"{path}: corrupt safetensors file (bad entry for tensor {name!r})") from None
-        if stop - begin != expect or begin < 0:
-            raise InputError(f"{path}: corrupt safetensors file (tensor {name!r} has inconsistent offsets)")
-        end = max(end, stop)
+        dtype, shape, offsets = _entry_fields(path, name, entry)
+        expect = DTYPES[dtype][1]
+        for d in shape:
+            expect *= d
+        if offsets[1] - offsets[0] != expect:
+            raise InputError(
+                f"{path}: corrupt safetensors file (tensor {name!r}: data_offsets {offsets} hold "
+                f"{offsets[1] - offsets[0]} bytes, dtype {dtype} and shape {shape} need {expect})"
+            )
+        spans.append((offsets[0], offsets[1], name))
+    end = 0
+    for begin, stop, name in sorted(spans):  # tensors tile the data section: no gap, no overlap
+        if begin != end:
+            raise InputError(
+                f"{path}: corrupt safetensors file (tensor {name!r} starts at byte {begin}, expected {end})"
+            )
+        end = stop
     if 8 + n + end != size:
         raise InputError(
             f"{path}: corrupt or truncated safetensors file (expected {8 + n + end} bytes, found {size})"
         )
     return header
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _entry_fields(path: Path, name: str, entry) -> tuple[str, list[int], list[int]]:
+    """dtype, shape and data_offsets of one header entry; InputError naming the file and the tensor."""
+    if not isinstance(entry, dict):
+        raise InputError(f"{path}: corrupt safetensors file (entry of tensor {name!r} is not an object)")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise InputError(f"{path}: corrupt safetensors file (tensor {name!r} has no dtype)")
+    if dtype not in DTYPES:
+        raise InputError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise InputError(
+            f"{path}: corrupt safetensors file (tensor {name!r} has shape {shape!r}; dimensions are integers >= 0)"
+        )
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+        raise InputError(
+            f"{path}: corrupt safetensors file (tensor {name!r} has data_offsets {offsets!r}; "
+            "expected two integers >= 0)"
+        )
+    return dtype, shape, offsets
 
 
 @dataclass

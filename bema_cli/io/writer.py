@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bema_cli.errors import OutputError
 from bema_cli.io.safetensors import TensorInfo
 
 
@@ -83,10 +86,11 @@ class ShardedWriter:
 
     def open(self) -> ShardedWriter:
         """Create the folder and its files at full size, each with its header; tensor bytes come later."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        with _naming(self.folder):
+            self.folder.mkdir(parents=True, exist_ok=True)
         for shard in self.shards:
             header = encode_header(shard, self.metadata)
-            with open(self.folder / shard.filename, "wb") as f:
+            with _naming(self.folder / shard.filename), open(self.folder / shard.filename, "wb") as f:
                 f.write(header)
                 f.truncate(len(header) + shard.data_size)
         return self
@@ -99,13 +103,14 @@ class ShardedWriter:
         shard = self.shards[i]
         pos = self._data_start[i] + shard.offsets[name] + byte_offset
         view = memoryview(data).cast("B")
-        fd = os.open(self.folder / shard.filename, os.O_WRONLY)
-        try:
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], pos + done)
-        finally:
-            os.close(fd)
+        with _naming(self.folder / shard.filename):
+            fd = os.open(self.folder / shard.filename, os.O_WRONLY)
+            try:
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], pos + done)
+            finally:
+                os.close(fd)
         return done
 
     def close(self) -> None:
@@ -120,6 +125,15 @@ class ShardedWriter:
     def nbytes(self) -> int:
         """Total bytes of the folder's safetensors files (headers included)."""
         return sum(start + s.data_size for start, s in zip(self._data_start, self.shards, strict=True))
+
+
+@contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """A full disk, a quota, a file-size limit or a permission error names the file being written."""
+    try:
+        yield
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write ({exc.strerror or exc})") from None
 
 
 def tensor_bytes(tensor):

@@ -192,7 +192,10 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
         if txn.recovered:
             output.log(f"{out}: cleaned up after {len(txn.recovered)} interrupted bema run(s)")
         _check_out(out, plan.runs, opts.overwrite)  # again, now that no other writer can change OUT
-        doc["written_bytes"] = _walk(plan, opts, txn.tmp, executor)
+        try:
+            doc["written_bytes"] = _walk(plan, opts, txn.tmp, executor)
+        except OSError as exc:  # metadata files, config copies: a full disk names what it was writing
+            raise OutputError(f"{exc.filename or txn.tmp}: cannot write ({exc.strerror or exc})") from None
         old = meta.read_manifest(out)
         txn.commit(
             [run.name for run in plan.runs],

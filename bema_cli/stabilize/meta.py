@@ -89,15 +89,23 @@ def finish_folder(
     """Config/tokenizer files (a model's from the checkpoint, else the base; an adapter's from its
     checkpoint only, so it is not mistaken for a model folder) and bema.json."""
     copy_aux_files(folder, [source, base_dir] if model else [source])
-    cfg_path = folder / "config.json"
-    if opts.out_dtype and cfg_path.is_file():
-        cfg = json.loads(cfg_path.read_text())
-        if "torch_dtype" in cfg:
-            cfg["torch_dtype"] = opts.out_dtype
-        if "dtype" in cfg or "torch_dtype" not in cfg:
-            cfg["dtype"] = opts.out_dtype
-        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    if record["out_dtype"] != "mixed":
+        _set_config_dtype(folder / "config.json", record["out_dtype"])
     (folder / "bema.json").write_text(output.to_json(record) + "\n")
+
+
+def _set_config_dtype(path: Path, dtype: str) -> None:
+    """config.json names the dtype the tensors are written in (transformers and vLLM load by it)."""
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # none, or not ours to repair: copied as it was
+    if not isinstance(cfg, dict):
+        return
+    keys = [k for k in ("torch_dtype", "dtype") if k in cfg] or ["dtype"]
+    if any(cfg.get(k) != dtype for k in keys):
+        cfg.update(dict.fromkeys(keys, dtype))
+        path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def outputs_of(plan: Plan, out: Path) -> list[dict]:
@@ -127,13 +135,31 @@ def read_manifest(out: Path) -> dict | None:
         return None
     doc = read_json(path)
     runs = doc.get("runs", []) if isinstance(doc, dict) else None
-    if not isinstance(runs, list) or not all(
-        isinstance(r, dict) and isinstance(r.get("run"), str) for r in runs
-    ):
+    ok = isinstance(runs, list) and all(
+        isinstance(r, dict)
+        and isinstance(r.get("run"), str)
+        and isinstance(r.get("outputs", []), list)
+        and all(isinstance(o, dict) and isinstance(o.get("path"), str) for o in r.get("outputs", []))
+        for r in runs
+    )
+    if not ok:
         raise InputError(
-            f"{path}: not a bema manifest (expected an object whose 'runs' is a list of run objects)"
+            f"{path}: not a bema manifest (expected an object whose 'runs' lists runs with a name and outputs)"
         )
     return doc
+
+
+def read_record(path: Path) -> dict:
+    """A checkpoint folder's bema.json, validated: an object, 'run' a string, 'step' an integer if present."""
+    record = read_json(path)
+    if not isinstance(record, dict):
+        raise InputError(f"{path}: not a bema.json record (not a JSON object)")
+    if not isinstance(record.get("run", ""), str):
+        raise InputError(f"{path}: 'run' is {record['run']!r}, not a name")
+    step = record.get("step", 0)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise InputError(f"{path}: 'step' is {step!r}, not a step number")
+    return record
 
 
 def is_bema_run(folder: Path, old_manifest: dict | None) -> bool:

@@ -145,6 +145,19 @@ def _check_same(index: ModelIndex, base: ModelIndex, what: str, cast_base: bool 
             raise InputError(f"{t.file}: tensor {name!r} has dtype {t.dtype}, the {what} has {b.dtype}{hint}")
 
 
+def _check_one_dtype(indexes: dict[int, ModelIndex]) -> None:
+    """Outputs keep the checkpoints' dtype, so (with --cast-base) the checkpoints must agree on it."""
+    first = indexes[min(indexes)] if indexes else None
+    for step in sorted(indexes):
+        for name, t in indexes[step].tensors.items():
+            f = first.tensors[name]
+            if t.dtype != f.dtype:
+                raise InputError(
+                    f"{t.file}: tensor {name!r} has dtype {t.dtype}, {f.file} has {f.dtype}; "
+                    "checkpoints of mixed dtypes need --out-dtype"
+                )
+
+
 def _accumulators(runs: list[Run]) -> int:
     """Accum-dtype buffers per element that `_walk` holds: theta0, theta_s, one set of state per
     distinct state, theta_s - theta0 (bema), the output (bema, dema), ouema's two temporaries."""
@@ -216,6 +229,12 @@ def prepare(opts: Options) -> Plan:
         raise UsageError("--base first: a LoRA run starts from the base model it adapts; pass --base DIR")
     base = resolve_base(opts.base, checkpoints, check=has_weights)
     steps = [c.step for c in checkpoints]
+    tau = opts.schedules[0].tau if opts.schedules else 0
+    if tau > 0 and tau >= steps[-1]:
+        raise UsageError(
+            f"--tau {tau}: at or beyond the last checkpoint step ({steps[-1]}); every output would be a "
+            "plain copy of a checkpoint (steps <= tau restart the average)"
+        )
     runs = []
     for s in opts.schedules:
         events = s.plan(steps)
@@ -240,6 +259,8 @@ def prepare(opts: Options) -> Plan:
         indexes = {c.step: open_checkpoint(c.path, like=set(base_index.tensors)) for c in reading}
     for index in indexes.values():
         _check_same(index, base_index, "base model", opts.cast_base)
+    if not opts.out_dtype:
+        _check_one_dtype(indexes)
     out_tag = TAG_OF[opts.out_dtype] if opts.out_dtype else None
     # outputs default to the checkpoints' dtypes (== theta0's unless --cast-base)
     like = indexes[read_steps[0]] if read_steps else base_index

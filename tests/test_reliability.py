@@ -623,7 +623,7 @@ def rescore_unknown_task(root):
     (root / "s").mkdir()
     line = {"model_path": "m", "task": "trivia", "responses": ["a"], "gold": "a"}
     (root / "s" / "samples.jsonl").write_text(json.dumps(line) + "\n")
-    return ["rescore", root / "s" / "samples.jsonl"], 3, "task 'trivia' is not one bema scores"
+    return ["rescore", root / "s" / "samples.jsonl"], 3, "samples.jsonl: unknown task 'trivia'"
 
 
 HOSTILE = [

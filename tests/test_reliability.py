@@ -728,3 +728,31 @@ def test_disk_full_names_the_file(traj, tmp_path):
     assert len(lines) == 1 and "cannot write (File too large)" in lines[0], r.stderr
     assert f"{out}/.bema-tmp-" in lines[0] and "model.safetensors" in lines[0], lines[0]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_sighup_during_walk_clean_up(tmp_path, sig):
+    """What SLURM/Kubernetes (SIGTERM) and a closed terminal (SIGHUP) send: handled like Ctrl-C."""
+    base, run = write_trajectory(tmp_path, STEPS, shapes={"w": (3000, 4)}, with_int=False)
+    out = tmp_path / "out"
+    proc = _start(run, "--base", base, "--out", out, "--max-memory", "200B")
+    assert _wait_for(lambda: list(out.glob(".bema-tmp-*/*/checkpoint-*")), proc), proc.communicate()
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, stderr
+    assert stderr.splitlines() == [
+        f"error: interrupted by {signal.Signals(sig).name}; nothing half-written was kept"
+    ]
+    assert not out.exists(), "the temp folder, the lock and the OUT this run created are gone"
+
+
+def test_config_dtype_matches_written_tensors(tmp_path):
+    """A checkpoint whose config.json names another dtype than its tensors: the output's config tells the truth."""
+    base, run = write_trajectory(tmp_path, STEPS, with_int=False)
+    for s in STEPS:
+        cfg = run / f"checkpoint-{s}" / "config.json"
+        cfg.write_text(json.dumps({"model_type": "toy", "torch_dtype": "bfloat16"}))
+    r = run_bema("stabilize", run, "--base", base, "--out", tmp_path / "out", "--steps", "30")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((tmp_path / "out" / RUN / "checkpoint-30" / "config.json").read_text())
+    assert cfg["torch_dtype"] == "float32" and "dtype" not in cfg

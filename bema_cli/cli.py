@@ -86,10 +86,14 @@ def _usage_line(exc: click.UsageError) -> str:
         message = f"missing {exc.param.param_type_name} {_flag(exc.param)}"
     elif not isinstance(exc, click.BadParameter):
         message = exc.format_message()
+        message = message[:1].lower() + message[1:]  # "No such option: --x" -> "no such option: --x"
     elif exc.param is not None:
         message = f"{_flag(exc.param)}: {message}"
     message = " ".join(line.strip() for line in message.splitlines() if line.strip()).rstrip(".")
     command = exc.ctx.command_path if exc.ctx is not None else "bema"
+    if command == "bema":  # some parse errors carry the group's context: name the subcommand if one was given
+        given = [a for a in sys.argv[1:] if a in {c.name for c in app.registered_commands}]
+        command = f"bema {given[0]}" if given else command
     return f"{message} (see {command} --help)"
 
 

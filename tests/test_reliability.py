@@ -575,6 +575,16 @@ def tau_not_int(root):
     )
 
 
+def unknown_flag(root):
+    base, run = _small(root)
+    return [run, "--base", base, "--kappaa", "0.5"], 2, "no such option: --kappaa"
+
+
+def missing_out_flag(root):
+    base, run = _small(root)
+    return [run, "--base", base, "--out"], 2, "--out"
+
+
 def size_unknown_unit(root):
     base, run = _small(root)
     return [run, "--base", base, "--max-memory", "3PB"], 2, "--max-memory: '3PB' is not a size"
@@ -630,7 +640,7 @@ HOSTILE = [
     overwrite_own_input, out_inside_checkpoint, out_is_run, out_via_symlink, out_empty, out_is_file,
     negative_shape, float_shape, string_offsets, overlapping_offsets, index_path_outside,
     index_names_missing_tensor, index_wrong_type, dangling_symlink, looping_symlink, mixed_dtypes, tau_at_last,
-    tau_beyond_last, steps_empty, tau_not_int, size_unknown_unit, manifest_wrong_type, manifest_runs_wrong_type,
+    tau_beyond_last, steps_empty, tau_not_int, unknown_flag, missing_out_flag, size_unknown_unit, manifest_wrong_type, manifest_runs_wrong_type,
     bracket_path_missing, eval_manifest_wrong_type, eval_bema_json_wrong_type, eval_bema_json_bad_step,
     rescore_unknown_task,
 ]  # fmt: skip

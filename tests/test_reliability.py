@@ -73,15 +73,21 @@ def _old_out(out: Path) -> None:
 
 
 def _stage(txn: OutputTransaction) -> None:
-    """A new runA (replaces the old), a checkpoint added to runB (follow mode's case), a new runC."""
-    for rel, text in (("runA/f", "new A"), ("runB/checkpoint-2/f", "new B2"), ("runC/f", "new C")):
+    """A new runA (replaces the old), a checkpoint added to runB (follow mode's case), a new runC, and
+    runD's first checkpoint as a nested entry (its run folder does not exist yet)."""
+    for rel, text in (
+        ("runA/f", "new A"),
+        ("runB/checkpoint-2/f", "new B2"),
+        ("runC/f", "new C"),
+        ("runD/checkpoint-5/f", "new D5"),
+    ):
         (txn.tmp / rel).parent.mkdir(parents=True, exist_ok=True)
         (txn.tmp / rel).write_text(text)
 
 
-FINAL = _manifest("runA/f", "runB/checkpoint-1/f", "runB/checkpoint-2/f", "runC/f")
+FINAL = _manifest("runA/f", "runB/checkpoint-1/f", "runB/checkpoint-2/f", "runC/f", "runD/checkpoint-5/f")
 INTERIM = _manifest("runB/checkpoint-1/f")  # runA is being replaced: not listed during the swap
-ENTRIES = ["runA", "runB/checkpoint-2", "runC"]
+ENTRIES = ["runA", "runB/checkpoint-2", "runC", "runD/checkpoint-5"]
 
 
 def _check_whole(out: Path, finished: bool, tmp: Path | None = None) -> None:
@@ -91,7 +97,11 @@ def _check_whole(out: Path, finished: bool, tmp: Path | None = None) -> None:
     else:
         assert (out / "runA" / "f").read_text() in (("new A",) if finished else ("old A", "new A"))
     assert (out / "runB" / "checkpoint-1" / "f").read_text() == "old B1"
-    for rel, text in (("runB/checkpoint-2/f", "new B2"), ("runC/f", "new C")):
+    for rel, text in (
+        ("runB/checkpoint-2/f", "new B2"),
+        ("runC/f", "new C"),
+        ("runD/checkpoint-5/f", "new D5"),
+    ):
         if finished or (out / rel).exists():
             assert (out / rel).read_text() == text
     missing = [p for p in listed(out) if not (out / p).exists()]
@@ -128,16 +138,16 @@ def test_crash_after_every_rename_leaves_old_or_new(tmp_path, monkeypatch, excha
         if not crashed:
             txn.__exit__(None, None, None)
             _check_whole(out, finished=True)
-            assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "runA", "runB", "runC"]
+            assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "runA", "runB", "runC", "runD"]
             break
         _check_whole(out, finished=False, tmp=txn.tmp)
         assert exchange or n != 1 or not (out / "runA").exists(), "the window of the two-rename fallback"
         with OutputTransaction(out) as again:
             assert again.recovered == [txn.tmp.name]
             _check_whole(out, finished=True)
-        assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "runA", "runB", "runC"]
+        assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "runA", "runB", "runC", "runD"]
         assert json.loads((out / "manifest.json").read_text()) == FINAL
-    assert n == (5 if exchange else 6)  # renames: runA (1 or 2), runB/checkpoint-2, runC, manifest
+    assert n == (6 if exchange else 7)  # renames: runA (1 or 2), runB/checkpoint-2, runC, runD/..., manifest
 
 
 def test_exception_before_commit_point_changes_nothing(tmp_path):

@@ -184,7 +184,7 @@ def _roll_forward(out: Path, tmp: Path) -> None:
         where = getattr(exc, "filename", None) or tmp
         raise OutputError(
             f"{where}: cannot finish the commit journaled in {tmp} ({getattr(exc, 'strerror', None) or exc}); "
-            "fix the cause and rerun: the next bema run on this folder finishes it"
+            f"fix the cause and rerun (the next bema run on this folder finishes it), or delete {tmp.name} to abandon it"
         ) from None
 
 

@@ -63,10 +63,16 @@ def ray_session(opts: ExecutorOptions, quiet: bool = False) -> Iterator:
         if address:
             ray.init(address=address, **kwargs)
         else:
-            ray.init(object_store_memory=LOCAL_OBJECT_STORE, **kwargs)
+            # "local": a new instance even when `ray start` left one on this machine (`--ray-address auto` joins it)
+            ray.init(address="local", object_store_memory=LOCAL_OBJECT_STORE, **kwargs)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = address or "a local Ray instance"
-        raise BemaError(f"--executor ray: cannot start or reach {where} ({exc})") from None
+        hint = ""
+        if (
+            address and "RAY_AUTH_MODE" not in os.environ
+        ):  # Ray enables auth only for clusters it finds itself
+            hint = "; a cluster with token authentication also needs RAY_AUTH_MODE=token and its ~/.ray/auth_token"
+        raise BemaError(f"--executor ray: cannot start or reach {where} ({exc}){hint}") from None
     try:
         yield ray
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from typing import Annotated
 
 import typer
@@ -121,6 +122,7 @@ def stabilize(
     from bema_cli.io.checkpoints import read_checkpoint_list
     from bema_cli.stabilize import Options, grid
     from bema_cli.stabilize import stabilize as run
+    from bema_cli.stabilize.executors import session
 
     checkpoints = read_checkpoint_list(sys.stdin.read()) if checkpoint_dir == "-" else None
 
@@ -155,7 +157,9 @@ def stabilize(
         lora_output=lora_output,
         lora_rank=lora_rank,
     )
-    doc = run(opts, ExecutorOptions(executor, workers, ray_address))
+    where = ExecutorOptions(executor, workers, ray_address)
+    with session(where) if not dry_run else nullcontext():  # Ray's workers start while the driver plans
+        doc = run(opts, where)
     if json_out:
         output.print_json(doc)
     elif dry_run:

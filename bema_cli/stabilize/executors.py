@@ -8,7 +8,8 @@ worker (`max_retries`). See docs/scale-out.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from bema_cli.cluster import ExecutorOptions, cluster_cpus, ray_session, task_error
 from bema_cli.errors import UsageError
@@ -31,13 +32,46 @@ def run_units(
         advance(unit_bytes(unit))
 
 
+@contextmanager
+def session(executor: ExecutorOptions) -> Iterator[None]:
+    """Hold the Ray cluster for a whole command and start its workers early: a fresh Ray worker
+    spends seconds importing torch, which then overlaps the driver's own imports and planning."""
+    if executor.executor != "ray":
+        yield
+        return
+    with ray_session(executor) as ray:
+        warm = ray.remote(_warm_up).options(num_cpus=0)  # takes no slot from the units that follow
+        for _ in range(executor.workers):
+            warm.remote()
+        yield
+
+
+def _warm_up() -> None:
+    import torch  # noqa: F401
+
+    import bema_cli.stabilize.engine  # noqa: F401  (and torch, safetensors with it)
+
+
 def _ray_unit(plan: Plan, opts: Options, index: int, outputs: Outputs, threads: int) -> int:
     """One Ray task: unit `index` of `plan`, on this worker's share of the cores."""
     import torch
 
     torch.set_num_threads(threads)
-    process_unit(plan, opts, plan.units[index], outputs)
+    process_unit(plan, opts, plan.units[index], outputs, _workspace(plan, opts))
     return index
+
+
+_cached: list[Workspace] = []  # this worker process's buffers (Ray workers live as long as the command)
+
+
+def _workspace(plan: Plan, opts: Options) -> Workspace:
+    """One Workspace per worker process, reused by every unit it runs, as the local executor
+    reuses one (fresh buffers per unit would pay their page faults again)."""
+    ws = Workspace.for_plan(plan, opts)
+    old = _cached[0] if _cached else None
+    if old is None or (old.size, old.acc, old.device) != (ws.size, ws.acc, ws.device):
+        _cached[:] = [ws]
+    return _cached[0]
 
 
 def _resources(ray, plan: Plan, opts: Options, workers: int) -> dict:

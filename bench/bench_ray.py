@@ -75,7 +75,7 @@ def bench_stabilize(work: Path, args, env_cluster: dict, env_local: dict) -> dic
             r = timed(f"stabilize {name} #{rep + 1}", [*base, *flags], env, inputs)
             res[name]["wall"].append(r["wall"])
             res[name]["engine"].append(r["doc"]["seconds"])
-            res["read_bytes"] = r["doc"]["read_bytes"]
+            res["read_bytes"], res["written_bytes"] = r["doc"]["read_bytes"], r["doc"]["written_bytes"]
             if rep == 0:
                 res["bitwise"][name] = digest(out)
             shutil.rmtree(out)
@@ -184,9 +184,9 @@ def rows(res: dict) -> list[tuple[str, str, str, str]]:
                 "PASS" if same else "FAIL",
             )
         )
-        per_unit = eng["local"] / s["units"]
-        out.append(("per-unit throughput, local (read bytes / engine s)",
-                    f"{s['read_bytes'] / eng['local'] / 1e6:.0f} MB/s  ({s['units']} units, {per_unit:.2f} s each)", "report", ""))  # fmt: skip
+        per_unit, moved = eng["local"] / s["units"], s["read_bytes"] + s["written_bytes"]
+        out.append(("per-worker throughput, local ((read + written bytes) / engine s)",
+                    f"{moved / eng['local'] / 1e9:.2f} GB/s  ({s['units']} units, {per_unit:.2f} s each)", "report", ""))  # fmt: skip
     e = res.get("eval")
     if e:
         speedup = min(e["local"]) / min(e["ray2"])

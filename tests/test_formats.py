@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -117,6 +118,32 @@ def test_dcp_reads_any_row_range_and_strips_prefix(tmp_path):
             for a, b in [(0, 7), (2, 5), (6, 7)]:
                 assert torch.equal(reader.read("model.embed.weight", a, b), state["model.embed.weight"][a:b])
             assert torch.equal(reader.read("scale", 0, 1), state["scale"])
+
+
+def test_dcp_sharded_by_two_ranks(tmp_path):
+    """A DCP checkpoint saved by a real 2-rank group (uneven dim-0 shards, one file per rank): any row
+    range, across the rank boundary or inside one shard, reads back exactly."""
+    g = torch.Generator().manual_seed(2)
+    state = {
+        "w": torch.randn(7, 3, generator=g),
+        "b": torch.randn(5, generator=g).bfloat16(),
+        "s": torch.tensor(1.5),
+    }
+    torch.save(state, tmp_path / "state.pt")
+    target = tmp_path / "ckpt" / "pytorch_model_fsdp_0"
+    script = Path(__file__).with_name("dcp_sharded.py")
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "state.pt"), str(target)], capture_output=True
+    )
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert sorted(p.name for p in target.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    index = open_checkpoint(tmp_path / "ckpt", like=set(state))
+    assert len(index.metadata.state_dict_metadata["model.w"].chunks) == 2
+    with index.open() as reader:
+        for a, b in [(0, 7), (2, 6), (3, 4), (4, 7), (0, 1)]:
+            assert torch.equal(reader.read("w", a, b), state["w"][a:b]), (a, b)
+        assert torch.equal(reader.read("b", 1, 5), state["b"][1:5])
+        assert torch.equal(reader.read("s", 0, 1), state["s"])
 
 
 def test_bin_reader_maps_instead_of_loading(tmp_path):

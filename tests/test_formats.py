@@ -146,6 +146,27 @@ def test_dcp_sharded_by_two_ranks(tmp_path):
         assert torch.equal(reader.read("s", 0, 1), state["s"])
 
 
+def test_raw_state_dicts_of_a_tied_model(tiny_model_dir, tmp_path):
+    """model.state_dict() of a tied-embedding model (as torch.save and FSDP write it) holds lm_head.weight,
+    which HF safetensors omit: it is the embedding, dropped, and the outputs load as the base does."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert model.config.tie_word_embeddings and "lm_head.weight" not in load_model(tiny_model_dir)
+    for step, writer in ((1, save_bin), (2, save_dcp)):
+        with torch.no_grad():
+            model.model.embed_tokens.weight.add_(0.01)
+        folder = tmp_path / "run" / f"step_{step}"
+        writer({k: v.clone() for k, v in model.state_dict().items()}, folder)
+        (folder / "config.json").write_bytes((tiny_model_dir / "config.json").read_bytes())
+    doc = stabilize_json(
+        tmp_path / "run", "--base", tiny_model_dir, "--method", "vanilla", "--out", tmp_path / "out"
+    )
+    out = load_model(Path(doc["outputs"][-1]["path"]))
+    assert set(out) == set(load_model(tiny_model_dir))
+    assert torch.equal(out["model.embed_tokens.weight"], model.model.embed_tokens.weight.detach())
+
+
 def test_bin_reader_maps_instead_of_loading(tmp_path):
     state = {"w": torch.randn(64, 64), "ids": torch.arange(5)}
     save_bin(state, tmp_path)

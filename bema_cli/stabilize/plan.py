@@ -7,6 +7,7 @@ checkpoints, theta0, the output layout). `prepare` builds it; engine.py executes
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from bema_cli.recurrence import STATE_TENSORS, PlannedStep, Schedule, run_name, 
 OUT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 ACCUM_DTYPES = ("float32", "float64")
 LORA_OUTPUTS = ("merged", "adapter")
+TIED_HEAD = "lm_head.weight"  # HF name of the output embedding, tied to the input one by tie_word_embeddings
 
 
 @dataclass
@@ -118,6 +120,19 @@ def _out_steps(events: list[PlannedStep], opts: Options) -> list[int]:
                 raise UsageError(f"--steps: step {step} is skipped by the --phi cadence")
         return sorted(set(opts.steps))
     return done[-1:] if opts.final_only else done
+
+
+def _drop_tied_head(index: ModelIndex, base: ModelIndex) -> None:
+    """A tied output head is the input embedding: HF safetensors files omit it, a raw state_dict
+    (.bin, DCP) has it. Drop it from whichever side has it alone when the base config ties them."""
+    config = base.folder / "config.json"
+    try:
+        tied = json.loads(config.read_text()).get("tie_word_embeddings", False) if config.is_file() else False
+    except (OSError, ValueError, AttributeError):
+        tied = False
+    if tied and (TIED_HEAD in index.tensors) != (TIED_HEAD in base.tensors):
+        index.tensors.pop(TIED_HEAD, None)
+        base.tensors.pop(TIED_HEAD, None)
 
 
 def _check_same(index: ModelIndex, base: ModelIndex, what: str, cast_base: bool = False) -> None:
@@ -258,6 +273,7 @@ def prepare(opts: Options) -> Plan:
             raise UsageError("--lora-output/--lora-rank: the checkpoints are not LoRA adapters")
         indexes = {c.step: open_checkpoint(c.path, like=set(base_index.tensors)) for c in reading}
     for index in indexes.values():
+        _drop_tied_head(index, base_index)
         _check_same(index, base_index, "base model", opts.cast_base)
     if not opts.out_dtype:
         _check_one_dtype(indexes)

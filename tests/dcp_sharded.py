@@ -1,5 +1,5 @@
 """Save a state dict as two ranks would under FSDP: a real 2-process gloo group, every tensor a DTensor
-sharded along dim 0, written with torch.distributed.checkpoint.save (one __<rank>_0.distcp per rank).
+sharded along dim 0 (dim 1 for names starting with "col"), written with torch.distributed.checkpoint.save (one __<rank>_0.distcp per rank).
 
 Usage: python dcp_sharded.py STATE.pt OUT_DIR   (STATE.pt: a torch.save'd {name: tensor})
 """
@@ -24,7 +24,11 @@ def _rank(rank: int, state_path: str, out: str, port: int) -> None:
 
     mesh = init_device_mesh("cpu", (2,))
     state = torch.load(state_path, weights_only=True)
-    sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) if v.dim() else v for k, v in state.items()}
+    # FSDP shards along dim 0; names starting with "col" along dim 1 (a tensor-parallel style split)
+    sharded = {
+        k: distribute_tensor(v, mesh, [Shard(int(k.startswith("col")))]) if v.dim() else v
+        for k, v in state.items()
+    }
     dcp.save({"model": sharded}, checkpoint_id=out)
     dist.destroy_process_group()
 

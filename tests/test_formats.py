@@ -118,16 +118,18 @@ def test_dcp_reads_any_row_range_and_strips_prefix(tmp_path):
             for a, b in [(0, 7), (2, 5), (6, 7)]:
                 assert torch.equal(reader.read("model.embed.weight", a, b), state["model.embed.weight"][a:b])
             assert torch.equal(reader.read("scale", 0, 1), state["scale"])
+        assert index._records and all(index._records.values()), "rows read in place, not whole chunks"
 
 
 def test_dcp_sharded_by_two_ranks(tmp_path):
     """A DCP checkpoint saved by a real 2-rank group (uneven dim-0 shards, one file per rank): any row
-    range, across the rank boundary or inside one shard, reads back exactly."""
+    range, across the rank boundary or inside one shard, reads back exactly; so does a dim-1 split."""
     g = torch.Generator().manual_seed(2)
     state = {
         "w": torch.randn(7, 3, generator=g),
         "b": torch.randn(5, generator=g).bfloat16(),
         "s": torch.tensor(1.5),
+        "col": torch.randn(4, 6, generator=g),  # split along dim 1: DCP's own planner reads it
     }
     torch.save(state, tmp_path / "state.pt")
     target = tmp_path / "ckpt" / "pytorch_model_fsdp_0"
@@ -144,6 +146,11 @@ def test_dcp_sharded_by_two_ranks(tmp_path):
             assert torch.equal(reader.read("w", a, b), state["w"][a:b]), (a, b)
         assert torch.equal(reader.read("b", 1, 5), state["b"][1:5])
         assert torch.equal(reader.read("s", 0, 1), state["s"])
+        assert torch.equal(reader.read("col", 1, 3), state["col"][1:3])
+    # dim-0 chunks were read in place (one pread per chunk), the dim-1 split through the planner
+    records = index._records
+    assert all(records[k] is not None for k in records if k[0] in ("model.w", "model.b"))
+    assert {k[0] for k in records} == {"model.w", "model.b"}
 
 
 def test_raw_state_dicts_of_a_tied_model(tiny_model_dir, tmp_path):

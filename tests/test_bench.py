@@ -57,8 +57,8 @@ FORMATS_BENCH = BENCH.with_name("bench_formats.py")
 FORMATS_ROWS = [
     "bin: wall / safetensors wall",
     "dcp: wall / safetensors wall",
-    "bin: peak RSS",
-    "dcp: peak RSS",
+    "bin: peak RSS (working set)",
+    "dcp: peak RSS (working set)",
     "bin: outputs identical to safetensors",
     "dcp: outputs identical to safetensors",
     "LoRA merged: wall / full-weight wall",

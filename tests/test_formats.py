@@ -174,21 +174,31 @@ def test_raw_state_dicts_of_a_tied_model(tiny_model_dir, tmp_path):
     assert torch.equal(out["model.embed_tokens.weight"], model.model.embed_tokens.weight.detach())
 
 
-def test_bin_reader_maps_instead_of_loading(tmp_path):
-    state = {"w": torch.randn(64, 64), "ids": torch.arange(5)}
+def test_bin_reader_reads_rows_not_files(tmp_path):
+    """Contiguous tensors: rows by pread at offsets found once (no mapping held); a non-contiguous one:
+    the file mapped (never read whole) while the reader is open, unmapped when it closes."""
+    g = torch.Generator().manual_seed(3)
+    state = {
+        "w": torch.randn(64, 64, generator=g),
+        "ids": torch.arange(5),
+        "t": torch.randn(6, 4, generator=g).T,
+    }
+    state["h"] = torch.randn(9, 2, generator=g).bfloat16()
+    state["tied"] = state["w"]  # shares w's storage, as a tied head does
     save_bin(state, tmp_path)
     index = open_checkpoint(tmp_path)
-    assert {k: (v.dtype, v.shape) for k, v in index.tensors.items()} == {
-        "w": ("F32", (64, 64)),
-        "ids": ("I64", (5,)),
-    }
+    assert index.tensors["w"].dtype == "F32" and index.tensors["t"].shape == (4, 6)
+    assert set(index.offsets) == {"w", "ids", "h", "tied"}  # every contiguous tensor located
+    f = str(tmp_path / "pytorch_model.bin")
     with index.open() as reader:
-        rows = reader.read("w", 3, 9)
-        assert torch.equal(rows, state["w"][3:9])
-        mapped = Path("/proc/self/maps").read_text()
-        assert str(tmp_path / "pytorch_model.bin") in mapped  # mapped, not read into memory
+        for name, (a, b) in {"w": (3, 9), "ids": (0, 5), "h": (2, 9), "tied": (60, 64)}.items():
+            assert torch.equal(reader.read(name, a, b), state[name][a:b]), name
+        assert f not in Path("/proc/self/maps").read_text()
+        rows = reader.read("t", 1, 3)
+        assert torch.equal(rows, state["t"][1:3])
+        assert f in Path("/proc/self/maps").read_text()  # mapped, not read into memory
         del rows
-    assert str(tmp_path / "pytorch_model.bin") not in Path("/proc/self/maps").read_text()  # unmapped on close
+    assert f not in Path("/proc/self/maps").read_text()  # unmapped on close
 
 
 def _folders(root: Path, names: list[str]) -> Path:

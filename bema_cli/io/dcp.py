@@ -13,14 +13,13 @@ so names carry a `model.` prefix, stripped where that matches the base model's n
 
 from __future__ import annotations
 
-import io
-import os
 import pickle
 from pathlib import Path
 
 from bema_cli.errors import InputError
 from bema_cli.io.safetensors import ModelIndex, TensorInfo
 from bema_cli.io.torchbin import dtype_tag
+from bema_cli.io.torchzip import FileWindow, data_records, read_rows
 
 METADATA = ".metadata"
 ACCELERATE_PREFIX = "model."
@@ -194,8 +193,6 @@ class DcpReader:
 
     def _read_rows(self, key: str, meta, start: int, stop: int, dest) -> bool:
         """Fill dest by preads from dim-0 chunks; False (nothing read) when a chunk is not in that layout."""
-        import torch
-
         full = tuple(meta.size)[1:]
         spans = []
         for chunk in meta.chunks:
@@ -211,8 +208,7 @@ class DcpReader:
             raise InputError(f"{self.index.dcp_dir}: tensor {key!r} is not covered by its saved chunks")
         row = dest[0].numel() * dest.element_size() if dest.shape[0] else 0
         for a, b, lo, (path, offset) in spans:
-            view = dest[a - start : b - start].view(-1).view(torch.uint8).numpy()
-            _pread_exact(path, view, offset + (a - lo) * row)
+            read_rows(path, offset + (a - lo) * row, dest[a - start : b - start])
         return True
 
     def _read_planned(self, key: str, meta, start: int, dest) -> None:
@@ -250,71 +246,22 @@ def _chunk_record(index: DcpIndex, key: str, chunk) -> tuple[Path, int] | None:
 
 
 def _locate(path: Path, info) -> tuple[Path, int] | None:
-    import struct
-    import zipfile
-
     import torch
 
     with open(path, "rb") as f:
-        whole = _Slice(f, info.offset, info.length)
+        chunk = FileWindow(f, info.offset, info.length)
+        records = data_records(chunk)
+        if records is None or len(records) != 1:
+            return None
         try:
-            zf = zipfile.ZipFile(whole)
-            records = [i for i in zf.infolist() if "/data/" in i.filename and not i.filename.endswith("/")]
-            order = [i for i in zf.infolist() if i.filename.endswith("/byteorder")]
-            if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
-                return None
-            if order and zf.read(order[0]).strip() != b"little":
-                return None
-            whole.seek(0)
-            tensor = torch.load(whole, map_location="meta", weights_only=True)  # no tensor bytes read
+            chunk.seek(0)
+            tensor = torch.load(chunk, map_location="meta", weights_only=True)  # no tensor bytes read
         except Exception:
             return None  # not the plain layout: the planned path decides (and names any corruption)
-        record = records[0]
-        f.seek(info.offset + record.header_offset + 26)
-        name_len, extra_len = struct.unpack("<HH", f.read(4))
+    ((data, size),) = records.values()
     if not (isinstance(tensor, torch.Tensor) and tensor.is_contiguous()):
         return None
-    data = info.offset + record.header_offset + 30 + name_len + extra_len
-    if tensor.storage_offset() * tensor.element_size() + tensor.nbytes > record.file_size:
+    start = tensor.storage_offset() * tensor.element_size()
+    if start + tensor.nbytes > size:
         return None
-    return path, data + tensor.storage_offset() * tensor.element_size()
-
-
-class _Slice(io.RawIOBase):
-    """A read-only, seekable window [offset, offset + length) of an open file (one chunk's zip)."""
-
-    def __init__(self, f, offset: int, length: int):
-        self.f, self.offset, self.length, self.pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buffer) -> int:
-        n = max(0, min(len(buffer), self.length - self.pos))
-        self.f.seek(self.offset + self.pos)
-        got = self.f.readinto(memoryview(buffer)[:n])
-        self.pos += got
-        return got
-
-
-def _pread_exact(path: Path, view, offset: int) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise InputError(f"{path}: truncated DCP data file (ends before byte {offset + len(view)})")
-            done += got
-    finally:
-        os.close(fd)
+    return path, info.offset + data + start

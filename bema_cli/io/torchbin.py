@@ -5,7 +5,8 @@ accepts tensors, plain containers and numbers: any other global (a `__reduce__` 
 os.system, a custom class) stops the load before anything of it runs, and we report
 the file. `mmap=True` maps tensor storages instead of reading them, so a work unit
 costs the pages of the rows it reads, as with safetensors; a reader is opened per
-work unit and dropping it unmaps the file.
+work unit and dropping it unmaps the file. Contiguous tensors skip even that: their byte offsets
+are found once at index time and rows are one pread each (io/torchzip.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 
 from bema_cli.errors import InputError
 from bema_cli.io.checkpoints import indexed_files
-from bema_cli.io.safetensors import TAG_OF, ModelIndex, TensorInfo
+from bema_cli.io.safetensors import DTYPES, TAG_OF, ModelIndex, TensorInfo
+from bema_cli.io.torchzip import FileWindow, data_records, read_rows
 
 BIN_NAME = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -70,23 +72,61 @@ def dtype_tag(path: Path, name: str, dtype) -> str:
 
 
 class BinIndex(ModelIndex):
+    offsets: dict[str, int]  # name -> byte offset of its first element, for contiguous tensors
+
     def open(self) -> BinReader:
         return BinReader(self)
 
 
 def index_bin(folder: Path, files: list[Path]) -> BinIndex:
-    """Names, shapes and dtypes of every tensor in the .bin files (pickles parsed, no tensor data read)."""
+    """Names, shapes and dtypes of every tensor in the .bin files (pickles parsed, no tensor data read),
+    and where each contiguous tensor's bytes start in its file."""
     tensors: dict[str, TensorInfo] = {}
+    offsets: dict[str, int] = {}
     for path in files:
-        for name, t in load_state(path).items():
+        state = load_state(path)
+        for name, t in state.items():
             if name in tensors:
                 raise InputError(f"{path}: tensor {name!r} is also in {tensors[name].file.name}")
             tensors[name] = TensorInfo(name, path, dtype_tag(path, name, t.dtype), tuple(t.shape))
-    return BinIndex(folder, tensors)
+        offsets.update(_offsets(path, state))
+    index = BinIndex(folder, tensors)
+    index.offsets = offsets
+    return index
+
+
+def _offsets(path: Path, state: dict) -> dict[str, int]:
+    """Byte offsets in `path` of the tensors' first elements, from the mapped storages' addresses.
+
+    With mmap=True every storage is a slice of one mapping of the file at its record's offset, so
+    address - offset is the same for all: anchored at the lowest record and checked against every
+    storage and the first bytes of every tensor; on any mismatch the tensor is read the slow way.
+    """
+    import torch
+
+    with open(path, "rb") as f:
+        records = data_records(FileWindow(f))
+    storages = {t.untyped_storage().data_ptr() for t in state.values() if t.numel()}
+    starts = sorted(offset for offset, size in (records or {}).values() if size)
+    if not storages or len(starts) != len(storages):
+        return {}
+    base = min(storages) - starts[0]
+    if {p - base for p in storages} != set(starts):
+        return {}
+    offsets = {}
+    with open(path, "rb") as f:
+        for name, t in state.items():
+            if t.numel() and t.is_contiguous():
+                first = t.reshape(-1)[:16]
+                f.seek(t.data_ptr() - base)
+                if f.read(first.nbytes) == bytes(first.view(torch.uint8).numpy()):
+                    offsets[name] = t.data_ptr() - base
+    return offsets
 
 
 class BinReader:
-    """Rows [start, stop) of tensors of one .bin model; each file is loaded (mapped) on first use."""
+    """Rows [start, stop) of tensors of one .bin model: one pread at the known offset of each
+    contiguous tensor; others from the file mapped on first use (dropped when the reader closes)."""
 
     def __init__(self, index: BinIndex):
         self.index = index
@@ -99,7 +139,16 @@ class BinReader:
         self._states.clear()  # the last references to the mapped storages: unmaps the files
 
     def read(self, name: str, start: int, stop: int):
+        import torch
+
         info = self.index.tensors[name]
+        offset = self.index.offsets.get(name)
+        if offset is not None:
+            rows = info.shape[0] if info.shape else 1
+            start, stop = (start, stop) if info.shape else (0, 1)
+            dest = torch.empty((stop - start, *info.shape[1:]), dtype=getattr(torch, DTYPES[info.dtype][0]))
+            read_rows(info.file, offset + start * (info.nbytes // rows), dest)
+            return dest if info.shape else dest.reshape(())
         state = self._states.get(info.file)
         if state is None:
             state = self._states[info.file] = load_state(info.file)

@@ -1,0 +1,91 @@
+"""Rows straight out of torch.save files, without unpickling per read.
+
+torch.save writes a zip whose tensor records (`<archive>/data/<key>`) are stored uncompressed
+(little-endian on every platform bema runs on), so the rows [a, b) of a contiguous tensor are
+one pread at a known byte offset. `.bin` files and every chunk of a DCP checkpoint are such
+zips. Offsets are found once (zip directory + the local file header), then each read costs
+only its own bytes and never holds a mapping open.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import zipfile
+from pathlib import Path
+
+from bema_cli.errors import InputError
+
+LOCAL_HEADER = 30  # bytes of a zip local file header before its name and extra field
+
+
+class FileWindow(io.RawIOBase):
+    """A read-only, seekable window [offset, offset + length) of an open file (e.g. one DCP chunk)."""
+
+    def __init__(self, f, offset: int = 0, length: int | None = None):
+        self.f, self.offset, self.pos = f, offset, 0
+        self.length = os.fstat(f.fileno()).st_size - offset if length is None else length
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        self.f.seek(self.offset + self.pos)
+        got = self.f.readinto(memoryview(buffer)[:n])
+        self.pos += got
+        return got
+
+
+def data_records(window: FileWindow) -> dict[str, tuple[int, int]] | None:
+    """{record name: (byte offset of its data within the window, size)} of a torch.save zip's tensor
+    records; None when the zip is not plain (compressed records, big-endian byte order)."""
+    try:
+        zf = zipfile.ZipFile(window)
+        infos = zf.infolist()
+        order = [i for i in infos if i.filename.endswith("/byteorder")]
+        if order and zf.read(order[0]).strip() != b"little":
+            return None
+        records = {}
+        for info in infos:
+            if "/data/" not in info.filename or info.filename.endswith("/"):
+                continue
+            if info.compress_type != zipfile.ZIP_STORED:
+                return None
+            window.seek(info.header_offset + 26)
+            name_len, extra_len = struct.unpack("<HH", window.read(4))
+            records[info.filename] = (
+                info.header_offset + LOCAL_HEADER + name_len + extra_len,
+                info.file_size,
+            )
+        return records
+    except (zipfile.BadZipFile, struct.error, OSError, ValueError):
+        return None
+
+
+def read_rows(path: Path, offset: int, dest) -> None:
+    """Fill the contiguous tensor `dest` with its bytes at `offset` of `path` (one pread loop)."""
+    import torch
+
+    view = dest.reshape(-1).view(torch.uint8).numpy()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise InputError(f"{path}: truncated file (ends before byte {offset + len(view)})")
+            done += got
+    finally:
+        os.close(fd)

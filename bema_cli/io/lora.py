@@ -219,6 +219,17 @@ class LoraIndex(ModelIndex):
     def open(self) -> LoraReader:
         return LoraReader(self)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes this checkpoint adds to a run's reads: its adapter file (theta0: the base tensors read)."""
+        if self.adapter is not None:
+            return self.adapter.index.nbytes
+        return sum(
+            self.base.tensors[n].nbytes
+            for n in self.tensors
+            if self.mode == "merged" or n in self.layout.full
+        )
+
     def read_itemsize(self, info: TensorInfo) -> int:
         module = self.layout.modules.get(info.name)
         if module is None:

@@ -1,0 +1,91 @@
+"""`bema stabilize --follow`: process each new checkpoint of a training run as soon as it is complete.
+
+Each round is one incremental `bema stabilize` call (the persistent state makes it read only
+the new checkpoints) over the checkpoints that are complete (io/watch.py), then a sleep of
+`poll` seconds. The outputs of a round are reported through `emit` right after their commit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from bema_cli import output
+from bema_cli.errors import InputError, UsageError
+from bema_cli.io.watch import Watcher
+from bema_cli.stabilize import state
+from bema_cli.stabilize.plan import Options
+
+
+def _consumed(out: Path) -> list[int]:
+    doc = state.read(out)
+    return sorted(int(s["step"]) for s in doc["steps"]) if doc else []
+
+
+def _check_vanished(watcher: Watcher, present: dict, consumed: list[int], opts: Options) -> None:
+    """A checkpoint seen earlier, never read and now gone is an error unless every run skips it (--phi)."""
+    last = consumed[-1] if consumed else None
+    gone = sorted(
+        s for s in watcher.seen if s not in present and s not in consumed and (last is None or s > last)
+    )
+    if not gone:
+        return
+    steps = sorted(set(consumed) | set(present) | set(gone))
+    for step in gone:
+        needed = any(
+            next(e for e in s.plan(steps) if e.step == step).action != "skip" for s in opts.schedules
+        )
+        if needed:
+            raise InputError(
+                f"{watcher.seen[step]}: disappeared before it could be read (rotated away by the trainer?); "
+                "the average cannot skip a step: use a shorter --poll or a larger save_total_limit, then --restart"
+            )
+        del watcher.seen[step]  # skipped by every run's cadence: it never mattered
+
+
+def follow(
+    opts: Options,
+    run_once: Callable[[Options], dict],
+    emit: Callable[[dict], None],
+    *,
+    poll: float = 2.0,
+    until_step: int | None = None,
+    idle_timeout: float | None = None,
+) -> dict:
+    """Watch opts.checkpoint_dir until `until_step` is processed or `idle_timeout` seconds pass without
+    a new checkpoint; `run_once` is the batch `stabilize`. Returns totals over all rounds."""
+    if poll <= 0:
+        raise UsageError(f"--poll: must be a positive number of seconds, got {poll}")
+    if idle_timeout is not None and idle_timeout < 0:
+        raise UsageError(f"--idle-timeout: must be >= 0 seconds, got {idle_timeout}")
+    out = Path(opts.out).expanduser().resolve()
+    watcher = Watcher(Path(opts.checkpoint_dir).expanduser())
+    totals = {"outputs": 0, "read_bytes": 0, "written_bytes": 0, "state_bytes": 0, "rounds": 0}
+    idle_since = time.monotonic()
+    first = True
+    output.log(f"following {watcher.run_dir} (poll every {poll:g} s)")
+    while True:
+        consumed = _consumed(out)
+        if until_step is not None and consumed and consumed[-1] >= until_step:
+            output.log(f"step {consumed[-1]} processed (--until-step {until_step}): done")
+            return totals
+        ready = watcher.complete()
+        _check_vanished(watcher, watcher.scan(), consumed, opts)
+        new = [s for s in ready if not consumed or s > consumed[-1]]
+        if new:
+            doc = run_once(replace(opts, ready_steps=sorted(ready), restart=opts.restart and first))
+            first = False
+            for o in doc["outputs"]:
+                emit(o)
+            totals["rounds"] += 1
+            totals["outputs"] += len(doc["outputs"])
+            for key in ("read_bytes", "written_bytes", "state_bytes"):
+                totals[key] += doc.get(key, 0)
+            idle_since = time.monotonic()
+            continue  # more may have completed meanwhile
+        if idle_timeout is not None and time.monotonic() - idle_since >= idle_timeout:
+            output.log(f"no new checkpoint for {idle_timeout:g} s (--idle-timeout): done")
+            return totals
+        time.sleep(poll)  # a signal (Ctrl-C, SIGTERM) interrupts it: bema's handlers end the run

@@ -1,0 +1,437 @@
+"""The persistent state of `bema stabilize`: what the recurrences need to go on, under OUT/.bema-state/.
+
+A re-run of the same command after new checkpoints appeared reads only the new checkpoints
+and continues each recurrence from where the last call left it, so its outputs are bitwise
+identical to a one-shot run over the whole trajectory (the state is kept exactly, in the
+accumulation dtype). Layout (docs/design.md, "Persistent state"):
+
+    OUT/.bema-state/state.json         format, theta0's source and fingerprint, every consumed
+                                       checkpoint's fingerprint, each run's schedule, last step
+                                       and outputs
+    OUT/.bema-state/<family>-<hash>/   one folder per distinct recurrence state (recurrence.state_key
+                                       at one step): model.safetensors with tensors "<state>/<name>"
+                                       (e.g. "ema/model.embed_tokens.weight") in the accumulation dtype
+    OUT/.bema-state/theta0-<hash>/     theta0 after a burn-in (--tau) replaced the base
+
+State folders are named by what they hold (state key, consumed steps), written under the
+call's temp folder one work unit at a time, and committed together with the outputs and
+state.json by the output commit protocol (io/commit.py): a crash at any moment leaves the old
+state or the new one, never a mix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import struct
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bema_cli import __version__, output
+from bema_cli.errors import InputError, UsageError
+from bema_cli.io.checkpoints import Checkpoint, model_weight_files, read_json
+from bema_cli.io.safetensors import FLOATING, TAG_OF, ChunkReader, ModelIndex, TensorInfo, index_model
+from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
+from bema_cli.recurrence import STATE_TENSORS, Schedule, Stabilizer, run_name, state_key
+
+if TYPE_CHECKING:
+    from bema_cli.stabilize.plan import Options, Piece, Plan, Run
+
+STATE_DIR = ".bema-state"
+STATE_FILE = "state.json"
+FORMAT = 1
+HEAD_BYTES = 1 << 20  # fingerprint of a non-safetensors weight file: its first MiB
+# What must not change between calls of one run: the schedule and the dtypes (flag names for errors).
+CHECKED = ("preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min", "accum_dtype", "out_dtype")
+
+
+# -- fingerprints ------------------------------------------------------------------------------
+def head_hash(path: Path) -> str:
+    """sha256 of a weight file's header (safetensors: length prefix + JSON header; else its first MiB)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if path.suffix == ".safetensors" and len(head) == 8:
+            (n,) = struct.unpack("<Q", head)
+            head += f.read(min(n, 100 * 1024 * 1024))
+        else:
+            head += f.read(HEAD_BYTES - 8)
+    return hashlib.sha256(head).hexdigest()
+
+
+def fingerprint(files: list[Path]) -> list[dict]:
+    """[{name, size, header_sha256}] of a model's weight files: cheap, and changes with any rewrite."""
+    try:
+        return [{"name": p.name, "size": p.stat().st_size, "header_sha256": head_hash(p)} for p in files]
+    except OSError as exc:
+        raise InputError(f"{exc.filename}: cannot read ({exc.strerror or exc})") from None
+
+
+def _changed(old: list[dict], new: list[dict]) -> str | None:
+    """How a fingerprint differs, in words, or None."""
+    old_by, new_by = {f["name"]: f for f in old}, {f["name"]: f for f in new}
+    if set(old_by) != set(new_by):
+        return f"weight files were {sorted(old_by)}, now {sorted(new_by)}"
+    for name, f in new_by.items():
+        if f["size"] != old_by[name]["size"]:
+            return f"{name} was {old_by[name]['size']} bytes, now {f['size']}"
+        if f["header_sha256"] != old_by[name]["header_sha256"]:
+            return f"{name} has a different header"
+    return None
+
+
+# -- reading the state and checking a call against it -----------------------------------------
+def read(out: Path) -> dict | None:
+    """OUT/.bema-state/state.json, or None when OUT has no state; InputError naming it when malformed."""
+    path = out / STATE_DIR / STATE_FILE
+    if not path.exists():
+        return None
+    doc = read_json(path)
+    ok = (
+        isinstance(doc, dict)
+        and doc.get("format") == FORMAT
+        and isinstance(doc.get("runs"), list)
+        and isinstance(doc.get("steps"), list)
+        and isinstance(doc.get("theta0"), dict)
+    )
+    if not ok:
+        raise InputError(
+            f"{path}: not a bema state (format {FORMAT}); remove {path.parent} or pass --restart"
+        )
+    return doc
+
+
+def _settings(schedule: Schedule, opts: Options) -> dict:
+    values = {n: getattr(schedule, n) for n in CHECKED[:-2]}
+    values.update(accum_dtype=opts.accum_dtype, out_dtype=opts.out_dtype or "input")
+    return output._jsonable(values)
+
+
+def check_run(name: str, stored: dict, schedule: Schedule, opts: Options, where: Path) -> None:
+    """Refuse (one line, naming the difference) to continue a run whose schedule or dtype changed."""
+    now = _settings(schedule, opts)
+    for key in CHECKED:
+        if stored.get(key) != now[key]:
+            raise UsageError(
+                f"{name}: --{key.replace('_', '-')} is {now[key]} but {where} was computed with "
+                f"{stored.get(key)}; pass --restart to recompute this run from scratch (or choose another --out)"
+            )
+
+
+@dataclass
+class Resume:
+    """What the persistent state says about one call (empty when OUT has none)."""
+
+    stored: dict | None
+    steps: list[int]  # the whole trajectory: consumed steps, then the new present ones
+    starts: dict[str, int | None]  # run name -> last step already processed; None: from theta0
+    theta0_state: str | None  # folder in .bema-state holding theta0 after a burn-in, if any
+
+    def start(self, name: str) -> int | None:
+        return self.starts.get(name)
+
+
+def resume(opts: Options, out: Path, checkpoints: list[Checkpoint], base_source: str, base_files) -> Resume:
+    """Check this call against OUT's state and say where each run of the grid starts.
+
+    Errors (one line each): a consumed checkpoint changed on disk, a new checkpoint older than
+    the last processed step, theta0 or a run's schedule changed (unless --restart).
+    """
+    stored = None if getattr(opts, "restart", False) else read(out)
+    present = [c.step for c in checkpoints]
+    if stored is None:
+        return Resume(None, present, {}, None)
+    where = out / STATE_DIR
+    theta0 = stored["theta0"]
+    if theta0.get("source") != base_source:
+        raise UsageError(
+            f"--base: theta0 is {base_source} but {where} was computed from {theta0.get('source')}; "
+            "pass --restart to recompute from scratch (or choose another --out)"
+        )
+    diff = _changed(theta0.get("files", []), fingerprint(base_files))
+    if diff:
+        raise InputError(
+            f"{base_source}: theta0 changed on disk since {where} was written ({diff}); pass --restart"
+        )
+    consumed = {int(s["step"]): s for s in stored["steps"]}
+    last = max(consumed, default=None)
+    for c in checkpoints:
+        if c.step in consumed:
+            diff = _changed(consumed[c.step]["files"], fingerprint(model_weight_files(c.path)))
+            if diff:
+                raise InputError(
+                    f"{c.path}: changed on disk since it was processed ({diff}); pass --restart to recompute"
+                )
+        elif last is not None and c.step < last:
+            raise InputError(
+                f"{c.path}: a new checkpoint older than the last processed step {last}; pass --restart to recompute"
+            )
+    runs = {r["run"]: r for r in stored["runs"]}
+    starts: dict[str, int | None] = {}
+    for s in opts.schedules:
+        name = run_name(s)
+        if name in runs:
+            check_run(name, runs[name], s, opts, where)
+            starts[name] = int(runs[name]["last_step"])
+    steps = sorted(set(consumed) | set(present))
+    burnin = theta0.get("burnin") or {}
+    return Resume(stored, steps, starts, burnin.get("folder"))
+
+
+# -- tracks: the recurrence states one call walks -----------------------------------------------
+@dataclass
+class Track:
+    """One recurrence state walked by this call, shared by the runs with the same state_key and start."""
+
+    method: str  # the Stabilizer's method (that of the track's first run)
+    runs: list[Run]
+    start: int | None  # last step already in the state; None: the state starts at theta0
+    last: int  # the last step this call advances it to (== start: nothing new)
+    source: ModelIndex | None  # the state folder to resume from (read one unit at a time)
+    folder: str | None  # the state folder after this call (new when it advances)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return STATE_TENSORS[self.method]
+
+    @property
+    def advancing(self) -> bool:
+        return self.last != self.start
+
+    def advances(self, step: int) -> bool:
+        return (self.start is None or step > self.start) and step <= self.last
+
+
+def _digest(*parts) -> str:
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:12]
+
+
+def tracks(plan: Plan, resume: Resume, out: Path) -> list[Track]:
+    """Group the runs into tracks; name each new state folder by its key and consumed steps."""
+    groups: dict[tuple, list[Run]] = {}
+    for run in plan.runs:
+        groups.setdefault((state_key(run.schedule), run.start), []).append(run)
+    stored = {r["run"]: r for r in (resume.stored or {}).get("runs", [])}
+    result = []
+    for (key, start), runs in groups.items():
+        last = max(r.last_needed for r in runs)
+        method = runs[0].schedule.method
+        old = stored[runs[0].name].get("state") if start is not None else None
+        folder, source = old, None
+        if STATE_TENSORS[method] and last != start:
+            consumed = [s for s in resume.steps if s <= last]
+            folder = f"{key[0]}-{_digest(key, consumed, plan.base_source)}"
+            source = index_state(out / STATE_DIR / old) if old else None
+            if start is not None and source is None:
+                raise InputError(f"{out / STATE_DIR}: no state for run {runs[0].name}; pass --restart")
+        result.append(Track(method, runs, start, last, source, folder))
+    return result
+
+
+def state_layout(plan: Plan, names: tuple[str, ...], accum_dtype: str, max_shard_size: int):
+    """The shards of a state folder: tensors "<state>/<tensor>" in the accumulation dtype."""
+    tag = TAG_OF[accum_dtype]
+    tensors = [
+        TensorInfo(f"{n}/{t.name}", Path(), tag, t.shape)
+        for n in names
+        for t in plan.base_index.tensors.values()
+        if t.dtype in FLOATING and t.numel
+    ]
+    return plan_shards(sorted(tensors, key=lambda t: t.name), max_shard_size)
+
+
+def index_state(folder: Path) -> ModelIndex:
+    if not folder.is_dir():
+        raise InputError(f"{folder}: the state folder is missing; pass --restart to recompute from scratch")
+    return index_model(folder, model_weight_files(folder))
+
+
+def open_writers(plan: Plan, opts: Options, tmp: Path) -> dict[str, ShardedWriter]:
+    """Pre-create the state folders this call writes (tmp/.bema-state/<folder>), like the outputs."""
+    writers = {}
+    for t in plan.tracks:
+        if t.advancing and t.folder:
+            writers[t.folder] = _writer(tmp / STATE_DIR / t.folder, plan, t.names, opts)
+    if plan.theta0_folder:
+        writers[plan.theta0_folder] = _writer(tmp / STATE_DIR / plan.theta0_folder, plan, ("theta0",), opts)
+    return writers
+
+
+def _writer(folder: Path, plan: Plan, names, opts: Options) -> ShardedWriter:
+    shards = state_layout(plan, names, opts.accum_dtype, opts.max_shard_size)
+    return ShardedWriter(folder, shards, {"bema_version": __version__, "bema_state": folder.name}).open()
+
+
+def read_unit(index: ModelIndex, unit: list[Piece], names: tuple[str, ...], tensors: list) -> None:
+    """Copy this unit's rows of each state tensor from a state folder into `tensors` (flat, unit-sized)."""
+    with ChunkReader(index) as reader:
+        for p in unit:
+            if p.hi > p.lo:
+                for n, t in zip(names, tensors, strict=True):
+                    t[p.lo : p.hi].copy_(reader.read(f"{n}/{p.info.name}", p.start, p.stop).reshape(-1))
+
+
+def write_unit(writer: ShardedWriter, unit: list[Piece], names: tuple[str, ...], tensors: list) -> None:
+    """Write this unit's rows of each state tensor at their offsets in a state folder's files."""
+    for p in unit:
+        if p.hi > p.lo:
+            for n, t in zip(names, tensors, strict=True):
+                data = t[p.lo : p.hi]
+                row = data.numel() // (p.stop - p.start) * data.element_size()
+                writer.write(f"{n}/{p.info.name}", p.start * row, tensor_bytes(data))
+
+
+def start_unit(plan: Plan, unit: list[Piece], theta0) -> list[Stabilizer]:
+    """One Stabilizer per track for this unit: from theta0, or continued from its state folder."""
+    stabs = []
+    for t in plan.tracks:
+        stab = Stabilizer(t.method, theta0)
+        if t.source is not None and t.advancing:
+            read_unit(t.source, unit, t.names, [getattr(stab, n) for n in t.names])
+        stabs.append(stab)
+    return stabs
+
+
+def end_unit(plan: Plan, unit: list[Piece], stabs: list[Stabilizer], theta0, writers: dict) -> None:
+    """Save this unit's rows of every advanced state (and theta0 after a burn-in) into the new state."""
+    for t, stab in zip(plan.tracks, stabs, strict=True):
+        if t.advancing and t.folder:
+            write_unit(writers[t.folder], unit, t.names, [getattr(stab, n) for n in t.names])
+    if plan.theta0_folder:
+        write_unit(writers[plan.theta0_folder], unit, ("theta0",), [theta0])
+
+
+def attach(plan: Plan, resume: Resume, out: Path) -> None:
+    """Decide the state side of a plan: its tracks, where theta0 is read, whether theta0 is saved.
+
+    A continued ema/dema/vanilla state never looks at theta0 again; bema's drift, ouema's
+    targets and a state started from scratch do. After a burn-in (steps <= tau) theta0 is that
+    checkpoint's weights, kept in the state since the checkpoint may be gone by the next call.
+    """
+    plan.resume = resume
+    plan.tracks = tracks(plan, resume, out)
+    tau = plan.runs[0].schedule.tau  # one tau per grid (plan.prepare)
+    burnin = [s for s in plan.read_steps if s <= tau]
+    plan.theta0_folder = f"theta0-{_digest(plan.base_source, burnin[-1])}" if burnin else None
+    fresh = any(t.start is None for t in plan.tracks)
+    if not fresh and not any(r.schedule.method in ("bema", "ouema") and r.out_steps for r in plan.runs):
+        plan.theta0_index = None
+    elif fresh or not resume.theta0_state:
+        plan.theta0_index = plan.base_index
+    else:
+        plan.theta0_index = index_state(out / STATE_DIR / resume.theta0_state)
+
+
+def read_theta0(plan: Plan, unit: list[Piece], theta0, load) -> None:
+    """theta0's rows of this unit into `theta0`: from the base (`load`), the state's burn-in copy, or not at all."""
+    if plan.theta0_index is plan.base_index:
+        with ChunkReader(plan.base_index) as reader:
+            load(reader, unit, theta0)
+    elif plan.theta0_index is not None:
+        read_unit(plan.theta0_index, unit, ("theta0",), [theta0])
+
+
+def traffic(plan: Plan) -> int:
+    """Bytes of state this call reads (continued states, theta0 copy) and writes (new states)."""
+    read = sum(t.source.nbytes for t in plan.tracks if t.source is not None and t.advancing)
+    if plan.theta0_index is not None and plan.theta0_index is not plan.base_index:
+        read += plan.theta0_index.nbytes
+    return read
+
+
+# -- committing: the new state.json and what the commit installs ------------------------------
+def stage(plan: Plan, opts: Options, tmp: Path) -> tuple[list[str], list[str], dict[str, list[int]]]:
+    """Write tmp/.bema-state/state.json for after this call.
+
+    Returns (entries to commit, paths to delete after the commit, run -> its output steps after it).
+
+    Entries: every new output (a whole run folder for a run started from theta0, else its new
+    checkpoint folders), every new state folder, state.json. With --keep-last K the outputs
+    beyond a run's K newest are left out of the commit (new) or deleted after it (old).
+    """
+    stored = plan.resume.stored or {}
+    old_runs = {r["run"]: r for r in stored.get("runs", [])}
+    entries, delete = [], []
+    kept: dict[str, list[int]] = {}
+    for run in plan.runs:
+        before = old_runs[run.name]["outputs"] if run.start is not None else []
+        steps = sorted(set(before) | set(run.out_steps))
+        keep = steps[-opts.keep_last :] if opts.keep_last else steps
+        kept[run.name] = keep
+        for st in run.out_steps:
+            if st not in keep:
+                shutil.rmtree(tmp / run.name / f"checkpoint-{st}")
+        delete += [f"{run.name}/checkpoint-{st}" for st in before if st not in keep]
+        if run.start is None:
+            entries.append(run.name)
+        else:
+            entries += [f"{run.name}/checkpoint-{st}" for st in run.out_steps if st in keep]
+    doc = _new_state(plan, opts, kept)
+    doc["delete"] = delete
+    (tmp / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    (tmp / STATE_DIR / STATE_FILE).write_text(output.to_json(doc) + "\n")
+    news = [t.folder for t in plan.tracks if t.advancing and t.folder] + [plan.theta0_folder]
+    entries += [f"{STATE_DIR}/{f}" for f in news if f] + [f"{STATE_DIR}/{STATE_FILE}"]
+    return entries, delete, kept
+
+
+def _new_state(plan: Plan, opts: Options, outputs: dict[str, list[int]]) -> dict:
+    """state.json after this call: earlier runs kept, this call's runs at their new last step."""
+    stored = plan.resume.stored or {}
+    consumed = {int(s["step"]): s for s in stored.get("steps", [])}
+    last = max((t.last for t in plan.tracks), default=None)
+    for c in plan.checkpoints:
+        if c.step not in consumed and last is not None and c.step <= last:
+            files = model_weight_files(c.path)
+            consumed[c.step] = {"step": c.step, "path": str(c.path), "files": fingerprint(files)}
+    runs = {r["run"]: r for r in stored.get("runs", [])}
+    for t in plan.tracks:
+        for run in t.runs:
+            runs[run.name] = {
+                "run": run.name,
+                **_settings(run.schedule, opts),
+                "last_step": t.last,
+                "state": t.folder,
+                "outputs": outputs[run.name],
+            }
+    burnin = (stored.get("theta0") or {}).get("burnin")
+    if plan.theta0_folder:
+        tau = plan.runs[0].schedule.tau
+        burnin = {"step": max(s for s in plan.read_steps if s <= tau), "folder": plan.theta0_folder}
+    return {
+        "format": FORMAT,
+        "bema_version": __version__,
+        "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "checkpoint_dir": str(Path(opts.checkpoint_dir).expanduser().resolve()),
+        "theta0": {
+            "source": plan.base_source,
+            "files": fingerprint(sorted({t.file for t in plan.base_index.tensors.values()})),
+            "burnin": burnin,
+        },
+        "steps": [consumed[s] for s in sorted(consumed)],
+        "runs": list(runs.values()),
+    }
+
+
+def tidy(out: Path) -> None:
+    """Under OUT's lock: delete what a committed state.json lists as deleted and state folders no run needs.
+
+    Both are left over only when a process died right after its commit; deleting them twice is harmless.
+    """
+    doc = read(out)
+    if doc is None:
+        return
+    for rel in doc.get("delete", []):
+        path = out / rel
+        if path.is_dir() and not path.is_symlink() and path.parent.parent == out:
+            shutil.rmtree(path, ignore_errors=True)
+    keep = {r.get("state") for r in doc["runs"]} | {(doc["theta0"].get("burnin") or {}).get("folder")}
+    for p in (out / STATE_DIR).iterdir():
+        if p.is_dir() and not p.is_symlink() and p.name not in keep:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def written(tmp: Path) -> int:
+    """Bytes of the state folders staged under a call's temp folder."""
+    return sum(p.stat().st_size for p in (tmp / STATE_DIR).glob("*/*.safetensors"))

@@ -66,9 +66,9 @@ def to_json(obj: Any, indent: int | None = 2) -> str:
     return json.dumps(_jsonable(obj), indent=indent, allow_nan=False, default=str)
 
 
-def print_json(obj: Any) -> None:
-    """The single machine-readable document of a `--json` run, on stdout."""
-    sys.stdout.write(to_json(obj) + "\n")
+def print_json(obj: Any, indent: int | None = 2) -> None:
+    """The single machine-readable document of a `--json` run (indent=None: one line), on stdout."""
+    sys.stdout.write(to_json(obj, indent) + "\n")
     sys.stdout.flush()
 
 

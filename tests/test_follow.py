@@ -25,11 +25,23 @@ from bema_cli.io.watch import Watcher, declared_size, wait_for
 
 
 def follow_cmd(run: Path, base: Path, out: Path, *args) -> list[str]:
-    return [str(BEMA), "stabilize", str(run), "--base", str(base), "--out", str(out), "--follow", *map(str, args)]
+    return [
+        str(BEMA),
+        "stabilize",
+        str(run),
+        "--base",
+        str(base),
+        "--out",
+        str(out),
+        "--follow",
+        *map(str, args),
+    ]
 
 
 def weight_files(out: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.glob("[!.]*/checkpoint-*/*.safetensors"))}
+    return {
+        str(p.relative_to(out)): p.read_bytes() for p in sorted(out.glob("[!.]*/checkpoint-*/*.safetensors"))
+    }
 
 
 class Lines:
@@ -70,7 +82,9 @@ def test_a_checkpoint_is_complete_by_trainer_state_or_stable_declared_sizes(tmp_
     # an index naming a shard not written yet is not complete; trainer_state.json is complete at once
     other = run / "checkpoint-20"
     other.mkdir()
-    (other / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model-1.safetensors"}}))
+    (other / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "model-1.safetensors"}})
+    )
     assert 20 not in watcher.complete() and 20 not in watcher.complete()
     (other / "trainer_state.json").write_text(json.dumps({"global_step": 20}))
     assert watcher.complete()[20] == other
@@ -80,7 +94,9 @@ def test_a_checkpoint_is_complete_by_trainer_state_or_stable_declared_sizes(tmp_
 def test_wait_sleeps_between_polls():
     """The wait loop sleeps `interval` between polls and gives up at the timeout (no busy loop)."""
     calls, sleeps = [], []
-    assert not wait_for(lambda: calls.append(1) and False, 0.5, 1.2, sleep=lambda s: (sleeps.append(s), time.sleep(s)))
+    assert not wait_for(
+        lambda: calls.append(1) and False, 0.5, 1.2, sleep=lambda s: (sleeps.append(s), time.sleep(s))
+    )
     assert len(calls) == len(sleeps) + 1 <= 4 and all(0 < s <= 0.5 for s in sleeps)
     t0 = time.process_time()
     assert not wait_for(lambda: False, 0.2, 1.0)
@@ -96,7 +112,9 @@ def test_follow_beside_a_real_trainer_with_rotation(tiny_model_dir, tmp_path):
 
     run, copies, out = tmp_path / "run", tmp_path / "copies", tmp_path / "out"
     proc = subprocess.Popen(
-        follow_cmd(run, tiny_model_dir, out, "--method", "bema,ema", "--poll", "0.2", "--until-step", "12", "--json"),
+        follow_cmd(
+            run, tiny_model_dir, out, "--method", "bema,ema", "--poll", "0.2", "--until-step", "12", "--json"
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -111,11 +129,18 @@ def test_follow_beside_a_real_trainer_with_rotation(tiny_model_dir, tmp_path):
         proc.kill()
     assert rc == 0, proc.stderr.read()
     assert saved == [2, 4, 6, 8, 10, 12]
-    assert sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-10", "checkpoint-12"]
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-10",
+        "checkpoint-12",
+    ]
     docs = [json.loads(line) for _, line in lines.items]
-    assert sorted((d["run"], d["step"]) for d in docs) == sorted((r, s) for r in ("bema-k0.5-e0.2", "ema-k0.5") for s in saved)
+    assert sorted((d["run"], d["step"]) for d in docs) == sorted(
+        (r, s) for r in ("bema-k0.5-e0.2", "ema-k0.5") for s in saved
+    )
     assert lines.items[0][0] < training_done - 3  # streamed while training, not at the end
-    r = run_bema("stabilize", copies, "--base", tiny_model_dir, "--out", tmp_path / "one", "--method", "bema,ema")
+    r = run_bema(
+        "stabilize", copies, "--base", tiny_model_dir, "--out", tmp_path / "one", "--method", "bema,ema"
+    )
     assert r.returncode == 0, r.stderr
     assert weight_files(out) == weight_files(tmp_path / "one")
     for d in docs:
@@ -128,11 +153,21 @@ def test_follow_idle_timeout_sigterm_and_resume(tmp_path):
     run.mkdir()
     shutil.copytree(full / "checkpoint-10", run / "checkpoint-10")
     # --idle-timeout: exits 0 after processing what is there
-    r = subprocess.run(follow_cmd(run, base, out, "--json", "--poll", "0.2", "--idle-timeout", "1"), capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        follow_cmd(run, base, out, "--json", "--poll", "0.2", "--idle-timeout", "1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert [json.loads(x)["step"] for x in r.stdout.splitlines()] == [10]
     # SIGTERM while waiting: a clean exit, a consistent state; a later run resumes
-    proc = subprocess.Popen(follow_cmd(run, base, out, "--json", "--poll", "0.2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        follow_cmd(run, base, out, "--json", "--poll", "0.2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines = Lines(proc)
     shutil.copytree(full / "checkpoint-20", run / "checkpoint-20")
     lines.wait(1, timeout=60)

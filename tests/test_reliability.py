@@ -30,6 +30,9 @@ from trajectory import write_trajectory
 from bema_cli.errors import OutputError
 from bema_cli.io import commit
 from bema_cli.io.commit import OutputTransaction
+from bema_cli.stabilize.state import (
+    STATE_DIR,  # the persistent state folder (stabilize/state.py) lives in OUT too
+)
 
 STEPS = [10, 20, 30]
 RUN = "bema-k0.5-e0.2"
@@ -176,7 +179,7 @@ def test_interrupt_inside_commit_finishes_it(tmp_path, monkeypatch):
         _stage(txn)
         txn.commit(ENTRIES, manifest=FINAL, interim_manifest=INTERIM)
     _check_whole(out, finished=True)
-    assert not list(out.glob(".bema-*"))
+    assert not list(p for p in out.glob(".bema-*") if p.name != STATE_DIR)
 
 
 def test_second_writer_refused_naming_pid(tmp_path):
@@ -272,7 +275,7 @@ def test_overwrite_replaces_only_bema_outputs(traj, tmp_path):
     r = run_bema("stabilize", run, "--base", base, "--out", out, "--overwrite")
     assert r.returncode == 4 and "symbolic link" in r.stderr and str(out / RUN) in r.stderr, r.stderr
     assert (elsewhere / "notes.txt").read_text() == "mine"
-    assert not list(out.glob(".bema-*"))
+    assert not list(p for p in out.glob(".bema-*") if p.name != STATE_DIR)
 
 
 def test_stale_temp_folders_of_dead_writers_are_removed(traj, tmp_path):
@@ -284,7 +287,7 @@ def test_stale_temp_folders_of_dead_writers_are_removed(traj, tmp_path):
     r = run_bema("stabilize", run, "--base", base, "--out", out)
     assert r.returncode == 0, r.stderr
     assert "cleaned up after 1 interrupted bema run" in r.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["bema-k0.5-e0.2", "manifest.json"]
+    assert sorted(p.name for p in out.iterdir() if p.name != STATE_DIR) == ["bema-k0.5-e0.2", "manifest.json"]
 
 
 def _start(*args, env=None):
@@ -316,7 +319,7 @@ def test_second_writer_is_refused_up_front(traj, tmp_path):
     assert f"another bema process {first.pid} is writing" in second.stderr and second.stderr.count("\n") == 1
     assert time.time() - t0 < 30
     assert first.wait(timeout=120) == 0, first.stderr.read()
-    assert sorted(p.name for p in out.iterdir()) == [RUN, "manifest.json"]
+    assert sorted(p.name for p in out.iterdir() if p.name != STATE_DIR) == [RUN, "manifest.json"]
 
 
 def _whole_run(out: Path, expected: dict[str, str]) -> str:
@@ -366,7 +369,7 @@ def test_kill9_inside_overwrite_swap(traj, old_and_new, tmp_path):
     r = run_bema("stabilize", run, "--base", base, "--out", out, "--method", "ema")
     assert r.returncode == 0, r.stderr
     assert _whole_run(out, expected) == "new"
-    assert sorted(p.name for p in out.iterdir()) == [RUN, "ema-k0.5", "manifest.json"]
+    assert sorted(p.name for p in out.iterdir() if p.name != STATE_DIR) == [RUN, "ema-k0.5", "manifest.json"]
 
 
 def test_sigterm_inside_overwrite_swap(traj, old_and_new, tmp_path):
@@ -377,7 +380,7 @@ def test_sigterm_inside_overwrite_swap(traj, old_and_new, tmp_path):
     assert code == 143, stderr
     assert stderr.strip().splitlines() == ["error: interrupted by SIGTERM; nothing half-written was kept"]
     assert _whole_run(out, expected) == "new"
-    assert sorted(p.name for p in out.iterdir()) == [RUN, "manifest.json"]
+    assert sorted(p.name for p in out.iterdir() if p.name != STATE_DIR) == [RUN, "manifest.json"]
 
 
 @pytest.mark.slow
@@ -402,12 +405,12 @@ def test_random_kill_trials(traj, old_and_new, tmp_path, trial):
     # handlers); everything was committed and cleaned up by then
     assert proc.returncode in (0, -signal.SIGKILL, 128 + sig, -sig), stderr
     if sig != signal.SIGKILL:
-        assert not list(out.glob(".bema-*")), "a handled signal cleans up"
+        assert not list(p for p in out.glob(".bema-*") if p.name != STATE_DIR), "a handled signal cleans up"
     _whole_run(out, expected)
     r = run_bema("stabilize", run, "--base", base, "--out", out, "--method", "ema")
     assert r.returncode == 0, r.stderr
     _whole_run(out, expected)
-    assert sorted(p.name for p in out.iterdir()) == [RUN, "ema-k0.5", "manifest.json"]
+    assert sorted(p.name for p in out.iterdir() if p.name != STATE_DIR) == [RUN, "ema-k0.5", "manifest.json"]
 
 
 # --- hostile inputs: exit code, one stderr line, inputs unchanged, nothing partial in OUT -------

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from bema_cli import output
+from bema_cli.errors import UsageError
 from bema_cli.options import (
     BetaMinOpt,
     EtaOpt,
@@ -100,6 +101,37 @@ def stabilize(
         int | None,
         typer.Option("--lora-rank", help="Rank of adapter outputs (truncated SVD; default: the training r)."),
     ] = None,
+    restart: Annotated[
+        bool,
+        typer.Option(
+            "--restart", help="Ignore OUT's saved state for these runs and recompute them from theta0."
+        ),
+    ] = False,
+    keep_last: Annotated[
+        int | None,
+        typer.Option(
+            "--keep-last", help="Keep only the K newest outputs of each run (like save_total_limit)."
+        ),
+    ] = None,
+    follow: Annotated[
+        bool,
+        typer.Option(
+            "--follow",
+            help="Keep watching CHECKPOINT_DIR and process each new checkpoint once it is complete.",
+        ),
+    ] = False,
+    until_step: Annotated[
+        int | None, typer.Option("--until-step", help="--follow: stop once this step is processed.")
+    ] = None,
+    idle_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--idle-timeout", help="--follow: stop after this many seconds without a new checkpoint."
+        ),
+    ] = None,
+    poll: Annotated[
+        float, typer.Option("--poll", help="--follow: seconds between looks at CHECKPOINT_DIR.")
+    ] = 2.0,
     cast_base: Annotated[
         bool,
         typer.Option(
@@ -117,6 +149,8 @@ def stabilize(
     Reads safetensors, PyTorch .bin, DCP (FSDP sharded) checkpoints and PEFT LoRA adapters (stabilized
     in weight space).
     A grid (comma lists in --method/--kappa/--eta) is computed in one pass over the inputs.
+    OUT/.bema-state/ keeps the recurrences, so a re-run reads only new checkpoints; --follow
+    keeps going while training runs (one JSON line per output with --json).
     """
     from bema_cli.cluster import ExecutorOptions
     from bema_cli.io.checkpoints import read_checkpoint_list
@@ -156,9 +190,18 @@ def stabilize(
         checkpoints=checkpoints,
         lora_output=lora_output,
         lora_rank=lora_rank,
+        restart=restart,
+        keep_last=keep_last,
     )
+    if keep_last is not None and keep_last < 1:
+        raise UsageError(f"--keep-last: must be >= 1, got {keep_last}")
+    if not follow and (until_step is not None or idle_timeout is not None):
+        raise UsageError("--until-step and --idle-timeout only apply with --follow")
     where = ExecutorOptions(executor, workers, ray_address)
     with session(where) if not dry_run else nullcontext():  # Ray's workers start while the driver plans
+        if follow:
+            _follow(opts, where, json_out, poll, until_step, idle_timeout)
+            return
         doc = run(opts, where)
     if json_out:
         output.print_json(doc)
@@ -166,6 +209,25 @@ def stabilize(
         _print_plan(doc)
     else:
         _print_summary(doc)
+
+
+def _follow(opts, executor_opts, json_out: bool, poll: float, until_step, idle_timeout) -> None:
+    from bema_cli.stabilize import stabilize
+    from bema_cli.stabilize.follow import follow
+
+    if opts.dry_run:
+        raise UsageError("--dry-run cannot be combined with --follow")
+
+    def emit(o: dict) -> None:  # one line per output, flushed, so `| while read -r line` sees it at once
+        if json_out:
+            output.print_json(o, indent=None)
+        else:
+            output.stdout.print(f"{o['run']}  step {o['step']}  {o['path']}", highlight=False)
+
+    def run(o):
+        return stabilize(o, executor_opts)
+
+    follow(opts, run, emit, poll=poll, until_step=until_step, idle_timeout=idle_timeout)
 
 
 def _gb(n: int) -> str:

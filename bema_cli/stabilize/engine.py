@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from bema_cli import __version__, output
 from bema_cli.cluster import ExecutorOptions, import_ray
-from bema_cli.errors import InputError, OutputError, UsageError
-from bema_cli.io.commit import OutputTransaction, check_apart
+from bema_cli.errors import BemaError, InputError, OutputError, UsageError
+from bema_cli.io.commit import TMP_PREFIX, OutputTransaction, check_apart
 from bema_cli.io.reader import TensorInfo, TensorReader
-from bema_cli.io.safetensors import DTYPES, FLOATING
+from bema_cli.io.safetensors import DTYPES, FLOATING, ModelIndex
+from bema_cli.io.watch import hold_files, release
 from bema_cli.io.writer import ShardedWriter, tensor_bytes
-from bema_cli.recurrence import Stabilizer, state_key
-from bema_cli.stabilize import meta
+from bema_cli.stabilize import meta, state
 from bema_cli.stabilize.plan import Options, Piece, Plan, Run, prepare
 
 
@@ -136,9 +138,22 @@ def _inputs(plan: Plan, run_dir: str) -> list[Path]:
     return folders + sorted(set(files))
 
 
-def _check_out(out: Path, runs: list[Run], overwrite: bool) -> None:
+def _recovered(out: Path, txn: OutputTransaction) -> None:
+    if txn.recovered:
+        output.log(f"{out}: cleaned up after {len(txn.recovered)} interrupted bema run(s)")
+    state.tidy(out)
+
+
+def _restarted(plan: Plan, opts: Options) -> set[str]:
+    """Runs whose folders --restart may replace: those OUT's state knows (others stay protected)."""
+    known = {r["run"] for r in (plan.resume.stored or {}).get("runs", [])} if opts.restart else set()
+    return {r.name for r in plan.runs if r.name in known}
+
+
+def _check_out(out: Path, runs: list[Run], overwrite: bool, restarted: set[str] = frozenset()) -> None:
     """OUT must be a folder; an existing run folder is replaced only with --overwrite and only when it is
-    a bema output (meta.is_bema_run): --overwrite never deletes anything bema did not write."""
+    a bema output (meta.is_bema_run): --overwrite never deletes anything bema did not write.
+    A run continued from OUT's state keeps its folder; only its new checkpoint folders must be new."""
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a directory")
     old = meta.read_manifest(out) if out.is_dir() else None
@@ -148,7 +163,15 @@ def _check_out(out: Path, runs: list[Run], overwrite: bool) -> None:
             raise OutputError(
                 f"{folder}: is a symbolic link; bema only replaces run folders it wrote (remove the link or choose another --out)"
             )
-        if folder.exists() and not overwrite:
+        if run.start is not None:  # continued: the state knows this folder
+            for step in run.out_steps:
+                if (folder / f"checkpoint-{step}").exists() and not overwrite:
+                    raise OutputError(
+                        f"{folder / f'checkpoint-{step}'}: already exists and OUT's state does not know it "
+                        "(use --overwrite to replace it)"
+                    )
+            continue
+        if folder.exists() and not overwrite and run.name not in restarted:
             raise OutputError(f"{folder}: already exists (use --overwrite to replace it)")
         if folder.exists() and not meta.is_bema_run(folder, old):
             raise OutputError(
@@ -159,27 +182,46 @@ def _check_out(out: Path, runs: list[Run], overwrite: bool) -> None:
 def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
     """Run (or with dry_run, only plan) one `bema stabilize`; returns the --json document.
 
-    `executor` says where the work units run (default: in this process).
+    `executor` says where the work units run (default: in this process). With a persistent
+    state in OUT (state.py) only the checkpoints after each run's last processed step are
+    read and written; a call with nothing new writes nothing.
     """
     t0 = time.perf_counter()
     executor = executor or ExecutorOptions()
     if executor.executor == "ray" and not opts.dry_run:
         import_ray()  # a missing extra is reported before any planning
-    plan = prepare(opts)
     out = _out_dir(opts.out)
+    if not opts.dry_run and out.is_dir() and any(out.glob(TMP_PREFIX + "*")):
+        with OutputTransaction(out) as txn:  # a writer died here: finish its commit first (the state)
+            _recovered(out, txn)
+    plan = prepare(opts)
     check_apart(out, _inputs(plan, opts.checkpoint_dir))
     try:
-        _check_out(out, plan.runs, opts.overwrite)
+        _check_out(out, plan.runs, opts.overwrite, _restarted(plan, opts))
     except OutputError as exc:
         if not opts.dry_run:
             raise
         output.warn(f"{exc} (a real run would stop here)")
-    _device(opts.device)  # the first check that needs torch (~2 s to import), so other errors come first
-    read_bytes = plan.base_index.nbytes + sum(plan.indexes[s].nbytes for s in plan.read_steps)
     n_outputs = sum(len(r.out_steps) for r in plan.runs)
+    if not plan.read_steps and not n_outputs:  # nothing new since the last call
+        return {
+            "outputs": [],
+            "read_bytes": 0,
+            "written_bytes": 0,
+            "state_bytes": 0,
+            "seconds": time.perf_counter() - t0,
+        }
+    _device(opts.device)  # the first check that needs torch (~2 s to import), so other errors come first
+    theta0_bytes = plan.base_index.nbytes if plan.theta0_index is plan.base_index else 0
+    read_bytes = theta0_bytes + sum(plan.indexes[s].nbytes for s in plan.read_steps)
     meta0 = {"bema_version": __version__}
     written = n_outputs * ShardedWriter(out, plan.shards, meta0).nbytes  # header sizes differ by a few bytes
-    doc = {"outputs": meta.outputs_of(plan, out), "read_bytes": read_bytes, "written_bytes": written}
+    doc = {
+        "outputs": meta.outputs_of(plan, out),
+        "read_bytes": read_bytes,
+        "written_bytes": written,
+        "state_bytes": state.traffic(plan),
+    }
     doc["executor"] = {"executor": executor.executor, "workers": executor.workers}
     if opts.dry_run:
         return {
@@ -189,21 +231,70 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
             "plan": meta.dry_run_plan(plan, opts),
         }
     with OutputTransaction(out) as txn:  # locks OUT: a second writer is refused here, before any work
-        if txn.recovered:
-            output.log(f"{out}: cleaned up after {len(txn.recovered)} interrupted bema run(s)")
-        _check_out(out, plan.runs, opts.overwrite)  # again, now that no other writer can change OUT
+        _recovered(out, txn)
+        if state.read(out) != plan.resume.stored:
+            plan = prepare(opts)  # another writer committed between our planning and the lock
+        _check_out(out, plan.runs, opts.overwrite, _restarted(plan, opts))  # again, now that OUT is ours
+        # checkpoints rotated away by a trainer mid-read are still read whole (through our handles;
+        # Ray workers are other processes: they open the files by name)
         try:
-            doc["written_bytes"] = _walk(plan, opts, txn.tmp, executor)
+            with hold(plan, alias=executor.executor == "local"):
+                doc["written_bytes"] = _walk(plan, opts, txn.tmp, executor)
+            entries, _, kept = state.stage(plan, opts, txn.tmp)
         except OSError as exc:  # metadata files, config copies: a full disk names what it was writing
             raise OutputError(f"{exc.filename or txn.tmp}: cannot write ({exc.strerror or exc})") from None
+        doc["state_bytes"] += state.written(txn.tmp)
         old = meta.read_manifest(out)
+        replaced = [r.name for r in plan.runs if r.start is None and (out / r.name).exists()]
         txn.commit(
-            [run.name for run in plan.runs],
-            manifest=meta.manifest(plan, old),
-            interim_manifest=meta.manifest(plan, old, with_new=False) if old else None,
+            entries,
+            manifest=meta.manifest(plan, old, outputs=kept),
+            interim_manifest=meta.manifest(plan, old, with_new=False) if old and replaced else None,
         )
+        state.tidy(out)  # what --keep-last dropped, state folders no run needs any more
+    keep = {(r.name, s) for r in plan.runs for s in kept[r.name]}
+    doc["outputs"] = [o for o in doc["outputs"] if (o["run"], o["step"]) in keep]
     doc["seconds"] = time.perf_counter() - t0
     return doc
+
+
+@contextmanager
+def hold(plan: Plan, alias: bool = True):
+    """Keep every file this call reads open until it ends, and read them through those handles.
+
+    A trainer with save_total_limit deletes old checkpoints while we read them; an open file
+    lives on (io/watch.hold_files). A checkpoint already gone is an error naming it.
+    """
+    indexes = list(plan.indexes.values())
+    if plan.theta0_index is not None:
+        indexes.append(plan.theta0_index)
+    files = sorted({t.file for index in indexes for t in index.tensors.values()})
+    try:
+        mapping, fds = hold_files(files)
+    except FileNotFoundError as exc:
+        raise InputError(f"{exc.filename}: disappeared before it could be read") from None
+    by_step = {step: sorted({t.file for t in index.tensors.values()}) for step, index in plan.indexes.items()}
+    plan.fingerprints = {
+        step: [
+            {**f, "name": p.name}
+            for f, p in zip(state.fingerprint([mapping[p] for p in files]), files, strict=True)
+        ]
+        for step, files in by_step.items()
+    }
+    saved = [(index, index.tensors) for index in indexes if alias and type(index) is ModelIndex]
+    for index, _ in saved:  # safetensors files; other formats' readers keep their own file logic
+        index.tensors = {n: replace(t, file=mapping[t.file]) for n, t in index.tensors.items()}
+    try:
+        yield
+    except BemaError as exc:  # name the files as the user knows them, not by their /proc handle
+        message = str(exc)
+        for path, alias in sorted(mapping.items(), key=lambda kv: -len(str(kv[1]))):
+            message = message.replace(str(alias), str(path))
+        raise type(exc)(message) from None
+    finally:
+        for index, tensors in saved:
+            index.tensors = tensors
+        release(fds)
 
 
 def _walk(plan: Plan, opts: Options, tmp: Path, executor: ExecutorOptions) -> int:
@@ -211,6 +302,7 @@ def _walk(plan: Plan, opts: Options, tmp: Path, executor: ExecutorOptions) -> in
     from bema_cli.stabilize.executors import run_units
 
     outputs = open_outputs(plan, tmp)
+    plan.state_writers = state.open_writers(plan, opts, tmp)
     if opts.allow_nonfinite:
         output.warn("--allow-nonfinite: NaN/Inf in inputs are not checked and propagate to the outputs")
     total = sum(unit_bytes(u) for u in plan.units)
@@ -271,23 +363,22 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
     check = not opts.allow_nonfinite
     out_dtypes = {t.name: t.dtype for t in plan.out_tensors}
     tau = plan.runs[0].schedule.tau  # shared by the grid: burn-in happens at the same steps for all runs
-    tracks: dict[tuple, list[Run]] = {}  # runs that share one state (e.g. ema and bema at one kappa)
-    for run in plan.runs:
-        tracks.setdefault(state_key(run.schedule), []).append(run)
     size = max((p.hi for p in unit), default=0)
     theta0, theta = ws.view("theta0", size), ws.view("theta", size)
-    with plan.base_index.open() as reader:
-        _load(reader, unit, theta0, check)
-    stabs = {key: Stabilizer(runs[0].schedule.method, theta0) for key, runs in tracks.items()}
+    state.read_theta0(plan, unit, theta0, lambda reader, u, flat: _load(reader, u, flat, check))
+    # one Stabilizer per track (runs sharing a state, e.g. ema and bema at one kappa): from theta0,
+    # or continued from OUT's persistent state
+    stabs = state.start_unit(plan, unit, theta0)
+    track_of = {r.name: i for i, t in enumerate(plan.tracks) for r in t.runs}
     for step in plan.read_steps:
         with plan.indexes[step].open() as reader:
             raw = _load(reader, unit, theta, check)
         if step <= tau:
             theta0.copy_(theta)  # burn-in: theta0 = theta_s, held in its own buffer
-        for key, runs in tracks.items():  # one state update per distinct state, not per run
-            if step <= max(r.last_needed for r in runs):
-                event = runs[0].events[step]
-                stabs[key].advance(event, theta0 if event.action == "burnin" else theta)
+        for track, stab in zip(plan.tracks, stabs, strict=True):  # one update per distinct state
+            if track.advances(step):
+                event = track.runs[0].events[step]
+                stab.advance(event, theta0 if event.action == "burnin" else theta)
         drift = None  # theta_s - theta0, computed once per step for every bema output
         for run in plan.runs:
             if (run.name, step) not in outputs:
@@ -296,8 +387,9 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
             if run.schedule.method == "bema" and drift is None and event.action == "update":
                 drift = torch.sub(theta, theta0, out=ws.view("drift", size))
             out = ws.view("out", size) if run.schedule.method in ("bema", "dema") else None
-            result = stabs[state_key(run.schedule)].estimate(
+            result = stabs[track_of[run.name]].estimate(
                 event, theta, drift=drift, out=out, method=run.schedule.method
             )
             _write(outputs[run.name, step], unit, result, raw, out_dtypes, ws)
         del raw
+    state.end_unit(plan, unit, stabs, theta0)  # this unit's rows of the new state

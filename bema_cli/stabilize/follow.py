@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from bema_cli import output
+from bema_cli import output, signals
 from bema_cli.errors import InputError, UsageError
 from bema_cli.io.watch import Watcher
 from bema_cli.stabilize import state
@@ -45,7 +45,23 @@ def _check_vanished(watcher: Watcher, present: dict, consumed: list[int], opts: 
         del watcher.seen[step]  # skipped by every run's cadence: it never mattered
 
 
-def follow(
+def follow(opts: Options, run_once: Callable[[Options], dict], emit: Callable[[dict], None], **kw) -> dict:
+    """Watch opts.checkpoint_dir until `until_step` is processed or `idle_timeout` seconds pass without
+    a new checkpoint; `run_once` is the batch `stabilize`. Returns totals over all rounds.
+
+    Ctrl-C / SIGTERM end it like any bema run (exit 130 / 143) with OUT consistent: the same
+    command later resumes from the last committed step.
+    """
+    try:
+        return _follow(opts, run_once, emit, **kw)
+    except (KeyboardInterrupt, signals.Terminated):
+        done = _consumed(Path(opts.out).expanduser().resolve())
+        at = f"step {done[-1]}" if done else "no step yet"
+        output.log(f"stopped; {opts.out} holds everything up to {at}: the same command resumes from there")
+        raise
+
+
+def _follow(
     opts: Options,
     run_once: Callable[[Options], dict],
     emit: Callable[[dict], None],
@@ -54,8 +70,6 @@ def follow(
     until_step: int | None = None,
     idle_timeout: float | None = None,
 ) -> dict:
-    """Watch opts.checkpoint_dir until `until_step` is processed or `idle_timeout` seconds pass without
-    a new checkpoint; `run_once` is the batch `stabilize`. Returns totals over all rounds."""
     if poll <= 0:
         raise UsageError(f"--poll: must be a positive number of seconds, got {poll}")
     if idle_timeout is not None and idle_timeout < 0:
@@ -65,6 +79,8 @@ def follow(
     totals = {"outputs": 0, "read_bytes": 0, "written_bytes": 0, "state_bytes": 0, "rounds": 0}
     idle_since = time.monotonic()
     first = True
+    import torch  # noqa: F401  (imported now, not when the first checkpoint is waiting to be read)
+
     output.log(f"following {watcher.run_dir} (poll every {poll:g} s)")
     while True:
         consumed = _consumed(out)
@@ -75,7 +91,8 @@ def follow(
         _check_vanished(watcher, watcher.scan(), consumed, opts)
         new = [s for s in ready if not consumed or s > consumed[-1]]
         if new:
-            doc = run_once(replace(opts, ready_steps=sorted(ready), restart=opts.restart and first))
+            again = {"restart": opts.restart and first, "overwrite": opts.overwrite and first}
+            doc = run_once(replace(opts, ready_steps=sorted(ready), **again))
             first = False
             for o in doc["outputs"]:
                 emit(o)

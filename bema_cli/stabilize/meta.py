@@ -179,9 +179,12 @@ def is_bema_run(folder: Path, old_manifest: dict | None) -> bool:
     return False
 
 
-def manifest(plan: Plan, old_manifest: dict | None, with_new: bool = True) -> dict:
+def manifest(
+    plan: Plan, old_manifest: dict | None, with_new: bool = True, outputs: dict[str, list[int]] | None = None
+) -> dict:
     """OUT/manifest.json: the old one's runs, minus same-named runs of this call, plus (with_new) this
-    call's runs. Without them it is the interim manifest written while run folders are swapped."""
+    call's runs. Without them it is the interim manifest written while run folders are swapped.
+    `outputs`: run -> every output step on disk after the commit (a continued run keeps earlier ones)."""
     old_runs = old_manifest["runs"] if old_manifest else []
     runs = [
         {
@@ -189,7 +192,7 @@ def manifest(plan: Plan, old_manifest: dict | None, with_new: bool = True) -> di
             **hyper(run.schedule),
             "outputs": [
                 {"step": st, "path": f"{run.name}/checkpoint-{st}", **weights(run, st)}
-                for st in run.out_steps
+                for st in (outputs[run.name] if outputs else run.out_steps)
             ],
         }
         for run in plan.runs

@@ -19,6 +19,8 @@ from bema_cli.io.reader import ModelIndex, TensorInfo, has_weights, open_checkpo
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
 from bema_cli.io.writer import Shard, plan_shards
 from bema_cli.recurrence import STATE_TENSORS, PlannedStep, Schedule, run_name, state_key
+from bema_cli.stabilize import state
+from bema_cli.stabilize.state import Resume, Track
 
 OUT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 ACCUM_DTYPES = ("float32", "float64")
@@ -46,6 +48,9 @@ class Options:
     checkpoints: list[Checkpoint] | None = None  # given explicitly (a `STEP PATH` list) instead of found
     lora_output: str = "merged"  # LoRA runs: full merged models, or PEFT adapters of rank lora_rank
     lora_rank: int | None = None  # None: the training rank r
+    restart: bool = False  # ignore OUT's persistent state: recompute the grid's runs from theta0
+    keep_last: int | None = None  # keep only the K newest outputs of each run
+    ready_steps: list[int] | None = None  # --follow: only these (complete) checkpoints exist yet
 
 
 @dataclass
@@ -54,12 +59,14 @@ class Run:
 
     schedule: Schedule  # resolved
     name: str
-    events: dict[int, PlannedStep]
-    out_steps: list[int]
+    events: dict[int, PlannedStep]  # every step of the trajectory, earlier calls' included
+    out_steps: list[int]  # written by this call
+    start: int | None = None  # last step an earlier call processed (OUT's state); None: from theta0
 
     @property
     def last_needed(self) -> int:
-        return self.out_steps[-1]
+        """The last step whose state this call needs (== start: nothing new)."""
+        return self.out_steps[-1] if self.out_steps else self.start
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,12 @@ class Plan:
     units: list[list[Piece]] = field(default_factory=list)
     lora: Adapter | None = None  # a LoRA run: the first adapter (modules, config)
     lora_rank: int | None = None  # set for --lora-output adapter
+    resume: Resume | None = None  # OUT's persistent state as this call finds it
+    tracks: list[Track] = field(default_factory=list)  # the recurrence states this call walks
+    theta0_index: ModelIndex | None = None  # where theta0 is read from (None: not needed)
+    theta0_folder: str | None = None  # state folder this call saves theta0 to (after a burn-in)
+    state_writers: dict = field(default_factory=dict)  # state folder -> its ShardedWriter (pre-created)
+    fingerprints: dict[int, list[dict]] = field(default_factory=dict)  # step -> its files as read (state.py)
 
 
 def grid(methods: list[str], kappas: list[float], etas: list[float], **common) -> list[Schedule]:
@@ -106,10 +119,12 @@ def grid(methods: list[str], kappas: list[float], etas: list[float], **common) -
     return list(out.values())
 
 
-def _out_steps(events: list[PlannedStep], opts: Options) -> list[int]:
+def _out_steps(events: list[PlannedStep], opts: Options, start: int | None = None) -> list[int]:
     done = [e.step for e in events if e.action != "skip"]
     if not done:
         raise UsageError("no checkpoint is processed with these --tau/--phi settings")
+    if start is not None:  # continuing from OUT's state: only steps after the last processed one
+        return [s for s in _out_steps(events, opts) if s > start]
     if opts.steps:
         for step in opts.steps:
             ev = next((e for e in events if e.step == step), None)
@@ -240,12 +255,19 @@ def prepare(opts: Options) -> Plan:
     if len({s.tau for s in opts.schedules}) > 1:
         raise UsageError("--tau: every config of one run must share the burn-in (theta0 is shared)")
     checkpoints = opts.checkpoints or find_checkpoints(opts.checkpoint_dir)
+    if opts.ready_steps is not None:
+        checkpoints = [c for c in checkpoints if c.step in set(opts.ready_steps)]
     if opts.base == "first" and is_adapter(checkpoints[0].path):
         raise UsageError("--base first: a LoRA run starts from the base model it adapts; pass --base DIR")
-    base = resolve_base(opts.base, checkpoints, check=has_weights)
-    steps = [c.step for c in checkpoints]
+    out = Path(opts.out).expanduser().resolve()
+    stored = state.read(out)
+    base = resolve_base(
+        opts.base or (stored and stored["theta0"].get("source")), checkpoints, check=has_weights
+    )
+    resume = state.resume(opts, out, checkpoints, base.source, state.weight_files(base.path))
+    steps = resume.steps
     tau = opts.schedules[0].tau if opts.schedules else 0
-    if tau > 0 and tau >= steps[-1]:
+    if tau > 0 and tau >= steps[-1] and opts.ready_steps is None:  # --follow: later steps will come
         raise UsageError(
             f"--tau {tau}: at or beyond the last checkpoint step ({steps[-1]}); every output would be a "
             "plain copy of a checkpoint (steps <= tau restart the average)"
@@ -253,10 +275,24 @@ def prepare(opts: Options) -> Plan:
     runs = []
     for s in opts.schedules:
         events = s.plan(steps)
-        runs.append(Run(s, run_name(s), {e.step: e for e in events}, _out_steps(events, opts)))
+        start = resume.start(run_name(s))
+        runs.append(Run(s, run_name(s), {e.step: e for e in events}, _out_steps(events, opts, start), start))
     read_steps = sorted(
-        {st for r in runs for st, e in r.events.items() if e.action != "skip" and st <= r.last_needed}
+        {
+            st
+            for r in runs
+            for st, e in r.events.items()
+            if e.action != "skip" and (r.start is None or st > r.start) and st <= r.last_needed
+        }
     )
+    present = {c.step: c for c in checkpoints}
+    for st in read_steps:
+        if st not in present:
+            who = next(r.name for r in runs if r.start is None or st > r.start)
+            raise InputError(
+                f"{Path(opts.checkpoint_dir).expanduser()}/checkpoint-{st}: needed by run {who} "
+                "(processed from theta0: a new run, or --restart) but no longer on disk"
+            )
     base_index = open_checkpoint(base.path)
     if not base_index.tensors:
         raise InputError(f"{base.path}: the base model has no tensors")
@@ -291,6 +327,7 @@ def prepare(opts: Options) -> Plan:
     if layout is not None:
         plan.lora = layout
         plan.lora_rank = (opts.lora_rank or layout.config["r"]) if opts.lora_output == "adapter" else None
+    state.attach(plan, resume, out)
     return plan
 
 

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bema_cli import __version__, output
-from bema_cli.errors import InputError, UsageError
+from bema_cli.errors import BemaError, InputError, UsageError
 from bema_cli.io.checkpoints import Checkpoint, model_weight_files, read_json
-from bema_cli.io.safetensors import FLOATING, TAG_OF, ChunkReader, ModelIndex, TensorInfo, index_model
+from bema_cli.io.safetensors import FLOATING, TAG_OF, ModelIndex, TensorInfo, index_model
 from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
 from bema_cli.recurrence import STATE_TENSORS, Schedule, Stabilizer, run_name, state_key
 
@@ -43,29 +43,68 @@ STATE_DIR = ".bema-state"
 STATE_FILE = "state.json"
 FORMAT = 1
 HEAD_BYTES = 1 << 20  # fingerprint of a non-safetensors weight file: its first MiB
+SAMPLE_BYTES = 64 << 10  # and of the data: its first and last 64 KiB
 # What must not change between calls of one run: the schedule and the dtypes (flag names for errors).
 CHECKED = ("preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min", "accum_dtype", "out_dtype")
 
 
 # -- fingerprints ------------------------------------------------------------------------------
-def head_hash(path: Path) -> str:
-    """sha256 of a weight file's header (safetensors: length prefix + JSON header; else its first MiB)."""
+def head_hash(path: Path) -> tuple[str, str]:
+    """sha256 of a weight file's header, and of a sample of its data (first and last 64 KiB).
+
+    The header (safetensors: length prefix + JSON; else the first MiB) changes with the layout;
+    the sample catches a rewrite with the same layout (a retrained checkpoint differs everywhere).
+    """
+    size = path.stat().st_size
     with open(path, "rb") as f:
-        head = f.read(8)
-        if path.suffix == ".safetensors" and len(head) == 8:
-            (n,) = struct.unpack("<Q", head)
-            head += f.read(min(n, 100 * 1024 * 1024))
+        head = f.read(9)
+        n = struct.unpack("<Q", head[:8])[0] if len(head) == 9 else 0
+        if (
+            head[8:] == b"{" and 8 + n <= size
+        ):  # a safetensors header (checked by content: paths may be aliases)
+            head += f.read(n - 1)
         else:
-            head += f.read(HEAD_BYTES - 8)
-    return hashlib.sha256(head).hexdigest()
+            head += f.read(HEAD_BYTES - len(head))
+        sample = f.read(SAMPLE_BYTES)
+        f.seek(max(f.tell(), size - SAMPLE_BYTES))
+        sample += f.read(SAMPLE_BYTES)
+    return hashlib.sha256(head).hexdigest(), hashlib.sha256(sample).hexdigest()
 
 
 def fingerprint(files: list[Path]) -> list[dict]:
-    """[{name, size, header_sha256}] of a model's weight files: cheap, and changes with any rewrite."""
+    """[{name, size, header_sha256, sample_sha256}] of a model's weight files: cheap, changes with a rewrite."""
+    out = []
     try:
-        return [{"name": p.name, "size": p.stat().st_size, "header_sha256": head_hash(p)} for p in files]
+        for p in files:
+            header, sample = head_hash(p)
+            out.append(
+                {"name": p.name, "size": p.stat().st_size, "header_sha256": header, "sample_sha256": sample}
+            )
     except OSError as exc:
         raise InputError(f"{exc.filename}: cannot read ({exc.strerror or exc})") from None
+    return out
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The files holding a model folder's weights, in any format the readers take (io/reader.py)."""
+    from bema_cli.io.reader import open_checkpoint
+
+    try:
+        return model_weight_files(folder)
+    except InputError:
+        if not folder.is_dir():
+            raise
+        return sorted({t.file for t in open_checkpoint(folder).tensors.values()})
+
+
+def _fingerprint_if_present(folder: Path) -> list[dict] | None:
+    """A checkpoint's fingerprint, or None when it vanished meanwhile (a trainer's rotation)."""
+    try:
+        return fingerprint(weight_files(folder))
+    except InputError:
+        if folder.exists():
+            raise
+        return None
 
 
 def _changed(old: list[dict], new: list[dict]) -> str | None:
@@ -78,6 +117,8 @@ def _changed(old: list[dict], new: list[dict]) -> str | None:
             return f"{name} was {old_by[name]['size']} bytes, now {f['size']}"
         if f["header_sha256"] != old_by[name]["header_sha256"]:
             return f"{name} has a different header"
+        if f["sample_sha256"] != old_by[name].get("sample_sha256"):
+            return f"{name} holds different values"
     return None
 
 
@@ -136,13 +177,37 @@ def resume(opts: Options, out: Path, checkpoints: list[Checkpoint], base_source:
     """Check this call against OUT's state and say where each run of the grid starts.
 
     Errors (one line each): a consumed checkpoint changed on disk, a new checkpoint older than
-    the last processed step, theta0 or a run's schedule changed (unless --restart).
+    the last processed step, theta0 or a run's schedule changed. --restart (and --overwrite,
+    which replaces outputs anyway) recomputes the grid's runs from theta0; the state of other
+    runs is kept when the inputs it was computed from are unchanged, else dropped.
     """
-    stored = None if getattr(opts, "restart", False) else read(out)
+    stored = read(out)
     present = [c.step for c in checkpoints]
     if stored is None:
         return Resume(None, present, {}, None)
-    where = out / STATE_DIR
+    restart = opts.restart or opts.overwrite
+    try:
+        _check_inputs(stored, out / STATE_DIR, checkpoints, base_source, base_files)
+    except BemaError:
+        if not restart:
+            raise
+        return Resume(None, present, {}, None)  # nothing of the old state can be trusted: a new one
+    runs = {r["run"]: r for r in stored["runs"]}
+    starts: dict[str, int | None] = {}
+    for s in opts.schedules:
+        name = run_name(s)
+        if name in runs and not restart:
+            check_run(name, runs[name], s, opts, out / STATE_DIR)
+            starts[name] = int(runs[name]["last_step"])
+    steps = sorted({int(s["step"]) for s in stored["steps"]} | set(present))
+    burnin = stored["theta0"].get("burnin") or {}
+    return Resume(stored, steps, starts, burnin.get("folder"))
+
+
+def _check_inputs(
+    stored: dict, where: Path, checkpoints: list[Checkpoint], base_source: str, base_files
+) -> None:
+    """theta0 and every consumed checkpoint still on disk are what the state was computed from."""
     theta0 = stored["theta0"]
     if theta0.get("source") != base_source:
         raise UsageError(
@@ -158,7 +223,8 @@ def resume(opts: Options, out: Path, checkpoints: list[Checkpoint], base_source:
     last = max(consumed, default=None)
     for c in checkpoints:
         if c.step in consumed:
-            diff = _changed(consumed[c.step]["files"], fingerprint(model_weight_files(c.path)))
+            now = _fingerprint_if_present(c.path)
+            diff = _changed(consumed[c.step]["files"], now) if now and consumed[c.step]["files"] else None
             if diff:
                 raise InputError(
                     f"{c.path}: changed on disk since it was processed ({diff}); pass --restart to recompute"
@@ -167,16 +233,6 @@ def resume(opts: Options, out: Path, checkpoints: list[Checkpoint], base_source:
             raise InputError(
                 f"{c.path}: a new checkpoint older than the last processed step {last}; pass --restart to recompute"
             )
-    runs = {r["run"]: r for r in stored["runs"]}
-    starts: dict[str, int | None] = {}
-    for s in opts.schedules:
-        name = run_name(s)
-        if name in runs:
-            check_run(name, runs[name], s, opts, where)
-            starts[name] = int(runs[name]["last_step"])
-    steps = sorted(set(consumed) | set(present))
-    burnin = theta0.get("burnin") or {}
-    return Resume(stored, steps, starts, burnin.get("folder"))
 
 
 # -- tracks: the recurrence states one call walks -----------------------------------------------
@@ -265,7 +321,7 @@ def _writer(folder: Path, plan: Plan, names, opts: Options) -> ShardedWriter:
 
 def read_unit(index: ModelIndex, unit: list[Piece], names: tuple[str, ...], tensors: list) -> None:
     """Copy this unit's rows of each state tensor from a state folder into `tensors` (flat, unit-sized)."""
-    with ChunkReader(index) as reader:
+    with index.open() as reader:
         for p in unit:
             if p.hi > p.lo:
                 for n, t in zip(names, tensors, strict=True):
@@ -293,13 +349,13 @@ def start_unit(plan: Plan, unit: list[Piece], theta0) -> list[Stabilizer]:
     return stabs
 
 
-def end_unit(plan: Plan, unit: list[Piece], stabs: list[Stabilizer], theta0, writers: dict) -> None:
+def end_unit(plan: Plan, unit: list[Piece], stabs: list[Stabilizer], theta0) -> None:
     """Save this unit's rows of every advanced state (and theta0 after a burn-in) into the new state."""
     for t, stab in zip(plan.tracks, stabs, strict=True):
         if t.advancing and t.folder:
-            write_unit(writers[t.folder], unit, t.names, [getattr(stab, n) for n in t.names])
+            write_unit(plan.state_writers[t.folder], unit, t.names, [getattr(stab, n) for n in t.names])
     if plan.theta0_folder:
-        write_unit(writers[plan.theta0_folder], unit, ("theta0",), [theta0])
+        write_unit(plan.state_writers[plan.theta0_folder], unit, ("theta0",), [theta0])
 
 
 def attach(plan: Plan, resume: Resume, out: Path) -> None:
@@ -326,7 +382,7 @@ def attach(plan: Plan, resume: Resume, out: Path) -> None:
 def read_theta0(plan: Plan, unit: list[Piece], theta0, load) -> None:
     """theta0's rows of this unit into `theta0`: from the base (`load`), the state's burn-in copy, or not at all."""
     if plan.theta0_index is plan.base_index:
-        with ChunkReader(plan.base_index) as reader:
+        with plan.base_index.open() as reader:
             load(reader, unit, theta0)
     elif plan.theta0_index is not None:
         read_unit(plan.theta0_index, unit, ("theta0",), [theta0])
@@ -383,8 +439,9 @@ def _new_state(plan: Plan, opts: Options, outputs: dict[str, list[int]]) -> dict
     last = max((t.last for t in plan.tracks), default=None)
     for c in plan.checkpoints:
         if c.step not in consumed and last is not None and c.step <= last:
-            files = model_weight_files(c.path)
-            consumed[c.step] = {"step": c.step, "path": str(c.path), "files": fingerprint(files)}
+            # read steps: the files as they were read (engine.hold); skipped ones if still there
+            files = plan.fingerprints.get(c.step) or _fingerprint_if_present(c.path) or []
+            consumed[c.step] = {"step": c.step, "path": str(c.path), "files": files}
     runs = {r["run"]: r for r in stored.get("runs", [])}
     for t in plan.tracks:
         for run in t.runs:

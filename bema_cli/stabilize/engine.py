@@ -260,36 +260,35 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
 
 @contextmanager
 def hold(plan: Plan, alias: bool = True):
-    """Keep every file this call reads open until it ends, and read them through those handles.
+    """Keep every safetensors file this call reads open until it ends, and read them through those handles.
 
     A trainer with save_total_limit deletes old checkpoints while we read them; an open file
-    lives on (io/watch.hold_files). A checkpoint already gone is an error naming it.
+    lives on (io/watch.hold_files). A checkpoint already gone is an error naming it. The
+    fingerprints recorded in the state are taken from the held files: what was read.
     """
-    indexes = list(plan.indexes.values())
-    if plan.theta0_index is not None:
-        indexes.append(plan.theta0_index)
-    files = sorted({t.file for index in indexes for t in index.tensors.values()})
+    indexes = {step: index for step, index in plan.indexes.items() if type(index) is ModelIndex}
+    held = list(indexes.values())
+    if type(plan.theta0_index) is ModelIndex:
+        held.append(plan.theta0_index)
+    files = sorted({t.file for index in held for t in index.tensors.values()})
     try:
         mapping, fds = hold_files(files)
     except FileNotFoundError as exc:
         raise InputError(f"{exc.filename}: disappeared before it could be read") from None
-    by_step = {step: sorted({t.file for t in index.tensors.values()}) for step, index in plan.indexes.items()}
-    plan.fingerprints = {
-        step: [
-            {**f, "name": p.name}
-            for f, p in zip(state.fingerprint([mapping[p] for p in files]), files, strict=True)
-        ]
-        for step, files in by_step.items()
-    }
-    saved = [(index, index.tensors) for index in indexes if alias and type(index) is ModelIndex]
-    for index, _ in saved:  # safetensors files; other formats' readers keep their own file logic
+    plan.fingerprints = {}
+    for step, index in indexes.items():
+        names = sorted({t.file for t in index.tensors.values()})
+        prints = state.fingerprint([mapping[p] for p in names])
+        plan.fingerprints[step] = [{**f, "name": p.name} for f, p in zip(prints, names, strict=True)]
+    saved = [(index, index.tensors) for index in held] if alias else []
+    for index, _ in saved:
         index.tensors = {n: replace(t, file=mapping[t.file]) for n, t in index.tensors.items()}
     try:
         yield
     except BemaError as exc:  # name the files as the user knows them, not by their /proc handle
         message = str(exc)
-        for path, alias in sorted(mapping.items(), key=lambda kv: -len(str(kv[1]))):
-            message = message.replace(str(alias), str(path))
+        for path, handle in sorted(mapping.items(), key=lambda kv: -len(str(kv[1]))):
+            message = message.replace(str(handle), str(path))
         raise type(exc)(message) from None
     finally:
         for index, tensors in saved:

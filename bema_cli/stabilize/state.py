@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -89,12 +89,17 @@ def weight_files(folder: Path) -> list[Path]:
     """The files holding a model folder's weights, in any format the readers take (io/reader.py)."""
     from bema_cli.io.reader import open_checkpoint
 
+    if (folder / "adapter_config.json").is_file():  # a PEFT LoRA adapter
+        return sorted(p for p in folder.glob("adapter_model.*") if p.is_file())
     try:
         return model_weight_files(folder)
     except InputError:
         if not folder.is_dir():
             raise
-        return sorted({t.file for t in open_checkpoint(folder).tensors.values()})
+        files = set()
+        for f in {t.file for t in open_checkpoint(folder).tensors.values()}:
+            files |= {p for p in f.iterdir() if p.is_file()} if f.is_dir() else {f}  # DCP: a folder
+        return sorted(files)
 
 
 def _fingerprint_if_present(folder: Path) -> list[dict] | None:
@@ -168,6 +173,7 @@ class Resume:
     steps: list[int]  # the whole trajectory: consumed steps, then the new present ones
     starts: dict[str, int | None]  # run name -> last step already processed; None: from theta0
     theta0_state: str | None  # folder in .bema-state holding theta0 after a burn-in, if any
+    base_files: list[Path] = field(default_factory=list)  # theta0's weight files (fingerprinted)
 
     def start(self, name: str) -> int | None:
         return self.starts.get(name)
@@ -184,14 +190,14 @@ def resume(opts: Options, out: Path, checkpoints: list[Checkpoint], base_source:
     stored = read(out)
     present = [c.step for c in checkpoints]
     if stored is None:
-        return Resume(None, present, {}, None)
+        return Resume(None, present, {}, None, base_files)
     restart = opts.restart or opts.overwrite
     try:
         _check_inputs(stored, out / STATE_DIR, checkpoints, base_source, base_files)
     except BemaError:
         if not restart:
             raise
-        return Resume(None, present, {}, None)  # nothing of the old state can be trusted: a new one
+        return Resume(None, present, {}, None, base_files)  # nothing of the old state can be trusted
     runs = {r["run"]: r for r in stored["runs"]}
     starts: dict[str, int | None] = {}
     for s in opts.schedules:
@@ -201,7 +207,7 @@ def resume(opts: Options, out: Path, checkpoints: list[Checkpoint], base_source:
             starts[name] = int(runs[name]["last_step"])
     steps = sorted({int(s["step"]) for s in stored["steps"]} | set(present))
     burnin = stored["theta0"].get("burnin") or {}
-    return Resume(stored, steps, starts, burnin.get("folder"))
+    return Resume(stored, steps, starts, burnin.get("folder"), base_files)
 
 
 def _check_inputs(
@@ -463,7 +469,7 @@ def _new_state(plan: Plan, opts: Options, outputs: dict[str, list[int]]) -> dict
         "checkpoint_dir": str(Path(opts.checkpoint_dir).expanduser().resolve()),
         "theta0": {
             "source": plan.base_source,
-            "files": fingerprint(sorted({t.file for t in plan.base_index.tensors.values()})),
+            "files": fingerprint(plan.resume.base_files),
             "burnin": burnin,
         },
         "steps": [consumed[s] for s in sorted(consumed)],

@@ -117,28 +117,30 @@ def main() -> None:
         output.error("aborted")
         sys.exit(1)
     except (signals.Terminated, KeyboardInterrupt) as exc:
-        signum = exc.signum if isinstance(exc, signals.Terminated) else signal.SIGINT
         if _debug:
             traceback.print_exc()
-        output.error(f"interrupted by {signal.Signals(signum).name}; nothing half-written was kept")
-        sys.exit(128 + signum)
-    except BemaError as exc:
+        _exit_interrupted(exc.signum if isinstance(exc, signals.Terminated) else signal.SIGINT)
+    except Exception as exc:
         if _debug:
             traceback.print_exc()
-        output.error(str(exc))
-        sys.exit(exc.exit_code)
-    except OSError as exc:  # unwritable output, full disk, ...: still one line
-        if _debug:
-            traceback.print_exc()
-        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-        output.error(f"{exc.strerror or exc}{where}")
-        sys.exit(1)
-    except Exception as exc:  # a bug: say so briefly, keep the traceback behind --debug
-        if _debug:
-            traceback.print_exc()
+        if signals.received() is not None:  # the signal's exception surfaced as another type
+            _exit_interrupted(signals.received())
+        if isinstance(exc, BemaError):
+            output.error(str(exc))
+            sys.exit(exc.exit_code)
+        if isinstance(exc, OSError):  # unwritable output, full disk, ...: still one line
+            where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+            output.error(f"{exc.strerror or exc}{where}")
+            sys.exit(1)
+        # a bug: say so briefly, keep the traceback behind --debug
         output.error(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)")
         sys.exit(70)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _exit_interrupted(signum: int) -> None:
+    output.error(f"interrupted by {signal.Signals(signum).name}; nothing half-written was kept")
+    sys.exit(128 + signum)
 
 
 if __name__ == "__main__":

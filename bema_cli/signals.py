@@ -15,6 +15,7 @@ from contextlib import contextmanager
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _deferring = 0
 _pending: int | None = None
+_received: int | None = None  # the signal that ended the run, once its exception is raised
 
 
 class Terminated(BaseException):
@@ -27,7 +28,16 @@ class Terminated(BaseException):
 
 
 def _raise(signum: int) -> None:
+    global _received
+    _received = signum
     raise Terminated(signum)
+
+
+def received() -> int | None:
+    """The signal whose exception was raised, if any. Raised while C code (torch, safetensors) is
+    calling back into Python, that exception can surface as another one (a ValueError from torch's
+    tensor constructor, say): the CLI asks here instead of trusting the exception's type."""
+    return _received
 
 
 def _handler(signum: int, frame) -> None:

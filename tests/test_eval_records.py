@@ -255,3 +255,35 @@ def test_few_shot_prompts_come_from_the_shots_split(first, tmp_path):
     with pytest.raises(OutputError, match="protocol.num_fewshot 3 -> 0"):  # part of the resume key
         evaluate.run_eval([str(first["model"])], None, evaluate.EvalConfig(**{**config.__dict__, "num_fewshot": 0}),
                           EngineOptions())  # fmt: skip
+
+
+def test_swap_weights_are_cast_like_a_fresh_load(tiny_trained_dir):
+    """The swap's weights iterator casts floating tensors to the engine dtype exactly as a fresh
+    load's param.copy_ does (round to nearest even), and adds the tied output head."""
+    import torch
+    from safetensors.torch import load_file
+
+    from bema_cli.eval.backends.vllm_swap import checkpoint_weights
+
+    stored = load_file(str(tiny_trained_dir / "model.safetensors"))
+    got = dict(checkpoint_weights(tiny_trained_dir, tied=True, dtype=torch.bfloat16))
+    assert set(got) == set(stored) | {"lm_head.weight"}
+    for name, tensor in stored.items():
+        param = torch.empty_like(tensor, dtype=torch.bfloat16)
+        param.copy_(tensor)  # what a fresh engine's weight_loader does with the file's tensor
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], param), name
+    assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
+    assert dict(checkpoint_weights(tiny_trained_dir, tied=False)).keys() == stored.keys()  # no cast, no head
+
+
+def test_swap_comparison_names_what_differs():
+    from bema_cli.eval.backends.vllm_swap import compare
+
+    same = {"logprobs": [-1.5, -2.0], "params": {"a": "x", "b": "y"}}
+    assert compare(same, same) is None
+    assert (
+        compare(same, {**same, "logprobs": [-1.5, -2.001]})
+        == "all parameters equal; probe logprobs differ by up to 0.001"
+    )
+    message = compare(same, {"logprobs": [-1.5, -2.0], "params": {"a": "x", "b": "z"}})
+    assert message.startswith("parameter b (and 0 more) differs")

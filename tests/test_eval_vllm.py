@@ -110,3 +110,30 @@ def test_seeded_sampling_batch_over_the_token_budget(tmp_path, tiny_model_dir):
     assert r.returncode == 0, r.stderr[-2000:]
     (record,) = json.loads(r.stdout)
     assert record["n_prompts"] == 32 and record["n_samples"] == 4 and record["backend"] == "vllm"
+
+
+def test_verify_swap_bf16_engine_fp32_checkpoint(tiny_model_dir, tiny_trained_dir, tmp_path):
+    """An fp32 checkpoint swapped into a bf16 engine holds exactly a fresh bf16 engine's parameters
+    and probe logprobs (--verify-swap checks both); vLLM's logs go to OUT/vllm.log, not stderr."""
+    data = write_data(tmp_path / "data")
+    out = tmp_path / "out"
+    r = run_bema("eval", tiny_trained_dir, "--base", tiny_model_dir, "--backend", "vllm", "--dtype", "bfloat16",
+                 "--verify-swap", "--tasks", "boolq", "--data-dir", data, "--limit", 1, "--n-samples", 1,
+                 "--max-new-tokens", 2, "--temperature", 0, "--out", out)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"verify-swap: {tiny_trained_dir}: " in r.stderr and "equal a fresh engine's" in r.stderr
+    assert {x["dtype"] for x in read_jsonl(out / "results.jsonl")} == {"bfloat16"}
+    assert "non-default args" in (out / "vllm.log").read_text()  # vLLM's INFO lines, in the file
+    assert " WARNING " not in r.stderr and "non-default args" not in r.stderr
+
+
+def test_engine_start_failure_names_the_real_cause(tiny_model_dir, tmp_path):
+    """A max_model_len above the model's positions: vLLM's own reason on one line, not the
+    "1 validation error for ModelConfig" header; the default (min(2048, positions)) starts."""
+    data = write_data(tmp_path / "data")
+    r = run_bema("eval", tiny_model_dir, "--backend", "vllm", "--dtype", "float32", "--max-model-len", 4096,
+                 "--tasks", "boolq", "--data-dir", data, "--limit", 1, "--n-samples", 1, "--out", tmp_path / "o")  # fmt: skip
+    assert r.returncode == 5, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and "4096" in last and "max_model_len" in last, last
+    assert "validation error for" not in last and "Traceback" not in r.stderr

@@ -52,18 +52,23 @@ def help_text(subcommand: str | None) -> str:
     return result.stdout
 
 
+def has_flag(help_output: str, flag: str) -> bool:
+    """`flag` appears whole: "--out" is not found in "--out-dtype" (nor "--dtype" in "--out-dtype")."""
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_output) is not None
+
+
 def check_flags(tokens: list[str]) -> None:
     """`bema [global flags] SUB [args/flags]`: the subcommand and every --flag exist."""
     i = 1
     while i < len(tokens) and tokens[i].startswith("-"):
-        assert tokens[i] in help_text(None), f"global flag {tokens[i]} not in `bema --help`"
+        assert has_flag(help_text(None), tokens[i]), f"global flag {tokens[i]} not in `bema --help`"
         i += 1
     sub = tokens[i]
     assert re.search(rf"^\W*{sub}\s", help_text(None), re.M), f"no command `bema {sub}`"
     for token in tokens[i + 1 :]:
         if token.startswith("--"):
             flag = token.split("=")[0]
-            assert re.search(rf"{re.escape(flag)}\b", help_text(sub)), f"`bema {sub}` has no flag {flag}"
+            assert has_flag(help_text(sub), flag), f"`bema {sub}` has no flag {flag}"
 
 
 def all_bema_lines() -> list[list[str]]:
@@ -95,8 +100,16 @@ def test_flags_in_the_flag_tables_exist():
     helps += help_text(None)
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", section))
     assert len(flags) > 30
-    missing = sorted(f for f in flags if not re.search(rf"{re.escape(f)}\b", helps))
+    missing = sorted(f for f in flags if not has_flag(helps, f))
     assert not missing, f"README flag tables name flags no command has: {missing}"
+
+
+def test_flag_matching_is_exact():
+    helps = "  --out-dtype  TEXT  output dtype\n  --max-model-len  INT\n"
+    assert has_flag(helps, "--out-dtype") and has_flag(helps, "--max-model-len")
+    assert (
+        not has_flag(helps, "--out") and not has_flag(helps, "--dtype") and not has_flag(helps, "--max-model")
+    )
 
 
 def test_make_targets_exist():

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from bema_cli import output
-from bema_cli.options import ExecutorOpt, JsonOpt, RayAddressOpt, WorkersOpt, parse_str_list
+from bema_cli.options import ExecutorOpt, JsonOpt, RayAddressOpt, WorkersOpt
 
 _T = "Protocol (defaults = the paper's)"
 _E = "Engine"
@@ -21,7 +21,7 @@ def evaluate(
         str,
         typer.Option(
             "--tasks",
-            help="Comma list of boolq,gsm8k,mmlu_hs,loss,train_loss and lm_eval:<task> (any lm-evaluation-harness task or group).",
+            help="Comma list of boolq,gsm8k,mmlu_hs,loss,train_loss, then lm_eval:<task>[,<task>...] (lm-evaluation-harness tasks or groups).",
         ),
     ] = "boolq,gsm8k,mmlu_hs",
     out: Annotated[
@@ -163,8 +163,9 @@ def evaluate(
     from bema_cli.eval.chat import read_template
     from bema_cli.eval.evaluate import EvalConfig, run_eval
     from bema_cli.eval.results import records_table
+    from bema_cli.eval.tasks import parse_tasks
 
-    names = parse_str_list(tasks)
+    names = parse_tasks(tasks)
     for path, name in ((loss_data, "loss"), (loss_train_data, "train_loss")):
         if path is not None and name not in names:
             names.append(name)
@@ -173,13 +174,13 @@ def evaluate(
         loss_samples=loss_samples, loss_max_tokens=loss_max_tokens, n_samples=n_samples, temperature=temperature,
         seed=seed, max_new_tokens=max_new_tokens, selection_seed=selection_seed, limit=limit, backend=backend,
         log_samples=log_samples, force=force, chat_template_file=chat_template, num_fewshot=num_fewshot, cot=cot,
-        lm_eval_include=lm_eval_include, verify_swap=verify_swap,
+        lm_eval_include=lm_eval_include,
     )  # fmt: skip
     engine = EngineOptions(
         dtype=dtype, tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
         gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, enforce_eager=enforce_eager,
         batch_size=batch_size, chat_template=read_template(chat_template) if chat_template else None,
-        log_file=str(Path(out) / "vllm.log") if out else None, debug=cli._debug,
+        log_file=str(Path(out) / "vllm.log") if out else None, debug=cli._debug, verify_swap=verify_swap,
     )  # fmt: skip
     records = run_eval(inputs or [], base, config, engine, ExecutorOptions(executor, workers, ray_address))
     if json_:

@@ -1,7 +1,8 @@
 """Benchmark and loss data: Hub parquet files (cached by huggingface_hub) or local files.
 
-`--data-dir DIR` holds DIR/<task>.jsonl or DIR/<task>.parquet in the Hub schema; a task
-without a local file is fetched from the Hub. Every row is checked, and a bad one is
+`--data-dir DIR` holds DIR/<task>.jsonl or DIR/<task>.parquet in the Hub schema (and, for
+`--num-fewshot`, DIR/<task>_shots.jsonl|parquet); a task without a local file is fetched from
+the Hub (test split; few-shot examples from the train split, MMLU's dev split). Every row is checked, and a bad one is
 reported with its file and line. The prompt subset is the paper's:
 `sorted(RandomState(seed).choice(len(split), k, replace=False))`, per subject for MMLU.
 """

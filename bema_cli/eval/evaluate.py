@@ -53,7 +53,6 @@ class EvalConfig:
     force: bool = False
     chat_template_file: str | None = None
     lm_eval_include: str | None = None  # a folder of local lm-eval task YAMLs
-    verify_swap: bool = False  # compare a probe's logprobs after each swap with a fresh engine's
 
 
 def validate(config: EvalConfig, engine: EngineOptions) -> None:
@@ -104,6 +103,14 @@ def task_protocol(config: EvalConfig, name: str, source: str) -> dict:
         "data": source, "prompt_version": task.PROMPT_VERSION, "num_fewshot": config.num_fewshot,
         "cot": config.cot,
     }  # fmt: skip
+
+
+def _seeds(config: EvalConfig, name: str) -> dict:
+    if is_lm_eval(name):
+        from bema_cli.eval.lm_eval_bridge import SEEDS
+
+        return dict(SEEDS)
+    return {"sampling": config.seed, "selection": config.selection_seed}
 
 
 @dataclass
@@ -163,6 +170,9 @@ class Evaluation:
         )
         for name in c.tasks:
             if is_lm_eval(name):
+                from bema_cli.eval import lm_eval_bridge
+
+                lm_eval_bridge.check_tasks([name.split(":", 1)[1]], c.lm_eval_include)
                 source = str(Path(c.lm_eval_include).resolve()) if c.lm_eval_include else "lm_eval"
                 digest = resume.folder_sha256(c.lm_eval_include) if c.lm_eval_include else None
                 item = TaskInput(name, task_protocol(c, name, source), {})
@@ -187,7 +197,7 @@ class Evaluation:
                 digest = resume.sha256_of_files(sources)
             item.resume_key = {
                 "protocol": item.protocol, "data_sha256": digest, "chat_template": template,
-                "seeds": None if name in LOSS_TASKS else {"sampling": c.seed, "selection": c.selection_seed},
+                "seeds": None if name in LOSS_TASKS else _seeds(c, name),
                 # losses are transformers forward passes on every backend, in batches of a fixed size
                 "backend": "transformers" if name in LOSS_TASKS else self.backend_name,
                 "dtype": self.engine.dtype,
@@ -251,6 +261,8 @@ class Evaluation:
                     backend = make_backend(self.backend_name, self.engine)
                 for records, samples in run_job(backend, job):
                     self.write(records, samples)
+            if self.engine.verify_swap and backend is not None and hasattr(backend, "verify_swaps"):
+                backend.verify_swaps()
         finally:
             if backend is not None:
                 backend.close()

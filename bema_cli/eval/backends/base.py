@@ -45,6 +45,7 @@ class EngineOptions:
     chat_template: str | None = None  # template text overriding the model's
     log_file: str | None = None  # vLLM's own log lines go here (OUT/vllm.log) ...
     debug: bool = False  # ... or, with --debug, to stderr
+    verify_swap: bool = False  # vLLM: compare each swapped checkpoint with a fresh engine on it
 
 
 class Backend(Protocol):

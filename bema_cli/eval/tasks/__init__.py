@@ -27,3 +27,15 @@ def get_task(name: str) -> ModuleType:
             f"--tasks: unknown task {name!r} (known: {known}, or {LM_EVAL_PREFIX}<lm-eval task>)"
         )
     return importlib.import_module(f"bema_cli.eval.tasks.{'loss' if name in LOSS_TASKS else name}")
+
+
+def parse_tasks(text: str) -> list[str]:
+    """'boolq,loss,lm_eval:arc_easy,hellaswag' -> ['boolq', 'loss', 'lm_eval:arc_easy', 'lm_eval:hellaswag']:
+    after the first lm_eval: item, the names that follow are lm-eval tasks too."""
+    names, lm_eval = [], False
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        lm_eval = lm_eval or is_lm_eval(part)
+        names.append(part if is_lm_eval(part) or not lm_eval else LM_EVAL_PREFIX + part)
+    return names

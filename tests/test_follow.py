@@ -231,3 +231,33 @@ def test_follow_flags_need_follow(tmp_path):
     r = run_bema("stabilize", run, "--base", base, "--out", tmp_path / "o", "--follow", "--poll", "0")
     assert r.returncode == 2 and "--poll" in r.stderr
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_follow_a_checkpoint_every_run_skips_costs_no_cpu(tmp_path):
+    """--phi 20: checkpoint-30 writes nothing and no state; the follower must go back to sleeping,
+    not re-run a round for it at every poll."""
+    base, full = write_trajectory(tmp_path / "traj", [10, 20, 30, 40])
+    run, out = tmp_path / "run", tmp_path / "out"
+    run.mkdir()
+    shutil.copytree(full / "checkpoint-20", run / "checkpoint-20")
+    proc = subprocess.Popen(
+        follow_cmd(run, base, out, "--json", "--poll", "0.2", "--phi", "20", "--until-step", "40"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines = Lines(proc)
+    lines.wait(1, timeout=60)
+    shutil.copytree(full / "checkpoint-30", run / "checkpoint-30")
+    time.sleep(1.0)  # its round
+    c0 = cpu_seconds(proc.pid)
+    time.sleep(2.0)
+    assert cpu_seconds(proc.pid) - c0 < 0.3  # sleeping between polls, not re-running rounds
+    shutil.copytree(full / "checkpoint-40", run / "checkpoint-40")
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    assert [json.loads(x)["step"] for _, x in lines.items] == [20, 40]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -217,6 +217,8 @@ def _follow(opts, executor_opts, json_out: bool, poll: float, until_step, idle_t
 
     if opts.dry_run:
         raise UsageError("--dry-run cannot be combined with --follow")
+    if opts.checkpoints is not None:
+        raise UsageError("--follow watches a run folder: give CHECKPOINT_DIR, not a list on stdin")
 
     def emit(o: dict) -> None:  # one line per output, flushed, so `| while read -r line` sees it at once
         if json_out:

@@ -24,6 +24,7 @@ from bema_cli import __version__, output
 from bema_cli.cluster import ExecutorOptions, import_ray
 from bema_cli.errors import BemaError, InputError, OutputError, UsageError
 from bema_cli.io.commit import TMP_PREFIX, OutputTransaction, check_apart
+from bema_cli.io.fingerprint import fingerprint
 from bema_cli.io.reader import TensorInfo, TensorReader
 from bema_cli.io.safetensors import DTYPES, FLOATING, ModelIndex
 from bema_cli.io.watch import hold_files, release
@@ -278,7 +279,7 @@ def hold(plan: Plan, alias: bool = True):
     plan.fingerprints = {}
     for step, index in indexes.items():
         names = sorted({t.file for t in index.tensors.values()})
-        prints = state.fingerprint([mapping[p] for p in names])
+        prints = fingerprint([mapping[p] for p in names])
         plan.fingerprints[step] = [{**f, "name": p.name} for f, p in zip(prints, names, strict=True)]
     saved = [(index, index.tensors) for index in held] if alias else []
     for index, _ in saved:

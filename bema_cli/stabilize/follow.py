@@ -1,8 +1,8 @@
 """`bema stabilize --follow`: process each new checkpoint of a training run as soon as it is complete.
 
 Each round is one incremental `bema stabilize` call (the persistent state makes it read only
-the new checkpoints) over the checkpoints that are complete (io/watch.py), then a sleep of
-`poll` seconds. The outputs of a round are reported through `emit` right after their commit.
+the new checkpoints) over the checkpoints that are complete (io/watch.py); between rounds it
+sleeps `poll` seconds per look. The outputs of a round are reported through `emit` right after their commit.
 """
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from bema_cli import output, signals
 from bema_cli.errors import InputError, UsageError
-from bema_cli.io.watch import Watcher
+from bema_cli.io.watch import Watcher, wait_for
 from bema_cli.stabilize import state
 from bema_cli.stabilize.plan import Options
 
@@ -43,6 +44,14 @@ def _check_vanished(watcher: Watcher, present: dict, consumed: list[int], opts: 
                 "the average cannot skip a step: use a shorter --poll or a larger save_total_limit, then --restart"
             )
         del watcher.seen[step]  # skipped by every run's cadence: it never mattered
+
+
+def _look(watcher: Watcher, consumed: list[int], seen_through: int, opts: Options, ready: dict) -> bool:
+    """One poll: fill `ready` with the complete checkpoints; True when one is newer than seen_through."""
+    ready.clear()
+    ready.update(watcher.complete())
+    _check_vanished(watcher, watcher.scan(), consumed, opts)
+    return any(s > seen_through for s in ready)
 
 
 def follow(opts: Options, run_once: Callable[[Options], dict], emit: Callable[[dict], None], **kw) -> dict:
@@ -77,32 +86,36 @@ def _follow(
     out = Path(opts.out).expanduser().resolve()
     watcher = Watcher(Path(opts.checkpoint_dir).expanduser())
     totals = {"outputs": 0, "read_bytes": 0, "written_bytes": 0, "state_bytes": 0, "rounds": 0}
-    idle_since = time.monotonic()
     first = True
     import torch  # noqa: F401  (imported now, not when the first checkpoint is waiting to be read)
 
+    idle_since = time.monotonic()
+
     output.log(f"following {watcher.run_dir} (poll every {poll:g} s)")
+    handled = -1  # the newest step a round has seen through (a step every run skips writes no state)
     while True:
         consumed = _consumed(out)
-        if until_step is not None and consumed and consumed[-1] >= until_step:
-            output.log(f"step {consumed[-1]} processed (--until-step {until_step}): done")
+        seen_through = max(consumed[-1] if consumed else -1, handled)
+        if until_step is not None and seen_through >= until_step:
+            output.log(f"step {seen_through} processed (--until-step {until_step}): done")
             return totals
-        ready = watcher.complete()
-        _check_vanished(watcher, watcher.scan(), consumed, opts)
-        new = [s for s in ready if not consumed or s > consumed[-1]]
-        if new:
-            again = {"restart": opts.restart and first, "overwrite": opts.overwrite and first}
-            doc = run_once(replace(opts, ready_steps=sorted(ready), **again))
-            first = False
-            for o in doc["outputs"]:
-                emit(o)
-            totals["rounds"] += 1
-            totals["outputs"] += len(doc["outputs"])
-            for key in ("read_bytes", "written_bytes", "state_bytes"):
-                totals[key] += doc.get(key, 0)
-            idle_since = time.monotonic()
-            continue  # more may have completed meanwhile
-        if idle_timeout is not None and time.monotonic() - idle_since >= idle_timeout:
+        ready: dict = {}
+        new_ready = partial(_look, watcher, consumed, seen_through, opts, ready)
+        left = None if idle_timeout is None else idle_timeout - (time.monotonic() - idle_since)
+        # sleeps between polls: no CPU while idle; a signal (Ctrl-C, SIGTERM) ends the wait
+        if not wait_for(new_ready, poll, None if left is None else max(left, 0.0)):  # polls at least once
             output.log(f"no new checkpoint for {idle_timeout:g} s (--idle-timeout): done")
             return totals
-        time.sleep(poll)  # a signal (Ctrl-C, SIGTERM) interrupts it: bema's handlers end the run
+        again = {"restart": opts.restart and first, "overwrite": opts.overwrite and first}
+        doc = run_once(replace(opts, ready_steps=sorted(ready), **again))
+        first = False
+        handled = max(ready)
+        for o in doc["outputs"]:
+            emit(o)
+        steps = sorted({o["step"] for o in doc["outputs"]})
+        output.log(f"processed step(s) {', '.join(map(str, steps)) or '-'} in {doc['seconds']:.2f} s")
+        totals["rounds"] += 1
+        totals["outputs"] += len(doc["outputs"])
+        for key in ("read_bytes", "written_bytes", "state_bytes"):
+            totals[key] += doc.get(key, 0)
+        idle_since = time.monotonic()

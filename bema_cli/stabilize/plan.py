@@ -14,6 +14,7 @@ from pathlib import Path
 
 from bema_cli.errors import InputError, UsageError
 from bema_cli.io.checkpoints import Checkpoint, find_checkpoints, is_adapter, resolve_base
+from bema_cli.io.fingerprint import weight_files
 from bema_cli.io.lora import Adapter, lora_index, read_adapter, same_targets
 from bema_cli.io.reader import ModelIndex, TensorInfo, has_weights, open_checkpoint
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
@@ -264,7 +265,7 @@ def prepare(opts: Options) -> Plan:
     base = resolve_base(
         opts.base or (stored and stored["theta0"].get("source")), checkpoints, check=has_weights
     )
-    resume = state.resume(opts, out, checkpoints, base.source, state.weight_files(base.path))
+    resume = state.resume(opts, out, checkpoints, base.source, weight_files(base.path))
     steps = resume.steps
     tau = opts.schedules[0].tau if opts.schedules else 0
     if tau > 0 and tau >= steps[-1] and opts.ready_steps is None:  # --follow: later steps will come

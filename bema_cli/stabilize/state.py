@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import struct
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING
 from bema_cli import __version__, output
 from bema_cli.errors import BemaError, InputError, UsageError
 from bema_cli.io.checkpoints import Checkpoint, model_weight_files, read_json
+from bema_cli.io.fingerprint import changed, fingerprint, fingerprint_if_present
 from bema_cli.io.safetensors import FLOATING, TAG_OF, ModelIndex, TensorInfo, index_model
 from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
 from bema_cli.recurrence import STATE_TENSORS, Schedule, Stabilizer, run_name, state_key
@@ -42,89 +42,8 @@ if TYPE_CHECKING:
 STATE_DIR = ".bema-state"
 STATE_FILE = "state.json"
 FORMAT = 1
-HEAD_BYTES = 1 << 20  # fingerprint of a non-safetensors weight file: its first MiB
-SAMPLE_BYTES = 64 << 10  # and of the data: its first and last 64 KiB
 # What must not change between calls of one run: the schedule and the dtypes (flag names for errors).
 CHECKED = ("preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min", "accum_dtype", "out_dtype")
-
-
-# -- fingerprints ------------------------------------------------------------------------------
-def head_hash(path: Path) -> tuple[str, str]:
-    """sha256 of a weight file's header, and of a sample of its data (first and last 64 KiB).
-
-    The header (safetensors: length prefix + JSON; else the first MiB) changes with the layout;
-    the sample catches a rewrite with the same layout (a retrained checkpoint differs everywhere).
-    """
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(9)
-        n = struct.unpack("<Q", head[:8])[0] if len(head) == 9 else 0
-        if (
-            head[8:] == b"{" and 8 + n <= size
-        ):  # a safetensors header (checked by content: paths may be aliases)
-            head += f.read(n - 1)
-        else:
-            head += f.read(HEAD_BYTES - len(head))
-        sample = f.read(SAMPLE_BYTES)
-        f.seek(max(f.tell(), size - SAMPLE_BYTES))
-        sample += f.read(SAMPLE_BYTES)
-    return hashlib.sha256(head).hexdigest(), hashlib.sha256(sample).hexdigest()
-
-
-def fingerprint(files: list[Path]) -> list[dict]:
-    """[{name, size, header_sha256, sample_sha256}] of a model's weight files: cheap, changes with a rewrite."""
-    out = []
-    try:
-        for p in files:
-            header, sample = head_hash(p)
-            out.append(
-                {"name": p.name, "size": p.stat().st_size, "header_sha256": header, "sample_sha256": sample}
-            )
-    except OSError as exc:
-        raise InputError(f"{exc.filename}: cannot read ({exc.strerror or exc})") from None
-    return out
-
-
-def weight_files(folder: Path) -> list[Path]:
-    """The files holding a model folder's weights, in any format the readers take (io/reader.py)."""
-    from bema_cli.io.reader import open_checkpoint
-
-    if (folder / "adapter_config.json").is_file():  # a PEFT LoRA adapter
-        return sorted(p for p in folder.glob("adapter_model.*") if p.is_file())
-    try:
-        return model_weight_files(folder)
-    except InputError:
-        if not folder.is_dir():
-            raise
-        files = set()
-        for f in {t.file for t in open_checkpoint(folder).tensors.values()}:
-            files |= {p for p in f.iterdir() if p.is_file()} if f.is_dir() else {f}  # DCP: a folder
-        return sorted(files)
-
-
-def _fingerprint_if_present(folder: Path) -> list[dict] | None:
-    """A checkpoint's fingerprint, or None when it vanished meanwhile (a trainer's rotation)."""
-    try:
-        return fingerprint(weight_files(folder))
-    except InputError:
-        if folder.exists():
-            raise
-        return None
-
-
-def _changed(old: list[dict], new: list[dict]) -> str | None:
-    """How a fingerprint differs, in words, or None."""
-    old_by, new_by = {f["name"]: f for f in old}, {f["name"]: f for f in new}
-    if set(old_by) != set(new_by):
-        return f"weight files were {sorted(old_by)}, now {sorted(new_by)}"
-    for name, f in new_by.items():
-        if f["size"] != old_by[name]["size"]:
-            return f"{name} was {old_by[name]['size']} bytes, now {f['size']}"
-        if f["header_sha256"] != old_by[name]["header_sha256"]:
-            return f"{name} has a different header"
-        if f["sample_sha256"] != old_by[name].get("sample_sha256"):
-            return f"{name} holds different values"
-    return None
 
 
 # -- reading the state and checking a call against it -----------------------------------------
@@ -220,7 +139,7 @@ def _check_inputs(
             f"--base: theta0 is {base_source} but {where} was computed from {theta0.get('source')}; "
             "pass --restart to recompute from scratch (or choose another --out)"
         )
-    diff = _changed(theta0.get("files", []), fingerprint(base_files))
+    diff = changed(theta0.get("files", []), fingerprint(base_files))
     if diff:
         raise InputError(
             f"{base_source}: theta0 changed on disk since {where} was written ({diff}); pass --restart"
@@ -229,8 +148,8 @@ def _check_inputs(
     last = max(consumed, default=None)
     for c in checkpoints:
         if c.step in consumed:
-            now = _fingerprint_if_present(c.path)
-            diff = _changed(consumed[c.step]["files"], now) if now and consumed[c.step]["files"] else None
+            now = fingerprint_if_present(c.path)
+            diff = changed(consumed[c.step]["files"], now) if now and consumed[c.step]["files"] else None
             if diff:
                 raise InputError(
                     f"{c.path}: changed on disk since it was processed ({diff}); pass --restart to recompute"
@@ -446,7 +365,7 @@ def _new_state(plan: Plan, opts: Options, outputs: dict[str, list[int]]) -> dict
     for c in plan.checkpoints:
         if c.step not in consumed and last is not None and c.step <= last:
             # read steps: the files as they were read (engine.hold); skipped ones if still there
-            files = plan.fingerprints.get(c.step) or _fingerprint_if_present(c.path) or []
+            files = plan.fingerprints.get(c.step) or fingerprint_if_present(c.path) or []
             consumed[c.step] = {"step": c.step, "path": str(c.path), "files": files}
     runs = {r["run"]: r for r in stored.get("runs", [])}
     for t in plan.tracks:

@@ -1,0 +1,96 @@
+"""Fingerprints of weight files: cheap evidence that a file is still what was read earlier.
+
+A fingerprint is [{name, size, header_sha256, sample_sha256}] per weight file: the size and
+the header change with the layout, a 128 KiB sample of the data with a rewrite of the same
+layout. `bema stabilize` records one per consumed checkpoint in its persistent state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from pathlib import Path
+
+from bema_cli.errors import InputError
+from bema_cli.io.checkpoints import model_weight_files
+
+HEAD_BYTES = 1 << 20  # fingerprint of a non-safetensors weight file: its first MiB
+SAMPLE_BYTES = 64 << 10  # and of the data: its first and last 64 KiB
+
+
+def head_hash(path: Path) -> tuple[str, str]:
+    """sha256 of a weight file's header, and of a sample of its data (first and last 64 KiB).
+
+    The header (safetensors: length prefix + JSON; else the first MiB) changes with the layout;
+    the sample catches a rewrite with the same layout (a retrained checkpoint differs everywhere).
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(9)
+        n = struct.unpack("<Q", head[:8])[0] if len(head) == 9 else 0
+        if (
+            head[8:] == b"{" and 8 + n <= size
+        ):  # a safetensors header (checked by content: paths may be aliases)
+            head += f.read(n - 1)
+        else:
+            head += f.read(HEAD_BYTES - len(head))
+        sample = f.read(SAMPLE_BYTES)
+        f.seek(max(f.tell(), size - SAMPLE_BYTES))
+        sample += f.read(SAMPLE_BYTES)
+    return hashlib.sha256(head).hexdigest(), hashlib.sha256(sample).hexdigest()
+
+
+def fingerprint(files: list[Path]) -> list[dict]:
+    """[{name, size, header_sha256, sample_sha256}] of a model's weight files: cheap, changes with a rewrite."""
+    out = []
+    try:
+        for p in files:
+            header, sample = head_hash(p)
+            out.append(
+                {"name": p.name, "size": p.stat().st_size, "header_sha256": header, "sample_sha256": sample}
+            )
+    except OSError as exc:
+        raise InputError(f"{exc.filename}: cannot read ({exc.strerror or exc})") from None
+    return out
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The files holding a model folder's weights, in any format the readers take (io/reader.py)."""
+    from bema_cli.io.reader import open_checkpoint
+
+    if (folder / "adapter_config.json").is_file():  # a PEFT LoRA adapter
+        return sorted(p for p in folder.glob("adapter_model.*") if p.is_file())
+    try:
+        return model_weight_files(folder)
+    except InputError:
+        if not folder.is_dir():
+            raise
+        files = set()
+        for f in {t.file for t in open_checkpoint(folder).tensors.values()}:
+            files |= {p for p in f.iterdir() if p.is_file()} if f.is_dir() else {f}  # DCP: a folder
+        return sorted(files)
+
+
+def fingerprint_if_present(folder: Path) -> list[dict] | None:
+    """A checkpoint's fingerprint, or None when it vanished meanwhile (a trainer's rotation)."""
+    try:
+        return fingerprint(weight_files(folder))
+    except InputError:
+        if folder.exists():
+            raise
+        return None
+
+
+def changed(old: list[dict], new: list[dict]) -> str | None:
+    """How a fingerprint differs, in words, or None."""
+    old_by, new_by = {f["name"]: f for f in old}, {f["name"]: f for f in new}
+    if set(old_by) != set(new_by):
+        return f"weight files were {sorted(old_by)}, now {sorted(new_by)}"
+    for name, f in new_by.items():
+        if f["size"] != old_by[name]["size"]:
+            return f"{name} was {old_by[name]['size']} bytes, now {f['size']}"
+        if f["header_sha256"] != old_by[name]["header_sha256"]:
+            return f"{name} has a different header"
+        if f["sample_sha256"] != old_by[name].get("sample_sha256"):
+            return f"{name} holds different values"
+    return None

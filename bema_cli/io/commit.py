@@ -54,19 +54,22 @@ class OutputTransaction:
         self._lock_fd: int | None = None
 
     def __enter__(self) -> OutputTransaction:
-        self._created = not self.out.exists()
+        # Signals wait while the lock is taken and the folders are set up or cleaned, so that no
+        # lock file or temp folder is ever left behind by a handled SIGINT/SIGTERM/SIGHUP.
         try:
-            self.out.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise OutputError(
-                f"{self.out}: cannot write the output directory ({exc.strerror or exc})"
-            ) from None
-        try:
-            self._lock_fd = _lock(self.out)
-            self.recovered = recover(self.out)
-            self.tmp.mkdir()
+            with signals.deferred():
+                self._created = not self.out.exists()
+                try:
+                    self.out.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise OutputError(
+                        f"{self.out}: cannot write the output directory ({exc.strerror or exc})"
+                    ) from None
+                self._lock_fd = _lock(self.out)
+                self.recovered = recover(self.out)
+                self.tmp.mkdir()
         except BaseException:
-            self._release()
+            self.__exit__(None, None, None)  # __exit__ is not called when __enter__ raises
             raise
         return self
 
@@ -90,13 +93,13 @@ class OutputTransaction:
             _roll_forward(self.out, self.tmp)
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            if (self.tmp / JOURNAL).exists():  # interrupted after the commit point: finish it
-                with signals.deferred():
+        with signals.deferred():
+            try:
+                if (self.tmp / JOURNAL).exists():  # interrupted after the commit point: finish it
                     _roll_forward(self.out, self.tmp)
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        finally:
-            self._release()
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            finally:
+                self._release()
 
     def _release(self) -> None:
         if self._lock_fd is not None:
@@ -158,10 +161,10 @@ def recover(out: Path) -> list[str]:
     """Under the lock: finish the journaled commits of dead writers, delete their temp folders."""
     found = sorted(p for p in out.glob(TMP_PREFIX + "*") if p.is_dir() and not p.is_symlink())
     for tmp in found:
-        if (tmp / JOURNAL).exists():
-            with signals.deferred():
+        with signals.deferred():
+            if (tmp / JOURNAL).exists():
                 _roll_forward(out, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
     return [p.name for p in found]
 
 

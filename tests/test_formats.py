@@ -251,3 +251,26 @@ def test_eval_accepts_the_same_layouts(tiny_model_dir, tmp_path):
         convert(tiny_model_dir, tmp_path / "run" / name, "safetensors")
     targets = expand_inputs([str(tmp_path / "run")])
     assert [(t.step, t.path.name) for t in targets] == [(10, "step_0010"), (20, "step_0020")]
+
+
+def test_stdin_list_from_a_terminal_is_a_usage_error(tmp_path):
+    """`bema stabilize -` with stdin on a terminal would wait forever: it says what to pipe instead."""
+    import os
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: stdin/stdout/stderr are the pty
+        os.execv(str(BEMA), [str(BEMA), "stabilize", "-", "--out", str(tmp_path / "out")])
+    text = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        text += chunk
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 2
+    assert "which is a terminal here; pipe or redirect a list in" in text.decode()
+    assert not (tmp_path / "out").exists()

@@ -158,7 +158,13 @@ def stabilize(
     from bema_cli.stabilize import stabilize as run
     from bema_cli.stabilize.executors import session
 
-    checkpoints = read_checkpoint_list(sys.stdin.read()) if checkpoint_dir == "-" else None
+    checkpoints = None
+    if checkpoint_dir == "-":
+        if sys.stdin.isatty():
+            raise UsageError(
+                "-: reads 'STEP PATH' lines from stdin, which is a terminal here; pipe or redirect a list in (bema stabilize - --out OUT < steps.txt)"
+            )
+        checkpoints = read_checkpoint_list(sys.stdin.read())
 
     schedules = grid(
         parse_str_list(method),

@@ -245,12 +245,11 @@ def lora_index(adapter: Adapter | None, layout: Adapter, base: ModelIndex, mode:
         names = sorted(base.tensors)
     else:
         names = sorted(set(layout.modules) | set(layout.full))
-    src = adapter or layout
     for name in names:
         b = base.tensors[name]
         if name in layout.modules:
             dtype = b.dtype if mode == "merged" else compute_tag(b.dtype)
-            file = src.index.tensors[src.modules[name].a_key].file if adapter else b.file
+            file = adapter.index.tensors[adapter.modules[name].a_key].file if adapter else b.file
         elif name in layout.full and adapter is not None:
             info = adapter.index.tensors[adapter.full[name]]
             dtype, file = (b.dtype if mode == "merged" else info.dtype), info.file

@@ -15,7 +15,7 @@ import os
 from collections import deque
 
 from bema_cli import output
-from bema_cli.cluster import ExecutorOptions, cluster_cpus, ray_session, task_error
+from bema_cli.cluster import ExecutorOptions, cluster_cpus, ray_session, runtime_env, task_error
 from bema_cli.errors import BackendError, UsageError
 from bema_cli.eval.backends.base import EngineOptions
 
@@ -61,7 +61,7 @@ def run_pool(evaluation, jobs: list, executor: ExecutorOptions) -> None:
         res = actor_resources(ray, executor.workers, evaluation.engine)
         env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
         actor_class = ray.remote(EngineActor)
-        opts = {**res, "max_restarts": 0, "runtime_env": {"env_vars": env} if env else None}
+        opts = {**res, "max_restarts": 0, "runtime_env": runtime_env(env)}
 
         started = iter(range(1 << 30))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from bema_cli.cluster import ExecutorOptions, cluster_cpus, ray_session, task_error
+from bema_cli.cluster import ExecutorOptions, cluster_cpus, ray_session, runtime_env, task_error
 from bema_cli.errors import UsageError
 from bema_cli.stabilize.engine import Outputs, Workspace, process_unit, unit_bytes
 from bema_cli.stabilize.plan import Options, Plan
@@ -40,7 +40,10 @@ def session(executor: ExecutorOptions) -> Iterator[None]:
         yield
         return
     with ray_session(executor) as ray:
-        warm = ray.remote(_warm_up).options(num_cpus=0)  # takes no slot from the units that follow
+        # the units' CPU share and runtime_env: a unit submitted while a warm-up still runs waits
+        # for its worker to be free (and warm) instead of starting a cold one
+        cpus = _cpus_per_worker(ray, executor.workers)
+        warm = ray.remote(_warm_up).options(num_cpus=cpus, runtime_env=runtime_env())
         for _ in range(executor.workers):
             warm.remote()
         yield
@@ -74,11 +77,15 @@ def _workspace(plan: Plan, opts: Options) -> Workspace:
     return _cached[0]
 
 
+def _cpus_per_worker(ray, workers: int) -> int:
+    total, largest = cluster_cpus(ray)
+    return max(1, min(int(largest), int(total // workers)))
+
+
 def _resources(ray, plan: Plan, opts: Options, workers: int) -> dict:
     """What each task reserves: an equal share of the cluster's cores (at most one node's), one GPU
     when the cluster has GPUs and --device allows them, and --max-memory of the node's memory."""
-    total, largest = cluster_cpus(ray)
-    cpus = max(1, min(int(largest), int(total // workers)))
+    cpus = _cpus_per_worker(ray, workers)
     gpus = 1 if opts.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1 else 0
     if opts.device == "cuda" and not gpus:
         raise UsageError("--device cuda: the Ray cluster has no GPU")
@@ -96,7 +103,7 @@ def _run_ray(
     """At most `workers` unit tasks in flight; each finished one frees a slot for the next."""
     with ray_session(executor) as ray:
         res = _resources(ray, plan, opts, executor.workers)
-        task = ray.remote(_ray_unit).options(max_retries=RETRIES, **res)
+        task = ray.remote(_ray_unit).options(max_retries=RETRIES, runtime_env=runtime_env(), **res)
         plan_ref, outputs_ref = ray.put(plan), ray.put(outputs)  # shipped once, shared by every task
         todo = list(range(len(plan.units)))[::-1]
         running: dict = {}

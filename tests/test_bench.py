@@ -114,3 +114,29 @@ def test_bench_incremental_quick_prints_every_row_and_json(tmp_path):
     assert doc["cost"]["incremental_outputs"] == 1 and doc["cost"]["one_shot_outputs"] == 10
     assert doc["follow"]["latency"] > 0 and doc["follow"]["processing"] > 0
     assert list(tmp_path.iterdir()) == [], "scratch directory not cleaned up"
+
+
+@pytest.mark.slow
+def test_bench_ray_quick_checks_outputs_and_records(tmp_path):
+    """bench_ray.py --quick: every row, Ray outputs bitwise local's, eval records equal, scratch removed."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH.with_name("bench_ray.py")),
+            "--quick",
+            "--json",
+            "--workdir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    checks = {r["check"]: r for r in doc["rows"]}
+    assert len(checks) == 8
+    assert checks["Ray outputs bitwise identical to local"]["result"] == "PASS"
+    assert checks["eval records (metrics) equal to local"]["result"] == "PASS"
+    assert len(set(doc["stabilize"]["bitwise"].values())) == 1 and len(doc["stabilize"]["bitwise"]) == 4
+    assert list(tmp_path.iterdir()) == [], "scratch directory not cleaned up"

@@ -27,10 +27,14 @@ GRID = ["--method", "bema,ema,dema,ouema", "--kappa", "0.5,0.3", "--eta", "0.2,i
 LAYOUT = ["--max-memory", "300B", "--max-shard-size", "150B"]
 
 
+VOLATILE = ("manifest.json", "state.json")  # they record when they were written
+
+
 def digest(out: Path) -> dict[str, str]:
-    """sha256 of every safetensors/index file under out (by relative path)."""
+    """sha256 of every safetensors and json file under out (outputs, bema.json, index files and the
+    persistent state's tensors), by relative path."""
     files = sorted(
-        p for p in out.rglob("*") if p.suffix in (".safetensors", ".json") and p.name != "manifest.json"
+        p for p in out.rglob("*") if p.suffix in (".safetensors", ".json") and p.name not in VOLATILE
     )
     return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
@@ -89,7 +93,8 @@ def test_ray_reads_every_format_like_local(tmp_path, ray_address, fmt):
     )  # fmt: skip
     a, b = digest(tmp_path / "local"), digest(tmp_path / "ray")
     safetensors = [k for k in a if k.endswith(".safetensors")]
-    assert len(safetensors) == 4 * 3 and all(a[k] == b[k] for k in safetensors)
+    assert all(a[k] == b[k] for k in safetensors)
+    assert len([k for k in safetensors if not k.startswith(".bema-state")]) == 4 * 3
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ state or the new one, never a mix.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -70,7 +71,7 @@ def read(out: Path) -> dict | None:
 def _settings(schedule: Schedule, opts: Options) -> dict:
     values = {n: getattr(schedule, n) for n in CHECKED[:-2]}
     values.update(accum_dtype=opts.accum_dtype, out_dtype=opts.out_dtype or "input")
-    return output._jsonable(values)
+    return json.loads(output.to_json(values))  # as stored: inf -> "inf", None -> null
 
 
 def check_run(name: str, stored: dict, schedule: Schedule, opts: Options, where: Path) -> None:
@@ -314,7 +315,7 @@ def read_theta0(plan: Plan, unit: list[Piece], theta0, load) -> None:
 
 
 def traffic(plan: Plan) -> int:
-    """Bytes of state this call reads (continued states, theta0 copy) and writes (new states)."""
+    """Bytes of state this call reads (continued states, theta0's copy); `written` adds the new states."""
     read = sum(t.source.nbytes for t in plan.tracks if t.source is not None and t.advancing)
     if plan.theta0_index is not None and plan.theta0_index is not plan.base_index:
         read += plan.theta0_index.nbytes

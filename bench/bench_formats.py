@@ -124,7 +124,11 @@ def best(name: str, cmd: list[str], inputs: list[Path], out: Path, repeats: int)
 
 def same_outputs(out: Path, ref: Path) -> bool:
     """Every safetensors file of every output byte-identical to the reference run's."""
-    files = sorted(p.relative_to(ref) for p in ref.rglob("*.safetensors"))
+    files = sorted(
+        p.relative_to(ref)
+        for p in ref.rglob("*.safetensors")
+        if not p.relative_to(ref).parts[0].startswith(".")
+    )  # the run folders; hidden state (follow mode's .bema-state) is keyed by the inputs' fingerprints
     return bool(files) and all((out / f).read_bytes() == (ref / f).read_bytes() for f in files)
 
 

@@ -99,28 +99,25 @@ def _offsets(path: Path, state: dict) -> dict[str, int]:
     """Byte offsets in `path` of the tensors' first elements, from the mapped storages' addresses.
 
     With mmap=True every storage is a slice of one mapping of the file at its record's offset, so
-    address - offset is the same for all: anchored at the lowest record and checked against every
-    storage and the first bytes of every tensor; on any mismatch the tensor is read the slow way.
+    address - offset is the same for all: anchored at the lowest record, it must map the storages
+    one to one onto the records, and each tensor must lie inside its record; else the slow way.
+    Only addresses are compared: touching the mapping would page it in (and count in RSS).
     """
-    import torch
-
     with open(path, "rb") as f:
         records = data_records(FileWindow(f))
+    sizes = {offset: size for offset, size in (records or {}).values() if size}
     storages = {t.untyped_storage().data_ptr() for t in state.values() if t.numel()}
-    starts = sorted(offset for offset, size in (records or {}).values() if size)
-    if not storages or len(starts) != len(storages):
+    if not storages or len(sizes) != len(storages):
         return {}
-    base = min(storages) - starts[0]
-    if {p - base for p in storages} != set(starts):
+    base = min(storages) - min(sizes)
+    if {p - base for p in storages} != set(sizes):
         return {}
     offsets = {}
-    with open(path, "rb") as f:
-        for name, t in state.items():
-            if t.numel() and t.is_contiguous():
-                first = t.reshape(-1)[:16]
-                f.seek(t.data_ptr() - base)
-                if f.read(first.nbytes) == bytes(first.view(torch.uint8).numpy()):
-                    offsets[name] = t.data_ptr() - base
+    for name, t in state.items():
+        record = t.untyped_storage().data_ptr() - base
+        start = t.data_ptr() - base
+        if t.numel() and t.is_contiguous() and start + t.nbytes <= record + sizes[record]:
+            offsets[name] = start
     return offsets
 
 

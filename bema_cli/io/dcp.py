@@ -19,7 +19,7 @@ from pathlib import Path
 from bema_cli.errors import InputError
 from bema_cli.io.safetensors import ModelIndex, TensorInfo
 from bema_cli.io.torchbin import dtype_tag
-from bema_cli.io.torchzip import FileWindow, data_records, read_rows
+from bema_cli.io.torchzip import FileWindow, data_records, read_rows, release_freed_memory
 
 METADATA = ".metadata"
 ACCELERATE_PREFIX = "model."
@@ -171,6 +171,7 @@ class DcpReader:
 
     def __exit__(self, *exc) -> None:
         self._storage = None
+        release_freed_memory()
 
     def read(self, name: str, start: int, stop: int):
         import torch

@@ -18,7 +18,7 @@ from pathlib import Path
 from bema_cli.errors import InputError
 from bema_cli.io.checkpoints import indexed_files
 from bema_cli.io.safetensors import DTYPES, TAG_OF, ModelIndex, TensorInfo
-from bema_cli.io.torchzip import FileWindow, data_records, read_rows
+from bema_cli.io.torchzip import FileWindow, data_records, read_rows, release_freed_memory
 
 BIN_NAME = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -134,6 +134,7 @@ class BinReader:
 
     def __exit__(self, *exc) -> None:
         self._states.clear()  # the last references to the mapped storages: unmaps the files
+        release_freed_memory()
 
     def read(self, name: str, start: int, stop: int):
         import torch

@@ -89,3 +89,25 @@ def read_rows(path: Path, offset: int, dest) -> None:
             done += got
     finally:
         os.close(fd)
+
+
+def release_freed_memory() -> None:
+    """Hand freed row buffers back to the OS (glibc's malloc_trim) when a reader closes.
+
+    Row reads allocate a fresh buffer each; glibc raises its mmap threshold after the first
+    large free and then serves these from the heap, which it does not shrink: measured +25-40 MiB
+    of peak RSS over a 6-checkpoint run at --max-memory 64MiB. A no-op where there is no glibc.
+    """
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None  # resolved on first use

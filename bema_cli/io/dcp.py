@@ -13,13 +13,21 @@ so names carry a `model.` prefix, stripped where that matches the base model's n
 
 from __future__ import annotations
 
+import math
 import pickle
 from pathlib import Path
 
 from bema_cli.errors import InputError
 from bema_cli.io.safetensors import ModelIndex, TensorInfo
 from bema_cli.io.torchbin import dtype_tag
-from bema_cli.io.torchzip import FileWindow, data_records, read_rows, release_freed_memory
+from bema_cli.io.torchzip import (
+    FileWindow,
+    contiguous_strides,
+    data_records,
+    read_rows,
+    release_freed_memory,
+    tensor_layout,
+)
 
 METADATA = ".metadata"
 ACCELERATE_PREFIX = "model."
@@ -239,30 +247,28 @@ def _chunk_record(index: DcpIndex, key: str, chunk) -> tuple[Path, int] | None:
     cache = index.__dict__.setdefault("_records", {})
     where = (key, tuple(chunk.offsets))
     if where not in cache:
+        meta = index.metadata.state_dict_metadata[key]
         info = index.metadata.storage_data[MetadataIndex(key, chunk.offsets)]
         cache[where] = (
-            None if info.transform_descriptors else _locate(index.dcp_dir / info.relative_path, info)
+            None if info.transform_descriptors else _locate(index.dcp_dir / info.relative_path, info, meta)
         )
     return cache[where]
 
 
-def _locate(path: Path, info) -> tuple[Path, int] | None:
-    import torch
-
+def _locate(path: Path, info, meta) -> tuple[Path, int] | None:
+    """(file, offset) of a chunk's first element when its record is plain and its tensor contiguous."""
     with open(path, "rb") as f:
         chunk = FileWindow(f, info.offset, info.length)
         records = data_records(chunk)
-        if records is None or len(records) != 1:
-            return None
-        try:
-            chunk.seek(0)
-            tensor = torch.load(chunk, map_location="meta", weights_only=True)  # no tensor bytes read
-        except Exception:
-            return None  # not the plain layout: the planned path decides (and names any corruption)
+        layout = tensor_layout(chunk) if records is not None and len(records) == 1 else None
+    if layout is None:
+        return None  # not the plain layout: the planned path decides (and names any corruption)
     ((data, size),) = records.values()
-    if not (isinstance(tensor, torch.Tensor) and tensor.is_contiguous()):
+    offset, shape, stride = layout
+    itemsize = meta.properties.dtype.itemsize
+    nbytes = itemsize * math.prod(shape)
+    if stride != contiguous_strides(shape) and nbytes:
         return None
-    start = tensor.storage_offset() * tensor.element_size()
-    if start + tensor.nbytes > size:
+    if offset * itemsize + nbytes > size:
         return None
-    return path, info.offset + data + start
+    return path, info.offset + data + offset * itemsize

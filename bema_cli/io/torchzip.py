@@ -9,8 +9,10 @@ only its own bytes and never holds a mapping open.
 
 from __future__ import annotations
 
+import collections
 import io
 import os
+import pickle
 import struct
 import zipfile
 from pathlib import Path
@@ -72,6 +74,44 @@ def data_records(window: FileWindow) -> dict[str, tuple[int, int]] | None:
         return records
     except (zipfile.BadZipFile, struct.error, OSError, ValueError):
         return None
+
+
+class _TensorLayout(pickle.Unpickler):
+    """Reads a torch.save pickle of one tensor as (storage offset, size, stride), building nothing else:
+    the tensor-rebuild global becomes a tuple; any global but it, storage types and OrderedDict is refused."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *rest: (int(offset), tuple(size), tuple(stride))
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        if (module, name) == ("collections", "OrderedDict"):  # the (empty) backward hooks
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        return pid
+
+
+def tensor_layout(window: FileWindow) -> tuple[int, tuple, tuple] | None:
+    """(storage offset in elements, size, stride) of the one tensor a torch.save zip holds; None if
+    it holds something else. No tensor bytes are read and nothing but tuples is built."""
+    try:
+        zf = zipfile.ZipFile(window)
+        (pkl,) = [i for i in zf.infolist() if i.filename.endswith("/data.pkl")]
+        layout = _TensorLayout(io.BytesIO(zf.read(pkl))).load()
+    except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, TypeError, EOFError, OSError):
+        return None
+    ok = isinstance(layout, tuple) and len(layout) == 3 and isinstance(layout[0], int)
+    return layout if ok else None
+
+
+def contiguous_strides(size: tuple) -> tuple:
+    strides, n = [], 1
+    for d in reversed(size):
+        strides.append(n)
+        n *= d
+    return tuple(reversed(strides))
 
 
 def read_rows(path: Path, offset: int, dest) -> None:

@@ -27,6 +27,16 @@ def run_bema(*args: str, cwd: str | Path | None = None, env: dict | None = None,
     )
 
 
+def one_line_error(proc: subprocess.CompletedProcess, code: int | None = None) -> str:
+    """The one stderr line of a refused run, checked: non-zero exit (`code` when given), `error: ...`,
+    nothing else on stderr, no traceback. Returns the line for the caller's own checks."""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0 if code is None else proc.returncode == code, (proc.returncode, proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Qwen2ForCausalLM + BPE tokenizer with chat template (fp32, tied embeddings, head_dim 32)."""

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BEMA, run_bema
+from conftest import BEMA, one_line_error, run_bema
 from trajectory import write_trajectory
 
 STEPS = [10, 20, 30, 40, 50, 60, 70, 80]
@@ -32,10 +32,7 @@ def stabilize(run_dir: Path, base: Path, out: Path, *args) -> dict:
 
 def refused(run_dir: Path, base: Path, out: Path, *args) -> str:
     r = run_bema("stabilize", run_dir, "--base", base, "--out", out, *GRID, *args)
-    assert r.returncode != 0, r.stdout
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    return lines[0]
+    return one_line_error(r)
 
 
 def copy_steps(src: Path, dst: Path, steps: list[int]) -> None:

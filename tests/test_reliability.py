@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import BEMA, run_bema
+from conftest import BEMA, one_line_error, run_bema
 from trajectory import write_trajectory
 
 from bema_cli.errors import OutputError
@@ -687,9 +687,7 @@ def hostile(tmp_path_factory):
 @pytest.mark.parametrize("name", [c.__name__ for c in HOSTILE])
 def test_hostile_input(hostile, name):
     (args, code, message, root, hashes, out_before), proc = hostile[name]
-    assert proc.returncode == code, proc.stderr
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert message in one_line_error(proc, code), proc.stderr
     assert proc.stdout == ""
     assert _inputs_hash(root) == hashes, "an input was modified"
     out = root / "out"

@@ -31,20 +31,25 @@ ROWS = [
 ]
 
 
-@pytest.mark.slow
-def test_bench_quick_prints_every_row_and_json(tmp_path):
+def run_quick(script: str, tmp_path: Path, rows: list[str]) -> tuple[dict, str]:
+    """Run bench/<script> --quick --json: exit 0, every row printed, scratch removed; (JSON doc, table)."""
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--json", "--workdir", str(tmp_path)],
+        [sys.executable, str(BENCH.with_name(script)), "--quick", "--json", "--workdir", str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    table = proc.stderr  # with --json the table goes to stderr, the JSON document to stdout
-    for row in ROWS:
-        assert row in table, f"row {row!r} missing from:\n{table}"
+    for row in rows:  # with --json the table goes to stderr, the JSON document to stdout
+        assert row in proc.stderr, f"row {row!r} missing from:\n{proc.stderr}"
+    assert list(tmp_path.iterdir()) == [], "scratch directory not cleaned up"
+    return json.loads(proc.stdout), proc.stderr
+
+
+@pytest.mark.slow
+def test_bench_quick_prints_every_row_and_json(tmp_path):
+    doc, table = run_quick(BENCH.name, tmp_path, ROWS)
     assert "page cache: inputs WARM" in table
-    doc = json.loads(proc.stdout)
     assert len(doc["rows"]) == len(ROWS) + 1  # "same at 4x model size" is there twice
     assert sum("same at 4x model size" in r["check"] for r in doc["rows"]) == 2
     assert all(r["result"] in ("PASS", "FAIL", "") for r in doc["rows"])
@@ -57,10 +62,8 @@ def test_bench_quick_prints_every_row_and_json(tmp_path):
     # the outputs were checked against the naive peer: a number, not a placeholder
     assert doc["x1"]["max_rel_err"] < 1e-5
     assert doc["x1"]["bema_rss"] > 0 and doc["xL"]["peer_rss"] > doc["x1"]["peer_rss"]
-    assert list(tmp_path.iterdir()) == [], "scratch directory not cleaned up"
 
 
-FORMATS_BENCH = BENCH.with_name("bench_formats.py")
 FORMATS_ROWS = [
     "bin: wall / safetensors wall",
     "dcp: wall / safetensors wall",
@@ -75,45 +78,23 @@ FORMATS_ROWS = [
 
 @pytest.mark.slow
 def test_bench_formats_quick_prints_every_row_and_json(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(FORMATS_BENCH), "--quick", "--json", "--workdir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for row in FORMATS_ROWS:
-        assert row in proc.stderr, f"row {row!r} missing from:\n{proc.stderr}"
-    doc = json.loads(proc.stdout)
+    doc, _ = run_quick("bench_formats.py", tmp_path, FORMATS_ROWS)
     assert doc["bin"]["identical"] and doc["dcp"]["identical"]  # same bytes out, whatever the input format
     assert doc["lora"]["seconds"] > 0 and doc["lora"]["rss"] > 0
-    assert list(tmp_path.iterdir()) == [], "scratch directory not cleaned up"
-
-
-INCREMENTAL_BENCH = BENCH.with_name("bench_incremental.py")
 
 
 @pytest.mark.slow
 def test_bench_incremental_quick_prints_every_row_and_json(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(INCREMENTAL_BENCH), "--quick", "--json", "--workdir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for row in (
+    rows = [
         "1 new checkpoint after 9 / one-shot over 10",
         "peak RSS, incremental",
         "--follow idle",
         "--follow latency",
-    ):
-        assert row in proc.stderr, f"row {row!r} missing from:\n{proc.stderr}"
-    doc = json.loads(proc.stdout)
+    ]
+    doc, _ = run_quick("bench_incremental.py", tmp_path, rows)
     assert doc["cost"]["identical"]  # the incremental 10th output is the one-shot's, byte for byte
     assert doc["cost"]["incremental_outputs"] == 1 and doc["cost"]["one_shot_outputs"] == 10
     assert doc["follow"]["latency"] > 0 and doc["follow"]["processing"] > 0
-    assert list(tmp_path.iterdir()) == [], "scratch directory not cleaned up"
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 import time
 import uuid
 from pathlib import Path
@@ -78,7 +79,7 @@ class OutputTransaction:
     ) -> None:
         """Install txn.tmp/<entry> as OUT/<entry> for every entry, then manifest.json; all or nothing."""
         for entry in entries:
-            if Path(entry).is_absolute() or ".." in Path(entry).parts or entry.startswith(ASIDE):
+            if not plain_entry(entry):
                 raise ValueError(f"commit entry {entry!r} must be a plain path relative to OUT")
         with signals.deferred():
             if manifest is not None:
@@ -112,14 +113,39 @@ class OutputTransaction:
                 pass
 
 
+def plain_entry(rel: str) -> bool:
+    """A path bema may write or delete under OUT: relative, no "..", not empty, not our aside folder."""
+    parts = Path(rel).parts
+    return bool(parts) and not Path(rel).is_absolute() and ".." not in parts and not rel.startswith(ASIDE)
+
+
+def _open_lock(path: Path) -> int:
+    """Open (create) OUT/.bema-lock, never through a symlink and only as a plain file of ours.
+
+    The lock is truncated and rewritten: a link or a second hard link planted there would make
+    that truncate another file (a checkpoint, a shared file), so both are refused.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OutputError(
+                f"{path}: is a symbolic link; bema never writes through links in OUT (remove it)"
+            ) from None
+        raise OutputError(f"{path}: cannot create the lock file ({exc.strerror or exc})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+        os.close(fd)
+        what = "not a regular file" if not stat.S_ISREG(st.st_mode) else "a hard link to another file"
+        raise OutputError(f"{path}: is {what}; bema's lock file must be its own (remove it)")
+    return fd
+
+
 def _lock(out: Path) -> int:
     """flock OUT/.bema-lock (the kernel drops it when its holder dies), write our pid; refuse if held."""
     path = out / LOCK_NAME
     while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise OutputError(f"{path}: cannot create the lock file ({exc.strerror or exc})") from None
+        fd = _open_lock(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -159,7 +185,10 @@ def _read_pid(path: Path) -> int | None:
 
 def recover(out: Path) -> list[str]:
     """Under the lock: finish the journaled commits of dead writers, delete their temp folders."""
-    found = sorted(p for p in out.glob(TMP_PREFIX + "*") if p.is_dir() and not p.is_symlink())
+    links = [p for p in out.glob(TMP_PREFIX + "*") if p.is_symlink()]
+    if links:
+        raise OutputError(f"{links[0]}: is a symbolic link; bema never deletes through links in OUT (remove it)")
+    found = sorted(p for p in out.glob(TMP_PREFIX + "*") if p.is_dir())
     for tmp in found:
         with signals.deferred():
             if (tmp / JOURNAL).exists():
@@ -177,6 +206,9 @@ def _roll_forward(out: Path, tmp: Path) -> None:
     try:
         journal = json.loads((tmp / JOURNAL).read_text())
         for e in journal["entries"]:
+            if not plain_entry(e["path"]):
+                raise ValueError(f"entry {e['path']!r} is not a path inside OUT")
+            _check_no_link(out, Path(e["path"]).parent)
             _install(out / e["path"], tmp / e["path"], tmp / ASIDE / e["path"], (e["dev"], e["ino"]))
         if (tmp / STAGED_MANIFEST).exists():
             os.replace(tmp / STAGED_MANIFEST, out / MANIFEST)
@@ -189,6 +221,14 @@ def _roll_forward(out: Path, tmp: Path) -> None:
             f"{where}: cannot finish the commit journaled in {tmp} ({getattr(exc, 'strerror', None) or exc}); "
             f"fix the cause and rerun (the next bema run on this folder finishes it), or delete {tmp.name} to abandon it"
         ) from None
+
+
+def _check_no_link(out: Path, rel: Path) -> None:
+    """Every folder on the way from OUT to OUT/<rel> is a real folder: renames never go through a link."""
+    for depth in range(1, len(rel.parts) + 1):
+        folder = out.joinpath(*rel.parts[:depth])
+        if folder.is_symlink():
+            raise OSError(errno.ELOOP, "a symbolic link inside OUT (bema never writes through links)", str(folder))
 
 
 def _install(dst: Path, src: Path, aside: Path, staged: tuple[int, int]) -> None:

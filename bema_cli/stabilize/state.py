@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bema_cli import __version__, output
-from bema_cli.errors import BemaError, InputError, UsageError
+from bema_cli.errors import BemaError, InputError, OutputError, UsageError
 from bema_cli.io.checkpoints import Checkpoint, model_weight_files, read_json
 from bema_cli.io.fingerprint import changed, fingerprint, fingerprint_if_present
 from bema_cli.io.safetensors import FLOATING, TAG_OF, ModelIndex, TensorInfo, index_model
 from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
+from bema_cli.stabilize import state_doc
 from bema_cli.recurrence import STATE_TENSORS, Schedule, Stabilizer, run_name, state_key
 
 if TYPE_CHECKING:
@@ -44,33 +45,44 @@ STATE_DIR = ".bema-state"
 STATE_FILE = "state.json"
 FORMAT = 1
 # What must not change between calls of one run: the schedule and the dtypes (flag names for errors).
-CHECKED = ("preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min", "accum_dtype", "out_dtype")
+SCHEDULE_KEYS = ("preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min")
+CHECKED = (*SCHEDULE_KEYS, "accum_dtype", "out_dtype", "lora_output", "lora_rank")
+ADDED_LATER = {"lora_output": "merged", "lora_rank": None}  # absent from states written before they were checked
 
 
 # -- reading the state and checking a call against it -----------------------------------------
 def read(out: Path) -> dict | None:
     """OUT/.bema-state/state.json, or None when OUT has no state; InputError naming it when malformed."""
+    check_no_links(out)
     path = out / STATE_DIR / STATE_FILE
     if not path.exists():
         return None
-    doc = read_json(path)
-    ok = (
-        isinstance(doc, dict)
-        and doc.get("format") == FORMAT
-        and isinstance(doc.get("runs"), list)
-        and isinstance(doc.get("steps"), list)
-        and isinstance(doc.get("theta0"), dict)
-    )
-    if not ok:
-        raise InputError(
-            f"{path}: not a bema state (format {FORMAT}); remove {path.parent} or pass --restart"
+    required = tuple(k for k in CHECKED if k not in ADDED_LATER)
+    return state_doc.validate(read_json(path), path, FORMAT, required)
+
+
+def check_no_links(out: Path) -> None:
+    """OUT/.bema-state and what lies directly in it are real files and folders, never symbolic links.
+
+    bema deletes state folders no run needs and renames new ones in: through a link planted
+    there (to the training run, to a shared folder) that would delete or overwrite what it points at.
+    """
+    folder = out / STATE_DIR
+    if folder.exists() and not folder.is_dir() and not folder.is_symlink():
+        raise OutputError(f"{folder}: is not a folder; bema keeps its state there (remove it)")
+    links = [folder] if folder.is_symlink() else []
+    if not links and folder.is_dir():
+        links = sorted(p for p in folder.iterdir() if p.is_symlink())
+    if links:
+        raise OutputError(
+            f"{links[0]}: is a symbolic link; bema never writes or deletes through links in OUT (remove it)"
         )
-    return doc
 
 
 def _settings(schedule: Schedule, opts: Options) -> dict:
-    values = {n: getattr(schedule, n) for n in CHECKED[:-2]}
+    values = {n: getattr(schedule, n) for n in SCHEDULE_KEYS}
     values.update(accum_dtype=opts.accum_dtype, out_dtype=opts.out_dtype or "input")
+    values.update(lora_output=opts.lora_output, lora_rank=opts.lora_rank)
     return json.loads(output.to_json(values))  # as stored: inf -> "inf", None -> null
 
 
@@ -78,10 +90,11 @@ def check_run(name: str, stored: dict, schedule: Schedule, opts: Options, where:
     """Refuse (one line, naming the difference) to continue a run whose schedule or dtype changed."""
     now = _settings(schedule, opts)
     for key in CHECKED:
-        if stored.get(key) != now[key]:
+        before = stored.get(key, ADDED_LATER.get(key))
+        if before != now[key]:
             raise UsageError(
                 f"{name}: --{key.replace('_', '-')} is {now[key]} but {where} was computed with "
-                f"{stored.get(key)}; pass --restart to recompute this run from scratch (or choose another --out)"
+                f"{before}; pass --restart to recompute this run from scratch (or choose another --out)"
             )
 
 
@@ -204,9 +217,12 @@ def tracks(plan: Plan, resume: Resume, out: Path) -> list[Track]:
         if STATE_TENSORS[method] and last != start:
             consumed = [s for s in resume.steps if s <= last]
             folder = f"{key[0]}-{_digest(key, consumed, plan.base_source)}"
-            source = index_state(out / STATE_DIR / old) if old else None
+            source = index_state(out, old, resume.stored) if old else None
             if start is not None and source is None:
                 raise InputError(f"{out / STATE_DIR}: no state for run {runs[0].name}; pass --restart")
+            if source is not None:
+                accum = stored[runs[0].name]["accum_dtype"]
+                check_layout(source, state_layout(plan, STATE_TENSORS[method], accum, 1 << 62))
         result.append(Track(method, runs, start, last, source, folder))
     return result
 
@@ -223,10 +239,27 @@ def state_layout(plan: Plan, names: tuple[str, ...], accum_dtype: str, max_shard
     return plan_shards(sorted(tensors, key=lambda t: t.name), max_shard_size)
 
 
-def index_state(folder: Path) -> ModelIndex:
+def index_state(out: Path, name: str, stored: dict) -> ModelIndex:
+    """A state folder, its files verified against the checksums state.json keeps for them."""
+    folder = out / STATE_DIR / name
     if not folder.is_dir():
         raise InputError(f"{folder}: the state folder is missing; pass --restart to recompute from scratch")
+    sums = stored.get("checksums")
+    state_doc.verify(folder, sums.get(name) if sums is not None else None)
     return index_model(folder, model_weight_files(folder))
+
+
+def check_layout(index: ModelIndex, shards) -> None:
+    """A state folder holds the tensors this run continues, in the accumulation dtype and the model's shapes."""
+    expected = {t.name: t for shard in shards for t in shard.tensors}
+    for name, want in expected.items():
+        got = index.tensors.get(name)
+        if got is None or got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
+            found = f"{got.dtype} {list(got.shape)}" if got else "missing"
+            raise InputError(
+                f"{index.folder}: state tensor {name} is {found}, expected {want.dtype} {list(want.shape)}; "
+                "pass --restart to recompute from scratch"
+            )
 
 
 def open_writers(plan: Plan, opts: Options, tmp: Path) -> dict[str, ShardedWriter]:
@@ -302,7 +335,9 @@ def attach(plan: Plan, resume: Resume, out: Path) -> None:
     elif fresh or not resume.theta0_state:
         plan.theta0_index = plan.base_index
     else:
-        plan.theta0_index = index_state(out / STATE_DIR / resume.theta0_state)
+        plan.theta0_index = index_state(out, resume.theta0_state, resume.stored)
+        for run in resume.stored["runs"][:1]:  # one accumulation dtype per OUT (check_run)
+            check_layout(plan.theta0_index, state_layout(plan, ("theta0",), run["accum_dtype"], 1 << 62))
 
 
 def read_theta0(plan: Plan, unit: list[Piece], theta0, load) -> None:
@@ -351,11 +386,21 @@ def stage(plan: Plan, opts: Options, tmp: Path) -> tuple[list[str], list[str], d
             entries += [f"{run.name}/checkpoint-{st}" for st in run.out_steps if st in keep]
     doc = _new_state(plan, opts, kept)
     doc["delete"] = delete
+    news = [t.folder for t in plan.tracks if t.advancing and t.folder] + [plan.theta0_folder]
+    doc["checksums"] = _checksums(doc, plan.resume.stored or {}, tmp / STATE_DIR, [f for f in news if f])
     (tmp / STATE_DIR).mkdir(parents=True, exist_ok=True)
     (tmp / STATE_DIR / STATE_FILE).write_text(output.to_json(doc) + "\n")
-    news = [t.folder for t in plan.tracks if t.advancing and t.folder] + [plan.theta0_folder]
     entries += [f"{STATE_DIR}/{f}" for f in news if f] + [f"{STATE_DIR}/{STATE_FILE}"]
     return entries, delete, kept
+
+
+def _checksums(doc: dict, stored: dict, staged: Path, news: list[str]) -> dict[str, dict[str, str]]:
+    """sha256 of each state file the new state.json names: new folders summed now, kept ones carried over."""
+    needed = {r.get("state") for r in doc["runs"]} | {(doc["theta0"].get("burnin") or {}).get("folder")}
+    old = stored.get("checksums") or {}
+    sums = {f: state_doc.checksums(staged / f) for f in news}
+    sums.update({f: old[f] for f in needed if f and f not in sums and f in old})
+    return {f: sums[f] for f in sorted(sums) if f in needed}
 
 
 def _new_state(plan: Plan, opts: Options, outputs: dict[str, list[int]]) -> dict:
@@ -405,9 +450,9 @@ def tidy(out: Path) -> None:
     doc = read(out)
     if doc is None:
         return
-    for rel in doc.get("delete", []):
+    for rel in doc.get("delete", []):  # "<run>/checkpoint-<step>" (state_doc checked), never through a link
         path = out / rel
-        if path.is_dir() and not path.is_symlink() and path.parent.parent == out:
+        if path.is_dir() and not path.is_symlink() and not path.parent.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
     keep = {r.get("state") for r in doc["runs"]} | {(doc["theta0"].get("burnin") or {}).get("folder")}
     for p in (out / STATE_DIR).iterdir():

@@ -1,0 +1,138 @@
+"""The state.json document: one up-front check of everything state.py reads, and the checksums of the state files.
+
+state.json is read back by a later call and trusted to name folders bema deletes and tensors it
+continues from, so the whole document is checked before any field is used (a hand edit, a torn
+copy, another program's file): types, required keys, and names that stay inside OUT. Every
+state file's bytes are summed (sha256) when staged and verified before a call continues from
+it: a bit flip or a rewrite in another dtype would otherwise go on silently into every later output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+from bema_cli.errors import InputError
+
+CHUNK = 1 << 20  # hashing reads 1 MiB at a time
+DELETE_RE = re.compile(r"checkpoint-\d+")
+FINGERPRINT_KEYS = {"name": str, "size": int, "header_sha256": str}
+
+
+class _Bad(Exception):
+    """One problem with the document, as words; turned into an InputError naming state.json."""
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _plain_name(x, what: str) -> str:
+    """A single folder or file name: no separator, not '.' or '..' (it must stay inside OUT)."""
+    if not isinstance(x, str) or not x or x in (".", "..") or "/" in x or "\\" in x or "\0" in x:
+        raise _Bad(f"{what} {x!r} is not a plain name inside OUT")
+    return x
+
+
+def _field(d, key: str, kind, where: str):
+    if not isinstance(d, dict) or key not in d:
+        raise _Bad(f"{where}: missing {key!r}")
+    value = d[key]
+    ok = _is_int(value) if kind is int else isinstance(value, kind)
+    if not ok:
+        raise _Bad(f"{where}.{key} is {value!r}, expected {getattr(kind, '__name__', kind)}")
+    return value
+
+
+def _fingerprints(files, where: str) -> None:
+    if not isinstance(files, list):
+        raise _Bad(f"{where}.files is not a list")
+    for i, f in enumerate(files):
+        for key, kind in FINGERPRINT_KEYS.items():
+            _field(f, key, kind, f"{where}.files[{i}]")
+        _plain_name(f["name"], f"{where}.files[{i}].name")
+        for key in ("sample_sha256", "sha256"):
+            if key in f and not isinstance(f[key], str):
+                raise _Bad(f"{where}.files[{i}].{key} is not a string")
+
+
+def _check(doc, checked: tuple[str, ...]) -> None:
+    """Raise _Bad on the first field state.py could not use as it is."""
+    if not isinstance(doc, dict):
+        raise _Bad("not a JSON object")
+    theta0 = _field(doc, "theta0", dict, "state")
+    _field(theta0, "source", str, "theta0")
+    _fingerprints(theta0.get("files", []), "theta0")
+    burnin = theta0.get("burnin")
+    if burnin is not None:
+        _field(burnin, "step", int, "theta0.burnin")
+        _plain_name(_field(burnin, "folder", str, "theta0.burnin"), "theta0.burnin.folder")
+    for i, s in enumerate(_field(doc, "steps", list, "state")):
+        _field(s, "step", int, f"steps[{i}]")
+        _field(s, "path", str, f"steps[{i}]")
+        _fingerprints(_field(s, "files", list, f"steps[{i}]"), f"steps[{i}]")
+    for i, r in enumerate(_field(doc, "runs", list, "state")):
+        where = f"runs[{i}]"
+        _plain_name(_field(r, "run", str, where), f"{where}.run")
+        _field(r, "last_step", int, where)
+        if r.get("state") is not None:
+            _plain_name(r["state"], f"{where}.state")
+        outputs = _field(r, "outputs", list, where)
+        if not all(_is_int(x) for x in outputs):
+            raise _Bad(f"{where}.outputs holds a non-integer step")
+        for key in checked:
+            if key not in r:
+                raise _Bad(f"{where}: missing {key!r}")
+    for rel in doc.get("delete", []):
+        parts = rel.split("/") if isinstance(rel, str) else []
+        if len(parts) != 2 or not DELETE_RE.fullmatch(parts[1]):
+            raise _Bad(f"delete entry {rel!r} is not <run>/checkpoint-<step>")
+        _plain_name(parts[0], "delete entry")
+    for folder, files in (doc.get("checksums") or {}).items():
+        _plain_name(folder, "checksums folder")
+        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+            raise _Bad(f"checksums[{folder!r}] is not a map of file -> sha256")
+        for name in files:
+            _plain_name(name, f"checksums[{folder!r}] file")
+
+
+def validate(doc, path: Path, fmt: int, checked: tuple[str, ...]) -> dict:
+    """The document, checked whole; InputError naming `path` and the first problem otherwise."""
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        raise InputError(f"{path}: not a bema state (format {fmt}); remove {path.parent} to recompute from scratch")
+    try:
+        _check(doc, checked)
+    except _Bad as exc:
+        raise InputError(f"{path}: malformed bema state ({exc}); remove {path.parent} to recompute from scratch") from None
+    return doc
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def checksums(folder: Path) -> dict[str, str]:
+    """sha256 of every file of a staged state folder, by name."""
+    return {p.name: file_sha256(p) for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def verify(folder: Path, expected: dict[str, str] | None) -> None:
+    """The state folder holds exactly the files summed when it was written, byte for byte.
+
+    `expected` None: a state written before checksums were kept (nothing to compare).
+    """
+    if expected is None:
+        return
+    fix = "pass --restart to recompute from scratch"
+    for name, digest in sorted(expected.items()):
+        path = folder / name
+        try:
+            if path.is_symlink() or not path.is_file():
+                raise InputError(f"{path}: the state file is missing; {fix}")
+            ok = file_sha256(path) == digest
+        except OSError as exc:
+            raise InputError(f"{path}: cannot read ({exc.strerror or exc}); {fix}") from None
+        if not ok:
+            raise InputError(f"{path}: the state file changed since it was written (checksum mismatch); {fix}")

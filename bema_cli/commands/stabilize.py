@@ -113,6 +113,14 @@ def stabilize(
             "--keep-last", help="Keep only the K newest outputs of each run (like save_total_limit)."
         ),
     ] = None,
+    fingerprint: Annotated[
+        str,
+        typer.Option(
+            "--fingerprint",
+            help="How consumed checkpoints are recorded in OUT's state: full (sha256 of every byte) or sampled "
+            "(header, first and last 64 KiB; cheaper on slow storage).",
+        ),
+    ] = "full",
     follow: Annotated[
         bool,
         typer.Option(
@@ -198,7 +206,10 @@ def stabilize(
         lora_rank=lora_rank,
         restart=restart,
         keep_last=keep_last,
+        fingerprint=fingerprint,
     )
+    if fingerprint not in ("full", "sampled"):
+        raise UsageError(f"--fingerprint: choose full or sampled, got {fingerprint!r}")
     if keep_last is not None and keep_last < 1:
         raise UsageError(f"--keep-last: must be >= 1, got {keep_last}")
     if not follow and (until_step is not None or idle_timeout is not None):

@@ -3,11 +3,19 @@
 A fingerprint is [{name, size, header_sha256, sample_sha256}] per weight file: the size and
 the header change with the layout, a 128 KiB sample of the data with a rewrite of the same
 layout. `bema stabilize` records one per consumed checkpoint in its persistent state.
+
+A full fingerprint (`--fingerprint full`, the default) adds the sha256 of the whole file and its
+stat (inode, mtime_ns, ctime_ns), so a change anywhere is caught, also in the middle the sample
+skips. It is taken from the held files just before the engine reads them (the hash pass brings
+them into the page cache the walk then reads from: docs/performance.md has the cost). A later
+call re-hashes a consumed file only when its stat changed (like git's index): a write changes
+mtime and ctime, and ctime cannot be set back by a user.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 from pathlib import Path
 
@@ -40,18 +48,37 @@ def head_hash(path: Path) -> tuple[str, str]:
     return hashlib.sha256(head).hexdigest(), hashlib.sha256(sample).hexdigest()
 
 
-def fingerprint(files: list[Path]) -> list[dict]:
-    """[{name, size, header_sha256, sample_sha256}] of a model's weight files: cheap, changes with a rewrite."""
+def _stat_key(st) -> list[int]:
+    return [st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def fingerprint(files: list[Path], full: bool = False, known: list[dict] | None = None) -> list[dict]:
+    """[{name, size, header_sha256, sample_sha256}] of a model's weight files: cheap, changes with a rewrite.
+
+    `full` adds {sha256, stat}; the sha256 of a file in `known` (an earlier full fingerprint) whose
+    stat is unchanged is taken from it instead of reading the file again.
+    """
+    before = {f["name"]: f for f in known or [] if "sha256" in f and "stat" in f}
     out = []
     try:
         for p in files:
+            st = os.stat(p)
             header, sample = head_hash(p)
-            out.append(
-                {"name": p.name, "size": p.stat().st_size, "header_sha256": header, "sample_sha256": sample}
-            )
+            entry = {"name": p.name, "size": st.st_size, "header_sha256": header, "sample_sha256": sample}
+            if full:
+                old = before.get(p.name)
+                same = old is not None and old["stat"] == _stat_key(st) and old["size"] == st.st_size
+                entry["sha256"] = old["sha256"] if same else _sha256(p)
+                entry["stat"] = _stat_key(st)
+            out.append(entry)
     except OSError as exc:
         raise InputError(f"{exc.filename}: cannot read ({exc.strerror or exc})") from None
     return out
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -71,10 +98,14 @@ def weight_files(folder: Path) -> list[Path]:
         return sorted(files)
 
 
-def fingerprint_if_present(folder: Path) -> list[dict] | None:
-    """A checkpoint's fingerprint, or None when it vanished meanwhile (a trainer's rotation)."""
+def fingerprint_if_present(folder: Path, known: list[dict] | None = None) -> list[dict] | None:
+    """A checkpoint's fingerprint, or None when it vanished meanwhile (a trainer's rotation).
+
+    Full (sha256) when `known`, the fingerprint recorded earlier, is full: it is compared with it.
+    """
+    full = any("sha256" in f for f in known or [])
     try:
-        return fingerprint(weight_files(folder))
+        return fingerprint(weight_files(folder), full, known)
     except InputError:
         if folder.exists():
             raise
@@ -93,4 +124,6 @@ def changed(old: list[dict], new: list[dict]) -> str | None:
             return f"{name} has a different header"
         if f["sample_sha256"] != old_by[name].get("sample_sha256"):
             return f"{name} holds different values"
+        if "sha256" in f and "sha256" in old_by[name] and f["sha256"] != old_by[name]["sha256"]:
+            return f"{name} holds different values (sha256 of the whole file)"
     return None

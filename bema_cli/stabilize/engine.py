@@ -239,7 +239,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
         # checkpoints rotated away by a trainer mid-read are still read whole (through our handles;
         # Ray workers are other processes: they open the files by name)
         try:
-            with hold(plan, alias=executor.executor == "local"):
+            with hold(plan, alias=executor.executor == "local", full=opts.fingerprint == "full"):
                 doc["written_bytes"] = _walk(plan, opts, txn.tmp, executor)
             entries, _, kept = state.stage(plan, opts, txn.tmp)
         except OSError as exc:  # metadata files, config copies: a full disk names what it was writing
@@ -260,12 +260,13 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
 
 
 @contextmanager
-def hold(plan: Plan, alias: bool = True):
+def hold(plan: Plan, alias: bool = True, full: bool = True):
     """Keep every safetensors file this call reads open until it ends, and read them through those handles.
 
     A trainer with save_total_limit deletes old checkpoints while we read them; an open file
     lives on (io/watch.hold_files). A checkpoint already gone is an error naming it. The
-    fingerprints recorded in the state are taken from the held files: what was read.
+    fingerprints recorded in the state are taken from the held files: what was read (`full`:
+    the sha256 of each whole file, a sequential pass that also warms the page cache for the walk).
     """
     indexes = {step: index for step, index in plan.indexes.items() if type(index) is ModelIndex}
     held = list(indexes.values())
@@ -279,7 +280,7 @@ def hold(plan: Plan, alias: bool = True):
     plan.fingerprints = {}
     for step, index in indexes.items():
         names = sorted({t.file for t in index.tensors.values()})
-        prints = fingerprint([mapping[p] for p in names])
+        prints = fingerprint([mapping[p] for p in names], full)
         plan.fingerprints[step] = [{**f, "name": p.name} for f, p in zip(prints, names, strict=True)]
     saved = [(index, index.tensors) for index in held] if alias else []
     for index, _ in saved:

@@ -126,7 +126,7 @@ def resume(opts: Options, out: Path, checkpoints: list[Checkpoint], base_source:
         return Resume(None, present, {}, None, base_files)
     restart = opts.restart or opts.overwrite
     try:
-        _check_inputs(stored, out / STATE_DIR, checkpoints, base_source, base_files)
+        _check_inputs(stored, out / STATE_DIR, checkpoints, base_source, base_files, opts.fingerprint == "full")
     except BemaError:
         if not restart:
             raise
@@ -144,7 +144,7 @@ def resume(opts: Options, out: Path, checkpoints: list[Checkpoint], base_source:
 
 
 def _check_inputs(
-    stored: dict, where: Path, checkpoints: list[Checkpoint], base_source: str, base_files
+    stored: dict, where: Path, checkpoints: list[Checkpoint], base_source: str, base_files, full: bool
 ) -> None:
     """theta0 and every consumed checkpoint still on disk are what the state was computed from."""
     theta0 = stored["theta0"]
@@ -153,7 +153,7 @@ def _check_inputs(
             f"--base: theta0 is {base_source} but {where} was computed from {theta0.get('source')}; "
             "pass --restart to recompute from scratch (or choose another --out)"
         )
-    diff = changed(theta0.get("files", []), fingerprint(base_files))
+    diff = changed(theta0.get("files", []), fingerprint(base_files, full, theta0.get("files")))
     if diff:
         raise InputError(
             f"{base_source}: theta0 changed on disk since {where} was written ({diff}); pass --restart"
@@ -162,7 +162,7 @@ def _check_inputs(
     last = max(consumed, default=None)
     for c in checkpoints:
         if c.step in consumed:
-            now = fingerprint_if_present(c.path)
+            now = fingerprint_if_present(c.path, consumed[c.step]["files"])
             diff = changed(consumed[c.step]["files"], now) if now and consumed[c.step]["files"] else None
             if diff:
                 raise InputError(
@@ -434,7 +434,9 @@ def _new_state(plan: Plan, opts: Options, outputs: dict[str, list[int]]) -> dict
         "checkpoint_dir": str(Path(opts.checkpoint_dir).expanduser().resolve()),
         "theta0": {
             "source": plan.base_source,
-            "files": fingerprint(plan.resume.base_files),
+            "files": fingerprint(
+                plan.resume.base_files, opts.fingerprint == "full", (stored.get("theta0") or {}).get("files")
+            ),
             "burnin": burnin,
         },
         "steps": [consumed[s] for s in sorted(consumed)],

@@ -1,0 +1,321 @@
+"""Hostile edits of OUT's own files and of the persistent state (OUT/.bema-state): nothing outside OUT is
+ever deleted or truncated, a damaged state is refused in one line naming the file, and --restart recovers.
+
+Real CLI subprocesses on real safetensors trajectories (tests/trajectory.py) and real PEFT adapters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import one_line_error, run_bema
+from safetensors.torch import load_file, save_file
+from trajectory import write_trajectory
+
+STEPS = [10, 20, 30, 40]
+GRID = ["--method", "ema,bema,ouema"]
+
+
+@pytest.fixture(scope="module")
+def traj(tmp_path_factory):
+    return write_trajectory(tmp_path_factory.mktemp("traj"), STEPS)
+
+
+def _run(run_dir: Path, base: Path, out: Path, *args):
+    return run_bema("stabilize", run_dir, "--base", base, "--out", out, *GRID, *args)
+
+
+def _ok(run_dir: Path, base: Path, out: Path, *args) -> None:
+    r = _run(run_dir, base, out, *args)
+    assert r.returncode == 0, r.stderr
+
+
+def _partial(run: Path, dst: Path, steps: list[int]) -> Path:
+    dst.mkdir(exist_ok=True)
+    for s in steps:
+        if not (dst / f"checkpoint-{s}").exists():
+            shutil.copytree(run / f"checkpoint-{s}", dst / f"checkpoint-{s}")
+    return dst
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    """Every file under root (links not followed), by relative path, with its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _outputs(out: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(out)): p.read_bytes()
+        for p in sorted(out.glob("*/checkpoint-*/*.safetensors"))
+        if not p.relative_to(out).parts[0].startswith(".")
+    }
+
+
+def _precious(root: Path) -> Path:
+    """A folder that is not bema's: a training run's checkpoint and a shared file."""
+    root.mkdir()
+    (root / "checkpoint-7").mkdir()
+    (root / "checkpoint-7" / "model.safetensors").write_bytes(b"precious weights" * 100)
+    (root / "notes.txt").write_text("precious notes\n")
+    return root
+
+
+@pytest.fixture
+def half(traj, tmp_path):
+    """OUT after a first call over the first two checkpoints; the run folder for the continuation."""
+    base, run = traj
+    part, out = _partial(run, tmp_path / "run", STEPS[:2]), tmp_path / "out"
+    _ok(part, base, out)
+    _partial(run, part, STEPS)
+    return base, part, out
+
+
+def _state(out: Path) -> dict:
+    return json.loads((out / ".bema-state" / "state.json").read_text())
+
+
+def _save_state(out: Path, doc: dict) -> None:
+    (out / ".bema-state" / "state.json").write_text(json.dumps(doc))
+
+
+# -- 1. links among bema's own files never make it delete or write outside OUT --------------------
+@pytest.mark.parametrize("when", ["first call", "continued call"])
+def test_state_folder_symlink_is_refused_and_target_untouched(traj, tmp_path, when):
+    base, run = traj
+    out = tmp_path / "out"
+    precious = _precious(tmp_path / "precious")
+    if when == "continued call":
+        _ok(_partial(run, tmp_path / "part", STEPS[:2]), base, out)
+        for p in (out / ".bema-state").iterdir():  # the real state moved into the shared folder
+            shutil.move(p, precious / p.name)
+        (out / ".bema-state").rmdir()
+    else:
+        out.mkdir()
+    before = _tree(precious)
+    (out / ".bema-state").symlink_to(precious, target_is_directory=True)
+    line = one_line_error(_run(run, base, out), 4)
+    assert ".bema-state" in line and "symbolic link" in line
+    assert _tree(precious) == before
+
+
+def test_delete_through_a_linked_run_folder_never_happens(half, tmp_path):
+    """A dead writer's commit left a `delete` entry; its run folder was replaced by a link meanwhile."""
+    base, part, out = half
+    precious = _precious(tmp_path / "precious")
+    before = _tree(precious)
+    doc = _state(out)
+    doc["delete"] = ["linked/checkpoint-7"]
+    _save_state(out, doc)
+    (out / "linked").symlink_to(precious, target_is_directory=True)
+    (out / ".bema-tmp-deadbeef0000").mkdir()  # makes the next call clean up after a dead writer
+    _run(part, base, out)
+    assert _tree(precious) == before
+
+
+def test_temp_folder_symlink_is_refused(half, tmp_path):
+    base, part, out = half
+    precious = _precious(tmp_path / "precious")
+    before = _tree(precious)
+    (out / ".bema-tmp-0123456789ab").symlink_to(precious, target_is_directory=True)
+    line = one_line_error(_run(part, base, out), 4)
+    assert ".bema-tmp-0123456789ab" in line and "symbolic link" in line
+    assert _tree(precious) == before
+
+
+def test_journal_entry_outside_out_is_refused(half, tmp_path):
+    """A dead writer's commit journal naming '../x' never moves anything outside OUT."""
+    base, part, out = half
+    precious = _precious(tmp_path / "victim")
+    before = _tree(precious)
+    dead = out / ".bema-tmp-deadbeef0001"
+    dead.mkdir()
+    staged = out / "victim"  # dead/../victim: what a journal entry '../victim' would install
+    staged.mkdir()
+    st = os.lstat(staged)
+    entry = {"path": "../victim", "dev": st.st_dev, "ino": st.st_ino}
+    (dead / ".bema-commit.json").write_text(json.dumps({"entries": [entry], "pid": 1}))
+    line = one_line_error(_run(part, base, out), 4)
+    assert "../victim" in line
+    assert _tree(precious) == before and staged.is_dir()
+
+
+# -- 2. the lock file is never opened through a link ------------------------------------------------
+@pytest.mark.parametrize("kind", ["symlink", "hardlink"])
+def test_lock_file_link_target_is_not_truncated(traj, tmp_path, kind):
+    base, run = traj
+    out = tmp_path / "out"
+    out.mkdir()
+    target = tmp_path / "precious.txt"
+    target.write_text("precious notes\n")
+    if kind == "symlink":
+        (out / ".bema-lock").symlink_to(target)
+    else:
+        os.link(target, out / ".bema-lock")
+    line = one_line_error(_run(run, base, out), 4)
+    assert ".bema-lock" in line
+    assert target.read_text() == "precious notes\n"
+
+
+# -- 3 and 7. state.json is checked whole: names stay inside OUT, every field has its type ----------
+def _edit(doc: dict, how: str) -> None:
+    run, step = doc["runs"][0], doc["steps"][0]
+    edits = {
+        "delete ..": lambda: doc.update(delete=["../victim/checkpoint-7"]),
+        "delete absolute": lambda: doc.update(delete=["/tmp/victim/checkpoint-7"]),
+        "delete nested ..": lambda: doc.update(delete=["ema-k0.5/../../victim"]),
+        "state ..": lambda: run.update(state="../../victim"),
+        "state absolute": lambda: run.update(state="/tmp/victim"),
+        "burnin folder ..": lambda: doc["theta0"].update(burnin={"step": 10, "folder": "../victim"}),
+        "last_step string": lambda: run.update(last_step="twenty"),
+        "last_step missing": lambda: run.pop("last_step"),
+        "run missing": lambda: run.pop("run"),
+        "outputs not steps": lambda: run.update(outputs=["x"]),
+        "runs not a list": lambda: doc.update(runs={"a": 1}),
+        "step string": lambda: step.update(step="10"),
+        "files missing": lambda: step.pop("files"),
+        "size missing": lambda: step["files"][0].pop("size"),
+        "size string": lambda: step["files"][0].update(size="1100"),
+        "theta0 list": lambda: doc.update(theta0=[]),
+        "theta0 source missing": lambda: doc["theta0"].pop("source"),
+        "document a list": lambda: doc.clear(),
+        "kappa missing": lambda: run.pop("kappa"),
+    }
+    edits[how]()
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "delete ..", "delete absolute", "delete nested ..", "state ..", "state absolute", "burnin folder ..",
+        "last_step string", "last_step missing", "run missing", "outputs not steps", "runs not a list",
+        "step string", "files missing", "size missing", "size string", "theta0 list",
+        "theta0 source missing", "kappa missing",
+    ],
+)
+def test_malformed_state_json_is_one_line_naming_it(half, how):
+    base, part, out = half
+    doc = _state(out)
+    _edit(doc, how)
+    _save_state(out, doc)
+    before = _tree(out)
+    line = one_line_error(_run(part, base, out), 3)
+    assert "state.json" in line
+    assert _tree(out) == before
+
+
+# -- 4 and 7. state tensors: summed when written, verified before a call continues from them --------
+def _state_file(out: Path) -> Path:
+    doc = _state(out)
+    folder = next(r["state"] for r in doc["runs"] if r["run"].startswith("ema"))
+    return out / ".bema-state" / folder / "model.safetensors"
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _as_float64_with_sum(out: Path, path: Path) -> None:
+    """Rewrite the state file in float64 and update its checksum, as a careless tool would."""
+    save_file({k: v.double() for k, v in load_file(path).items()}, path)
+    doc = _state(out)
+    doc["checksums"][path.parent.name][path.name] = __import__("hashlib").sha256(path.read_bytes()).hexdigest()
+    _save_state(out, doc)
+
+
+@pytest.mark.parametrize("damage", ["bit flip", "float64", "float64 with checksum", "truncated", "missing"])
+def test_damaged_state_tensor_is_refused_and_restart_recovers(traj, half, tmp_path, damage):
+    base, run = traj
+    _, part, out = half
+    path = _state_file(out)
+    if damage == "bit flip":
+        _flip_last_byte(path)
+    elif damage == "float64":
+        save_file({k: v.double() for k, v in load_file(path).items()}, path)
+    elif damage == "float64 with checksum":
+        _as_float64_with_sum(out, path)
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:-8])
+    else:
+        path.unlink()
+    line = one_line_error(_run(part, base, out), 3)
+    assert path.parent.name in line
+    _ok(part, base, out, "--restart")
+    ref = tmp_path / "ref"
+    _ok(run, base, ref)
+    assert _outputs(out) == _outputs(ref)
+
+
+# -- 6. LoRA: the output kind and rank belong to the run like its schedule --------------------------
+@pytest.fixture(scope="module")
+def lora_traj(tiny_model_dir, tmp_path_factory):
+    from lora_run import perturbed_adapters
+
+    root = tmp_path_factory.mktemp("lora")
+    base = root / "base"
+    shutil.copytree(tiny_model_dir, base)
+    run = perturbed_adapters(base, root / "run", [10, 20, 30])
+    return base, run
+
+
+@pytest.mark.parametrize(
+    "first,second",
+    [
+        (["--lora-output", "merged"], ["--lora-output", "adapter"]),
+        (["--lora-output", "adapter"], ["--lora-output", "merged"]),
+        (["--lora-output", "adapter", "--lora-rank", "2"], ["--lora-output", "adapter", "--lora-rank", "4"]),
+    ],
+)
+def test_lora_output_change_is_refused(lora_traj, tmp_path, first, second):
+    base, run = lora_traj
+    part, out = _partial(run, tmp_path / "run", [10, 20]), tmp_path / "out"
+    args = ["stabilize", part, "--base", base, "--out", out, "--method", "ema"]
+    r = run_bema(*args, *first)
+    assert r.returncode == 0, r.stderr
+    _partial(run, part, [10, 20, 30])
+    before = _tree(out)
+    flag = second[-2]
+    line = one_line_error(run_bema(*args, *second), 2)
+    assert flag in line and "--restart" in line
+    assert _tree(out) == before
+
+
+# -- 5. a consumed checkpoint changed where the sampled fingerprint does not look -------------------
+def _poke_middle(path: Path) -> None:
+    """Change one value in the middle of a weight file: same size, header, first and last 64 KiB."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    assert 64 << 10 < middle < len(data) - (64 << 10)
+    data[middle] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def big_traj(tmp_path_factory):
+    """Checkpoints of ~400 KiB, so that the middle lies outside the sampled first and last 64 KiB."""
+    return write_trajectory(tmp_path_factory.mktemp("big"), STEPS, shapes={"w": (200, 500)})
+
+
+@pytest.mark.parametrize("mode", ["full", "sampled"])
+def test_consumed_checkpoint_changed_in_the_middle(big_traj, tmp_path, mode):
+    """Default (full): the rewrite is refused naming the file; --fingerprint sampled: not noticed (the
+    cheaper mode's known blind spot, documented in docs/design.md)."""
+    base, run = big_traj
+    part, out = _partial(run, tmp_path / "run", STEPS[:2]), tmp_path / "out"
+    fp = ["--fingerprint", mode]
+    _ok(part, base, out, *fp)
+    _poke_middle(part / "checkpoint-10" / "model.safetensors")
+    _partial(run, part, STEPS)
+    r = _run(part, base, out, *fp)
+    if mode == "full":
+        line = one_line_error(r, 3)
+        assert "checkpoint-10" in line and "changed on disk" in line
+    else:
+        assert r.returncode == 0, r.stderr
+

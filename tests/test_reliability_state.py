@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import one_line_error, run_bema
+
+from bema_cli.io.fingerprint import file_digest
 from safetensors.torch import load_file, save_file
 from trajectory import write_trajectory
 
@@ -225,7 +227,7 @@ def _as_float64_with_sum(out: Path, path: Path) -> None:
     """Rewrite the state file in float64 and update its checksum, as a careless tool would."""
     save_file({k: v.double() for k, v in load_file(path).items()}, path)
     doc = _state(out)
-    doc["checksums"][path.parent.name][path.name] = __import__("hashlib").sha256(path.read_bytes()).hexdigest()
+    doc["checksums"][path.parent.name][path.name] = file_digest(path)
     _save_state(out, doc)
 
 

@@ -117,7 +117,7 @@ def stabilize(
         str,
         typer.Option(
             "--fingerprint",
-            help="How consumed checkpoints are recorded in OUT's state: full (sha256 of every byte) or sampled "
+            help="How consumed checkpoints are recorded in OUT's state: full (a digest of every byte, xxh3_128) or sampled "
             "(header, first and last 64 KiB; cheaper on slow storage).",
         ),
     ] = "full",

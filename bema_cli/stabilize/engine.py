@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -266,7 +267,7 @@ def hold(plan: Plan, alias: bool = True, full: bool = True):
     A trainer with save_total_limit deletes old checkpoints while we read them; an open file
     lives on (io/watch.hold_files). A checkpoint already gone is an error naming it. The
     fingerprints recorded in the state are taken from the held files: what was read (`full`:
-    the sha256 of each whole file, a sequential pass that also warms the page cache for the walk).
+    a digest of each whole file, hashed by a thread beside the walk: docs/performance.md has its cost).
     """
     indexes = {step: index for step, index in plan.indexes.items() if type(index) is ModelIndex}
     held = list(indexes.values())
@@ -277,25 +278,35 @@ def hold(plan: Plan, alias: bool = True, full: bool = True):
         mapping, fds = hold_files(files)
     except FileNotFoundError as exc:
         raise InputError(f"{exc.filename}: disappeared before it could be read") from None
-    plan.fingerprints = {}
-    for step, index in indexes.items():
-        names = sorted({t.file for t in index.tensors.values()})
-        prints = fingerprint([mapping[p] for p in names], full)
-        plan.fingerprints[step] = [{**f, "name": p.name} for f, p in zip(prints, names, strict=True)]
+    pool = ThreadPoolExecutor(max_workers=1)
+    files_of = {step: sorted({t.file for t in index.tensors.values()}) for step, index in indexes.items()}
+    prints = pool.submit(_fingerprints, files_of, mapping, full)
     saved = [(index, index.tensors) for index in held] if alias else []
     for index, _ in saved:
         index.tensors = {n: replace(t, file=mapping[t.file]) for n, t in index.tensors.items()}
     try:
         yield
+        plan.fingerprints = prints.result()
     except BemaError as exc:  # name the files as the user knows them, not by their /proc handle
         message = str(exc)
         for path, handle in sorted(mapping.items(), key=lambda kv: -len(str(kv[1]))):
             message = message.replace(str(handle), str(path))
         raise type(exc)(message) from None
     finally:
+        prints.cancel()
+        pool.shutdown(wait=True)  # the hashing thread reads through the fds released next
         for index, tensors in saved:
             index.tensors = tensors
         release(fds)
+
+
+def _fingerprints(files_of: dict[int, list[Path]], mapping: dict[Path, Path], full: bool) -> dict[int, list[dict]]:
+    """step -> the fingerprint of its held files, under their own names."""
+    result = {}
+    for step, names in files_of.items():
+        prints = fingerprint([mapping[p] for p in names], full)
+        result[step] = [{**f, "name": p.name} for f, p in zip(prints, names, strict=True)]
+    return result
 
 
 def _walk(plan: Plan, opts: Options, tmp: Path, executor: ExecutorOptions) -> int:

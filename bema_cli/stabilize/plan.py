@@ -51,7 +51,7 @@ class Options:
     lora_rank: int | None = None  # None: the training rank r
     restart: bool = False  # ignore OUT's persistent state: recompute the grid's runs from theta0
     keep_last: int | None = None  # keep only the K newest outputs of each run
-    fingerprint: str = "full"  # consumed files: sha256 of the whole file, or "sampled" (io/fingerprint.py)
+    fingerprint: str = "full"  # consumed files: a digest of the whole file, or "sampled" (io/fingerprint.py)
     ready_steps: list[int] | None = None  # --follow: only these (complete) checkpoints exist yet
 
 

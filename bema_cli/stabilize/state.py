@@ -395,7 +395,7 @@ def stage(plan: Plan, opts: Options, tmp: Path) -> tuple[list[str], list[str], d
 
 
 def _checksums(doc: dict, stored: dict, staged: Path, news: list[str]) -> dict[str, dict[str, str]]:
-    """sha256 of each state file the new state.json names: new folders summed now, kept ones carried over."""
+    """The digest of each state file the new state.json names: new folders summed now, kept ones carried over."""
     needed = {r.get("state") for r in doc["runs"]} | {(doc["theta0"].get("burnin") or {}).get("folder")}
     old = stored.get("checksums") or {}
     sums = {f: state_doc.checksums(staged / f) for f in news}

@@ -3,19 +3,18 @@
 state.json is read back by a later call and trusted to name folders bema deletes and tensors it
 continues from, so the whole document is checked before any field is used (a hand edit, a torn
 copy, another program's file): types, required keys, and names that stay inside OUT. Every
-state file's bytes are summed (sha256) when staged and verified before a call continues from
+state file's bytes are summed (xxh3_128, io/fingerprint.file_digest) when staged and verified before a call continues from
 it: a bit flip or a rewrite in another dtype would otherwise go on silently into every later output.
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 from pathlib import Path
 
 from bema_cli.errors import InputError
+from bema_cli.io.fingerprint import DIGEST, file_digest
 
-CHUNK = 1 << 20  # hashing reads 1 MiB at a time
 DELETE_RE = re.compile(r"checkpoint-\d+")
 FINGERPRINT_KEYS = {"name": str, "size": int, "header_sha256": str}
 
@@ -52,7 +51,7 @@ def _fingerprints(files, where: str) -> None:
         for key, kind in FINGERPRINT_KEYS.items():
             _field(f, key, kind, f"{where}.files[{i}]")
         _plain_name(f["name"], f"{where}.files[{i}].name")
-        for key in ("sample_sha256", "sha256"):
+        for key in ("sample_sha256", DIGEST):
             if key in f and not isinstance(f[key], str):
                 raise _Bad(f"{where}.files[{i}].{key} is not a string")
 
@@ -92,7 +91,7 @@ def _check(doc, checked: tuple[str, ...]) -> None:
     for folder, files in (doc.get("checksums") or {}).items():
         _plain_name(folder, "checksums folder")
         if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-            raise _Bad(f"checksums[{folder!r}] is not a map of file -> sha256")
+            raise _Bad(f"checksums[{folder!r}] is not a map of file -> digest")
         for name in files:
             _plain_name(name, f"checksums[{folder!r}] file")
 
@@ -108,14 +107,9 @@ def validate(doc, path: Path, fmt: int, checked: tuple[str, ...]) -> dict:
     return doc
 
 
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def checksums(folder: Path) -> dict[str, str]:
-    """sha256 of every file of a staged state folder, by name."""
-    return {p.name: file_sha256(p) for p in sorted(folder.iterdir()) if p.is_file()}
+    """The digest of every file of a staged state folder, by name."""
+    return {p.name: file_digest(p) for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 def verify(folder: Path, expected: dict[str, str] | None) -> None:
@@ -131,7 +125,7 @@ def verify(folder: Path, expected: dict[str, str] | None) -> None:
         try:
             if path.is_symlink() or not path.is_file():
                 raise InputError(f"{path}: the state file is missing; {fix}")
-            ok = file_sha256(path) == digest
+            ok = file_digest(path) == digest
         except OSError as exc:
             raise InputError(f"{path}: cannot read ({exc.strerror or exc}); {fix}") from None
         if not ok:

@@ -12,12 +12,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import one_line_error, run_bema
-
-from bema_cli.io.fingerprint import file_digest
 from safetensors.torch import load_file, save_file
 from trajectory import write_trajectory
+
+from bema_cli.io.fingerprint import file_digest
 
 STEPS = [10, 20, 30, 40]
 GRID = ["--method", "ema,bema,ouema"]
@@ -193,10 +192,24 @@ def _edit(doc: dict, how: str) -> None:
 @pytest.mark.parametrize(
     "how",
     [
-        "delete ..", "delete absolute", "delete nested ..", "state ..", "state absolute", "burnin folder ..",
-        "last_step string", "last_step missing", "run missing", "outputs not steps", "runs not a list",
-        "step string", "files missing", "size missing", "size string", "theta0 list",
-        "theta0 source missing", "kappa missing",
+        "delete ..",
+        "delete absolute",
+        "delete nested ..",
+        "state ..",
+        "state absolute",
+        "burnin folder ..",
+        "last_step string",
+        "last_step missing",
+        "run missing",
+        "outputs not steps",
+        "runs not a list",
+        "step string",
+        "files missing",
+        "size missing",
+        "size string",
+        "theta0 list",
+        "theta0 source missing",
+        "kappa missing",
     ],
 )
 def test_malformed_state_json_is_one_line_naming_it(half, how):
@@ -310,7 +323,7 @@ def test_consumed_checkpoint_changed_in_the_middle(big_traj, tmp_path, mode):
     cheaper mode's known blind spot, documented in docs/design.md)."""
     base, run = big_traj
     part, out = _partial(run, tmp_path / "run", STEPS[:2]), tmp_path / "out"
-    fp = ["--fingerprint", mode]
+    fp = [] if mode == "full" else ["--fingerprint", mode]  # full is the default
     _ok(part, base, out, *fp)
     _poke_middle(part / "checkpoint-10" / "model.safetensors")
     _partial(run, part, STEPS)
@@ -320,4 +333,3 @@ def test_consumed_checkpoint_changed_in_the_middle(big_traj, tmp_path, mode):
         assert "checkpoint-10" in line and "changed on disk" in line
     else:
         assert r.returncode == 0, r.stderr
-

@@ -187,7 +187,9 @@ def recover(out: Path) -> list[str]:
     """Under the lock: finish the journaled commits of dead writers, delete their temp folders."""
     links = [p for p in out.glob(TMP_PREFIX + "*") if p.is_symlink()]
     if links:
-        raise OutputError(f"{links[0]}: is a symbolic link; bema never deletes through links in OUT (remove it)")
+        raise OutputError(
+            f"{links[0]}: is a symbolic link; bema never deletes through links in OUT (remove it)"
+        )
     found = sorted(p for p in out.glob(TMP_PREFIX + "*") if p.is_dir())
     for tmp in found:
         with signals.deferred():
@@ -228,7 +230,9 @@ def _check_no_link(out: Path, rel: Path) -> None:
     for depth in range(1, len(rel.parts) + 1):
         folder = out.joinpath(*rel.parts[:depth])
         if folder.is_symlink():
-            raise OSError(errno.ELOOP, "a symbolic link inside OUT (bema never writes through links)", str(folder))
+            raise OSError(
+                errno.ELOOP, "a symbolic link inside OUT (bema never writes through links)", str(folder)
+            )
 
 
 def _install(dst: Path, src: Path, aside: Path, staged: tuple[int, int]) -> None:

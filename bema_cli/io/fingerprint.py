@@ -24,7 +24,8 @@ from bema_cli.io.checkpoints import model_weight_files
 
 HEAD_BYTES = 1 << 20  # fingerprint of a non-safetensors weight file: its first MiB
 SAMPLE_BYTES = 64 << 10  # and of the data: its first and last 64 KiB
-DIGEST = "xxh3_128"  # the whole-file digest of a full fingerprint, and of state files (stabilize/state_doc.py)
+# The whole-file digest of a full fingerprint, and of the state files (stabilize/state_doc.py).
+DIGEST = "xxh3_128"
 
 
 def head_hash(path: Path) -> tuple[str, str]:

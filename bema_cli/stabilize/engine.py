@@ -300,7 +300,9 @@ def hold(plan: Plan, alias: bool = True, full: bool = True):
         release(fds)
 
 
-def _fingerprints(files_of: dict[int, list[Path]], mapping: dict[Path, Path], full: bool) -> dict[int, list[dict]]:
+def _fingerprints(
+    files_of: dict[int, list[Path]], mapping: dict[Path, Path], full: bool
+) -> dict[int, list[dict]]:
     """step -> the fingerprint of its held files, under their own names."""
     result = {}
     for step, names in files_of.items():

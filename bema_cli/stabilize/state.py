@@ -16,7 +16,8 @@ accumulation dtype). Layout (docs/design.md, "Persistent state"):
 State folders are named by what they hold (state key, consumed steps), written under the
 call's temp folder one work unit at a time, and committed together with the outputs and
 state.json by the output commit protocol (io/commit.py): a crash at any moment leaves the old
-state or the new one, never a mix.
+state or the new one, never a mix. state.json is checked whole and every state file's digest
+verified before a call continues from it (stabilize/state_doc.py).
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bema_cli import __version__, output
-from bema_cli.errors import BemaError, InputError, OutputError, UsageError
-from bema_cli.io.checkpoints import Checkpoint, model_weight_files, read_json
+from bema_cli.errors import BemaError, InputError, UsageError
+from bema_cli.io.checkpoints import Checkpoint, read_json
 from bema_cli.io.fingerprint import changed, fingerprint, fingerprint_if_present
-from bema_cli.io.safetensors import FLOATING, TAG_OF, ModelIndex, TensorInfo, index_model
+from bema_cli.io.safetensors import FLOATING, TAG_OF, ModelIndex, TensorInfo
 from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
-from bema_cli.stabilize import state_doc
 from bema_cli.recurrence import STATE_TENSORS, Schedule, Stabilizer, run_name, state_key
+from bema_cli.stabilize import state_doc
 
 if TYPE_CHECKING:
     from bema_cli.stabilize.plan import Options, Piece, Plan, Run
@@ -47,36 +48,19 @@ FORMAT = 1
 # What must not change between calls of one run: the schedule and the dtypes (flag names for errors).
 SCHEDULE_KEYS = ("preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min")
 CHECKED = (*SCHEDULE_KEYS, "accum_dtype", "out_dtype", "lora_output", "lora_rank")
-ADDED_LATER = {"lora_output": "merged", "lora_rank": None}  # absent from states written before they were checked
+# Checked keys absent from states written before they were checked, and the value they had then.
+ADDED_LATER = {"lora_output": "merged", "lora_rank": None}
 
 
 # -- reading the state and checking a call against it -----------------------------------------
 def read(out: Path) -> dict | None:
     """OUT/.bema-state/state.json, or None when OUT has no state; InputError naming it when malformed."""
-    check_no_links(out)
+    state_doc.check_no_links(out / STATE_DIR)
     path = out / STATE_DIR / STATE_FILE
     if not path.exists():
         return None
     required = tuple(k for k in CHECKED if k not in ADDED_LATER)
     return state_doc.validate(read_json(path), path, FORMAT, required)
-
-
-def check_no_links(out: Path) -> None:
-    """OUT/.bema-state and what lies directly in it are real files and folders, never symbolic links.
-
-    bema deletes state folders no run needs and renames new ones in: through a link planted
-    there (to the training run, to a shared folder) that would delete or overwrite what it points at.
-    """
-    folder = out / STATE_DIR
-    if folder.exists() and not folder.is_dir() and not folder.is_symlink():
-        raise OutputError(f"{folder}: is not a folder; bema keeps its state there (remove it)")
-    links = [folder] if folder.is_symlink() else []
-    if not links and folder.is_dir():
-        links = sorted(p for p in folder.iterdir() if p.is_symlink())
-    if links:
-        raise OutputError(
-            f"{links[0]}: is a symbolic link; bema never writes or deletes through links in OUT (remove it)"
-        )
 
 
 def _settings(schedule: Schedule, opts: Options) -> dict:
@@ -126,7 +110,9 @@ def resume(opts: Options, out: Path, checkpoints: list[Checkpoint], base_source:
         return Resume(None, present, {}, None, base_files)
     restart = opts.restart or opts.overwrite
     try:
-        _check_inputs(stored, out / STATE_DIR, checkpoints, base_source, base_files, opts.fingerprint == "full")
+        _check_inputs(
+            stored, out / STATE_DIR, checkpoints, base_source, base_files, opts.fingerprint == "full"
+        )
     except BemaError:
         if not restart:
             raise
@@ -217,12 +203,12 @@ def tracks(plan: Plan, resume: Resume, out: Path) -> list[Track]:
         if STATE_TENSORS[method] and last != start:
             consumed = [s for s in resume.steps if s <= last]
             folder = f"{key[0]}-{_digest(key, consumed, plan.base_source)}"
-            source = index_state(out, old, resume.stored) if old else None
+            source = state_doc.index_state(out / STATE_DIR / old, resume.stored) if old else None
             if start is not None and source is None:
                 raise InputError(f"{out / STATE_DIR}: no state for run {runs[0].name}; pass --restart")
             if source is not None:
                 accum = stored[runs[0].name]["accum_dtype"]
-                check_layout(source, state_layout(plan, STATE_TENSORS[method], accum, 1 << 62))
+                state_doc.check_layout(source, state_layout(plan, STATE_TENSORS[method], accum, 1 << 62))
         result.append(Track(method, runs, start, last, source, folder))
     return result
 
@@ -237,29 +223,6 @@ def state_layout(plan: Plan, names: tuple[str, ...], accum_dtype: str, max_shard
         if t.dtype in FLOATING and t.numel
     ]
     return plan_shards(sorted(tensors, key=lambda t: t.name), max_shard_size)
-
-
-def index_state(out: Path, name: str, stored: dict) -> ModelIndex:
-    """A state folder, its files verified against the checksums state.json keeps for them."""
-    folder = out / STATE_DIR / name
-    if not folder.is_dir():
-        raise InputError(f"{folder}: the state folder is missing; pass --restart to recompute from scratch")
-    sums = stored.get("checksums")
-    state_doc.verify(folder, sums.get(name) if sums is not None else None)
-    return index_model(folder, model_weight_files(folder))
-
-
-def check_layout(index: ModelIndex, shards) -> None:
-    """A state folder holds the tensors this run continues, in the accumulation dtype and the model's shapes."""
-    expected = {t.name: t for shard in shards for t in shard.tensors}
-    for name, want in expected.items():
-        got = index.tensors.get(name)
-        if got is None or got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
-            found = f"{got.dtype} {list(got.shape)}" if got else "missing"
-            raise InputError(
-                f"{index.folder}: state tensor {name} is {found}, expected {want.dtype} {list(want.shape)}; "
-                "pass --restart to recompute from scratch"
-            )
 
 
 def open_writers(plan: Plan, opts: Options, tmp: Path) -> dict[str, ShardedWriter]:
@@ -335,9 +298,11 @@ def attach(plan: Plan, resume: Resume, out: Path) -> None:
     elif fresh or not resume.theta0_state:
         plan.theta0_index = plan.base_index
     else:
-        plan.theta0_index = index_state(out, resume.theta0_state, resume.stored)
+        plan.theta0_index = state_doc.index_state(out / STATE_DIR / resume.theta0_state, resume.stored)
         for run in resume.stored["runs"][:1]:  # one accumulation dtype per OUT (check_run)
-            check_layout(plan.theta0_index, state_layout(plan, ("theta0",), run["accum_dtype"], 1 << 62))
+            state_doc.check_layout(
+                plan.theta0_index, state_layout(plan, ("theta0",), run["accum_dtype"], 1 << 62)
+            )
 
 
 def read_theta0(plan: Plan, unit: list[Piece], theta0, load) -> None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from bema_cli.errors import InputError
+from bema_cli.errors import InputError, OutputError
+from bema_cli.io.checkpoints import model_weight_files
 from bema_cli.io.fingerprint import DIGEST, file_digest
+from bema_cli.io.safetensors import ModelIndex, index_model
 
 DELETE_RE = re.compile(r"checkpoint-\d+")
 FINGERPRINT_KEYS = {"name": str, "size": int, "header_sha256": str}
@@ -99,11 +101,15 @@ def _check(doc, checked: tuple[str, ...]) -> None:
 def validate(doc, path: Path, fmt: int, checked: tuple[str, ...]) -> dict:
     """The document, checked whole; InputError naming `path` and the first problem otherwise."""
     if not isinstance(doc, dict) or doc.get("format") != fmt:
-        raise InputError(f"{path}: not a bema state (format {fmt}); remove {path.parent} to recompute from scratch")
+        raise InputError(
+            f"{path}: not a bema state (format {fmt}); remove {path.parent} to recompute from scratch"
+        )
     try:
         _check(doc, checked)
     except _Bad as exc:
-        raise InputError(f"{path}: malformed bema state ({exc}); remove {path.parent} to recompute from scratch") from None
+        raise InputError(
+            f"{path}: malformed bema state ({exc}); remove {path.parent} to recompute from scratch"
+        ) from None
     return doc
 
 
@@ -129,4 +135,46 @@ def verify(folder: Path, expected: dict[str, str] | None) -> None:
         except OSError as exc:
             raise InputError(f"{path}: cannot read ({exc.strerror or exc}); {fix}") from None
         if not ok:
-            raise InputError(f"{path}: the state file changed since it was written (checksum mismatch); {fix}")
+            raise InputError(
+                f"{path}: the state file changed since it was written (checksum mismatch); {fix}"
+            )
+
+
+# -- the state folders: no links, verified contents, the expected tensors ------------------------
+def check_no_links(folder: Path) -> None:
+    """OUT/.bema-state (`folder`) and what lies directly in it are real files and folders, never symbolic links.
+
+    bema deletes state folders no run needs and renames new ones in: through a link planted
+    there (to the training run, to a shared folder) that would delete or overwrite what it points at.
+    """
+    if folder.exists() and not folder.is_dir() and not folder.is_symlink():
+        raise OutputError(f"{folder}: is not a folder; bema keeps its state there (remove it)")
+    links = [folder] if folder.is_symlink() else []
+    if not links and folder.is_dir():
+        links = sorted(p for p in folder.iterdir() if p.is_symlink())
+    if links:
+        raise OutputError(
+            f"{links[0]}: is a symbolic link; bema never writes or deletes through links in OUT (remove it)"
+        )
+
+
+def index_state(folder: Path, stored: dict) -> ModelIndex:
+    """A state folder, its files verified against the checksums state.json keeps for them."""
+    if not folder.is_dir():
+        raise InputError(f"{folder}: the state folder is missing; pass --restart to recompute from scratch")
+    sums = stored.get("checksums")
+    verify(folder, sums.get(folder.name) if sums is not None else None)
+    return index_model(folder, model_weight_files(folder))
+
+
+def check_layout(index: ModelIndex, shards) -> None:
+    """A state folder holds the tensors this run continues, in the accumulation dtype and the model's shapes."""
+    expected = {t.name: t for shard in shards for t in shard.tensors}
+    for name, want in expected.items():
+        got = index.tensors.get(name)
+        if got is None or got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
+            found = f"{got.dtype} {list(got.shape)}" if got else "missing"
+            raise InputError(
+                f"{index.folder}: state tensor {name} is {found}, expected {want.dtype} {list(want.shape)}; "
+                "pass --restart to recompute from scratch"
+            )

@@ -297,9 +297,26 @@ def copy_aux_files(dst: Path, sources: list[Path]) -> list[str]:
     """Copy config/tokenizer/chat-template files into dst, each from the first source that has it."""
     copied: list[str] = []
     for src in sources:
-        for pattern in AUX_PATTERNS:
-            for f in sorted(src.glob(pattern)):
-                if f.is_file() and f.name not in copied and not f.name.endswith(".safetensors"):
-                    shutil.copy2(f, dst / f.name)
-                    copied.append(f.name)
+        for f in aux_files(src):
+            if f.name not in copied:
+                shutil.copyfile(f.resolve(), dst / f.name)  # the bytes only: no modes, no link followed later
+                copied.append(f.name)
     return copied
+
+
+def aux_files(src: Path) -> list[Path]:
+    """The side files of a model folder that copy_aux_files would copy; InputError naming a link whose
+    target lies outside the folder (a hostile checkpoint would otherwise have any readable file, such as
+    ~/.ssh/id_rsa, copied into OUT). A Hub cache snapshot's links into its repo's blobs/ are its own."""
+    root = src.resolve()
+    if src.parent.name == "snapshots" and (src.parent.parent / "blobs").is_dir():
+        root = src.parent.parent.resolve()
+    files = []
+    for pattern in AUX_PATTERNS:
+        for f in sorted(src.glob(pattern)):
+            if f.name.endswith(".safetensors") or not f.is_file():
+                continue
+            if f.is_symlink() and not f.resolve().is_relative_to(root):
+                raise InputError(f"{f}: a symbolic link to {f.resolve()}, outside {src}; not copied into the output")
+            files.append(f)
+    return files

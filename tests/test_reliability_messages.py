@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,76 @@ def test_side_file_linking_inside_is_copied_as_a_file(tmp_path):
     assert r.returncode == 0, r.stderr
     copied = out / RUN / "checkpoint-30" / "tokenizer.json"
     assert not copied.is_symlink() and copied.read_text() == '{"x": 1}'
+
+
+# --- I/O errors: the right file, read or write ----------------------------------------------------
+
+
+def _start(*args):
+    cmd = [str(BEMA), "stabilize", *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(cond, proc, timeout=120.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.02)
+    return False
+
+
+def test_bin_rotated_away_mid_read_says_cannot_read(tmp_path):
+    """A trainer's save_total_limit deletes a .bin checkpoint while it is read: a read error naming it
+    (exit 3), not 'cannot write'."""
+    from formats import convert
+
+    base, run = write_trajectory(tmp_path / "st", STEPS, shapes={"w": (3000, 4)}, with_int=False)
+    run_bin = tmp_path / "run"
+    for s in STEPS:
+        convert(run / f"checkpoint-{s}", run_bin / f"checkpoint-{s}", "bin")
+    out = tmp_path / "out"
+    proc = _start(run_bin, "--base", base, "--out", out, "--max-memory", "200B")
+    assert _wait_for(lambda: list(out.glob(".bema-tmp-*/*/checkpoint-*")), proc), proc.communicate()
+    victim = run_bin / "checkpoint-30" / "pytorch_model.bin"
+    victim.unlink()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 3, stderr
+    assert stderr.splitlines() == [f"error: {victim}: cannot read (No such file or directory)"], stderr
+    assert not out.exists()
+
+
+def test_disk_full_after_the_tensors_names_the_output_file(tmp_path):
+    """A write that fails after the tensor shards (the recurrence state, side files; a file-size limit
+    gives EFBIG as a full disk gives ENOSPC) names the file being written under OUT, never an input."""
+    import resource
+
+    base, run = write_trajectory(tmp_path, STEPS, shapes={"w": (1000, 4)}, with_int=False)
+    for s in STEPS:  # a side file bigger than the limit: its copy fails
+        (run / f"checkpoint-{s}" / "tokenizer.json").write_bytes(b" " * 100_000)
+    out, limit = tmp_path / "out", 60_000  # the shards (16 kB) fit, the side file does not
+
+    def fsize_limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    cmd = [str(BEMA), "stabilize", run, "--base", base, "--out", out]
+    r = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=fsize_limit, timeout=300)
+    line = one_line_error(r, 4)
+    assert "cannot write (File too large)" in line, line
+    assert line.startswith(f"error: {out}/.bema-tmp-"), line
+    assert not out.exists()
+
+
+def test_safetensors_gone_since_indexing_says_cannot_read(tmp_path):
+    """A Ray worker opens the checkpoint by name: one rotated away since indexing is a read error."""
+    from bema_cli.errors import InputError
+    from bema_cli.io.reader import open_checkpoint
+
+    _, run = _small(tmp_path)
+    index = open_checkpoint(run / "checkpoint-10")
+    (run / "checkpoint-10" / "model.safetensors").unlink()
+    with pytest.raises(InputError, match=r"model.safetensors: cannot read \(No such file or directory\)"):
+        with index.open() as reader:
+            reader.read("layer.0.weight", 0, 2)

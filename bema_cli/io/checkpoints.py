@@ -11,11 +11,10 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from bema_cli.errors import InputError
+from bema_cli.errors import InputError, OutputError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -299,9 +298,37 @@ def copy_aux_files(dst: Path, sources: list[Path]) -> list[str]:
     for src in sources:
         for f in aux_files(src):
             if f.name not in copied:
-                shutil.copyfile(f.resolve(), dst / f.name)  # the bytes only: no modes, no link followed later
+                _copy_bytes(f, dst / f.name)
                 copied.append(f.name)
     return copied
+
+
+def _copy_bytes(src: Path, dst: Path) -> None:
+    """src's bytes (through a link: its target's) into a new regular file dst; a failure names the file
+    at fault and says whether reading or writing failed."""
+    try:
+        source = open(src.resolve(), "rb")
+    except OSError as exc:
+        raise InputError(f"{src}: cannot read ({exc.strerror or exc})") from None
+    with source:
+        try:
+            target = open(dst, "wb", buffering=0)  # unbuffered: a full disk fails in write(), named
+        except OSError as exc:
+            raise OutputError(f"{dst}: cannot write ({exc.strerror or exc})") from None
+        with target:
+            while True:
+                try:
+                    chunk = source.read(1 << 20)
+                except OSError as exc:
+                    raise InputError(f"{src}: cannot read ({exc.strerror or exc})") from None
+                if not chunk:
+                    break
+                try:
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[target.write(view) :]
+                except OSError as exc:
+                    raise OutputError(f"{dst}: cannot write ({exc.strerror or exc})") from None
 
 
 def aux_files(src: Path) -> list[Path]:

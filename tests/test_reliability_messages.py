@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -126,3 +127,30 @@ def test_safetensors_gone_since_indexing_says_cannot_read(tmp_path):
     with pytest.raises(InputError, match=r"model.safetensors: cannot read \(No such file or directory\)"):
         with index.open() as reader:
             reader.read("layer.0.weight", 0, 2)
+
+
+# --- SIGTERM under Ray -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # a Ray start: ~15-30 s here
+def test_sigterm_under_ray_exits_143(tmp_path):
+    """SLURM/Kubernetes stop a `--executor ray` run with SIGTERM: exit 143 and the one-line message, as
+    locally (ray.init had replaced the handler with sys.exit(15))."""
+    pytest.importorskip("ray")
+    base, run = write_trajectory(tmp_path, STEPS, shapes={"w": (3000, 4)}, with_int=False)
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray
+    cmd = [str(BEMA), "stabilize", run, "--base", base, "--out", out, "--max-memory", "200B"]
+    proc = subprocess.Popen(
+        [*map(str, cmd), "--executor", "ray", "--workers", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    assert _wait_for(lambda: list(out.glob(".bema-tmp-*/*/checkpoint-*")), proc, 180), proc.communicate()
+    time.sleep(1)  # Ray tasks in flight
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert lines[-1] == "error: interrupted by SIGTERM; nothing half-written was kept", stderr
+    assert "Traceback" not in stderr, stderr
+    assert not out.exists(), "the temp folder, the lock and the OUT this run created are gone"

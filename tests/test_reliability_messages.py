@@ -154,3 +154,21 @@ def test_sigterm_under_ray_exits_143(tmp_path):
     assert lines[-1] == "error: interrupted by SIGTERM; nothing half-written was kept", stderr
     assert "Traceback" not in stderr, stderr
     assert not out.exists(), "the temp folder, the lock and the OUT this run created are gone"
+
+
+# --- bema eval / report edge cases ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["same", "inside"])
+def test_eval_out_in_an_input_checkpoint_is_refused(tiny_model_copy, tmp_path, where):
+    """results.jsonl never lands in a model folder being evaluated (stabilize's rule, exit 4)."""
+    from test_eval import write_data
+
+    model, data = tiny_model_copy, write_data(tmp_path / "data")
+    out = model if where == "same" else model / "results"
+    before = sorted(p.name for p in model.iterdir())
+    r = run_bema("eval", model, "--tasks", "boolq", "--backend", "transformers", "--data-dir", data,
+                 "--limit", "1", "--n-samples", "1", "--max-new-tokens", "2", "--out", out)  # fmt: skip
+    line = one_line_error(r, 4)
+    assert f"--out {out.resolve()}: {'is' if where == 'same' else 'lies inside'} the input" in line, line
+    assert sorted(p.name for p in model.iterdir()) == before

@@ -29,6 +29,7 @@ from bema_cli.eval.targets import Target, base_target, check_model_dir, expand_i
 from bema_cli.eval.tasks import LOSS_TASKS, get_task, is_lm_eval
 from bema_cli.eval.tasks import common as scoring
 from bema_cli.eval.tasks import loss as loss_task
+from bema_cli.io.commit import check_apart
 
 
 @dataclass
@@ -349,6 +350,8 @@ def run_eval(
         raise UsageError("no checkpoints to evaluate (give model folders and/or --base)")
     for target in targets:  # before any data is downloaded or OUT is created
         check_model_dir(target.path)
+    if config.out is not None:  # results.jsonl never lands in a model folder it evaluates
+        check_apart(Path(config.out).expanduser(), [t.path for t in targets], may_contain=True)
     return Evaluation(config, engine, executor).run(targets)
 
 

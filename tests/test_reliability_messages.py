@@ -172,3 +172,23 @@ def test_eval_out_in_an_input_checkpoint_is_refused(tiny_model_copy, tmp_path, w
     line = one_line_error(r, 4)
     assert f"--out {out.resolve()}: {'is' if where == 'same' else 'lies inside'} the input" in line, line
     assert sorted(p.name for p in model.iterdir()) == before
+
+
+def test_report_reads_a_torn_last_line_as_eval_does(tmp_path):
+    """A crash mid-append leaves a torn last line: `bema report` skips it with the warning `bema eval`
+    gives, reports the whole records, and leaves the file as it was."""
+    from test_report import write_results
+
+    path = tmp_path / "eval" / "results.jsonl"
+    write_results(path)
+    whole = len(path.read_text().splitlines())
+    with open(path, "a") as f:
+        f.write('{"run": "vanilla", "step": 4')  # no newline: torn
+    before = path.read_bytes()
+    r = run_bema("report", path.parent, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["n_records"] == whole
+    assert r.stderr.splitlines() == [
+        f"warning: {path}:{whole + 1}: skipped a torn final line (a crash in the middle of a write)"
+    ], r.stderr
+    assert path.read_bytes() == before

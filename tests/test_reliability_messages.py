@@ -192,3 +192,23 @@ def test_report_reads_a_torn_last_line_as_eval_does(tmp_path):
         f"warning: {path}:{whole + 1}: skipped a torn final line (a crash in the middle of a write)"
     ], r.stderr
     assert path.read_bytes() == before
+
+
+def test_eval_backend_vllm_without_vllm_says_how_to_install(tiny_model_copy, tmp_path):
+    """vLLM is optional: `--backend vllm` without it is a one-line usage error with the install command,
+    not "internal error: ModuleNotFoundError". A `vllm` package first on PYTHONPATH fails to import
+    exactly as a missing one does (ModuleNotFoundError naming 'vllm')."""
+    from test_eval import write_data
+
+    hidden = tmp_path / "no-vllm" / "vllm"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'vllm'\", name='vllm')\n"
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(hidden.parent), os.environ.get("PYTHONPATH", "")])}
+    data, out = write_data(tmp_path / "data"), tmp_path / "results"
+    r = run_bema("eval", tiny_model_copy, "--tasks", "boolq", "--backend", "vllm", "--data-dir", data,
+                 "--limit", "1", "--out", out, env=env)  # fmt: skip
+    line = one_line_error(r, 2)
+    assert "--backend vllm: vLLM is not installed (install it with: pip install 'bema-cli[vllm]'" in line, line
+    assert "--backend transformers" in line, line

@@ -22,7 +22,14 @@ from bema_cli import __version__, output
 from bema_cli.cluster import ExecutorOptions, import_ray
 from bema_cli.errors import OutputError, UsageError
 from bema_cli.eval import data, resume
-from bema_cli.eval.backends.base import BACKENDS, EngineOptions, Sampling, make_backend, vllm_usable
+from bema_cli.eval.backends.base import (
+    BACKENDS,
+    EngineOptions,
+    Sampling,
+    import_vllm,
+    make_backend,
+    vllm_usable,
+)
 from bema_cli.eval.chat import render
 from bema_cli.eval.results import ResultsFile, SamplesLog, read_jsonl
 from bema_cli.eval.targets import Target, base_target, check_model_dir, expand_inputs
@@ -157,6 +164,8 @@ class Evaluation:
             return "transformers"  # losses are transformers forward passes: no engine needed
         if name == "auto":
             return "vllm" if vllm_usable() else "transformers"
+        if name == "vllm" and self.executor.executor == "local":
+            import_vllm()  # a missing vLLM is reported before any data is read
         return name
 
     def _prepare(self) -> dict[str, TaskInput]:

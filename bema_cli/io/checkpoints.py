@@ -344,6 +344,8 @@ def aux_files(src: Path) -> list[Path]:
             if f.name.endswith(".safetensors") or not f.is_file():
                 continue
             if f.is_symlink() and not f.resolve().is_relative_to(root):
-                raise InputError(f"{f}: a symbolic link to {f.resolve()}, outside {src}; not copied into the output")
+                raise InputError(
+                    f"{f}: a symbolic link to {f.resolve()}, outside {src}; not copied into the output"
+                )
             files.append(f)
     return files

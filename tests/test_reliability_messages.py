@@ -212,3 +212,20 @@ def test_eval_backend_vllm_without_vllm_says_how_to_install(tiny_model_copy, tmp
     line = one_line_error(r, 2)
     assert "--backend vllm: vLLM is not installed (install it with: pip install 'bema-cli[vllm]'" in line, line
     assert "--backend transformers" in line, line
+
+
+# --- Ray eval: each CPU engine's KV cache sized to its share of the node ------------------------
+
+
+def test_cpu_kv_cache_is_the_engines_share_of_the_node():
+    from bema_cli.eval.ray_pool import KV_ENV, actors_per_node, cpu_kv_cache_env
+
+    gib = 2**30
+    assert actors_per_node(node_cpus=2, cpus_per_actor=1.0, workers=2) == 2
+    assert actors_per_node(node_cpus=16, cpus_per_actor=2.0, workers=3) == 3  # workers cap it
+    assert actors_per_node(node_cpus=4, cpus_per_actor=4.0, workers=8) == 1
+    assert cpu_kv_cache_env(24 * gib, 2, {}) == {KV_ENV: "6"}  # half the node, split in two
+    assert cpu_kv_cache_env(24 * gib, 1, {}) == {KV_ENV: "12"}
+    assert cpu_kv_cache_env(3 * gib, 8, {}) == {KV_ENV: "1"}  # at least 1 GiB: vLLM needs some cache
+    assert cpu_kv_cache_env(24 * gib, 2, {KV_ENV: "3"}) == {}  # the user's choice stands
+    assert cpu_kv_cache_env(24 * gib, 2, {KV_ENV: ""}) == {KV_ENV: "6"}  # empty: vLLM ignores it too

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import BEMA, one_line_error, run_bema
 from trajectory import write_trajectory
 
@@ -229,3 +230,60 @@ def test_cpu_kv_cache_is_the_engines_share_of_the_node():
     assert cpu_kv_cache_env(3 * gib, 8, {}) == {KV_ENV: "1"}  # at least 1 GiB: vLLM needs some cache
     assert cpu_kv_cache_env(24 * gib, 2, {KV_ENV: "3"}) == {}  # the user's choice stands
     assert cpu_kv_cache_env(24 * gib, 2, {KV_ENV: ""}) == {KV_ENV: "6"}  # empty: vLLM ignores it too
+
+
+# --- LoRA adapter_config.json: lora_alpha and fan_in_fan_out ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_model_dir, tmp_path_factory):
+    """Real PEFT adapters on the tiny Qwen2 (nn.Linear layers): q_proj square (64x64), up_proj not (128x64)."""
+    from lora_run import perturbed_adapters
+
+    root = tmp_path_factory.mktemp("lora")
+    shutil.copytree(tiny_model_dir, root / "base")
+    perturbed_adapters(root / "base", root / "run", STEPS, target_modules=["q_proj", "up_proj"], modules_to_save=[])
+    perturbed_adapters(root / "base", root / "square", STEPS, target_modules=["q_proj"], modules_to_save=[])
+    return root / "base", root / "run"
+
+
+def _edited(run: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(run, dst)
+    for s in STEPS:
+        path = dst / f"checkpoint-{s}" / "adapter_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return dst
+
+
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), 0, -8])
+def test_lora_alpha_not_positive_finite_is_refused(lora_run, tmp_path, alpha):
+    base, run = lora_run
+    run = _edited(run, tmp_path / "run", lora_alpha=alpha)
+    r = run_bema("stabilize", run, "--base", base, "--out", tmp_path / "out")
+    line = one_line_error(r, 3)
+    assert f"{run}/checkpoint-10/adapter_config.json: lora_alpha must be a positive finite number" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("targets", ["run", "square"])
+def test_lora_fan_in_fan_out_on_linear_layers_is_ignored_as_peft_does(lora_run, tmp_path, targets):
+    """PEFT forces fan_in_fan_out off on nn.Linear targets (with a warning), so a config saying true
+    stands for the same weights: the same outputs, bitwise, as with false (was: an error on up_proj,
+    and a silently transposed delta on the square q_proj; with q_proj alone the base's model_type,
+    qwen2, tells its layers are nn.Linear)."""
+    from trajectory import load_model
+
+    base, run = lora_run
+    run = run.with_name(targets)
+    flipped = _edited(run, tmp_path / "flipped", fan_in_fan_out=True)
+    outs = {}
+    for name, src in (("plain", run), ("flipped", flipped)):
+        r = run_bema("stabilize", src, "--base", base, "--out", tmp_path / f"out-{name}", "--steps", "30")
+        assert r.returncode == 0, r.stderr
+        outs[name] = load_model(tmp_path / f"out-{name}" / RUN / "checkpoint-30")
+    theta0 = load_model(base)
+    assert not torch.equal(outs["plain"]["model.layers.0.self_attn.q_proj.weight"],
+                           theta0["model.layers.0.self_attn.q_proj.weight"])  # fmt: skip
+    assert outs["plain"].keys() == outs["flipped"].keys()
+    for k, v in outs["plain"].items():
+        assert torch.equal(v, outs["flipped"][k]), k

@@ -45,16 +45,20 @@ def test_side_file_linking_outside_is_refused(tmp_path, name, where):
 
 
 def test_side_file_linking_inside_is_copied_as_a_file(tmp_path):
-    """A link to a file inside the same checkpoint is fine: its bytes land in OUT as a regular file."""
+    """Links within the checkpoint, or into the base (tokenizer files shared to save space), are
+    fine: their bytes land in OUT as regular files."""
     base, run = _small(tmp_path)
     ckpt = run / "checkpoint-30"
     (ckpt / "tok.json").write_text('{"x": 1}')
     (ckpt / "tokenizer.json").symlink_to("tok.json")
+    (base / "merges.txt").write_text("a b\n")
+    (ckpt / "merges.txt").symlink_to(base / "merges.txt")
     out = tmp_path / "out"
     r = run_bema("stabilize", run, "--base", base, "--out", out, "--steps", "30")
     assert r.returncode == 0, r.stderr
-    copied = out / RUN / "checkpoint-30" / "tokenizer.json"
-    assert not copied.is_symlink() and copied.read_text() == '{"x": 1}'
+    folder = out / RUN / "checkpoint-30"
+    for name, text in (("tokenizer.json", '{"x": 1}'), ("merges.txt", "a b\n")):
+        assert not (folder / name).is_symlink() and (folder / name).read_text() == text, name
 
 
 # --- I/O errors: the right file, read or write ----------------------------------------------------

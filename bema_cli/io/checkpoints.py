@@ -292,11 +292,12 @@ def resolve_base(base: str | None, checkpoints: list[Checkpoint], check=model_we
     )
 
 
-def copy_aux_files(dst: Path, sources: list[Path]) -> list[str]:
-    """Copy config/tokenizer/chat-template files into dst, each from the first source that has it."""
+def copy_aux_files(dst: Path, sources: list[Path], inside: list[Path] | None = None) -> list[str]:
+    """Copy config/tokenizer/chat-template files into dst, each from the first source that has it;
+    links may lead into the `inside` folders (default: the sources) and nowhere else (aux_files)."""
     copied: list[str] = []
     for src in sources:
-        for f in aux_files(src):
+        for f in aux_files(src, inside or sources):
             if f.name not in copied:
                 _copy_bytes(f, dst / f.name)
                 copied.append(f.name)
@@ -331,21 +332,27 @@ def _copy_bytes(src: Path, dst: Path) -> None:
                     raise OutputError(f"{dst}: cannot write ({exc.strerror or exc})") from None
 
 
-def aux_files(src: Path) -> list[Path]:
-    """The side files of a model folder that copy_aux_files would copy; InputError naming a link whose
-    target lies outside the folder (a hostile checkpoint would otherwise have any readable file, such as
-    ~/.ssh/id_rsa, copied into OUT). A Hub cache snapshot's links into its repo's blobs/ are its own."""
-    root = src.resolve()
-    if src.parent.name == "snapshots" and (src.parent.parent / "blobs").is_dir():
-        root = src.parent.parent.resolve()
+def aux_files(src: Path, inside: list[Path]) -> list[Path]:
+    """The side files of model folder `src` that copy_aux_files would copy; InputError naming a link
+    whose target lies outside the `inside` folders (the checkpoint and the base: a hostile checkpoint
+    would otherwise have any readable file, ~/.ssh/id_rsa say, copied into OUT). A Hub cache
+    snapshot's links into its repo's blobs/ stay inside it."""
+    roots = [_hub_repo(p) or p.resolve() for p in inside]
     files = []
     for pattern in AUX_PATTERNS:
         for f in sorted(src.glob(pattern)):
             if f.name.endswith(".safetensors") or not f.is_file():
                 continue
-            if f.is_symlink() and not f.resolve().is_relative_to(root):
+            if f.is_symlink() and not any(f.resolve().is_relative_to(r) for r in roots):
                 raise InputError(
-                    f"{f}: a symbolic link to {f.resolve()}, outside {src}; not copied into the output"
+                    f"{f}: a symbolic link to {f.resolve()}, outside the checkpoint and base folders; "
+                    "not copied into the output (copy the file there instead of linking it)"
                 )
             files.append(f)
     return files
+
+
+def _hub_repo(folder: Path) -> Path | None:
+    """The HF cache repo folder of a snapshot (`models--x--y/snapshots/<rev>`), whose files link to blobs/."""
+    repo = folder.parent.parent
+    return repo.resolve() if folder.parent.name == "snapshots" and (repo / "blobs").is_dir() else None

@@ -296,7 +296,9 @@ def prepare(opts: Options) -> Plan:
             )
     out_steps = {st for r in runs for st in r.out_steps}
     for folder in [c.path for c in checkpoints if c.step in out_steps] + [base.path]:
-        aux_files(folder)  # a side file linking outside its folder: refused now, not after the walk
+        aux_files(
+            folder, [folder, base.path]
+        )  # a side file linking elsewhere: refused now, not after the walk
     base_index = open_checkpoint(base.path)
     if not base_index.tensors:
         raise InputError(f"{base.path}: the base model has no tensors")

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from bema_cli import signals
 from bema_cli.errors import BemaError, UsageError
 
 EXECUTORS = ("local", "ray")
@@ -70,11 +71,12 @@ def ray_session(opts: ExecutorOptions, quiet: bool = False) -> Iterator:
     address = opts.ray_address or os.environ.get("RAY_ADDRESS") or None
     kwargs = {"log_to_driver": False, "include_dashboard": False, "logging_level": logging.WARNING}
     try:
-        if address:
-            ray.init(address=address, **kwargs)
-        else:
-            # "local": a new instance even when `ray start` left one on this machine (`--ray-address auto` joins it)
-            ray.init(address="local", object_store_memory=LOCAL_OBJECT_STORE, **kwargs)
+        with signals.kept():  # SIGTERM stays ours: exit 143 with the temp folder removed, as locally
+            if address:
+                ray.init(address=address, **kwargs)
+            else:
+                # "local": a new instance even when `ray start` left one on this machine (`--ray-address auto` joins it)
+                ray.init(address="local", object_store_memory=LOCAL_OBJECT_STORE, **kwargs)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = address or "a local Ray instance"
         hint = ""

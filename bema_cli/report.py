@@ -46,9 +46,11 @@ def find_results(inputs: list[str]) -> list[Path]:
 
 
 def read_records(path: Path) -> list[dict]:
-    """Every record of one results.jsonl (`eval_io.read_jsonl` names file:line of bad JSON), checked."""
+    """Every record of one results.jsonl, checked. Read as `bema eval` and `bema rescore` read it
+    (eval.results.read_jsonl: file:line of bad JSON; a torn final line, what a crash mid-append
+    leaves, skipped with a warning and left in place: report never writes its inputs)."""
     records = []
-    for number, record in enumerate(read_jsonl(path), start=1):
+    for number, record in enumerate(read_jsonl(path, skip_torn=True), start=1):
         where = f"{path}, record {number}"
         missing = [k for k in REQUIRED if k not in record]
         if missing:

@@ -9,6 +9,7 @@ signal back for a few milliseconds while the output commit renames folders (io/c
 from __future__ import annotations
 
 import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -66,3 +67,19 @@ def deferred() -> Iterator[None]:
         if not _deferring and _pending is not None:
             signum, _pending = _pending, None
             _raise(signum)
+
+
+@contextmanager
+def kept() -> Iterator[None]:
+    """Put back our SIGINT/SIGTERM/SIGHUP handlers after the block: `ray.init` replaces SIGTERM's with
+    one that calls sys.exit(15), which would end a run with exit 15 and a traceback instead of 143."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in HANDLED}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)

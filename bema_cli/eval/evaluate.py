@@ -22,13 +22,21 @@ from bema_cli import __version__, output
 from bema_cli.cluster import ExecutorOptions, import_ray
 from bema_cli.errors import OutputError, UsageError
 from bema_cli.eval import data, resume
-from bema_cli.eval.backends.base import BACKENDS, EngineOptions, Sampling, make_backend, vllm_usable
+from bema_cli.eval.backends.base import (
+    BACKENDS,
+    EngineOptions,
+    Sampling,
+    import_vllm,
+    make_backend,
+    vllm_usable,
+)
 from bema_cli.eval.chat import render
 from bema_cli.eval.results import ResultsFile, SamplesLog, read_jsonl
 from bema_cli.eval.targets import Target, base_target, check_model_dir, expand_inputs
 from bema_cli.eval.tasks import LOSS_TASKS, get_task, is_lm_eval
 from bema_cli.eval.tasks import common as scoring
 from bema_cli.eval.tasks import loss as loss_task
+from bema_cli.io.commit import check_apart
 
 
 @dataclass
@@ -156,6 +164,8 @@ class Evaluation:
             return "transformers"  # losses are transformers forward passes: no engine needed
         if name == "auto":
             return "vllm" if vllm_usable() else "transformers"
+        if name == "vllm" and self.executor.executor == "local":
+            import_vllm()  # a missing vLLM is reported before any data is read
         return name
 
     def _prepare(self) -> dict[str, TaskInput]:
@@ -349,6 +359,8 @@ def run_eval(
         raise UsageError("no checkpoints to evaluate (give model folders and/or --base)")
     for target in targets:  # before any data is downloaded or OUT is created
         check_model_dir(target.path)
+    if config.out is not None:  # results.jsonl never lands in a model folder it evaluates
+        check_apart(Path(config.out).expanduser(), [t.path for t in targets], may_contain=True)
     return Evaluation(config, engine, executor).run(targets)
 
 

@@ -21,6 +21,10 @@ from bema_cli.eval.backends.base import EngineOptions
 
 REQUEUES = 2  # a checkpoint whose actor dies this many more times is an error, not a loop
 ENV_PREFIXES = ("VLLM_", "HF_", "TOKENIZERS_")  # engine settings the actors must share
+KV_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM-CPU's KV cache size, in GiB
+KV_SHARE = (
+    0.5  # of a CPU node's memory, for all its engines' KV caches: weights and activations need the rest
+)
 
 
 class EngineActor:
@@ -53,6 +57,22 @@ def actor_resources(ray, workers: int, engine: EngineOptions) -> dict:
     return {"num_cpus": cpus, "num_gpus": gpus}
 
 
+def cpu_kv_cache_env(node_memory: float, actors_on_node: int, environ: dict[str, str]) -> dict[str, str]:
+    """VLLM_CPU_KVCACHE_SPACE (GiB) for each engine on a CPU node: KV_SHARE of the node's Ray memory
+    split between the engines on it. Left alone when the user set it. Without it, vLLM-CPU sizes each
+    engine's cache from --gpu-memory-utilization of the whole node's RAM, so two engines on one node ask
+    for more than it has and are killed for memory (two engines on a 24 GB node were)."""
+    if environ.get(KV_ENV, "").strip():
+        return {}
+    gib = int(KV_SHARE * node_memory / max(1, actors_on_node) // 2**30)
+    return {KV_ENV: str(max(1, gib))}
+
+
+def actors_per_node(node_cpus: float, cpus_per_actor: float, workers: int) -> int:
+    """How many engine actors Ray can place on one node of `node_cpus` cores."""
+    return max(1, min(workers, int(node_cpus / cpus_per_actor + 1e-9)))
+
+
 def run_pool(evaluation, jobs: list, executor: ExecutorOptions) -> None:
     """Run `jobs` (one per checkpoint) on a pool of engine actors; the driver writes every record."""
     if not jobs:
@@ -60,6 +80,15 @@ def run_pool(evaluation, jobs: list, executor: ExecutorOptions) -> None:
     with ray_session(executor) as ray:
         res = actor_resources(ray, executor.workers, evaluation.engine)
         env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
+        if evaluation.backend_name == "vllm" and not res["num_gpus"]:  # a GPU engine has its GPU(s) alone
+            _, largest = cluster_cpus(ray)
+            node = max((n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")), default=0)
+            sized = cpu_kv_cache_env(node, actors_per_node(largest, res["num_cpus"], executor.workers), env)
+            if sized:
+                output.log(
+                    f"each engine's KV cache: {sized[KV_ENV]} GiB ({KV_ENV}; set it to choose another)"
+                )
+            env.update(sized)
         actor_class = ray.remote(EngineActor)
         opts = {**res, "max_restarts": 0, "runtime_env": runtime_env(env)}
 

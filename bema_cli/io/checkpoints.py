@@ -11,11 +11,10 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from bema_cli.errors import InputError
+from bema_cli.errors import InputError, OutputError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -293,13 +292,67 @@ def resolve_base(base: str | None, checkpoints: list[Checkpoint], check=model_we
     )
 
 
-def copy_aux_files(dst: Path, sources: list[Path]) -> list[str]:
-    """Copy config/tokenizer/chat-template files into dst, each from the first source that has it."""
+def copy_aux_files(dst: Path, sources: list[Path], inside: list[Path] | None = None) -> list[str]:
+    """Copy config/tokenizer/chat-template files into dst, each from the first source that has it;
+    links may lead into the `inside` folders (default: the sources) and nowhere else (aux_files)."""
     copied: list[str] = []
     for src in sources:
-        for pattern in AUX_PATTERNS:
-            for f in sorted(src.glob(pattern)):
-                if f.is_file() and f.name not in copied and not f.name.endswith(".safetensors"):
-                    shutil.copy2(f, dst / f.name)
-                    copied.append(f.name)
+        for f in aux_files(src, inside or sources):
+            if f.name not in copied:
+                _copy_bytes(f, dst / f.name)
+                copied.append(f.name)
     return copied
+
+
+def _copy_bytes(src: Path, dst: Path) -> None:
+    """src's bytes (through a link: its target's) into a new regular file dst; a failure names the file
+    at fault and says whether reading or writing failed."""
+    try:
+        source = open(src.resolve(), "rb")
+    except OSError as exc:
+        raise InputError(f"{src}: cannot read ({exc.strerror or exc})") from None
+    with source:
+        try:
+            target = open(dst, "wb", buffering=0)  # unbuffered: a full disk fails in write(), named
+        except OSError as exc:
+            raise OutputError(f"{dst}: cannot write ({exc.strerror or exc})") from None
+        with target:
+            while True:
+                try:
+                    chunk = source.read(1 << 20)
+                except OSError as exc:
+                    raise InputError(f"{src}: cannot read ({exc.strerror or exc})") from None
+                if not chunk:
+                    break
+                try:
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[target.write(view) :]
+                except OSError as exc:
+                    raise OutputError(f"{dst}: cannot write ({exc.strerror or exc})") from None
+
+
+def aux_files(src: Path, inside: list[Path]) -> list[Path]:
+    """The side files of model folder `src` that copy_aux_files would copy; InputError naming a link
+    whose target lies outside the `inside` folders (the checkpoint and the base: a hostile checkpoint
+    would otherwise have any readable file, ~/.ssh/id_rsa say, copied into OUT). A Hub cache
+    snapshot's links into its repo's blobs/ stay inside it."""
+    roots = [_hub_repo(p) or p.resolve() for p in inside]
+    files = []
+    for pattern in AUX_PATTERNS:
+        for f in sorted(src.glob(pattern)):
+            if f.name.endswith(".safetensors") or not f.is_file():
+                continue
+            if f.is_symlink() and not any(f.resolve().is_relative_to(r) for r in roots):
+                raise InputError(
+                    f"{f}: a symbolic link to {f.resolve()}, outside the checkpoint and base folders; "
+                    "not copied into the output (copy the file there instead of linking it)"
+                )
+            files.append(f)
+    return files
+
+
+def _hub_repo(folder: Path) -> Path | None:
+    """The HF cache repo folder of a snapshot (`models--x--y/snapshots/<rev>`), whose files link to blobs/."""
+    repo = folder.parent.parent
+    return repo.resolve() if folder.parent.name == "snapshots" and (repo / "blobs").is_dir() else None

@@ -316,8 +316,9 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def check_apart(out: Path, inputs: list[Path]) -> None:
-    """Inputs are sacred: refuse an OUT that is, contains or lies inside an input (symlinks resolved)."""
+def check_apart(out: Path, inputs: list[Path], may_contain: bool = False) -> None:
+    """Inputs are sacred: refuse an OUT that is, contains (unless `may_contain`: eval only adds its own
+    results files) or lies inside an input (symlinks resolved)."""
     out = out.resolve()
     for path in inputs:
         real = Path(path).resolve()
@@ -326,7 +327,7 @@ def check_apart(out: Path, inputs: list[Path]) -> None:
             raise OutputError(
                 f"--out {out}: {what} the input {real}; choose an output folder apart from the inputs"
             )
-        if real.is_relative_to(out):
+        if real.is_relative_to(out) and not may_contain:
             raise OutputError(
                 f"--out {out}: contains the input {real}; choose an output folder apart from the inputs"
             )

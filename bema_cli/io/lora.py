@@ -35,6 +35,8 @@ FACTORS = {
     ".lora_embedding_A": ("A", True),
     ".lora_embedding_B": ("B", True),
 }
+# model_types whose layers are transformers' Conv1D (weight in x out), where PEFT sets fan_in_fan_out
+CONV1D_MODEL_TYPES = ("gpt2", "openai-gpt", "decision_transformer", "imagegpt", "clvp")
 ZERO_INITS = (True, "gaussian", "eva", "mica")  # B @ A = 0 and W_base untouched at initialization
 # adapter_config keys whose (truthy) use makes theta_s something other than W_base + scale * B @ A
 UNSUPPORTED = {
@@ -92,6 +94,8 @@ def read_config(folder: Path) -> dict:
     alpha = config.get("lora_alpha", 8)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise InputError(f"{path}: lora_alpha must be a number (got {alpha!r})")
+    if not (math.isfinite(alpha) and alpha > 0):  # JSON as Python reads it allows NaN and Infinity
+        raise InputError(f"{path}: lora_alpha must be a positive finite number (got {alpha!r})")
     for key, what in UNSUPPORTED.items():
         if config.get(key):
             raise InputError(
@@ -157,15 +161,55 @@ def read_adapter(folder: Path, base: ModelIndex) -> Adapter:
                     f"{info.file}: tensor {key!r} has shape {list(info.shape)}, the base has {list(b.shape)}"
                 )
             full[rest] = key
+    linear = _linear_layers(base, factors)
+    if linear is None:
+        linear = _linear_model(base.folder)
     modules = {}
     for name, f in sorted(factors.items()):
-        modules[name] = _module(folder, config, base, name, f)
+        modules[name] = _module(folder, config, base, name, f, linear)
     if not modules:
         raise InputError(f"{adapter_files(folder)[0]}: no LoRA factors (lora_A/lora_B) in the adapter")
     return Adapter(folder, config, index, modules, full)
 
 
-def _module(folder: Path, config: dict, base: ModelIndex, name: str, f: dict) -> Module:
+def _layout(w: TensorInfo | None, a: TensorInfo | None, b: TensorInfo | None) -> bool | None:
+    """True for an nn.Linear weight (out x in), False for GPT-2's Conv1D (in x out), None when the
+    shapes cannot tell (square, or not fitting: _module reports those)."""
+    if w is None or a is None or b is None or len(w.shape) != 2 or len(a.shape) != 2 or len(b.shape) != 2:
+        return None
+    out_in, in_out = (b.shape[0], a.shape[1]), (a.shape[1], b.shape[0])
+    return None if out_in == in_out or w.shape not in (out_in, in_out) else w.shape == out_in
+
+
+def _linear_layers(base: ModelIndex, factors: dict[str, dict]) -> bool | None:
+    """Whether the adapted layers are nn.Linear rather than Conv1D, as every non-square one shows;
+    None when none tells or they disagree.
+
+    PEFT decides fan_in_fan_out by the layer's type, not by adapter_config.json: True on an
+    nn.Linear is warned about and forced off, False on a Conv1D forced on. bema sees only
+    tensors, so a non-square weight's shape stands for its type, and a square one follows its
+    non-square siblings (one architecture's attention/MLP layers share a type); only when none
+    tells does the base model_type (_linear_model), then the config's fan_in_fan_out, decide.
+    """
+    kinds = {
+        _layout(base.tensors.get(name), f.get("A"), f.get("B"))
+        for name, f in factors.items()
+        if not f["transpose"]
+    } - {None}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def _linear_model(folder: Path) -> bool | None:
+    """From the base's config.json: False for the architectures built of Conv1D layers (the ones
+    transformers has), True for any other model_type, None without one."""
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None if not isinstance(model_type, str) else model_type not in CONV1D_MODEL_TYPES
+
+
+def _module(folder: Path, config: dict, base: ModelIndex, name: str, f: dict, linear: bool | None) -> Module:
     a, b = f.get("A"), f.get("B")
     if a is None or b is None:
         some = (a or b).name
@@ -175,7 +219,10 @@ def _module(folder: Path, config: dict, base: ModelIndex, name: str, f: dict) ->
         raise InputError(f"{a.file}: tensor {a.name!r} adapts {name!r}, which is not in the base model")
     if len(a.shape) != 2 or len(b.shape) != 2 or len(w.shape) != 2:
         raise InputError(f"{a.file}: tensor {a.name!r}: only 2-D (linear/embedding) LoRA is supported")
-    transpose = f["transpose"] or bool(config.get("fan_in_fan_out"))
+    own = _layout(w, a, b)
+    if own is not None:
+        linear = own
+    transpose = f["transpose"] or (bool(config.get("fan_in_fan_out")) if linear is None else not linear)
     out_dim, in_dim = (w.shape[1], w.shape[0]) if transpose else w.shape
     rank = a.shape[0]
     if b.shape != (out_dim, rank) or a.shape != (rank, in_dim):

@@ -199,3 +199,6 @@ class ChunkReader:
             return handle.get_slice(name)[start:stop]
         except SafetensorError as exc:
             raise InputError(f"{info.file}: cannot read tensor {name!r} ({exc})") from None
+        except OSError as exc:  # rotated away or unreadable since indexing: a read, not a write
+            why = exc.strerror or str(exc).split(": ")[0]  # safetensors' own: "<reason>: <path>"
+            raise InputError(f"{info.file}: cannot read ({why})") from None

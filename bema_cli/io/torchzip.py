@@ -119,16 +119,19 @@ def read_rows(path: Path, offset: int, dest) -> None:
     import torch
 
     view = dest.reshape(-1).view(torch.uint8).numpy()
-    fd = os.open(path, os.O_RDONLY)
     try:
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise InputError(f"{path}: truncated file (ends before byte {offset + len(view)})")
-            done += got
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(view):
+                got = os.preadv(fd, [view[done:]], offset + done)
+                if got <= 0:
+                    raise InputError(f"{path}: truncated file (ends before byte {offset + len(view)})")
+                done += got
+        finally:
+            os.close(fd)
+    except OSError as exc:  # rotated away (deleted) since indexing, an I/O error: a read, not a write
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
 
 
 def release_freed_memory() -> None:

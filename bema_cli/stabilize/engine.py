@@ -33,15 +33,19 @@ from bema_cli.stabilize import meta, state
 from bema_cli.stabilize.plan import Options, Piece, Plan, Run, prepare
 
 
-def _device(name: str):
+def _device(name: str, need_torch: bool = True):
+    """The torch device of --device; with need_torch False (a dry run) only the name is checked
+    unless it says cuda, so a dry run does not pay torch's ~1-2 s import."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--device: choose auto, cpu or cuda, got {name!r}")
+    if not need_torch and name != "cuda":
+        return None
     import torch
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
-    if name not in ("cpu", "cuda"):
-        raise UsageError(f"--device: choose auto, cpu or cuda, got {name!r}")
     return torch.device(name)
 
 
@@ -217,7 +221,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
             "state_bytes": 0,
             "seconds": time.perf_counter() - t0,
         }
-    _device(opts.device)  # the first check that needs torch (~2 s to import), so other errors come first
+    _device(opts.device, not opts.dry_run)  # the first check that needs torch (~2 s to import): other errors first
     theta0_bytes = plan.base_index.nbytes if plan.theta0_index is plan.base_index else 0
     read_bytes = theta0_bytes + sum(plan.indexes[s].nbytes for s in plan.read_steps)
     meta0 = {"bema_version": __version__}

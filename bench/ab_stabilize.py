@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -22,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_stabilize import BEMA, ONE, bema_cmd  # noqa: E402
+from bench_stabilize import ONE, bema_cmd  # noqa: E402
 from measure import read_files, run_measured, set_cache, write_files  # noqa: E402
 from synth import make_trajectory  # noqa: E402
 
@@ -34,7 +35,8 @@ def timed(traj, out: Path, code: str, extra: list[str], max_memory: str, final_o
     env = {**os.environ, "PYTHONPATH": code}
     run = run_measured(bema_cmd(traj, out, ONE, max_memory, final_only) + extra, env=env)
     shutil.rmtree(out)
-    return run.seconds, run.max_rss
+    cpu = sum(float(x) for x in re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", run.stderr))
+    return run.seconds, run.max_rss, cpu
 
 
 def main() -> None:
@@ -49,7 +51,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bema-ab-", dir=args.workdir))
-    res: dict = {"floor": [], "old": [], "new": [], "old_rss": [], "new_rss": [], "load": [os.getloadavg()[0]]}
+    res: dict = {k: [] for k in ("floor", "old", "new", "old_rss", "new_rss", "old_cpu", "new_cpu")}
+    res["load"] = [os.getloadavg()[0]]
     try:
         traj = make_trajectory(work / "traj", int(args.size_mb * 1e6), args.checkpoints)
         n_out = 1 if args.final_only else len(traj.steps)
@@ -61,9 +64,10 @@ def main() -> None:
             shutil.rmtree(out)
             order = [("old", args.old, []), ("new", NEW, args.new_args.split())]
             for name, code, extra in order if rep % 2 == 0 else order[::-1]:
-                s, rss = timed(traj, out, code, extra, args.max_memory, args.final_only)
+                s, rss, cpu = timed(traj, out, code, extra, args.max_memory, args.final_only)
                 res[name].append(s)
                 res[f"{name}_rss"].append(rss)
+                res[f"{name}_cpu"].append(cpu)
             print(
                 f"[ab] rep {rep}: floor {res['floor'][-1]:.2f} s, old {res['old'][-1]:.2f} s, "
                 f"new {res['new'][-1]:.2f} s",
@@ -82,7 +86,13 @@ def main() -> None:
     for k in ("old", "new"):
         v = per[k]
         print(f"  {k}: wall / floor median {statistics.median(v):.2f} (min {min(v):.2f}, max {max(v):.2f})")
-    print(f"  new / old wall: median {statistics.median(ratio):.2f} (min {min(ratio):.2f}, max {max(ratio):.2f})")
+    cpu = [n / o for n, o in zip(res["new_cpu"], res["old_cpu"], strict=True)]
+    print(
+        f"  new / old CPU time (user + sys): median {statistics.median(cpu):.2f} (min {min(cpu):.2f}, max {max(cpu):.2f})"
+    )
+    print(
+        f"  new / old wall: median {statistics.median(ratio):.2f} (min {min(ratio):.2f}, max {max(ratio):.2f})"
+    )
     print(f"  peak RSS: old {max(res['old_rss']) / 2**20:.0f} MiB, new {max(res['new_rss']) / 2**20:.0f} MiB")
     print(json.dumps(res), file=sys.stderr)
 

@@ -221,9 +221,8 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
             "state_bytes": 0,
             "seconds": time.perf_counter() - t0,
         }
-    _device(
-        opts.device, not opts.dry_run
-    )  # the first check that needs torch (~2 s to import): other errors first
+    # the first check that needs torch (~1-2 s to import), so other errors come first; none in a dry run
+    _device(opts.device, need_torch=not opts.dry_run)
     theta0_bytes = plan.base_index.nbytes if plan.theta0_index is plan.base_index else 0
     read_bytes = theta0_bytes + sum(plan.indexes[s].nbytes for s in plan.read_steps)
     meta0 = {"bema_version": __version__}

@@ -152,11 +152,15 @@ class Stabilizer:
     modified: the caller keeps it unchanged while the stabilizer lives.
     """
 
-    def __init__(self, method: str, theta0: torch.Tensor):
+    def __init__(self, method: str, theta0: torch.Tensor, buffers: list | None = None):
+        """`buffers`: optional storage for the state tensors (STATE_TENSORS order, theta0's shape),
+        reused across calls so a streaming caller does not allocate (and page-fault) fresh ones."""
         if method not in METHODS:
             raise UsageError(f"unknown method {method!r}")
         self.method = method
         self.ema = self.e1 = self.e2 = self.ou = None
+        for name, buffer in zip(STATE_TENSORS[method], buffers or (), strict=False):
+            setattr(self, name, buffer)
         self.restart(theta0)
 
     def restart(self, theta: torch.Tensor) -> torch.Tensor:

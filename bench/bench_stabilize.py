@@ -3,7 +3,7 @@
 On a synthetic trajectory (base + N checkpoints, one tensor >= 100 MB) it measures
 the I/O floor (read every input once + write as many output bytes), `bema stabilize`
 (one config, all steps), a naive load_file/save_file peer (bench/naive_peer.py), a
-6-config grid vs 1 config (both --final-only), and peak RSS at 1x and a larger size.
+6-config grid vs 1 config (both --final-only --no-state), and peak RSS at 1x and a larger size.
 Every timed run starts from the same page-cache state (default: inputs warm, i.e.
 read once just before; `--cache cold` drops them). Times are best of --repeats.
 
@@ -187,7 +187,7 @@ def bench_size(traj: Trajectory, work: Path, args, full: bool) -> dict:
             for name, config in (("grid1", ONE), ("grid6", GRID)):
                 run = timed_tool(
                     f"{name} --final-only",
-                    bema_cmd(traj, out, config, args.max_memory, True),
+                    bema_cmd(traj, out, config, args.max_memory, True) + ["--no-state"],  # a one-off sweep
                     inputs,
                     args.cache,
                 )
@@ -235,13 +235,16 @@ def rows(r: dict, args) -> list[tuple[str, str, str, str]]:
     add(
         "bema stabilize 1 config, all steps: wall / floor",
         f"{bema / floor:.2f}  ({bema:.2f} s)",
-        "<= 1.3",
-        bema <= 1.3 * floor,
+        "<= 1.6",  # issue 16
+        bema <= 1.6 * floor,
     )
     add("  same, engine time (--json seconds) / floor", f"{engine / floor:.2f}  ({engine:.2f} s)")
     add("  same, wall / (floor + compute floor)", f"{bema / (floor + c1):.2f}  (compute floor {c1:.2f} s)")
     add(
-        "naive peer: bema wall / peer wall", f"{bema / peer:.2f}  (peer {peer:.2f} s)", "<= 1.0", bema <= peer
+        "naive peer: bema wall / peer wall",
+        f"{bema / peer:.2f}  (peer {peer:.2f} s)",
+        "<= 0.5",  # issue 16
+        bema <= 0.5 * peer,
     )
     if big and big["peer"]:
         b, p = big["bema"][0], big["peer"][0]
@@ -260,7 +263,7 @@ def rows(r: dict, args) -> list[tuple[str, str, str, str]]:
         )
     g1, g6 = min(a["grid1"]), min(a["grid6"])
     add(
-        "grid 6 configs / 1 config (--final-only)",
+        "grid 6 configs / 1 config (--final-only --no-state)",
         f"{g6 / g1:.2f}  ({g6:.2f} / {g1:.2f} s)",
         "<= 1.5",
         g6 <= 1.5 * g1,

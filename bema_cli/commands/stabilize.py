@@ -107,6 +107,13 @@ def stabilize(
             "--restart", help="Ignore OUT's saved state for these runs and recompute them from theta0."
         ),
     ] = False,
+    no_state: Annotated[
+        bool,
+        typer.Option(
+            "--no-state",
+            help="Write no OUT/.bema-state (saves one model-size write per EMA track); the run cannot be continued later.",
+        ),
+    ] = False,
     keep_last: Annotated[
         int | None,
         typer.Option(
@@ -207,11 +214,14 @@ def stabilize(
         restart=restart,
         keep_last=keep_last,
         fingerprint=fingerprint,
+        no_state=no_state,
     )
     if fingerprint not in ("full", "sampled"):
         raise UsageError(f"--fingerprint: choose full or sampled, got {fingerprint!r}")
     if keep_last is not None and keep_last < 1:
         raise UsageError(f"--keep-last: must be >= 1, got {keep_last}")
+    if no_state and follow:
+        raise UsageError("--no-state: --follow continues from the state; drop one of them")
     if not follow and (until_step is not None or idle_timeout is not None):
         raise UsageError("--until-step and --idle-timeout only apply with --follow")
     where = ExecutorOptions(executor, workers, ray_address)

@@ -82,8 +82,8 @@ class OutputTransaction:
             if not plain_entry(entry):
                 raise ValueError(f"commit entry {entry!r} must be a plain path relative to OUT")
         with signals.deferred():
-            if manifest is not None:
-                _write_atomic(self.tmp / STAGED_MANIFEST, _json_bytes(manifest))
+            if manifest is not None:  # no rename of its own: the journal's directory fsync covers it
+                _write_synced(self.tmp / STAGED_MANIFEST, _json_bytes(manifest))
             journal = []
             for entry in entries:
                 st = os.lstat(self.tmp / entry)
@@ -295,12 +295,18 @@ def _json_bytes(doc: dict) -> bytes:
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write a small file durably: a sibling temp file, fsync, rename over the target."""
     part = path.with_name(f".{path.name}.{os.getpid()}.part")
-    with open(part, "wb") as f:
+    _write_synced(part, data)
+    os.replace(part, path)
+    _fsync_dir(path.parent)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    """Write a file and fsync its data; its directory entry is made durable by the caller's next
+    directory fsync (the staged manifest is only read once the journal, written after it, exists)."""
+    with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(part, path)
-    _fsync_dir(path.parent)
 
 
 def _fsync_dir(folder: Path) -> None:

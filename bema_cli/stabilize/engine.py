@@ -34,15 +34,19 @@ from bema_cli.stabilize import meta, state
 from bema_cli.stabilize.plan import Options, Piece, Plan, Run, prepare
 
 
-def _device(name: str):
+def _device(name: str, need_torch: bool = True):
+    """The torch device of --device; with need_torch False (a dry run) only the name is checked
+    unless it says cuda, so a dry run does not pay torch's ~1-2 s import."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--device: choose auto, cpu or cuda, got {name!r}")
+    if not need_torch and name != "cuda":
+        return None
     import torch
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
-    if name not in ("cpu", "cuda"):
-        raise UsageError(f"--device: choose auto, cpu or cuda, got {name!r}")
     return torch.device(name)
 
 
@@ -174,6 +178,11 @@ def _check_out(out: Path, runs: list[Run], overwrite: bool, restarted: set[str] 
                     )
             continue
         if folder.exists() and not overwrite and run.name not in restarted:
+            if not (out / state.STATE_DIR / state.STATE_FILE).exists() and meta.is_bema_run(folder, old):
+                raise OutputError(  # e.g. written with --no-state: nothing to continue from
+                    f"{folder}: already exists and OUT has no saved state to continue it from "
+                    "(written with --no-state?); use --overwrite to recompute it from theta0"
+                )
             raise OutputError(f"{folder}: already exists (use --overwrite to replace it)")
         if folder.exists() and not meta.is_bema_run(folder, old):
             raise OutputError(
@@ -213,7 +222,8 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
             "state_bytes": 0,
             "seconds": time.perf_counter() - t0,
         }
-    _device(opts.device)  # the first check that needs torch (~2 s to import), so other errors come first
+    # the first check that needs torch (~1-2 s to import), so other errors come first; none in a dry run
+    _device(opts.device, need_torch=not opts.dry_run)
     theta0_bytes = plan.base_index.nbytes if plan.theta0_index is plan.base_index else 0
     read_bytes = theta0_bytes + sum(plan.indexes[s].nbytes for s in plan.read_steps)
     meta0 = {"bema_version": __version__}
@@ -391,7 +401,7 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
     state.read_theta0(plan, unit, theta0, lambda reader, u, flat: _load(reader, u, flat, check))
     # one Stabilizer per track (runs sharing a state, e.g. ema and bema at one kappa): from theta0,
     # or continued from OUT's persistent state
-    stabs = state.start_unit(plan, unit, theta0)
+    stabs = state.start_unit(plan, unit, theta0, lambda key: ws.view(key, size))  # no per-unit clones
     track_of = {r.name: i for i, t in enumerate(plan.tracks) for r in t.runs}
     for step in plan.read_steps:
         with plan.indexes[step].open() as reader:

@@ -52,6 +52,7 @@ class Options:
     restart: bool = False  # ignore OUT's persistent state: recompute the grid's runs from theta0
     keep_last: int | None = None  # keep only the K newest outputs of each run
     fingerprint: str = "full"  # consumed files: a digest of the whole file, or "sampled" (io/fingerprint.py)
+    no_state: bool = False  # write no persistent state (OUT/.bema-state): the run cannot be continued
     ready_steps: list[int] | None = None  # --follow: only these (complete) checkpoints exist yet
 
 
@@ -263,6 +264,11 @@ def prepare(opts: Options) -> Plan:
         raise UsageError("--base first: a LoRA run starts from the base model it adapts; pass --base DIR")
     out = Path(opts.out).expanduser().resolve()
     stored = state.read(out)
+    if opts.no_state and stored is not None:
+        raise UsageError(
+            f"--no-state: {out / state.STATE_DIR} exists (these runs are continued from it); "
+            "drop --no-state or choose another --out"
+        )
     base = resolve_base(
         opts.base or (stored and stored["theta0"].get("source")), checkpoints, check=has_weights
     )

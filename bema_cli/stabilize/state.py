@@ -226,8 +226,11 @@ def state_layout(plan: Plan, names: tuple[str, ...], accum_dtype: str, max_shard
 
 
 def open_writers(plan: Plan, opts: Options, tmp: Path) -> dict[str, ShardedWriter]:
-    """Pre-create the state folders this call writes (tmp/.bema-state/<folder>), like the outputs."""
+    """Pre-create the state folders this call writes (tmp/.bema-state/<folder>), like the outputs;
+    none with --no-state."""
     writers = {}
+    if opts.no_state:
+        return writers
     for t in plan.tracks:
         if t.advancing and t.folder:
             writers[t.folder] = _writer(tmp / STATE_DIR / t.folder, plan, t.names, opts)
@@ -260,11 +263,13 @@ def write_unit(writer: ShardedWriter, unit: list[Piece], names: tuple[str, ...],
                 writer.write(f"{n}/{p.info.name}", p.start * row, tensor_bytes(data))
 
 
-def start_unit(plan: Plan, unit: list[Piece], theta0) -> list[Stabilizer]:
-    """One Stabilizer per track for this unit: from theta0, or continued from its state folder."""
+def start_unit(plan: Plan, unit: list[Piece], theta0, buffer=None) -> list[Stabilizer]:
+    """One Stabilizer per track for this unit: from theta0, or continued from its state folder.
+    `buffer(key)`, if given, returns reused storage of theta0's shape for each state tensor."""
     stabs = []
-    for t in plan.tracks:
-        stab = Stabilizer(t.method, theta0)
+    for i, t in enumerate(plan.tracks):
+        buffers = [buffer(f"state{i}-{n}") for n in t.names] if buffer else None
+        stab = Stabilizer(t.method, theta0, buffers)
         if t.source is not None and t.advancing:
             read_unit(t.source, unit, t.names, [getattr(stab, n) for n in t.names])
         stabs.append(stab)
@@ -274,9 +279,9 @@ def start_unit(plan: Plan, unit: list[Piece], theta0) -> list[Stabilizer]:
 def end_unit(plan: Plan, unit: list[Piece], stabs: list[Stabilizer], theta0) -> None:
     """Save this unit's rows of every advanced state (and theta0 after a burn-in) into the new state."""
     for t, stab in zip(plan.tracks, stabs, strict=True):
-        if t.advancing and t.folder:
+        if t.advancing and t.folder in plan.state_writers:  # none with --no-state
             write_unit(plan.state_writers[t.folder], unit, t.names, [getattr(stab, n) for n in t.names])
-    if plan.theta0_folder:
+    if plan.theta0_folder in plan.state_writers:
         write_unit(plan.state_writers[plan.theta0_folder], unit, ("theta0",), [theta0])
 
 
@@ -349,6 +354,8 @@ def stage(plan: Plan, opts: Options, tmp: Path) -> tuple[list[str], list[str], d
             entries.append(run.name)
         else:
             entries += [f"{run.name}/checkpoint-{st}" for st in run.out_steps if st in keep]
+    if opts.no_state:  # nothing to continue from: the outputs only
+        return entries, delete, kept
     doc = _new_state(plan, opts, kept)
     doc["delete"] = delete
     news = [t.folder for t in plan.tracks if t.advancing and t.folder] + [plan.theta0_folder]

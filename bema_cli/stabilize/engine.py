@@ -250,7 +250,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
         # checkpoints rotated away by a trainer mid-read are still read whole (through our handles;
         # Ray workers are other processes: they open the files by name)
         try:
-            with hold(plan, alias=executor.executor == "local", full=opts.fingerprint == "full"):
+            with hold(plan, executor.executor == "local", opts.fingerprint == "full", record=not opts.no_state):
                 doc["written_bytes"] = _walk(plan, opts, txn.tmp, executor)
             entries, _, kept = state.stage(plan, opts, txn.tmp)
         except OSError as exc:  # metadata files, state: a full disk names what it was writing
@@ -280,13 +280,14 @@ def _io_error(exc: OSError, tmp: Path) -> BemaError:
 
 
 @contextmanager
-def hold(plan: Plan, alias: bool = True, full: bool = True):
+def hold(plan: Plan, alias: bool = True, full: bool = True, record: bool = True):
     """Keep every safetensors file this call reads open until it ends, and read them through those handles.
 
     A trainer with save_total_limit deletes old checkpoints while we read them; an open file
     lives on (io/watch.hold_files). A checkpoint already gone is an error naming it. The
     fingerprints recorded in the state are taken from the held files: what was read (`full`:
     a digest of each whole file, hashed by a thread beside the walk: docs/performance.md has its cost).
+    Without a state to `record` them in (--no-state) nothing is hashed.
     """
     indexes = {step: index for step, index in plan.indexes.items() if type(index) is ModelIndex}
     held = list(indexes.values())
@@ -299,6 +300,7 @@ def hold(plan: Plan, alias: bool = True, full: bool = True):
         raise InputError(f"{exc.filename}: disappeared before it could be read") from None
     pool = ThreadPoolExecutor(max_workers=1)
     files_of = {step: sorted({t.file for t in index.tensors.values()}) for step, index in indexes.items()}
+    files_of = files_of if record else {}
     prints = pool.submit(_fingerprints, files_of, mapping, full)
     saved = [(index, index.tensors) for index in held] if alias else []
     for index, _ in saved:

@@ -3,7 +3,7 @@
 On a synthetic trajectory (base + N checkpoints, one tensor >= 100 MB) it measures
 the I/O floor (read every input once + write as many output bytes), `bema stabilize`
 (one config, all steps), a naive load_file/save_file peer (bench/naive_peer.py), a
-6-config grid vs 1 config (both --final-only --no-state), and peak RSS at 1x and a larger size.
+6-config grid vs 1 config (both --final-only, which keeps no state), and peak RSS at 1x and a larger size.
 Every timed run starts from the same page-cache state (default: inputs warm, i.e.
 read once just before; `--cache cold` drops them). Times are best of --repeats.
 
@@ -187,7 +187,9 @@ def bench_size(traj: Trajectory, work: Path, args, full: bool) -> dict:
             for name, config in (("grid1", ONE), ("grid6", GRID)):
                 run = timed_tool(
                     f"{name} --final-only",
-                    bema_cmd(traj, out, config, args.max_memory, True) + ["--no-state"],  # a one-off sweep
+                    bema_cmd(
+                        traj, out, config, args.max_memory, True
+                    ),  # --final-only: no state (a one-off sweep)
                     inputs,
                     args.cache,
                 )
@@ -263,7 +265,7 @@ def rows(r: dict, args) -> list[tuple[str, str, str, str]]:
         )
     g1, g6 = min(a["grid1"]), min(a["grid6"])
     add(
-        "grid 6 configs / 1 config (--final-only --no-state)",
+        "grid 6 configs / 1 config (--final-only)",
         f"{g6 / g1:.2f}  ({g6:.2f} / {g1:.2f} s)",
         "<= 1.5",
         g6 <= 1.5 * g1,

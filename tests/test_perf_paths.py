@@ -58,6 +58,24 @@ def test_no_state_writes_outputs_only_and_a_rerun_is_refused_with_a_hint(traj, t
     assert (out / ".bema-state" / "state.json").exists()
 
 
+def test_final_only_keeps_a_state_only_when_asked_or_already_kept(traj, tmp_path):
+    """--final-only is a one-off result by default (no state: half the bytes); --state keeps one, and
+    an OUT that already has a state goes on being continued from it."""
+    one_off, kept = tmp_path / "one-off", tmp_path / "kept"
+    r = stabilize(traj, one_off, "--final-only", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["state_bytes"] == 0 and not (one_off / ".bema-state").exists()
+    line = one_line_error(stabilize(traj, one_off, "--final-only"), 4)
+    assert "--final-only" in line and "--state" in line
+    assert stabilize(traj, kept, "--final-only", "--state").returncode == 0
+    assert (kept / ".bema-state" / "state.json").exists()
+    assert outputs(kept) == outputs(one_off)
+    # a later --final-only call on the stateful OUT continues (nothing new: nothing written, no refusal)
+    r = stabilize(traj, kept, "--final-only", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["outputs"] == [] and (kept / ".bema-state" / "state.json").exists()
+
+
 def test_no_state_with_follow_is_refused(traj, tmp_path):
     line = one_line_error(stabilize(traj, tmp_path / "out", "--no-state", "--follow"), 2)
     assert "--no-state" in line and "--follow" in line

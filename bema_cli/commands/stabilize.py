@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Annotated
 
 import typer
@@ -107,13 +108,15 @@ def stabilize(
             "--restart", help="Ignore OUT's saved state for these runs and recompute them from theta0."
         ),
     ] = False,
-    no_state: Annotated[
-        bool,
+    keep_state: Annotated[
+        bool | None,
         typer.Option(
-            "--no-state",
-            help="Write no OUT/.bema-state (saves one model-size write per EMA track); the run cannot be continued later.",
+            "--state/--no-state",
+            help="Write OUT/.bema-state so a later call continues the run [default: on, off with "
+            "--final-only]; --no-state saves one model-size write per EMA track.",
+            show_default=False,
         ),
-    ] = False,
+    ] = None,
     keep_last: Annotated[
         int | None,
         typer.Option(
@@ -214,14 +217,16 @@ def stabilize(
         restart=restart,
         keep_last=keep_last,
         fingerprint=fingerprint,
-        no_state=no_state,
+        no_state=None if keep_state is None else not keep_state,
     )
     if fingerprint not in ("full", "sampled"):
         raise UsageError(f"--fingerprint: choose full or sampled, got {fingerprint!r}")
     if keep_last is not None and keep_last < 1:
         raise UsageError(f"--keep-last: must be >= 1, got {keep_last}")
-    if no_state and follow:
+    if follow and keep_state is False:
         raise UsageError("--no-state: --follow continues from the state; drop one of them")
+    if follow:
+        opts = replace(opts, no_state=False)  # every round continues the last one's state
     if not follow and (until_step is not None or idle_timeout is not None):
         raise UsageError("--until-step and --idle-timeout only apply with --follow")
     where = ExecutorOptions(executor, workers, ray_address)

@@ -31,7 +31,7 @@ from bema_cli.io.safetensors import DTYPES, FLOATING, ModelIndex
 from bema_cli.io.watch import hold_files, release
 from bema_cli.io.writer import ShardedWriter, tensor_bytes
 from bema_cli.stabilize import meta, state
-from bema_cli.stabilize.plan import Options, Piece, Plan, Run, prepare
+from bema_cli.stabilize.plan import Options, Piece, Plan, Run, prepare, resolve_state
 
 
 def _device(name: str, need_torch: bool = True):
@@ -181,7 +181,8 @@ def _check_out(out: Path, runs: list[Run], overwrite: bool, restarted: set[str] 
             if not (out / state.STATE_DIR / state.STATE_FILE).exists() and meta.is_bema_run(folder, old):
                 raise OutputError(  # e.g. written with --no-state: nothing to continue from
                     f"{folder}: already exists and OUT has no saved state to continue it from "
-                    "(written with --no-state?); use --overwrite to recompute it from theta0"
+                    "(written with --final-only or --no-state, which keep none: pass --state to keep one); "
+                    "use --overwrite to recompute it from theta0"
                 )
             raise OutputError(f"{folder}: already exists (use --overwrite to replace it)")
         if folder.exists() and not meta.is_bema_run(folder, old):
@@ -205,6 +206,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
     if not opts.dry_run and out.is_dir() and any(out.glob(TMP_PREFIX + "*")):
         with OutputTransaction(out) as txn:  # a writer died here: finish its commit first (the state)
             _recovered(out, txn)
+    asked, opts = opts, resolve_state(opts)
     plan = prepare(opts)
     check_apart(out, _inputs(plan, opts.checkpoint_dir))
     try:
@@ -245,12 +247,15 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
     with OutputTransaction(out) as txn:  # locks OUT: a second writer is refused here, before any work
         _recovered(out, txn)
         if state.read(out) != plan.resume.stored:
-            plan = prepare(opts)  # another writer committed between our planning and the lock
+            opts = resolve_state(asked)  # another writer committed between our planning and the lock
+            plan = prepare(opts)
         _check_out(out, plan.runs, opts.overwrite, _restarted(plan, opts))  # again, now that OUT is ours
         # checkpoints rotated away by a trainer mid-read are still read whole (through our handles;
         # Ray workers are other processes: they open the files by name)
         try:
-            with hold(plan, executor.executor == "local", opts.fingerprint == "full", record=not opts.no_state):
+            with hold(
+                plan, executor.executor == "local", opts.fingerprint == "full", record=not opts.no_state
+            ):
                 doc["written_bytes"] = _walk(plan, opts, txn.tmp, executor)
             entries, _, kept = state.stage(plan, opts, txn.tmp)
         except OSError as exc:  # metadata files, state: a full disk names what it was writing

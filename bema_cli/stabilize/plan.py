@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bema_cli.errors import InputError, UsageError
@@ -52,7 +52,9 @@ class Options:
     restart: bool = False  # ignore OUT's persistent state: recompute the grid's runs from theta0
     keep_last: int | None = None  # keep only the K newest outputs of each run
     fingerprint: str = "full"  # consumed files: a digest of the whole file, or "sampled" (io/fingerprint.py)
-    no_state: bool = False  # write no persistent state (OUT/.bema-state): the run cannot be continued
+    # write no persistent state (OUT/.bema-state): the run cannot be continued. None: decided per
+    # call (resolve_state): a --final-only result is a one-off unless OUT already keeps a state
+    no_state: bool | None = None
     ready_steps: list[int] | None = None  # --follow: only these (complete) checkpoints exist yet
 
 
@@ -247,6 +249,19 @@ def _units(order: list[TensorInfo], runs: list[Run], opts: Options, read_itemsiz
     return out
 
 
+def resolve_state(opts: Options) -> Options:
+    """Decide whether this call keeps a persistent state when the user did not say (--state/--no-state).
+
+    A full trajectory is what a later call continues, so it keeps one; a --final-only result is
+    a one-off (a grid sweep, say) whose state would double the bytes written, so it keeps none,
+    unless OUT already has a state: then its runs are continued from it as before.
+    """
+    if opts.no_state is not None:
+        return opts
+    out = Path(opts.out).expanduser()
+    return replace(opts, no_state=opts.final_only and not (out / state.STATE_DIR).exists())
+
+
 def prepare(opts: Options) -> Plan:
     """Everything decided before a byte of tensor data is read: files, plan, layout, work units."""
     if opts.accum_dtype not in ACCUM_DTYPES:
@@ -264,6 +279,8 @@ def prepare(opts: Options) -> Plan:
         raise UsageError("--base first: a LoRA run starts from the base model it adapts; pass --base DIR")
     out = Path(opts.out).expanduser().resolve()
     stored = state.read(out)
+    if opts.no_state is None:
+        raise ValueError("Options.no_state is decided by resolve_state before planning")
     if opts.no_state and stored is not None:
         raise UsageError(
             f"--no-state: {out / state.STATE_DIR} exists (these runs are continued from it); "

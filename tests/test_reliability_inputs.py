@@ -286,7 +286,7 @@ def test_stdin_list_step_must_be_ascii_digits(traj, tmp_path, step):
         input=text, capture_output=True, text=True, timeout=LIMIT,
     )  # fmt: skip
     line = one_line_error(proc, 3)
-    assert "line 2" in line and "digits 0-9" in line
+    assert "line 2" in line and "STEP PATH" in line
 
 
 # --- 6. impossible simulate sizes ----------------------------------------------------------------

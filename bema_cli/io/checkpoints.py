@@ -252,7 +252,7 @@ def read_checkpoint_list(text: str, origin: str = "<stdin>") -> list[Checkpoint]
             continue
         parts = line.split(None, 1)
         if len(parts) != 2 or ascii_step(parts[0]) is None:
-            raise InputError(f"{origin} line {n}: expected 'STEP PATH' (STEP in digits 0-9), got {line!r}")
+            raise InputError(f"{origin} line {n}: expected 'STEP PATH', got {line!r}")
         path = Path(parts[1].strip()).expanduser()
         if not path.is_dir():
             raise InputError(f"{origin} line {n}: {path}: no such directory")

@@ -104,7 +104,7 @@ def signalled(folder: Path) -> bool:
         weights = [p.stat().st_mtime_ns for g in WEIGHT_GLOBS for p in folder.glob(g) if is_regular(p)]
     except OSError:  # a file removed or replaced under us: look again at the next poll
         return False
-    return bool(weights) and max(weights) <= written
+    return max(weights, default=0) <= written  # no weights yet: the round says what is missing
 
 
 @dataclass

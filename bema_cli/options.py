@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
 import typer
@@ -90,6 +91,20 @@ def parse_int_list(text: str, flag: str) -> list[int]:
     if not values:
         raise UsageError(f"{flag}: no value given")
     return values
+
+
+def check_seconds(value: float | None, flag: str, zero_ok: bool = False) -> None:
+    """A duration flag must be a finite number of seconds, > 0 (or >= 0 with zero_ok); None is unset.
+
+    typer's float parser takes 'nan' and 'inf': NaN compares false with everything, so a plain
+    `value <= 0` check lets it through (and time.sleep(nan) raises later, a traceback).
+    """
+    if value is None:
+        return
+    ok = math.isfinite(value) and (value >= 0 if zero_ok else value > 0)
+    if not ok:
+        bound = ">= 0" if zero_ok else "> 0"
+        raise UsageError(f"{flag}: must be a finite number of seconds {bound}, got {value}")
 
 
 def parse_str_list(text: str) -> list[str]:

@@ -20,6 +20,7 @@ so nothing is lost), mu = 0 and theta0 = distance/sqrt(dim) * (1, ..., 1).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -33,6 +34,10 @@ from bema_cli.recurrence import METHODS, Schedule, Stabilizer
 
 ESTIMATORS = (*METHODS, "mle")
 DTYPE = torch.float64
+# Memory a run needs, for the up-front check (measured on CPython 3.12 / torch float64):
+STATE_TENSORS = 6  # (trials, dim) tensors besides the estimators': theta0, theta, running sum, temporaries
+TENSORS_PER_ESTIMATOR = 6  # its Stabilizer's running averages (up to 4), the held output, a temporary
+BYTES_PER_STEP = 400  # per estimator and SGD step: one planned schedule entry (~190 B) + list slots, 2-D path
 NOISE_BLOCK = 2**21  # normals drawn per torch.randn call (16 MiB of float64): few calls, bounded memory
 
 
@@ -97,6 +102,7 @@ class SimSettings:
             if not ok:
                 raise UsageError(f"{flag}: {what}, got {value}")
         methods = tuple(dict.fromkeys(self.methods))
+        check_memory(self.dim, self.trials, self.steps, len(methods))
         unknown = [m for m in methods if m not in ESTIMATORS]
         if unknown or not methods:
             raise UsageError(
@@ -109,6 +115,38 @@ class SimSettings:
         if self.lr * float(eig.max()) >= 2:
             raise UsageError(f"--lr: lr * max eigenvalue = {self.lr * float(eig.max()):g} >= 2, SGD diverges")
         return replace(self, methods=methods)
+
+
+def physical_memory() -> int | None:
+    """Bytes of RAM of this machine, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_memory(dim: int, trials: int, steps: int, estimators: int, available: int | None = None) -> None:
+    """Refuse, before allocating anything, a run whose arrays cannot fit in this machine's memory.
+
+    Computed from the sizes (float64 (trials, dim) tensors, per-step schedules), not by catching
+    MemoryError: a huge allocation may succeed lazily and the machine then swaps or the OOM killer ends
+    the process, and numpy/torch raise different errors (or a traceback) for the ones that fail.
+    """
+    available = physical_memory() if available is None else available
+    if available is None:
+        return
+    tensors = 8 * dim * (trials * (STATE_TENSORS + TENSORS_PER_ESTIMATOR * estimators) + 1)
+    schedules = BYTES_PER_STEP * steps * max(estimators, 1)
+    if tensors + schedules <= available:
+        return
+    gib = 2**30
+    if tensors >= schedules:
+        what = f"--dim {dim} x --trials {trials}: {tensors / gib:.3g} GiB of float64 trajectories"
+    else:
+        what = f"--steps {steps}: {schedules / gib:.3g} GiB of per-step schedules"
+    raise UsageError(
+        f"{what} for {estimators} estimator(s), more than this machine's {available / gib:.3g} GiB of memory"
+    )
 
 
 def parse_spectrum(spec: str, dim: int) -> np.ndarray:

@@ -26,6 +26,7 @@ from bema_cli.options import (
     RhoOpt,
     TauOpt,
     WorkersOpt,
+    check_seconds,
     parse_float_list,
     parse_int_list,
     parse_size,
@@ -229,6 +230,10 @@ def stabilize(
         opts = replace(opts, no_state=False)  # every round continues the last one's state
     if not follow and (until_step is not None or idle_timeout is not None):
         raise UsageError("--until-step and --idle-timeout only apply with --follow")
+    check_seconds(poll, "--poll")
+    check_seconds(idle_timeout, "--idle-timeout", zero_ok=True)  # 0: process what is there, then stop
+    if until_step is not None and until_step < 0:
+        raise UsageError(f"--until-step: must be a step >= 0, got {until_step}")
     where = ExecutorOptions(executor, workers, ray_address)
     with session(where) if not dry_run else nullcontext():  # Ray's workers start while the driver plans
         if follow:

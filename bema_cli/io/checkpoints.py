@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,9 +52,33 @@ class BaseModel:
     source: str  # what the user asked for: an absolute path or a Hub repo id
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+def is_regular(path: str | Path) -> bool:
+    """Whether `path` is a regular file (symbolic links followed); False when nothing is there.
+
+    Anything else under a name bema reads (a FIFO, socket, device or directory named
+    model.safetensors, config.json, ...) is an InputError naming it, checked with stat before any
+    open: opening a FIFO blocks until a writer comes, i.e. forever, and a device never ends.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return False
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if stat.S_ISREG(mode):
+        return True
+    kind = next((what for test, what in _KINDS if test(mode)), "a device or other special file")
+    raise InputError(f"{path}: is {kind}, not a regular file; refusing to read it")
+
+
 def read_json(path: Path) -> dict:
     """A JSON file as a dict; InputError naming the file when it is missing or malformed."""
     try:
+        if not is_regular(path):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
         return json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise InputError(f"{path}: cannot read ({exc})") from None
@@ -80,14 +105,14 @@ def indexed_files(index: Path, kind: str) -> list[Path]:
     names = sorted(set(read_weight_map(index, kind).values()))
     files = [index.parent / n for n in names]
     for f in files:
-        if not f.is_file():
+        if not is_regular(f):
             raise InputError(f"{index}: lists {f.name}, which is missing")
     return files
 
 
 def check_weight_map(index: Path, found: dict[str, Path]) -> None:
     """Every tensor an `*.index.json` names must be in the shard it names (`found`: tensor -> file read)."""
-    if not index.is_file():
+    if not is_regular(index):
         return
     for name, shard in read_weight_map(index).items():
         if name not in found:
@@ -103,14 +128,14 @@ def model_weight_files(folder: str | Path) -> list[Path]:
     """
     folder = Path(folder)
     index = folder / INDEX_NAME
-    if index.is_file():
+    if is_regular(index):
         return indexed_files(index, "safetensors")
-    if (folder / SINGLE_NAME).is_file():
+    if is_regular(folder / SINGLE_NAME):
         return [folder / SINGLE_NAME]
     others = sorted(
         p
         for p in folder.glob("*.safetensors")
-        if not p.name.startswith(("optimizer", "adapter", "scheduler"))
+        if not p.name.startswith(("optimizer", "adapter", "scheduler")) and is_regular(p)
     )
     if others:
         return others
@@ -123,25 +148,43 @@ def layout_of(name: str) -> str | None:
     return next((p for p in LAYOUTS if name.startswith(p)), None)
 
 
+def ascii_step(text) -> int | None:
+    """A step written with ASCII digits 0-9 only (an int, or a string such as '0400'), else None.
+
+    Python's int() and str.isdigit() also take Arabic-Indic, fullwidth or superscript digits
+    ('checkpoint-١٢', 'checkpoint-²'); no trainer writes those, so such a name is not a step:
+    the folder is treated like `checkpoint-final` (its step comes from trainer_state.json or it
+    is refused by name), the same in discovery, stdin lists, `bema eval` targets and follow mode.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text if text >= 0 else None
+    if isinstance(text, str) and text.isascii() and text.isdigit():
+        return int(text)
+    return None
+
+
 def step_of(folder: Path) -> int | None:
     """Step from the folder name (any layout, zero-padded or not), else trainer_state.json `global_step`."""
     scheme = layout_of(folder.name)
-    if scheme and folder.name[len(scheme) :].isdigit():
-        return int(folder.name[len(scheme) :])
+    step = ascii_step(folder.name[len(scheme) :]) if scheme else None
+    if step is not None:
+        return step
     state = folder / "trainer_state.json"
-    if not state.is_file():
+    if not is_regular(state):
         return None
-    try:
-        return int(json.loads(state.read_text())["global_step"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"{state}: no usable global_step ({exc})") from None
+    doc = read_json(state)
+    step = ascii_step(doc.get("global_step")) if isinstance(doc, dict) else None
+    if step is None:
+        got = repr(doc.get("global_step")) if isinstance(doc, dict) else "not an object"
+        raise InputError(f"{state}: no usable global_step (a whole number >= 0 expected, got {got})")
+    return step
 
 
 def _step_of(folder: Path) -> int:
     step = step_of(folder)
     if step is None:
         raise InputError(
-            f"{folder}: cannot tell its step (name is not <prefix><step>, no trainer_state.json)"
+            f"{folder}: cannot tell its step (name is not <prefix><step> with digits 0-9, no trainer_state.json)"
         )
     return step
 
@@ -207,12 +250,12 @@ def read_checkpoint_list(text: str, origin: str = "<stdin>") -> list[Checkpoint]
         if not line or line.startswith("#"):
             continue
         parts = line.split(None, 1)
-        if len(parts) != 2 or not parts[0].isdigit():
+        if len(parts) != 2 or ascii_step(parts[0]) is None:
             raise InputError(f"{origin} line {n}: expected 'STEP PATH', got {line!r}")
         path = Path(parts[1].strip()).expanduser()
         if not path.is_dir():
             raise InputError(f"{origin} line {n}: {path}: no such directory")
-        found.append((int(parts[0]), path.resolve(), f"line {n}"))
+        found.append((ascii_step(parts[0]), path.resolve(), f"line {n}"))
     if not found:
         raise InputError(f"{origin}: no 'STEP PATH' lines")
     return _ordered(found, origin)
@@ -255,15 +298,17 @@ def resolve_model(spec: str, check=model_weight_files) -> BaseModel:
 
 def is_adapter(folder: Path) -> bool:
     """A PEFT adapter checkpoint (adapter_config.json), whose base is not itself."""
-    return (folder / "adapter_config.json").is_file()
+    return is_regular(folder / "adapter_config.json")
 
 
 def _name_or_path(checkpoint: Checkpoint) -> str | None:
     """The model a checkpoint was fine-tuned from, as its config says (an adapter's own key first)."""
     for name, key in (("adapter_config.json", "base_model_name_or_path"), ("config.json", "_name_or_path")):
+        if not is_regular(checkpoint.path / name):  # a FIFO is refused by name, never opened
+            continue
         try:
-            value = json.loads((checkpoint.path / name).read_text()).get(key)
-        except (OSError, ValueError, AttributeError):
+            value = read_json(checkpoint.path / name).get(key)
+        except (InputError, AttributeError):
             continue
         if value:
             return value
@@ -341,8 +386,8 @@ def aux_files(src: Path, inside: list[Path]) -> list[Path]:
     files = []
     for pattern in AUX_PATTERNS:
         for f in sorted(src.glob(pattern)):
-            if f.name.endswith(".safetensors") or not f.is_file():
-                continue
+            if f.name.endswith(".safetensors") or f.is_dir() or not is_regular(f):
+                continue  # a FIFO, socket or device is refused by is_regular, naming it
             if f.is_symlink() and not any(f.resolve().is_relative_to(r) for r in roots):
                 raise InputError(
                     f"{f}: a symbolic link to {f.resolve()}, outside the checkpoint and base folders; "

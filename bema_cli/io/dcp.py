@@ -18,6 +18,7 @@ import pickle
 from pathlib import Path
 
 from bema_cli.errors import InputError
+from bema_cli.io.checkpoints import is_regular
 from bema_cli.io.safetensors import ModelIndex, TensorInfo
 from bema_cli.io.torchbin import dtype_tag
 from bema_cli.io.torchzip import (
@@ -65,7 +66,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def find_dcp_dir(folder: Path) -> Path | None:
     """The DCP folder of a checkpoint: the folder itself or a `pytorch_model_fsdp_*` child; None if neither."""
-    if (folder / METADATA).is_file() or any(folder.glob("*.distcp")):
+    if is_regular(folder / METADATA) or any(folder.glob("*.distcp")):
         return folder
     found = sorted(p for p in folder.glob("pytorch_model_fsdp_*") if p.is_dir())
     if len(found) > 1:
@@ -75,7 +76,7 @@ def find_dcp_dir(folder: Path) -> Path | None:
 
 def read_metadata(dcp_dir: Path):
     path = dcp_dir / METADATA
-    if not path.is_file():
+    if not is_regular(path):
         raise InputError(f"{dcp_dir}: DCP checkpoint without {METADATA} (incomplete save?)")
     try:
         with open(path, "rb") as f:
@@ -120,7 +121,7 @@ def index_dcp(folder: Path, dcp_dir: Path, like: set[str] | None = None) -> DcpI
             continue
         file = dcp_dir / info.relative_path
         if info.relative_path not in sizes:
-            if Path(info.relative_path).name != info.relative_path or not file.is_file():
+            if Path(info.relative_path).name != info.relative_path or not is_regular(file):
                 raise InputError(
                     f"{dcp_dir}: {METADATA} names data file {info.relative_path!r}, which is missing"
                 )

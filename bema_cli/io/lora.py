@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bema_cli.errors import InputError
+from bema_cli.io.checkpoints import is_regular
 from bema_cli.io.safetensors import DTYPES, ModelIndex, TensorInfo, index_model
 
 CONFIG_NAME = "adapter_config.json"
@@ -81,6 +82,8 @@ def read_config(folder: Path) -> dict:
     """adapter_config.json, refusing what cannot be stabilized exactly in weight space."""
     path = folder / CONFIG_NAME
     try:
+        if not is_regular(path):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
         config = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise InputError(f"{path}: cannot read ({exc})") from None
@@ -117,7 +120,7 @@ def scale_of(config: dict, rank: int) -> float:
 
 def adapter_files(folder: Path) -> list[Path]:
     for name in WEIGHT_NAMES:
-        if (folder / name).is_file():
+        if is_regular(folder / name):
             return [folder / name]
     raise InputError(f"{folder}: {CONFIG_NAME} but no {' or '.join(WEIGHT_NAMES)}")
 

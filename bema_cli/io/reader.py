@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 from bema_cli.errors import InputError
-from bema_cli.io.checkpoints import INDEX_NAME, check_weight_map, model_weight_files
+from bema_cli.io.checkpoints import INDEX_NAME, check_weight_map, is_adapter, is_regular, model_weight_files
 from bema_cli.io.dcp import find_dcp_dir, index_dcp
 from bema_cli.io.safetensors import ModelIndex, TensorInfo, index_model
 from bema_cli.io.torchbin import BIN_INDEX, bin_weight_files, index_bin
@@ -41,9 +41,9 @@ class TensorReader(Protocol):
 
 def checkpoint_format(folder: Path) -> str | None:
     """safetensors, lora, bin or dcp: what a checkpoint folder holds (in that order); None if nothing."""
-    if (folder / "adapter_config.json").is_file():
+    if is_adapter(folder):
         return "lora"
-    if any(folder.glob("*.safetensors")) or (folder / "model.safetensors.index.json").is_file():
+    if any(folder.glob("*.safetensors")) or is_regular(folder / INDEX_NAME):
         return "safetensors"
     if bin_weight_files(folder):
         return "bin"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bema_cli.errors import InputError
+from bema_cli.io.checkpoints import is_regular
 
 # safetensors dtype tag -> (torch dtype name, bytes per element)
 DTYPES = {
@@ -69,6 +70,8 @@ class TensorInfo:
 def read_header(path: Path) -> dict:
     """The JSON header of one safetensors file, validated against the file size (no tensor bytes read)."""
     try:
+        if not is_regular(path):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
         size = path.stat().st_size
         with open(path, "rb") as f:
             prefix = f.read(8)

@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 from bema_cli.errors import InputError
-from bema_cli.io.checkpoints import indexed_files
+from bema_cli.io.checkpoints import indexed_files, is_regular
 from bema_cli.io.safetensors import DTYPES, TAG_OF, ModelIndex, TensorInfo
 from bema_cli.io.torchzip import FileWindow, data_records, read_rows, release_freed_memory
 
@@ -26,9 +26,9 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 
 def bin_weight_files(folder: Path) -> list[Path]:
     """The .bin files holding a folder's weights (index first, then pytorch_model.bin); [] if none."""
-    if (folder / BIN_INDEX).is_file():
+    if is_regular(folder / BIN_INDEX):
         return indexed_files(folder / BIN_INDEX, ".bin")
-    if (folder / BIN_NAME).is_file():
+    if is_regular(folder / BIN_NAME):
         return [folder / BIN_NAME]
     return []
 
@@ -37,6 +37,8 @@ def load_state(path: Path) -> dict:
     """{name: tensor} of one .bin file, storages memory-mapped; InputError for anything else in it."""
     import torch
 
+    if not is_regular(path):
+        raise InputError(f"{path}: no such file")
     mmap = zipfile.is_zipfile(path)  # the legacy (pre-1.6) format cannot be mapped: read it whole
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)

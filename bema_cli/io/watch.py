@@ -1,12 +1,18 @@
 """Follow a training run's output folder: which checkpoints are complete, waiting for new ones.
 
-A trainer writes a checkpoint folder file by file, so its mere existence says nothing.
-Complete means (the rule `bema stabilize --follow` reads by):
+A trainer writes a checkpoint folder file by file, so its mere existence says nothing, and a
+weight file can be created at full size and filled afterwards, so neither does its size.
+Complete means (the rule `bema stabilize --follow` reads by; docs/design.md, "Follow mode"):
 
-1. `trainer_state.json` is present: the HF Trainer writes it after the weights, optimizer,
-   scheduler and RNG files of the step; or, for layouts without it,
-2. every weight file's size equals what its own safetensors header declares, and no size
-   changed between two polls (a file being copied is not mistaken for a finished one).
+1. `trainer_state.json` is present and was modified no earlier than every weight file (the HF
+   Trainer writes it after the weights, optimizer and scheduler of the step); or, otherwise,
+2. every weight file's size equals what its own safetensors header declares, and neither a size
+   nor a modification time changed between two polls (a file still being filled or copied
+   moves its mtime at every write).
+
+The engine then re-checks the files it holds open after reading them (`check_unchanged`): a file
+whose size or mtime moved while it was read is refused, so a writer that resumed after a pause
+longer than --poll is caught before anything is committed.
 
 Waiting sleeps between polls (no busy loop): an idle follower costs no CPU.
 Checkpoints deleted by `save_total_limit` rotation are held open by `hold_files` once their
@@ -24,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bema_cli.errors import InputError
-from bema_cli.io.checkpoints import step_of
+from bema_cli.io.checkpoints import is_regular, layout_of, step_of
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -34,6 +40,8 @@ def declared_size(path: Path) -> int | None:
     import json
 
     try:
+        if not is_regular(path):
+            return None
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
@@ -61,34 +69,55 @@ def _weight_files(folder: Path) -> list[Path] | None:
         return None
 
 
-def sizes_complete(folder: Path) -> dict[str, int] | None:
-    """{file name: size} when every weight file's size equals its header's promise; else None."""
+Stats = dict[str, tuple[int, int]]  # weight file name -> (size, mtime_ns)
+
+# Weight files of any format (safetensors, .bin, DCP shards and metadata, adapters): what
+# trainer_state.json must not be older than.
+WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.distcp", ".metadata", "*/*.distcp", "*/.metadata")
+
+
+def sizes_complete(folder: Path) -> Stats | None:
+    """{file name: (size, mtime_ns)} when every safetensors weight file's size equals its header's
+    promise; else None (not safetensors, or not written yet)."""
     files = _weight_files(folder)
     if not files:
         return None
-    sizes = {}
+    stats = {}
     for path in files:
         try:
-            size = path.stat().st_size
+            st = path.stat()
         except OSError:
             return None
-        if declared_size(path) != size:
+        if declared_size(path) != st.st_size:
             return None
-        sizes[path.name] = size
-    return sizes
+        stats[path.name] = (st.st_size, st.st_mtime_ns)
+    return stats
+
+
+def signalled(folder: Path) -> bool:
+    """Whether trainer_state.json is there and no weight file was modified after it (HF Trainer order)."""
+    state = folder / TRAINER_STATE
+    if not is_regular(state):
+        return False
+    try:
+        written = state.stat().st_mtime_ns
+        weights = [p.stat().st_mtime_ns for g in WEIGHT_GLOBS for p in folder.glob(g) if is_regular(p)]
+    except OSError:  # a file removed or replaced under us: look again at the next poll
+        return False
+    return max(weights, default=0) <= written  # no weights yet: the round says what is missing
 
 
 @dataclass
 class Watcher:
     """Polls a run folder; `complete()` returns the steps whose checkpoint folder is complete.
 
-    Folders without trainer_state.json count only once two consecutive polls saw the same
-    complete sizes. `seen` keeps every step ever listed, so a checkpoint that vanished before it
+    Folders without a trainer_state.json newer than their weights count only once two consecutive
+    polls saw the same complete sizes and modification times. `seen` keeps every step ever listed, so a checkpoint that vanished before it
     was read can be told apart from one that never existed.
     """
 
     run_dir: Path
-    _sizes: dict[int, dict[str, int]] = field(default_factory=dict)
+    _sizes: dict[int, Stats] = field(default_factory=dict)
     seen: dict[int, Path] = field(default_factory=dict)
 
     def scan(self) -> dict[int, Path]:
@@ -101,7 +130,7 @@ class Watcher:
         except OSError as exc:
             raise InputError(f"{self.run_dir}: cannot list ({exc.strerror or exc})") from None
         for entry in entries:
-            if not entry.name.startswith("checkpoint-") or not entry.is_dir():
+            if not layout_of(entry.name) or not entry.is_dir():  # every layout `find_checkpoints` reads
                 continue
             try:
                 step = step_of(Path(entry.path))
@@ -117,10 +146,10 @@ class Watcher:
         done = {}
         present = self.scan()
         for step, folder in present.items():
-            if (folder / TRAINER_STATE).is_file():
-                done[step] = folder
-                continue
             sizes = sizes_complete(folder)
+            if signalled(folder) and (sizes is not None or _weight_files(folder) is None):
+                done[step] = folder  # (safetensors: the sizes must match the headers too)
+                continue
             if sizes is not None and self._sizes.get(step) == sizes:
                 done[step] = folder
             if sizes is None:
@@ -165,6 +194,8 @@ def hold_files(paths: list[Path]) -> tuple[dict[Path, Path], list[int]]:
     usable = sys.platform.startswith("linux") and proc.is_dir()
     try:
         for path in paths:
+            if not is_regular(path):  # a FIFO would block this open forever
+                raise FileNotFoundError(2, "No such file or directory", str(path))
             fd = os.open(path, os.O_RDONLY)
             fds.append(fd)
             mapping[path] = proc / str(fd) if usable else path
@@ -172,6 +203,21 @@ def hold_files(paths: list[Path]) -> tuple[dict[Path, Path], list[int]]:
         release(fds)
         raise
     return mapping, fds
+
+
+def held_stats(fds: list[int]) -> list[tuple[int, int]]:
+    """(size, mtime_ns) of each held file, taken through its handle (the file read, even if renamed)."""
+    return [(st.st_size, st.st_mtime_ns) for st in map(os.fstat, fds)]
+
+
+def check_unchanged(paths: list[Path], fds: list[int], before: list[tuple[int, int]]) -> None:
+    """Refuse, naming the file, a held file whose size or mtime moved since `before` (taken before it
+    was read): it was being written while read, so what was read is not one consistent checkpoint."""
+    for path, now, then in zip(paths, held_stats(fds), before, strict=True):
+        if now != then:
+            raise InputError(
+                f"{path}: changed while it was being read (still being written?); nothing was committed"
+            )
 
 
 def release(fds: list[int]) -> None:

@@ -28,7 +28,7 @@ from bema_cli.io.commit import TMP_PREFIX, OutputTransaction, check_apart
 from bema_cli.io.fingerprint import fingerprint
 from bema_cli.io.reader import TensorInfo, TensorReader
 from bema_cli.io.safetensors import DTYPES, FLOATING, ModelIndex
-from bema_cli.io.watch import hold_files, release
+from bema_cli.io.watch import check_unchanged, held_stats, hold_files, release
 from bema_cli.io.writer import ShardedWriter, tensor_bytes
 from bema_cli.stabilize import meta, state
 from bema_cli.stabilize.plan import Options, Piece, Plan, Run, prepare, resolve_state
@@ -303,6 +303,7 @@ def hold(plan: Plan, alias: bool = True, full: bool = True, record: bool = True)
         mapping, fds = hold_files(files)
     except FileNotFoundError as exc:
         raise InputError(f"{exc.filename}: disappeared before it could be read") from None
+    before = held_stats(fds)  # a file still being written moves while we read it: refused after
     pool = ThreadPoolExecutor(max_workers=1)
     files_of = {step: sorted({t.file for t in index.tensors.values()}) for step, index in indexes.items()}
     files_of = files_of if record else {}
@@ -312,6 +313,7 @@ def hold(plan: Plan, alias: bool = True, full: bool = True, record: bool = True)
         index.tensors = {n: replace(t, file=mapping[t.file]) for n, t in index.tensors.items()}
     try:
         yield
+        check_unchanged(files, fds, before)
         plan.fingerprints = prints.result()
     except BemaError as exc:  # name the files as the user knows them, not by their /proc handle
         message = str(exc)

@@ -14,7 +14,7 @@ from functools import partial
 from pathlib import Path
 
 from bema_cli import output, signals
-from bema_cli.errors import InputError, UsageError
+from bema_cli.errors import InputError
 from bema_cli.io.watch import Watcher, wait_for
 from bema_cli.stabilize import state
 from bema_cli.stabilize.plan import Options
@@ -57,6 +57,7 @@ def _look(watcher: Watcher, consumed: list[int], seen_through: int, opts: Option
 def follow(opts: Options, run_once: Callable[[Options], dict], emit: Callable[[dict], None], **kw) -> dict:
     """Watch opts.checkpoint_dir until `until_step` is processed or `idle_timeout` seconds pass without
     a new checkpoint; `run_once` is the batch `stabilize`. Returns totals over all rounds.
+    `poll` and `idle_timeout` are checked by the command (options.check_seconds).
 
     Ctrl-C / SIGTERM end it like any bema run (exit 130 / 143) with OUT consistent: the same
     command later resumes from the last committed step.
@@ -79,10 +80,6 @@ def _follow(
     until_step: int | None = None,
     idle_timeout: float | None = None,
 ) -> dict:
-    if poll <= 0:
-        raise UsageError(f"--poll: must be a positive number of seconds, got {poll}")
-    if idle_timeout is not None and idle_timeout < 0:
-        raise UsageError(f"--idle-timeout: must be >= 0 seconds, got {idle_timeout}")
     out = Path(opts.out).expanduser().resolve()
     watcher = Watcher(Path(opts.checkpoint_dir).expanduser())
     totals = {"outputs": 0, "read_bytes": 0, "written_bytes": 0, "state_bytes": 0, "rounds": 0}

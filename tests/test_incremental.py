@@ -188,6 +188,15 @@ def test_kill_9_at_random_moments_then_rerun_is_bitwise_one_shot(traj, one_shot,
     part, out = tmp_path / "run", tmp_path / "out"
     cmd = [str(BEMA), "stabilize", str(part), "--base", str(base), "--out", str(out), *GRID]
     env = {**os.environ, "BEMA_TEST_COMMIT_PAUSE": "0.05"}
+    # kill moments are drawn within the length of an uninterrupted first call, timed here: a fixed
+    # range stops hitting anything once calls get faster than it
+    scratch = tmp_path / "timing"
+    scratch.mkdir()
+    copy_steps(run, scratch / "run", STEPS[:4])
+    t0 = time.monotonic()
+    timed = [*cmd[:2], str(scratch / "run"), *cmd[3:6], str(scratch / "out"), *GRID]
+    assert subprocess.run(timed, capture_output=True, env=env).returncode == 0
+    call = time.monotonic() - t0
     killed = 0
     for batch in (STEPS[:4], STEPS[4:6], STEPS[6:]):
         copy_steps(run, part, batch)
@@ -195,7 +204,7 @@ def test_kill_9_at_random_moments_then_rerun_is_bitwise_one_shot(traj, one_shot,
             t0 = time.monotonic()
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
             try:
-                proc.wait(timeout=rng.uniform(0.5, 4.0))
+                proc.wait(timeout=rng.uniform(0.1, 0.95) * call)
             except subprocess.TimeoutExpired:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()

@@ -17,7 +17,7 @@ from bema_cli.io.checkpoints import model_weight_files
 from bema_cli.io.fingerprint import DIGEST, file_digest
 from bema_cli.io.safetensors import ModelIndex, index_model
 
-DELETE_RE = re.compile(r"checkpoint-\d+")
+DELETE_RE = re.compile(r"checkpoint-[0-9]+")  # ASCII digits only, like every step bema reads
 FINGERPRINT_KEYS = {"name": str, "size": int, "header_sha256": str}
 
 

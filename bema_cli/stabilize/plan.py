@@ -318,11 +318,10 @@ def prepare(opts: Options) -> Plan:
                 f"{Path(opts.checkpoint_dir).expanduser()}/checkpoint-{st}: needed by run {who} "
                 "(processed from theta0: a new run, or --restart) but no longer on disk"
             )
+    # a side file linking outside its checkpoint and the base is refused now, not after the walk
     out_steps = {st for r in runs for st in r.out_steps}
     for folder in [c.path for c in checkpoints if c.step in out_steps] + [base.path]:
-        aux_files(
-            folder, [folder, base.path]
-        )  # a side file linking elsewhere: refused now, not after the walk
+        aux_files(folder, [folder, base.path])
     base_index = open_checkpoint(base.path)
     if not base_index.tensors:
         raise InputError(f"{base.path}: the base model has no tensors")

@@ -16,6 +16,7 @@ from bema_cli.errors import UsageError
 from bema_cli.stabilize.engine import Outputs, Workspace, process_unit, unit_bytes
 from bema_cli.stabilize.plan import Options, Plan
 
+CANCEL_GRACE_S = 10  # seconds in-flight units get to finish when a run stops
 RETRIES = 3  # Ray re-runs a unit whose worker died this many times (safe: units are idempotent)
 
 
@@ -120,5 +121,10 @@ def _run_ray(
                     raise task_error(exc, f"work unit {i + 1} of {len(plan.units)}") from None
                 advance(unit_bytes(plan.units[i]))
         finally:
-            for ref in running:  # after an error or Ctrl-C: the temp folder goes, so stop its writers
-                ray.cancel(ref, force=True)
+            # after an error or a signal the temp folder goes, so its writers must stop first. Units are
+            # short: let those in flight end, then cancel the stragglers (force-cancelling a task whose
+            # reply is arriving crashes Ray's core worker: "Tried to complete task that was not pending")
+            if running:
+                _, late = ray.wait(list(running), num_returns=len(running), timeout=CANCEL_GRACE_S)
+                for ref in late:
+                    ray.cancel(ref, force=True)

@@ -163,6 +163,16 @@ class Stabilizer:
             setattr(self, name, buffer)
         self.restart(theta0)
 
+    def view(self, lo: int, hi: int) -> Stabilizer:
+        """This state restricted to elements [lo, hi) of its (flat) tensors: updates through the view
+        land in this state's storage. The engine walks a unit in cache-sized blocks this way."""
+        part = object.__new__(Stabilizer)
+        part.method, part.theta0 = self.method, self.theta0[lo:hi]
+        for name in ("ema", "e1", "e2", "ou"):
+            state = getattr(self, name)
+            setattr(part, name, None if state is None else state[lo:hi])
+        return part
+
     def restart(self, theta: torch.Tensor) -> torch.Tensor:
         """Burn-in: start over from theta (reusing the state's storage when the shape allows)."""
         self.theta0 = theta

@@ -4,12 +4,13 @@ A checkpoint is a `ModelIndex`: `tensors` maps each name to its `TensorInfo` (fi
 safetensors dtype tag, shape), known before any tensor data is read. `index.open()`
 returns a reader, a context manager whose `read(name, start, stop)` gives rows
 [start, stop) of one tensor along dim 0 (the whole tensor for a scalar) as a CPU
-torch tensor. Readers are opened per work unit and closed right after, so mapped
-pages do not pile up over a run.
+torch tensor; `read_into` (below) puts them in a caller's buffer, straight from the file
+where the format allows (safetensors). Readers are opened per work unit and closed right
+after, so mapped pages (.bin) and open files do not pile up over a run.
 
 | format                              | module         | rows come from                          |
 |-------------------------------------|----------------|-----------------------------------------|
-| model.safetensors (+ index)         | safetensors.py | safe_open + get_slice (mmap)            |
+| model.safetensors (+ index)         | safetensors.py | one pread per row range (no mmap)       |
 | pytorch_model.bin (+ index)         | torchbin.py    | torch.load(weights_only, mmap)          |
 | DCP folder (FSDP SHARDED_STATE_DICT) | dcp.py         | the saved chunks overlapping the rows   |
 | PEFT LoRA adapter                   | lora.py        | W_base[a:b] + scale * B[a:b] @ A         |
@@ -26,7 +27,15 @@ from bema_cli.io.dcp import find_dcp_dir, index_dcp
 from bema_cli.io.safetensors import ModelIndex, TensorInfo, index_model
 from bema_cli.io.torchbin import BIN_INDEX, bin_weight_files, index_bin
 
-__all__ = ["ModelIndex", "TensorInfo", "TensorReader", "checkpoint_format", "has_weights", "open_checkpoint"]
+__all__ = [
+    "ModelIndex",
+    "TensorInfo",
+    "TensorReader",
+    "checkpoint_format",
+    "has_weights",
+    "open_checkpoint",
+    "read_into",
+]
 
 
 class TensorReader(Protocol):
@@ -37,6 +46,19 @@ class TensorReader(Protocol):
     def __exit__(self, *exc) -> None: ...
 
     def read(self, name: str, start: int, stop: int): ...
+
+
+def read_into(reader: TensorReader, name: str, start: int, stop: int, out, scratch=None) -> None:
+    """Rows [start, stop) of `name` into the flat buffer `out` (cast to its dtype).
+
+    Readers that can (safetensors) read the bytes straight into `out`, or into `scratch` (a reused
+    uint8 buffer) when a cast is needed; the others return a tensor that is copied in.
+    """
+    direct = getattr(reader, "read_into", None)
+    if direct is not None:
+        direct(name, start, stop, out, scratch)
+    else:
+        out.copy_(reader.read(name, start, stop).reshape(-1))
 
 
 def checkpoint_format(folder: Path) -> str | None:

@@ -14,7 +14,6 @@ temp folder under OUT, runs the units, writes metadata and commits the folders b
 
 from __future__ import annotations
 
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -26,108 +25,12 @@ from bema_cli.cluster import ExecutorOptions, import_ray
 from bema_cli.errors import BemaError, InputError, OutputError, UsageError
 from bema_cli.io.commit import TMP_PREFIX, OutputTransaction, check_apart
 from bema_cli.io.fingerprint import fingerprint
-from bema_cli.io.reader import TensorInfo, TensorReader
-from bema_cli.io.safetensors import DTYPES, FLOATING, ModelIndex
+from bema_cli.io.safetensors import ModelIndex
 from bema_cli.io.watch import check_unchanged, held_stats, hold_files, release
-from bema_cli.io.writer import ShardedWriter, tensor_bytes
+from bema_cli.io.writer import ShardedWriter
 from bema_cli.stabilize import meta, state
-from bema_cli.stabilize.plan import Options, Piece, Plan, Run, prepare, resolve_state
-
-
-def _device(name: str, need_torch: bool = True):
-    """The torch device of --device; with need_torch False (a dry run) only the name is checked
-    unless it says cuda, so a dry run does not pay torch's ~1-2 s import."""
-    if name not in ("auto", "cpu", "cuda"):
-        raise UsageError(f"--device: choose auto, cpu or cuda, got {name!r}")
-    if not need_torch and name != "cuda":
-        return None
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
-    return torch.device(name)
-
-
-def _load(reader: TensorReader, unit: list[Piece], flat, check: bool) -> dict:
-    """Read one unit into `flat` (a reused accum-dtype buffer); returns {name: raw non-float piece}."""
-    import torch
-
-    raw = {}
-    for p in unit:
-        t = reader.read(p.info.name, p.start, p.stop)
-        if p.info.dtype in FLOATING:
-            flat[p.lo : p.hi].copy_(t.reshape(-1))
-        else:
-            raw[p.info.name] = t
-    # A sum is finite only if every term is (NaN/Inf propagate); one reduction is ~10x cheaper than
-    # isfinite(...).all(). On a non-finite sum (or an overflow) the exact per-tensor check decides.
-    if (
-        check
-        and flat.numel()
-        and not math.isfinite(float(flat.sum()))
-        and not bool(torch.isfinite(flat).all())
-    ):
-        bad = next(p for p in unit if p.hi > p.lo and not bool(torch.isfinite(flat[p.lo : p.hi]).all()))
-        raise InputError(
-            f"{reader.index.tensors[bad.info.name].file}: tensor {bad.info.name!r} contains NaN or Inf (use --allow-nonfinite to proceed)"
-        )
-    return raw
-
-
-class Workspace:
-    """Buffers sized for the largest work unit, allocated once and reused by every unit and step.
-
-    Fresh multi-MB tensors per step cost a page fault per page on first touch (measured ~3.5x
-    slower copies), so theta0, theta_s, theta_s - theta0, one output and the out-dtype
-    conversions live here; `view(name, n)` is the first n elements.
-    """
-
-    def __init__(self, size: int, acc, device):
-        self.size, self.acc, self.device = size, acc, device
-        self.buffers: dict = {}
-
-    @classmethod
-    def for_plan(cls, plan: Plan, opts: Options) -> Workspace:
-        """A workspace that fits every unit of `plan`."""
-        import torch
-
-        size = max((p.hi for u in plan.units for p in u), default=0)
-        return cls(size, getattr(torch, opts.accum_dtype), _device(opts.device))
-
-    def view(self, name: str, n: int, dtype=None):
-        import torch
-
-        if name not in self.buffers:
-            self.buffers[name] = torch.empty(self.size, dtype=dtype or self.acc, device=self.device)
-        return self.buffers[name][:n]
-
-
-def _write(
-    writer: ShardedWriter, unit: list[Piece], result, raw: dict, out_dtypes: dict, ws: Workspace
-) -> None:
-    import torch
-
-    converted = {}
-    for p in unit:
-        tag = out_dtypes[p.info.name]
-        row = _row_bytes(p.info, tag)
-        if p.info.dtype not in FLOATING:
-            writer.write(p.info.name, p.start * row, tensor_bytes(raw[p.info.name]))
-            continue
-        if tag not in converted:
-            dtype = getattr(torch, DTYPES[tag][0])
-            if dtype == result.dtype and result.device.type == "cpu":
-                converted[tag] = result
-            else:
-                converted[tag] = ws.view(f"out-{tag}", result.numel(), dtype).copy_(result).cpu()
-        writer.write(p.info.name, p.start * row, tensor_bytes(converted[tag][p.lo : p.hi]))
-
-
-def _row_bytes(info: TensorInfo, tag: str) -> int:
-    rows = info.shape[0] if info.shape else 1
-    return info.numel // rows * DTYPES[tag][1] if rows else 0
+from bema_cli.stabilize.plan import Options, Plan, Run, prepare, resolve_state
+from bema_cli.stabilize.unit import Outputs, torch_device, unit_bytes
 
 
 def _out_dir(text: str) -> Path:
@@ -225,7 +128,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
             "seconds": time.perf_counter() - t0,
         }
     # the first check that needs torch (~1-2 s to import), so other errors come first; none in a dry run
-    _device(opts.device, need_torch=not opts.dry_run)
+    torch_device(opts.device, need_torch=not opts.dry_run)
     theta0_bytes = plan.base_index.nbytes if plan.theta0_index is plan.base_index else 0
     read_bytes = theta0_bytes + sum(plan.indexes[s].nbytes for s in plan.read_steps)
     meta0 = {"bema_version": __version__}
@@ -354,9 +257,6 @@ def _walk(plan: Plan, opts: Options, tmp: Path, executor: ExecutorOptions) -> in
     return finish_outputs(plan, opts, outputs)
 
 
-Outputs = dict[tuple[str, int], ShardedWriter]  # (run name, step) -> the writer of that output folder
-
-
 def open_outputs(plan: Plan, tmp: Path) -> Outputs:
     """Pre-create every output's files at full size, headers included (the layout is planned up front)."""
     outputs = {}
@@ -385,53 +285,3 @@ def finish_outputs(plan: Plan, opts: Options, outputs: Outputs) -> int:
         )
         written += writer.nbytes
     return written
-
-
-def unit_bytes(unit: list[Piece]) -> int:
-    """Bytes of one checkpoint that a unit covers (the progress measure)."""
-    return sum(p.info.row_bytes * (p.stop - p.start) for p in unit)
-
-
-def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs, ws: Workspace | None = None):
-    """One work unit, start to end: read its slices of theta0 and of every checkpoint, run the
-    recurrences, write its bytes at their final offsets in the pre-created `outputs`.
-
-    Self-contained and idempotent (the same bytes land at the same offsets on a re-run), so any
-    executor may run units in any order, in any process, and retry one that was lost.
-    """
-    import torch
-
-    ws = ws or Workspace.for_plan(plan, opts)
-    check = not opts.allow_nonfinite
-    out_dtypes = {t.name: t.dtype for t in plan.out_tensors}
-    tau = plan.runs[0].schedule.tau  # shared by the grid: burn-in happens at the same steps for all runs
-    size = max((p.hi for p in unit), default=0)
-    theta0, theta = ws.view("theta0", size), ws.view("theta", size)
-    state.read_theta0(plan, unit, theta0, lambda reader, u, flat: _load(reader, u, flat, check))
-    # one Stabilizer per track (runs sharing a state, e.g. ema and bema at one kappa): from theta0,
-    # or continued from OUT's persistent state
-    stabs = state.start_unit(plan, unit, theta0, lambda key: ws.view(key, size))  # no per-unit clones
-    track_of = {r.name: i for i, t in enumerate(plan.tracks) for r in t.runs}
-    for step in plan.read_steps:
-        with plan.indexes[step].open() as reader:
-            raw = _load(reader, unit, theta, check)
-        if step <= tau:
-            theta0.copy_(theta)  # burn-in: theta0 = theta_s, held in its own buffer
-        for track, stab in zip(plan.tracks, stabs, strict=True):  # one update per distinct state
-            if track.advances(step):
-                event = track.runs[0].events[step]
-                stab.advance(event, theta0 if event.action == "burnin" else theta)
-        drift = None  # theta_s - theta0, computed once per step for every bema output
-        for run in plan.runs:
-            if (run.name, step) not in outputs:
-                continue  # the output is only computed where it is written
-            event = run.events[step]
-            if run.schedule.method == "bema" and drift is None and event.action == "update":
-                drift = torch.sub(theta, theta0, out=ws.view("drift", size))
-            out = ws.view("out", size) if run.schedule.method in ("bema", "dema") else None
-            result = stabs[track_of[run.name]].estimate(
-                event, theta, drift=drift, out=out, method=run.schedule.method
-            )
-            _write(outputs[run.name, step], unit, result, raw, out_dtypes, ws)
-        del raw
-    state.end_unit(plan, unit, stabs, theta0)  # this unit's rows of the new state

@@ -1,6 +1,6 @@
 """Executors of `bema stabilize`'s work units: in this process, or one Ray task per unit.
 
-Both run the same `engine.process_unit`, so outputs are bitwise identical whichever runs
+Both run the same `unit.process_unit`, so outputs are bitwise identical whichever runs
 them. A Ray task reads its unit's slices from the shared filesystem and writes its bytes
 into the files the driver pre-created; it is idempotent, so Ray may retry it on a lost
 worker (`max_retries`). See docs/scale-out.md.
@@ -13,8 +13,8 @@ from contextlib import contextmanager
 
 from bema_cli.cluster import ExecutorOptions, cluster_cpus, ray_session, runtime_env, task_error
 from bema_cli.errors import UsageError
-from bema_cli.stabilize.engine import Outputs, Workspace, process_unit, unit_bytes
 from bema_cli.stabilize.plan import Options, Plan
+from bema_cli.stabilize.unit import Outputs, Workspace, compute_threads, process_unit, unit_bytes
 
 CANCEL_GRACE_S = 10  # seconds in-flight units get to finish when a run stops
 RETRIES = 3  # Ray re-runs a unit whose worker died this many times (safe: units are idempotent)
@@ -28,9 +28,10 @@ def run_units(
         _run_ray(plan, opts, outputs, executor, advance)
         return
     ws = Workspace.for_plan(plan, opts)  # one set of buffers for every unit
-    for unit in plan.units:
-        process_unit(plan, opts, unit, outputs, ws)
-        advance(unit_bytes(unit))
+    with compute_threads(ws):
+        for unit in plan.units:
+            process_unit(plan, opts, unit, outputs, ws)
+            advance(unit_bytes(unit))
 
 
 @contextmanager
@@ -58,10 +59,9 @@ def _warm_up() -> None:
 
 def _ray_unit(plan: Plan, opts: Options, index: int, outputs: Outputs, threads: int) -> int:
     """One Ray task: unit `index` of `plan`, on this worker's share of the cores."""
-    import torch
-
-    torch.set_num_threads(threads)
-    process_unit(plan, opts, plan.units[index], outputs, _workspace(plan, opts))
+    ws = _workspace(plan, opts)
+    with compute_threads(ws, threads):
+        process_unit(plan, opts, plan.units[index], outputs, ws)
     return index
 
 

@@ -34,6 +34,7 @@ from bema_cli import __version__, output
 from bema_cli.errors import BemaError, InputError, UsageError
 from bema_cli.io.checkpoints import Checkpoint, read_json
 from bema_cli.io.fingerprint import changed, fingerprint, fingerprint_if_present
+from bema_cli.io.reader import read_into
 from bema_cli.io.safetensors import FLOATING, TAG_OF, ModelIndex, TensorInfo
 from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
 from bema_cli.recurrence import STATE_TENSORS, Schedule, Stabilizer, run_name, state_key
@@ -250,7 +251,7 @@ def read_unit(index: ModelIndex, unit: list[Piece], names: tuple[str, ...], tens
         for p in unit:
             if p.hi > p.lo:
                 for n, t in zip(names, tensors, strict=True):
-                    t[p.lo : p.hi].copy_(reader.read(f"{n}/{p.info.name}", p.start, p.stop).reshape(-1))
+                    read_into(reader, f"{n}/{p.info.name}", p.start, p.stop, t[p.lo : p.hi])
 
 
 def write_unit(writer: ShardedWriter, unit: list[Piece], names: tuple[str, ...], tensors: list) -> None:

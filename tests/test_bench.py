@@ -16,10 +16,13 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_stabilize.py"
 ROWS = [
     "I/O floor",
-    "bema stabilize 1 config, all steps: wall / floor",
+    "start-up: a whole bema stabilize on a 64 kB model",
+    "bema stabilize 1 config, all steps: (wall - start-up) / floor",
+    "same, wall / floor",
     "engine time",
-    "wall / (floor + compute floor)",
+    "compute floor (the recurrence alone",
     "bema wall / peer wall",
+    "peer wall / floor",
     "bema peak RSS / peer peak RSS",
     "same at 4x model size",  # wall-time ratio and RSS ratio at 4x
     "grid 6 configs / 1 config",

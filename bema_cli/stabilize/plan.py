@@ -18,6 +18,7 @@ from bema_cli.io.fingerprint import weight_files
 from bema_cli.io.lora import Adapter, lora_index, read_adapter, same_targets
 from bema_cli.io.reader import ModelIndex, TensorInfo, has_weights, open_checkpoint
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
+from bema_cli.io.write_behind import DEPTH
 from bema_cli.io.writer import Shard, plan_shards
 from bema_cli.recurrence import STATE_TENSORS, PlannedStep, Schedule, run_name, state_key
 from bema_cli.stabilize import state
@@ -85,6 +86,16 @@ class Piece:
     hi: int = 0
 
 
+BLOCK = 1 << 19  # elements per block of the fused pass: 2 MiB per float32 buffer, and the ~5 buffers a
+# block touches (theta0, theta_s, state, drift, output) fit in the 32 MiB L3 of the benchmark's machine
+
+
+def block_size(max_memory: int, itemsize: int) -> int:
+    """Elements per block: BLOCK, less when the write-behind pool (DEPTH blocks in flight) would take
+    over a quarter of --max-memory; the pool is subtracted from the budget the units are cut to."""
+    return max(1024, min(BLOCK, max_memory // (4 * DEPTH * itemsize)))
+
+
 @dataclass
 class Plan:
     checkpoints: list[Checkpoint]
@@ -96,6 +107,7 @@ class Plan:
     out_tensors: list[TensorInfo]
     shards: list[Shard]
     units: list[list[Piece]] = field(default_factory=list)
+    block: int = BLOCK  # elements per block of a unit's fused pass (unit.process_unit)
     lora: Adapter | None = None  # a LoRA run: the first adapter (modules, config)
     lora_rank: int | None = None  # set for --lora-output adapter
     resume: Resume | None = None  # OUT's persistent state as this call finds it
@@ -203,12 +215,16 @@ def _accumulators(runs: list[Run]) -> int:
     return 2 + state + scratch
 
 
-def _units(order: list[TensorInfo], runs: list[Run], opts: Options, read_itemsize) -> list[list[Piece]]:
-    """Cut the tensors (in output order) into work units whose working set fits opts.max_memory.
+def _units(
+    order: list[TensorInfo], runs: list[Run], opts: Options, read_itemsize, reserved: int = 0
+) -> list[list[Piece]]:
+    """Cut the tensors (in output order) into work units whose working set fits opts.max_memory
+    less `reserved` bytes (the write-behind pool).
 
     `read_itemsize(info)`: bytes per element a read holds (more than the dtype for LoRA rows)."""
     acc = DTYPES[TAG_OF[opts.accum_dtype]][1]
     out_size = DTYPES[TAG_OF[opts.out_dtype]][1] if opts.out_dtype else 0
+    budget = opts.max_memory - reserved
     float_cost = acc * _accumulators(runs)
     units: list[list[Piece]] = []
     cur: list[Piece] = []
@@ -222,7 +238,7 @@ def _units(order: list[TensorInfo], runs: list[Run], opts: Options, read_itemsiz
         row_cost = (t.numel // rows) * per_elem
         r = 0
         while r < rows:
-            n = min(rows - r, (opts.max_memory - used) // row_cost)
+            n = min(rows - r, (budget - used) // row_cost)
             if n <= 0:
                 if cur:
                     units.append(cur)
@@ -352,7 +368,11 @@ def prepare(opts: Options) -> Plan:
     shards = plan_shards(out_tensors, opts.max_shard_size)
     order = [like.tensors[t.name] for s in shards for t in s.tensors]
     plan = Plan(checkpoints, base.source, base_index, indexes, runs, read_steps, out_tensors, shards)
-    plan.units = _units(order, runs, opts, like.read_itemsize)
+    # the write-behind pool holds DEPTH blocks of the widest dtype a block is written in
+    acc = DTYPES[TAG_OF[opts.accum_dtype]][1]
+    widest = max([acc] + [DTYPES[t.dtype][1] for t in plan.out_tensors if t.dtype in FLOATING])
+    plan.block = block_size(opts.max_memory, widest)
+    plan.units = _units(order, runs, opts, like.read_itemsize, reserved=DEPTH * plan.block * widest)
     if layout is not None:
         plan.lora = layout
         plan.lora_rank = (opts.lora_rank or layout.config["r"]) if opts.lora_output == "adapter" else None

@@ -2,7 +2,7 @@
 
 A unit is a group of tensors (or a row range of one) whose working set fits --max-memory
 (plan.py). `process_unit` reads its rows of theta0 once, then for each checkpoint walks the
-unit in blocks of BLOCK elements: read (safetensors: one pread per tensor part, straight into
+unit in blocks of plan.block elements: read (safetensors: one pread per tensor part, straight into
 the block buffer), finite check, state updates, outputs, all on a block that stays in the CPU
 cache, whose output bytes then go to a background writer thread (io/write_behind.py) while
 the next block is computed. The math is recurrence.py's; the engine (engine.py) plans, holds
@@ -80,11 +80,6 @@ def _check_finite(index, unit: list[Piece], flat, lo: int, hi: int, base: int = 
                 f"{index.tensors[p.info.name].file}: tensor {p.info.name!r} contains NaN or Inf "
                 "(use --allow-nonfinite to proceed)"
             )
-
-
-BLOCK = 1 << 19  # elements per block of process_unit's fused pass: 2 MiB per float32 buffer, and the
-# ~5 buffers a block touches (theta0, theta_s, state, drift, output) fit the 32 MiB L3 of the machine
-# the benchmark ran on; 2^17-2^20 measured within noise of each other (docs/performance.md)
 
 
 class Workspace:
@@ -205,7 +200,7 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
     executor may run units in any order, in any process, and retry one that was lost.
 
     Per step, the finite check, the read (where the reader can read any element range: safetensors),
-    every state update, every output and its write run block by block (BLOCK elements): a block's
+    every state update, every output and its write run block by block (plan.block elements): a block's
     buffers stay in the CPU cache across those passes instead of streaming the whole unit through
     memory once per pass. Other formats are read whole into `theta` first. Every update is
     elementwise, so the bytes are those of whole-unit passes (docs/design.md, "The fused pass").
@@ -217,7 +212,7 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
     out_dtypes = {t.name: t.dtype for t in plan.out_tensors}
     tau = plan.runs[0].schedule.tau  # shared by the grid: burn-in happens at the same steps for all runs
     size = max((p.hi for p in unit), default=0)
-    block = size if ws.device.type != "cpu" else BLOCK  # a GPU gains nothing from cache-sized passes
+    block = size if ws.device.type != "cpu" else plan.block  # a GPU gains nothing from cache-sized passes
     blocks = _blocks(unit, size, max(block, 1))
     theta0, scratch = ws.view("theta0", size), ws.scratch(unit)
     background = ws.device.type == "cpu"  # a GPU run copies each (whole-unit) block back and writes it

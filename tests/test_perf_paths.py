@@ -1,5 +1,6 @@
 """The performance paths of issue 16 keep behaviour: --no-state, reused state buffers, a torch-free
-dry run, one batched fsync round per commit. Real CLI runs on real safetensors files."""
+dry run, one batched fsync round per commit, the fused block pass (bitwise whatever the block size),
+pread reads, the write-behind thread, preallocated outputs. Real CLI runs on real safetensors files."""
 
 from __future__ import annotations
 
@@ -132,3 +133,106 @@ def test_commit_fsyncs_once_per_file_and_once_per_folder(tmp_path, monkeypatch):
     assert len(calls) == 4, calls
     assert json.loads((out / "manifest.json").read_text()) == {"runs": ["run"]}
     assert (out / "run" / "model.safetensors").read_bytes() == b"x"
+
+
+# -- the fused, cache-blocked unit pass and its I/O (docs/design.md, "The fused pass") ---------------
+
+
+@pytest.fixture(scope="module")
+def traj_bf16(tmp_path_factory):
+    return write_trajectory(tmp_path_factory.mktemp("traj16"), STEPS, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "which,out_dtype", [("f32", None), ("bf16", None), ("f32", "bfloat16"), ("bf16", "float32")]
+)
+def test_block_size_does_not_change_a_byte(traj, traj_bf16, tmp_path, monkeypatch, which, out_dtype):
+    """Blocks of 7 elements cut through every tensor, row and piece: the bytes are those of one block
+    per unit (the CLI's default here), for every method, a burn-in, bf16 reads and casts on output."""
+    from bema_cli.recurrence import Schedule
+    from bema_cli.stabilize import plan as plan_module
+    from bema_cli.stabilize import stabilize as run
+    from bema_cli.stabilize.plan import Options
+
+    base, run_dir = traj if which == "f32" else traj_bf16
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    extra = ["--out-dtype", out_dtype] if out_dtype else []
+    r = run_bema("stabilize", run_dir, "--base", base, "--out", ref, *GRID, *extra)
+    assert r.returncode == 0, r.stderr
+    sizes = []
+    monkeypatch.setattr(plan_module, "block_size", lambda max_memory, itemsize: sizes.append(7) or 7)
+    threads = torch.get_num_threads()
+    schedules = [Schedule(method=m, tau=10).resolved() for m in ("vanilla", "ema", "bema", "dema", "ouema")]
+    run(Options(str(run_dir), schedules, str(out), base=str(base), out_dtype=out_dtype))
+    assert sizes == [7]
+    assert outputs(out) == outputs(ref) and len(outputs(ref)) == 5 * len(STEPS)
+    assert torch.get_num_threads() == threads  # one fewer while the units ran, restored after
+
+
+def test_a_file_truncated_after_indexing_is_an_error_naming_it(traj, tmp_path):
+    """Reads are preads, not a memory map: a file that shrinks under bema is a one-line error naming it
+    (a mapped file gave SIGBUS), and a read that stays inside the file still works."""
+    from bema_cli.errors import InputError
+    from bema_cli.io.safetensors import ChunkReader, index_model
+
+    base, _ = traj
+    path = tmp_path / "model.safetensors"
+    path.write_bytes((base / "model.safetensors").read_bytes())
+    index = index_model(tmp_path, [path])
+    info = index.tensors["layer.0.weight"]
+    with ChunkReader(index) as reader:
+        whole = reader.read("layer.0.weight", 0, info.shape[0])
+        part = torch.empty(5)
+        reader.read_elements_into("layer.0.weight", 3, 5, part)
+        assert torch.equal(part, whole.reshape(-1)[3:8])
+    os.truncate(path, info.offset + info.row_bytes)  # keep the first row only
+    with ChunkReader(index) as reader, pytest.raises(InputError) as err:
+        reader.read("layer.0.weight", 0, info.shape[0])
+    assert str(path) in str(err.value) and "truncated" in str(err.value)
+
+
+def test_write_behind_raises_a_write_error_in_the_caller_and_drops_the_rest(tmp_path):
+    from bema_cli.errors import OutputError
+    from bema_cli.io.write_behind import WriteBehind
+
+    written = []
+
+    def fail(data):
+        raise OutputError(f"{tmp_path / 'x'}: cannot write (No space left on device)")
+
+    with pytest.raises(OutputError, match="No space left"), WriteBehind(16, depth=2) as wb:
+        for i in range(20):  # the error surfaces at a later buffer/put or at close, never lost
+            data = wb.buffer(torch.float32, 16).fill_(i)
+            wb.put(data, [fail] if i == 3 else [lambda d: written.append(float(d[0]))])
+    assert 3.0 not in written and written == sorted(written)
+    assert len(wb._all[torch.float32]) == 2  # the pool never grew past its depth
+
+    seen = []
+    with pytest.raises(KeyboardInterrupt), WriteBehind(16, depth=2) as wb:  # the caller fails: queue dropped
+        wb.put(wb.buffer(torch.float32, 16), [lambda d: seen.append(1) or __import__("time").sleep(0.2)])
+        wb.put(wb.buffer(torch.float32, 16), [lambda d: seen.append(2)])
+        raise KeyboardInterrupt
+    assert 2 not in seen and not wb._thread.is_alive()
+
+
+def test_outputs_are_allocated_up_front_and_writes_reuse_their_files(tmp_path):
+    """fallocate(2): the blocks exist before any tensor byte is written (a full disk fails at once);
+    inside held() one descriptor per shard serves every write, closed on exit."""
+    from bema_cli.io.safetensors import TensorInfo
+    from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
+
+    info = TensorInfo("w", None, "F32", (256, 1024))
+    writer = ShardedWriter(tmp_path / "ckpt", plan_shards([info], 1 << 30), {"bema_version": "t"}).open()
+    st = os.stat(tmp_path / "ckpt" / "model.safetensors")
+    if st.st_blocks * 512 < info.nbytes:
+        pytest.skip("this filesystem does not support fallocate (the writer falls back to a sparse file)")
+    fds = len(os.listdir("/proc/self/fd"))
+    data = torch.arange(256 * 1024, dtype=torch.float32)
+    with writer.held():
+        for row in range(256):
+            writer.write("w", row * 4096, tensor_bytes(data[row * 1024 : (row + 1) * 1024]))
+        assert len(os.listdir("/proc/self/fd")) == fds + 1
+    assert len(os.listdir("/proc/self/fd")) == fds
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(tmp_path / "ckpt" / "model.safetensors")["w"].reshape(-1), data)

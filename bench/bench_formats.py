@@ -30,7 +30,7 @@ from bema_cli.options import parse_size
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_stabilize import COLUMNS, ENGINE_IMPORTS, MiB, interpreter_overhead, log, render, timed_tool  # noqa: E402
-from measure import run_measured  # noqa: E402
+from measure import report, run_measured  # noqa: E402
 from synth import Trajectory, make_trajectory  # noqa: E402
 
 BEMA = Path(sys.executable).with_name("bema")
@@ -242,10 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         f"inputs warm; best of {args.repeats}; load avg {res['loadavg_start'][0]:.1f} -> {res['loadavg_end'][0]:.1f}",
         "",
     ]
-    text = render(table, header)
-    print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
-    if args.json:
-        print(json.dumps(res, indent=2))
+    report(render(table, header), res, args.json)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ kernel's ru_maxrss, which counts file pages a process has mapped and touched
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,3 +81,10 @@ def set_cache(paths: list[Path], state: str) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def report(table: str, doc: dict, as_json: bool) -> None:
+    """The table on stdout; with --json the raw numbers as one JSON document on stdout, the table on stderr."""
+    print(table, file=sys.stderr if as_json else sys.stdout, flush=True)
+    if as_json:
+        print(json.dumps(doc, indent=2))

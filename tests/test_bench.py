@@ -23,6 +23,7 @@ ROWS = [
     "compute floor (the recurrence alone",
     "bema wall / peer wall",
     "peer wall / floor",
+    "lower bound for any tool",
     "bema peak RSS / peer peak RSS",
     "same at 4x model size",  # wall-time ratio and RSS ratio at 4x
     "grid 6 configs / 1 config",

@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     res["loadavg_start"] = os.getloadavg()
     t0 = time.perf_counter()
     try:
-        res["overhead_rss"] = interpreter_overhead(work)
+        res["overhead_rss"], _ = interpreter_overhead(work, 1)
         # reading DCP imports torch.distributed.checkpoint: a fixed cost, whatever the model size
         dcp_imports = [sys.executable, "-c", ENGINE_IMPORTS + ", torch.distributed.checkpoint"]
         res["dcp_overhead_rss"] = max(run_measured(dcp_imports).max_rss, *res["overhead_rss"].values())

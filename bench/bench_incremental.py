@@ -237,7 +237,7 @@ def main(argv=None) -> None:
         "loadavg_start": os.getloadavg(),
     }
     try:
-        res["overhead_rss"] = interpreter_overhead(work)
+        res["overhead_rss"], _ = interpreter_overhead(work, 1)
         res["max_memory"] = parse_size(args.max_memory, "--max-memory")
         log(f"writing base + 10 checkpoints of {args.size_mb:g} MB under {work}")
         traj = make_trajectory(work / "traj", int(args.size_mb * 1e6), 10, args.dtype)

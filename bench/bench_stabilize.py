@@ -208,7 +208,7 @@ def interpreter_overhead(work: Path, repeats: int) -> tuple[dict[str, int], list
     tiny = make_trajectory(work / "overhead", 64_000, 2)
     runs = {name: run_measured(cmd).max_rss for name, cmd in OVERHEAD_CMDS.items()}
     startup = []
-    for _ in range(max(repeats, 3)):
+    for _ in range(repeats):
         run = run_measured(bema_cmd(tiny, work / "overhead-out", ONE, "16MiB", final_only=False))
         runs["bema stabilize on a 64 kB model"] = max(
             runs.get("bema stabilize on a 64 kB model", 0), run.max_rss
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     res["loadavg_start"] = os.getloadavg()
     t0 = time.perf_counter()
     try:
-        res["overhead_rss"], res["startup"] = interpreter_overhead(work, args.repeats)
+        res["overhead_rss"], res["startup"] = interpreter_overhead(work, max(args.repeats, 3))
         size = int(args.size_mb * 1e6)
         log(
             f"writing base + {args.checkpoints} checkpoints of {size / 1e6:.0f} MB ({args.dtype}) under {work}"

@@ -86,8 +86,9 @@ class Workspace:
     """Buffers sized for the largest work unit, allocated once and reused by every unit and step.
 
     Fresh multi-MB tensors per step cost a page fault per page on first touch (measured ~3.5x
-    slower copies), so theta0, theta_s, theta_s - theta0, one output and the out-dtype
-    conversions live here; `view(name, n)` is the first n elements.
+    slower copies), so theta0, the states, theta_s, theta_s - theta0 and one output live here;
+    `view(name, n)` is the first n elements (the block-sized ones only ever touch a block's worth:
+    pages never touched are never resident). Outputs being written live in the write-behind pool.
     """
 
     def __init__(self, size: int, acc, device):

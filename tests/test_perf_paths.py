@@ -214,6 +214,20 @@ def test_write_behind_raises_a_write_error_in_the_caller_and_drops_the_rest(tmp_
         raise KeyboardInterrupt
     assert 2 not in seen and not wb._thread.is_alive()
 
+    # batches share one pool and thread: a failed batch drops its queue, the next one writes normally
+    with WriteBehind(16, depth=2) as wb:
+        with pytest.raises(OutputError), wb.batch():
+            wb.put(wb.buffer(torch.float32, 16), [fail])
+            for _ in range(3):  # the error surfaces here or at the end of the batch
+                wb.put(wb.buffer(torch.float32, 16), [lambda d: seen.append(3)])
+        got = []
+        with wb.batch():
+            for i in range(5):
+                wb.put(wb.buffer(torch.float32, 16).fill_(i), [lambda d: got.append(float(d[0]))])
+        assert got == [0.0, 1.0, 2.0, 3.0, 4.0] and 3 not in seen
+        assert wb._thread.is_alive()
+    assert not wb._thread.is_alive()
+
 
 def test_outputs_are_allocated_up_front_and_writes_reuse_their_files(tmp_path):
     """fallocate(2): the blocks exist before any tensor byte is written (a full disk fails at once);

@@ -39,6 +39,7 @@ def run_units(
                 process_unit(plan, opts, unit, outputs, ws)
                 advance(unit_bytes(unit))
     finally:
+        ws.close()
         if enabled:
             gc.enable()
 
@@ -83,6 +84,8 @@ def _workspace(plan: Plan, opts: Options) -> Workspace:
     ws = Workspace.for_plan(plan, opts)
     old = _cached[0] if _cached else None
     if old is None or (old.size, old.acc, old.device) != (ws.size, ws.acc, ws.device):
+        if old is not None:
+            old.close()
         _cached[:] = [ws]
     return _cached[0]
 

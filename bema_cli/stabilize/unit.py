@@ -94,6 +94,7 @@ class Workspace:
     def __init__(self, size: int, acc, device):
         self.size, self.acc, self.device = size, acc, device
         self.buffers: dict = {}
+        self._writes: WriteBehind | None = None
 
     @classmethod
     def for_plan(cls, plan: Plan, opts: Options) -> Workspace:
@@ -109,6 +110,22 @@ class Workspace:
         if name not in self.buffers:
             self.buffers[name] = torch.empty(self.size, dtype=dtype or self.acc, device=self.device)
         return self.buffers[name][:n]
+
+    def write_behind(self, block: int):
+        """The write-behind pool and thread of this workspace (made once: see io/write_behind.py).
+        On a GPU a unit is one block and its writes are synchronous."""
+        background = self.device.type == "cpu"
+        size = block if background else self.size
+        if self._writes is None or self._writes.block < size:
+            self.close()
+            self._writes = WriteBehind(size, background=background)
+        return self._writes
+
+    def close(self) -> None:
+        """End the write-behind thread (its queue is empty between units)."""
+        if self._writes is not None:
+            self._writes.close()
+            self._writes = None
 
     def scratch(self, unit: list[Piece]):
         """A CPU byte buffer for inputs that must be cast (bf16 read, f32 accumulated): the largest
@@ -216,7 +233,6 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
     block = size if ws.device.type != "cpu" else plan.block  # a GPU gains nothing from cache-sized passes
     blocks = _blocks(unit, size, max(block, 1))
     theta0, scratch = ws.view("theta0", size), ws.scratch(unit)
-    background = ws.device.type == "cpu"  # a GPU run copies each (whole-unit) block back and writes it
     acc_tag = TAG_OF[str(ws.acc).removeprefix("torch.")]
     direct = ws.device.type == "cpu" and all(
         out_dtypes[p.info.name] == acc_tag for p in unit if p.info.dtype in FLOATING
@@ -248,7 +264,7 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
             if not streamed:
                 theta = ws.view("theta", size)
                 _load(reader, unit, theta, scratch)
-            with WriteBehind(block, background=background) as wb:
+            with ws.write_behind(block).batch() as wb:
                 for lo, hi, parts in blocks:
                     if streamed:
                         th = ws.view("theta", hi - lo)

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -209,7 +210,7 @@ def test_write_behind_raises_a_write_error_in_the_caller_and_drops_the_rest(tmp_
 
     seen = []
     with pytest.raises(KeyboardInterrupt), WriteBehind(16, depth=2) as wb:  # the caller fails: queue dropped
-        wb.put(wb.buffer(torch.float32, 16), [lambda d: seen.append(1) or __import__("time").sleep(0.2)])
+        wb.put(wb.buffer(torch.float32, 16), [lambda d: seen.append(1) or time.sleep(0.2)])
         wb.put(wb.buffer(torch.float32, 16), [lambda d: seen.append(2)])
         raise KeyboardInterrupt
     assert 2 not in seen and not wb._thread.is_alive()

@@ -5,7 +5,7 @@ safetensors dtype tag, shape), known before any tensor data is read. `index.open
 returns a reader, a context manager whose `read(name, start, stop)` gives rows
 [start, stop) of one tensor along dim 0 (the whole tensor for a scalar) as a CPU
 torch tensor; `read_into` (below) puts them in a caller's buffer, straight from the file
-where the format allows (safetensors). Readers are opened per work unit and closed right
+where the reader `streams` (safetensors: `read_elements_into`, any element range). Readers are opened per work unit and closed right
 after, so mapped pages (.bin) and open files do not pile up over a run.
 
 | format                              | module         | rows come from                          |
@@ -35,6 +35,7 @@ __all__ = [
     "has_weights",
     "open_checkpoint",
     "read_into",
+    "streams",
 ]
 
 
@@ -54,11 +55,17 @@ def read_into(reader: TensorReader, name: str, start: int, stop: int, out, scrat
     Readers that can (safetensors) read the bytes straight into `out`, or into `scratch` (a reused
     uint8 buffer) when a cast is needed; the others return a tensor that is copied in.
     """
-    direct = getattr(reader, "read_into", None)
-    if direct is not None:
-        direct(name, start, stop, out, scratch)
+    if streams(reader):
+        row = reader.index.tensors[name].row_numel
+        reader.read_elements_into(name, start * row, (stop - start) * row, out, scratch)
     else:
         out.copy_(reader.read(name, start, stop).reshape(-1))
+
+
+def streams(reader: TensorReader) -> bool:
+    """Whether `reader` reads any element range straight into a buffer (`read_elements_into`:
+    safetensors); the others read whole rows and return tensors."""
+    return hasattr(reader, "read_elements_into")
 
 
 def checkpoint_format(folder: Path) -> str | None:

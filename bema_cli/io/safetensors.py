@@ -1,7 +1,7 @@
 """Safetensors reading: header validation, a model index built from headers, a lazy chunk reader.
 
 A chunk of rows along dim 0 is one contiguous byte range of the file (the header gives
-its offset), so `ChunkReader.read_into` reads it with one pread straight into the
+its offset), so `ChunkReader.read_elements_into` reads it with one pread straight into the
 caller's buffer: a copy out of the page cache at memory speed, nothing mapped (no page
 fault per 4 KiB, no resident pages left behind, no SIGBUS when a file shrinks under us:
 a short read is an error naming the file). `read` returns a fresh tensor the same way.
@@ -63,6 +63,11 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         return self.numel * self.itemsize
+
+    @property
+    def row_numel(self) -> int:
+        """Elements of one slice along dim 0 (the whole tensor for a scalar)."""
+        return self.numel // self.shape[0] if self.shape and self.shape[0] else self.numel
 
     @property
     def row_bytes(self) -> int:
@@ -212,12 +217,6 @@ class ChunkReader:
         out = torch.empty((stop - start, *info.shape[1:]) if info.shape else (), dtype=_torch_dtype(info))
         self._pread(info, start * info.row_bytes, out.reshape(-1).view(torch.uint8).numpy())
         return out
-
-    def read_into(self, name: str, start: int, stop: int, out, scratch=None) -> None:
-        """Rows [start, stop) of `name` into `out` (flat): see read_elements_into."""
-        info = self.index.tensors[name]
-        row = info.numel // info.shape[0] if info.shape else 1
-        self.read_elements_into(name, start * row, (stop - start) * row, out, scratch)
 
     def read_elements_into(self, name: str, first: int, count: int, out, scratch=None) -> None:
         """Elements [first, first + count) of `name` (flattened) into `out` (flat, contiguous, any dtype:

@@ -11,8 +11,6 @@ and a full disk is reported before any work rather than mid-run.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import json
 import os
@@ -113,9 +111,6 @@ class ShardedWriter:
     @contextmanager
     def held(self) -> Iterator[ShardedWriter]:
         """Keep the shard files open for the writes made inside (closed on exit)."""
-        if self._fds is not None:  # nested: the outer block owns them
-            yield self
-            return
         self._fds = {}
         try:
             yield self
@@ -170,10 +165,19 @@ def _naming(path: Path) -> Iterator[None]:
         raise OutputError(f"{path}: cannot write ({exc.strerror or exc})") from None
 
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if os.name == "posix" else None
-_fallocate = getattr(_libc, "fallocate64", None) or getattr(_libc, "fallocate", None)
-if _fallocate is not None:
-    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_fallocate = None  # libc's fallocate(2), looked up on first use (not at import: `bema --help` stays instant)
+
+
+def _libc_fallocate():
+    import ctypes
+
+    global _fallocate
+    if _fallocate is None:
+        libc = ctypes.CDLL(None, use_errno=True)  # this process's own symbols, libc's among them
+        _fallocate = getattr(libc, "fallocate64", None) or getattr(libc, "fallocate", None) or False
+        if _fallocate:
+            _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return _fallocate
 
 
 def allocate(fd: int, size: int) -> None:
@@ -183,8 +187,11 @@ def allocate(fd: int, size: int) -> None:
     every block, and we would rather fall back to a sparse file (ftruncate) there. ENOSPC,
     EFBIG and the like are real errors and raise.
     """
-    if _fallocate is not None and size > 0:
-        if _fallocate(fd, 0, 0, size) == 0:
+    fallocate = _libc_fallocate() if size > 0 and os.name == "posix" else False
+    if fallocate:
+        import ctypes
+
+        if fallocate(fd, 0, 0, size) == 0:
             return
         err = ctypes.get_errno()
         if err not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):

@@ -6,8 +6,8 @@ unit we read theta0, start one `recurrence.Stabilizer` per distinct state, walk 
 trajectory once (each input chunk read once, whatever the grid size) and write that unit
 of every output at its final offset. The math lives in recurrence.py; files in bema_cli/io.
 
-`process_unit` is one unit's whole job, so an executor can run units anywhere that sees
-the files. The driver (`stabilize`) pre-creates the outputs (headers planned up front) in a
+`unit.process_unit` is one unit's whole job (a fused, cache-blocked pass per step), so an
+executor can run units anywhere that sees the files. The driver (`stabilize`) pre-creates the outputs (headers planned up front) in a
 temp folder under OUT, runs the units, writes metadata and commits the folders by renames
 (io/commit.py: OUT's lock, the journaled swap, manifest.json).
 """

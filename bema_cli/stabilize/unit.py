@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 from bema_cli.errors import InputError, UsageError
-from bema_cli.io.reader import TensorInfo, TensorReader, read_into
+from bema_cli.io.reader import TensorReader, read_into, streams
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
 from bema_cli.io.write_behind import WriteBehind
 from bema_cli.io.writer import ShardedWriter, tensor_bytes
@@ -58,7 +58,7 @@ def _read_raw(reader: TensorReader, unit: list[Piece]) -> dict:
 
 def _first_element(p: Piece, a: int) -> int:
     """Element offset, within its (flattened) tensor, of position `a` of the unit's flat buffer."""
-    return p.start * (p.info.numel // (p.info.shape[0] if p.info.shape else 1)) + (a - p.lo)
+    return p.start * p.info.row_numel + (a - p.lo)
 
 
 def _check_finite(index, unit: list[Piece], flat, lo: int, hi: int, base: int = 0) -> None:
@@ -195,14 +195,7 @@ def _write_raw(writer: ShardedWriter, unit: list[Piece], raw: dict) -> None:
     """Non-float tensors (ids, masks) are copied from theta_s as read."""
     for p in unit:
         if p.info.name in raw:
-            writer.write(
-                p.info.name, p.start * _row_bytes(p.info, p.info.dtype), tensor_bytes(raw[p.info.name])
-            )
-
-
-def _row_bytes(info: TensorInfo, tag: str) -> int:
-    rows = info.shape[0] if info.shape else 1
-    return info.numel // rows * DTYPES[tag][1] if rows else 0
+            writer.write(p.info.name, p.start * p.info.row_bytes, tensor_bytes(raw[p.info.name]))
 
 
 def unit_bytes(unit: list[Piece]) -> int:
@@ -260,7 +253,7 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
             raw = _read_raw(reader, unit)
             for _, writer in writing:
                 held.enter_context(writer.held())  # files open for the unit's many block writes
-            streamed = hasattr(reader, "read_elements_into")
+            streamed = streams(reader)
             if not streamed:
                 theta = ws.view("theta", size)
                 _load(reader, unit, theta, scratch)

@@ -15,6 +15,7 @@ import pytest
 from conftest import run_bema
 
 from bema_cli.eval import data
+from bema_cli.eval.backends.base import SEED_RULE
 from bema_cli.eval.tasks import get_task
 
 LIMIT, N_SAMPLES = 2, 2  # small: the shared run must stay quick on 2 shared CPU cores
@@ -116,7 +117,7 @@ def test_records_follow_the_contract(evaluated):
         f"{m}_{w}" for m in ("accuracy", "parse_failure_rate") for w in ways
     } | {f"accuracy_{w}_stderr" for w in ways}
     assert set(by_task["loss"]["metrics"]) == {"loss", "loss_stderr", "tokens"}
-    assert by_task["gsm8k"]["seeds"] == {"sampling": 13337, "selection": 37371}
+    assert by_task["gsm8k"]["seeds"] == {"sampling": 13337, "selection": 37371, "scheme": 2, "per_prompt": SEED_RULE}
     protocol = by_task["boolq"]["protocol"]
     assert (
         protocol["n_samples"],
@@ -372,7 +373,7 @@ class OracleBackend:
     def load(self, path):
         pass
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, seeds):
         out = []
         for prompt in prompts:
             (answer,) = [a for text, a in self.items if text in prompt]

@@ -24,10 +24,13 @@ from bema_cli.errors import OutputError, UsageError
 from bema_cli.eval import data, resume
 from bema_cli.eval.backends.base import (
     BACKENDS,
+    SEED_RULE,
+    SEED_SCHEME,
     EngineOptions,
     Sampling,
     import_vllm,
     make_backend,
+    prompt_seed,
     vllm_usable,
 )
 from bema_cli.eval.chat import render
@@ -118,7 +121,7 @@ def _seeds(config: EvalConfig, name: str) -> dict:
         from bema_cli.eval.lm_eval_bridge import SEEDS
 
         return dict(SEEDS)
-    return {"sampling": config.seed, "selection": config.selection_seed}
+    return {"sampling": config.seed, "selection": config.selection_seed, "scheme": SEED_SCHEME, "per_prompt": SEED_RULE}
 
 
 @dataclass
@@ -296,7 +299,7 @@ def evaluate_task(backend, job: Job, item: TaskInput) -> tuple[list[dict], list[
     template = (
         f"file:{Path(c.chat_template_file).resolve()}" if c.chat_template_file else backend.template_source
     )
-    extra, samples, seeds = {}, [], item.resume_key["seeds"]
+    extra, samples, record_seeds = {}, [], item.resume_key["seeds"]
     if is_lm_eval(name):
         from bema_cli.eval import lm_eval_bridge
 
@@ -315,16 +318,17 @@ def evaluate_task(backend, job: Job, item: TaskInput) -> tuple[list[dict], list[
             for d in docs
         ]
         sampling = Sampling(c.n_samples, c.temperature, c.seed, c.max_new_tokens or task.MAX_NEW_TOKENS)
-        responses = backend.generate(prompts, sampling)
+        seeds = [prompt_seed(c.seed, name, d["_id"]) for d in docs]
+        responses = backend.generate(prompts, sampling, seeds)
         scored = scoring.score_all(task, docs, responses)
         metrics, extra = scoring.task_metrics(task, scored, [d.get("subject", "") for d in docs])
         n_prompts, n_samples = len(docs), c.n_samples
         samples = [
             {"eval_id": eval_id, "model_path": str(target.path), "run": None if target.is_base else target.run,
              "step": target.step, "is_base": target.is_base, "task": name, "doc_id": d["_id"],
-             "subject": d.get("subject"), "prompt": p, "responses": resp, "gold": task.gold(d),
-             **scoring.sample_fields(s)}
-            for d, p, resp, s in zip(docs, prompts, responses, scored, strict=True)
+             "subject": d.get("subject"), "prompt": p, "seed": None if c.temperature == 0 else seed,
+             "responses": resp, "gold": task.gold(d), **scoring.sample_fields(s)}
+            for d, p, seed, resp, s in zip(docs, prompts, seeds, responses, scored, strict=True)
         ]  # fmt: skip
     seconds = round(time.perf_counter() - start, 3)
     records = [
@@ -332,7 +336,7 @@ def evaluate_task(backend, job: Job, item: TaskInput) -> tuple[list[dict], list[
          "run": run, "step": target.step, **({"label": target.label} if target.step is None else {}),
          "stabilizer": stabilizer, "task": name, "metrics": metrics, **extra, "n_prompts": n_prompts,
          "n_samples": n_samples, "backend": backend.name, "dtype": backend.dtype,
-         "batch_size": item.resume_key["batch_size"], "seeds": seeds,
+         "batch_size": item.resume_key["batch_size"], "seeds": record_seeds,
          "protocol": {**item.protocol, "chat_template": template},
          "resume_key": {**item.resume_key, "weights": job.fingerprint}, "seconds": seconds,
          "is_base": target.is_base}

@@ -1,7 +1,8 @@
 """The evaluation backend contract (lm-evaluation-harness style: whole lists in, batching inside).
 
     load(checkpoint)            make `checkpoint` the model that answers (same engine when possible)
-    generate(prompts, sampling) -> for each rendered prompt, `sampling.n` completions (text)
+    generate(prompts, sampling, seeds) -> for each rendered prompt, `sampling.n` completions (text);
+                                sample j of prompt i draws its randomness from seeds[i] + j only
     loss(records)               -> per record (summed next-token NLL in nats, predicted tokens)
 
 Backends are imported by name, lazily, so `vllm` is only imported when chosen.
@@ -9,6 +10,7 @@ Backends are imported by name, lazily, so `vllm` is only imported when chosen.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 from dataclasses import dataclass
@@ -29,6 +31,22 @@ class Sampling:
     seed: int = 13337
     max_new_tokens: int = 256
     top_p: float = 1.0  # no nucleus truncation: plain temperature sampling
+
+
+SEED_RULE = "sample j of a prompt: prompt_seed + j; prompt_seed = sha256('<seed>/<task>/<doc_id>')[:8] >> 2"
+SEED_SCHEME = 2  # 1: one seed for every prompt (samples shared across prompts); 2: SEED_RULE
+
+
+def prompt_seed(seed: int, task: str, doc_id: str) -> int:
+    """The seed of one prompt's samples: independent across prompts, and the same whatever else is
+    in the batch or call (the per-prompt standard error assumes independent prompts).
+
+    Sample j uses prompt_seed + j (vLLM's own rule for the n children of a seeded request); 62 bits
+    keep those sums inside a uint64 generator seed and make two prompts' ranges overlap with
+    probability ~ n * prompts^2 / 2^62.
+    """
+    digest = hashlib.sha256(f"{seed}/{task}/{doc_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 2
 
 
 @dataclass(frozen=True)
@@ -56,7 +74,7 @@ class Backend(Protocol):
 
     def load(self, checkpoint: Path) -> None: ...
 
-    def generate(self, prompts: list[str], sampling: Sampling) -> list[list[str]]: ...
+    def generate(self, prompts: list[str], sampling: Sampling, seeds: list[int]) -> list[list[str]]: ...
 
     def loss(self, sequences: list[list[int]]) -> list[tuple[float, int]]: ...
 

@@ -1,12 +1,14 @@
-"""CPU fallback backend: plain transformers, batched `generate` with `num_return_sequences`.
+"""CPU fallback backend: plain transformers, batched `generate`, one row per (prompt, sample).
 
 Same prompts (token ids of the chat-rendered text), same sampling (temperature, no
-top-k/top-p truncation, explicit stop ids) and same scoring as vLLM; the random streams
-differ, so only greedy outputs are comparable token for token across backends.
+top-k/top-p truncation, explicit stop ids), the same per-prompt seeds and the same scoring as
+vLLM. The logits differ in rounding between the two implementations, so only greedy outputs
+are promised to agree token for token across backends.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from bema_cli import output
@@ -65,8 +67,9 @@ class TransformersBackend:
         self.stop_ids = chat.stop_token_ids(self.tokenizer, checkpoint)
         self.path = Path(checkpoint)
 
-    def generate(self, prompts: list[str], sampling: Sampling) -> list[list[str]]:
-        """For each prompt, n completions; batch b is seeded with seed + index of its first prompt."""
+    def generate(self, prompts: list[str], sampling: Sampling, seeds: list[int]) -> list[list[str]]:
+        """For each prompt, n completions; sample j of prompt i is drawn with its own generator
+        seeded seeds[i] + j (SeededSampler), so it does not depend on the batch it ran in."""
         import torch
 
         pad = self.tokenizer.pad_token_id
@@ -74,32 +77,29 @@ class TransformersBackend:
         greedy = sampling.temperature == 0
         copies = 1 if greedy else sampling.n  # greedy samples are all identical: decode once
         kwargs = dict(
-            do_sample=not greedy, max_new_tokens=sampling.max_new_tokens, num_return_sequences=copies,
-            eos_token_id=self.stop_ids, pad_token_id=pad, top_k=0, top_p=sampling.top_p, min_p=None,
+            do_sample=False, max_new_tokens=sampling.max_new_tokens, num_return_sequences=1,
+            eos_token_id=self.stop_ids, pad_token_id=pad, top_k=None, top_p=None, min_p=None, temperature=None,
             repetition_penalty=1.0, no_repeat_ngram_size=0,
         )  # fmt: skip
-        if not greedy:
-            kwargs["temperature"] = sampling.temperature
         encoded = [chat.encode(self.tokenizer, p) for p in prompts]
         results: list[list[str]] = []
         size = self.options.batch_size
         for start in output.track(range(0, len(encoded), size), "generating", total=-(-len(encoded) // size)):
-            batch = encoded[start : start + size]
+            batch = [seq for seq in encoded[start : start + size] for _ in range(copies)]
             width = max(len(ids) for ids in batch)
             ids = torch.full((len(batch), width), pad, dtype=torch.long)
             mask = torch.zeros((len(batch), width), dtype=torch.long)
             for row, seq in enumerate(batch):  # left padding: every prompt ends where generation starts
                 ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
                 mask[row, width - len(seq) :] = 1
-            torch.manual_seed(sampling.seed + start)
+            if not greedy:
+                rows = [seed + j for seed in seeds[start : start + size] for j in range(copies)]
+                kwargs["logits_processor"] = [SeededSampler(sampling.temperature, rows, device)]
             with torch.no_grad():
                 out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
             new = out[:, width:].tolist()
-            for row in range(len(batch)):
-                texts = [
-                    chat.decode_completion(self.tokenizer, new[row * copies + j], self.stop_ids)
-                    for j in range(copies)
-                ]
+            for row in range(0, len(batch), copies):
+                texts = [chat.decode_completion(self.tokenizer, new[row + j], self.stop_ids) for j in range(copies)]
                 results.append(texts * sampling.n if greedy else texts)
         return results
 
@@ -108,6 +108,31 @@ class TransformersBackend:
 
     def close(self) -> None:
         self.model = None
+
+
+class SeededSampler:
+    """A logits processor that samples: each row's next token is drawn from softmax(scores / T) with
+    that row's own torch.Generator, and returned as the only finite score, so greedy decoding
+    takes it. Drawn as vLLM's sampler draws (argmax of p / q, q ~ Exp(1): the exponential race),
+    one draw of the vocabulary per row per step, so a row's stream depends on its seed alone."""
+
+    def __init__(self, temperature: float, seeds: list[int], device):
+        import torch
+
+        self.temperature = temperature
+        self.generators = [torch.Generator(device).manual_seed(seed) for seed in seeds]
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        race = torch.empty_like(probs)
+        for row, generator in enumerate(self.generators):
+            race[row].exponential_(generator=generator)
+        picked = probs.div_(race).argmax(dim=-1)
+        chosen = torch.full_like(scores, -math.inf)
+        chosen[torch.arange(len(picked)), picked] = 0.0
+        return chosen
 
 
 def make(options: EngineOptions) -> TransformersBackend:

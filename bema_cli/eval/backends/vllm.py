@@ -134,14 +134,20 @@ class VllmBackend:
             ) from exc
         self.llm.reset_prefix_cache()
 
-    def generate(self, prompts: list[str], sampling: Sampling) -> list[list[str]]:
+    def generate(self, prompts: list[str], sampling: Sampling, seeds: list[int]) -> list[list[str]]:
+        """One request per prompt with that prompt's own seed: vLLM seeds a request's generator with
+        it (and child j of n with seed + j), so a prompt's samples do not depend on the batch."""
         from vllm import SamplingParams
 
         greedy = sampling.temperature == 0
-        params = SamplingParams(
-            n=1 if greedy else sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
-            seed=sampling.seed, max_tokens=sampling.max_new_tokens, stop_token_ids=self.stop_ids, detokenize=False,
-        )  # fmt: skip
+        params = [
+            SamplingParams(
+                n=1 if greedy else sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
+                seed=None if greedy else seed, max_tokens=sampling.max_new_tokens, stop_token_ids=self.stop_ids,
+                detokenize=False,
+            )
+            for seed in seeds
+        ]  # fmt: skip
         requests = []
         for text in prompts:
             ids = chat.encode(self.tokenizer, text)

@@ -128,8 +128,10 @@ def test_quick_demo_end_to_end(tmp_path):
         if r["task"] != "loss":
             m, draws = r["metrics"], r["n_prompts"] * r["n_samples"]
             assert r["n_samples"] == 2
-            # a strictly correct sample is flexibly correct too; accuracies count whole samples
-            assert m["accuracy_strict"] <= m["accuracy_flexible"]
+            # a strictly correct sample is flexibly correct too (bema's own flexible rules; gsm8k's
+            # is lm-eval's, which reads the last number even after a right `#### n`); whole samples
+            if r["task"] != "gsm8k":
+                assert m["accuracy_strict"] <= m["accuracy_flexible"]
             assert m["parse_failure_rate_flexible"] <= m["parse_failure_rate_strict"]
             for way in ("strict", "flexible"):
                 assert m[f"accuracy_{way}"] * draws == pytest.approx(

@@ -14,28 +14,31 @@ from bema_cli.eval.tasks import boolq, get_task, gsm8k, mmlu_hs
 from bema_cli.eval.tasks import common as scoring
 from bema_cli.eval.tasks import loss as loss_task
 
-# (response, strict, flexible). The issue's audit strings are marked "audit".
+# (response, strict, flexible). strict is bema's own numeric rule (the audit strings of an earlier
+# review are marked "audit"); flexible is lm-eval's flexible-extract (its raw filter output).
 GSM8K_CASES = [
     ("so 3 + 4 = 7\n#### 7", "7", "7"),
-    ("#### 1,234", "1234", "1234"),
-    ("It costs $18.\n#### $18", "18", "18"),
+    ("#### 1,234", "1234", "1,234"),
+    ("It costs $18.\n#### $18", "18", "$18"),
     ("#### 3 is my first guess\nwait\n#### 5", "5", "5"),  # the LAST ####
     ("I think 12 apples, then 40 pears", None, "40"),  # flexible: the last number
-    ("#### -3.50", "-3.5", "-3.5"),
+    ("#### -3.50", "-3.5", "-3.50"),
     ("#### none\nso 12 then 13", None, "13"),  # nothing after ####: only flexible finds one
-    ("#### .5", "0.5", "0.5"),  # audit: was 5
-    ("1/2", None, "0.5"),  # audit: was 2; a fraction is read whole
-    ("#### 1 234", "1234", "1234"),  # audit: was 1; thousands separated by a space
-    ("We get 1 234 567 apples", None, "1234567"),
-    ("#### 1/3", "1/3", "1/3"),
-    ("#### 2/0", None, None),  # no number, not 2 or 0
-    ("#### 1.5e3", "1500", "1500"),  # scientific notation, read exactly
-    ("#### 1e400", None, None),  # an absurd exponent is not read (nor a part of it)
-    ("5-3", None, "3"),  # a minus between numbers is an operator, not a sign
+    ("#### .5", "0.5", ".5"),  # audit: was 5
+    ("1/2", None, "2"),  # strict reads a fraction whole; lm-eval's regex takes the last number
+    ("#### 1 234", "1234", "234"),  # audit: was 1; thousands separated by a space
+    ("We get 1 234 567 apples", None, "567"),
+    ("#### 1/3", "1/3", "3"),
+    ("#### 2/0", None, "0"),  # strict: no number, not 2 or 0
+    ("#### 1.5e3", "1500", "3"),  # scientific notation, read exactly by strict
+    ("#### 1e400", None, "400"),  # an absurd exponent is not read by strict (nor a part of it)
+    ("5-3", None, "-3"),  # strict: a minus between numbers is an operator, not a sign
     ("x = -4", None, "-4"),
-    ("the 3rd one", None, None),
-    ("1,2,3", None, "3"),  # not thousands groups: three numbers
+    ("the 3rd one", None, "3"),
+    ("1,2,3", None, "1,2,3"),
     ("#### **42**", "42", "42"),
+    ("How6 coins.", None, "6"),  # the review's case: lm-eval reads 6
+    ("The answer is 18.", None, "18."),  # the trailing '.' is dropped by the comparison, not the filter
     ("no numbers here", None, None),
     ("", None, None),
 ]
@@ -46,17 +49,59 @@ def test_gsm8k_extract(response, strict, flexible):
     assert (gsm8k.extract_strict(response), gsm8k.extract_flexible(response)) == (strict, flexible)
 
 
-def test_gsm8k_numeric_compare_not_substring():
-    assert gsm8k.is_correct(gsm8k.extract_strict("#### 42.0"), "42")
-    assert gsm8k.is_correct(gsm8k.extract_strict("#### 1,000"), "1000")
-    assert gsm8k.is_correct(gsm8k.extract_flexible("so it is 1/2"), "0.5")
-    assert not gsm8k.is_correct(gsm8k.extract_strict("#### .5"), "5")
-    assert not gsm8k.is_correct(gsm8k.extract_strict("#### 142"), "42")  # a substring test would accept this
-    assert not gsm8k.is_correct(gsm8k.extract_strict("#### 4"), "42")
-    assert gsm8k.gold({"question": "q", "answer": "2 * 3 = <<2*3=6>>6 apples\n#### 6"}) == "6"
-    assert gsm8k.gold({"question": "q", "answer": "...\n#### 1,000"}) == "1000"
+def _messy_gsm8k_responses() -> list[str]:
+    """Hand-written shapes plus a seeded random corpus of digits, signs, separators, `$`, `####` and words."""
+    import random
+
+    rng = random.Random(20)
+    pieces = ["12", "-7", "1,000", "$18", "3.50", ".5", "18.", "$", ",", ".", "-", "####", "#### ", " ",
+              "\n", "coins", "How", "is", "1/2", "1e3", "**", "x", "0", "42", "-0.25", "1 234", ",,", "$1,2"]  # fmt: skip
+    corpus = [r for r, _, _ in GSM8K_CASES]
+    corpus += ["The answer is $1,234.56.", "#### 6\nso 6 coins.", "-.5", "-$5", "$$", "..", "5,", ".,.", "a-1-2"]
+    corpus += ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 9))) for _ in range(600)]
+    return corpus
 
 
+def test_gsm8k_flexible_is_lm_evals_flexible_extract():
+    """On a messy corpus: bema's flexible extraction and correctness equal lm-eval's own RegexFilter
+    and exact_match, configured from lm-eval's installed gsm8k.yaml (not from bema's constants)."""
+    pytest.importorskip("lm_eval")
+    from pathlib import Path
+
+    import lm_eval
+    import yaml
+    from lm_eval.api.metrics import exact_match_hf_evaluate
+    from lm_eval.filters.extraction import RegexFilter
+
+    spec = yaml.safe_load((Path(lm_eval.__file__).parent / "tasks/gsm8k/gsm8k.yaml").read_text())
+    (flexible,) = [f for f in spec["filter_list"] if f["name"] == "flexible-extract"]
+    regex = flexible["filter"][0]
+    lm_filter = RegexFilter(regex_pattern=regex["regex_pattern"], group_select=regex["group_select"])
+    (metric,) = spec["metric_list"]
+    golds = ["6", "18", "1234", "-5", "12", "0", "1000", "3"]
+    corpus = _messy_gsm8k_responses()
+    theirs = lm_filter.apply([[r] for r in corpus], [{}] * len(corpus))
+    hits = 0
+    for response, (filtered,) in zip(corpus, theirs, strict=True):
+        ours = gsm8k.extract_flexible(response)
+        assert (ours if ours is not None else lm_filter.fallback) == filtered, response
+        for gold in golds:  # lm-eval's reference is the dataset's whole solution text
+            reference = f"{gold} apples in all.\n#### {gold}"
+            expected = exact_match_hf_evaluate(
+                predictions=[filtered], references=[reference], regexes_to_ignore=metric["regexes_to_ignore"],
+                ignore_case=metric["ignore_case"], ignore_punctuation=metric["ignore_punctuation"],
+            )["exact_match"]  # fmt: skip
+            got = ours is not None and gsm8k.is_correct_flexible(ours, gsm8k.gold({"answer": reference}))
+            assert got == bool(expected), (response, gold)
+            hits += got
+    assert hits > 50  # the corpus exercises correct answers, not only failures
+
+
+def test_gsm8k_scoring_uses_the_flexible_comparison():
+    """score_item compares flexible answers as lm-eval does ("6.00" is not "6"), strict ones as numbers."""
+    scored = scoring.score_item(gsm8k, ["#### 6.00", "#### 6\nin 5 steps", "How6 coins."], "6")
+    assert scored["strict"]["correct"] == [True, True, False]
+    assert scored["flexible"]["correct"] == [False, False, True]
 BOOLQ_CASES = [
     ("The passage says so. Answer: true", True, True),
     ("answer: FALSE", False, False),

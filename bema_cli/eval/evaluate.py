@@ -112,6 +112,7 @@ def task_protocol(config: EvalConfig, name: str, source: str) -> dict:
         "max_new_tokens": config.max_new_tokens or task.MAX_NEW_TOKENS,
         "limit": config.limit or task.DEFAULT_LIMIT, "selection_seed": config.selection_seed,
         "data": source, "prompt_version": task.PROMPT_VERSION, "num_fewshot": config.num_fewshot,
+        "scoring_version": getattr(task, "SCORING_VERSION", 1),
         "cot": config.cot,
     }  # fmt: skip
 

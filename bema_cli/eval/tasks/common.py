@@ -3,7 +3,8 @@
 A task module is mostly data (lm-evaluation-harness style): NAME, HUB source, FIELDS,
 MAX_NEW_TOKENS, DEFAULT_LIMIT, PROMPT_VERSION, `messages(doc)`, `gold(doc)`, two named answer
 extractions `extract_strict(response)` (only the format the prompt asks for) and
-`extract_flexible(response)` (strict, else documented fallbacks), and `is_correct(answer, gold)`.
+`extract_flexible(response)` (more lenient: the task's documented rule), and `is_correct(answer, gold)`
+(or `is_correct_<scoring>` where a way of scoring compares differently: gsm8k's lm-eval flexible).
 Both extractions are scored and reported separately, like lm-eval's strict-match and
 flexible-extract. Scoring always pairs a response with ITS OWN item's gold answer (the authors'
 code compared every item with the last item's answer).
@@ -31,6 +32,10 @@ def extractor(task: ModuleType, scoring: str):
     return getattr(task, f"extract_{scoring}")
 
 
+def checker(task: ModuleType, scoring: str):
+    return getattr(task, f"is_correct_{scoring}", task.is_correct)
+
+
 def score_item(task: ModuleType, responses: Sequence[str], gold) -> dict:
     """Extract and score the n responses of one prompt against that prompt's gold answer, both ways.
 
@@ -39,7 +44,8 @@ def score_item(task: ModuleType, responses: Sequence[str], gold) -> dict:
     out = {}
     for scoring in SCORINGS:
         extracted = [extractor(task, scoring)(r) for r in responses]
-        correct = [a is not None and bool(task.is_correct(a, gold)) for a in extracted]
+        is_correct = checker(task, scoring)
+        correct = [a is not None and bool(is_correct(a, gold)) for a in extracted]
         out[scoring] = {"extracted": extracted, "correct": correct}
     return out
 

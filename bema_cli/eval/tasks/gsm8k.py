@@ -1,11 +1,13 @@
 """GSM8K (grade-school math word problems), zero-shot chain of thought.
 
 Scoring, two ways (docs/eval-protocol.md):
-- strict: the number right after the last `####` (the format the prompt asks for);
-- flexible: strict, else the last number anywhere in the response (lm-eval's flexible-extract).
-A number is read whole: sign, `$`, thousands separated by commas or single spaces in groups of
-three ("1,234", "1 234"), decimals (".5" is 0.5), a fraction "1/2", scientific notation "1.5e3".
-Answers are compared as exact rationals (never as substrings).
+- strict (bema's own rule): the number right after the last `####` (the format the prompt asks
+  for), read whole: sign, `$`, thousands separated by commas or single spaces in groups of three
+  ("1,234", "1 234"), decimals (".5" is 0.5), a fraction "1/2", scientific notation "1.5e3";
+  compared with the gold answer as exact rationals (never as substrings);
+- flexible: exactly lm-evaluation-harness's gsm8k `flexible-extract` filter and `exact_match`
+  metric (lm_eval/tasks/gsm8k/gsm8k.yaml): the last match of its regex, the first non-empty
+  group, stripped; then its ignore patterns on answer and gold, lower case, string equality.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ FIELDS = {"question": str, "answer": str}
 MAX_NEW_TOKENS = 512
 DEFAULT_LIMIT = 128  # prompts, as in the paper
 PROMPT_VERSION = 1
+SCORING_VERSION = 2  # 2: flexible is lm-eval's flexible-extract (1: strict, else the last number read whole)
 
 # One number as people write it. Not preceded by a word character or '.', so "5-3" is 5 and 3 and
 # "x2" is no number; not followed by a digit or a letter, so "3rd"/"12a" are not read either.
@@ -67,15 +70,32 @@ def extract_strict(response: str) -> str | None:
     return None if value is None else _format(value)
 
 
+# lm-eval's gsm8k.yaml (0.4.x): filter "flexible-extract" = regex with group_select -1, then
+# exact_match with ignore_case true and these regexes_to_ignore, applied in this order.
+LM_EVAL_FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
+LM_EVAL_IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")
+
+
 def extract_flexible(response: str) -> str | None:
-    strict = extract_strict(response)
-    if strict is not None:
-        return strict
-    for match in reversed(list(_NUMBER.finditer(response))):
-        value = _value(match)
-        if value is not None:
-            return _format(value)
-    return None
+    """lm-eval's flexible-extract: the LAST match, its first non-empty group, stripped ("18." stays
+    "18.": the ignore patterns belong to the comparison). None where lm-eval gives "[invalid]"."""
+    matches = LM_EVAL_FLEXIBLE.findall(response)
+    if not matches:
+        return None
+    groups = [g for g in matches[-1] if g]
+    return groups[0].strip() if groups else None
+
+
+def _lm_eval_normal(text: str) -> str:
+    for pattern in LM_EVAL_IGNORE:
+        text = re.sub(pattern, "", text)
+    return text.lower()
+
+
+def is_correct_flexible(answer: str, gold_answer: str) -> bool:
+    """lm-eval's exact_match on the flexible answer: string equality after the ignore patterns. The gold
+    is the number after the dataset's last `####` (an integer in every GSM8K item), as lm-eval's is."""
+    return _lm_eval_normal(answer) == _lm_eval_normal(gold_answer)
 
 
 def _format(value: Fraction) -> str:

@@ -7,7 +7,9 @@ matplotlib state. matplotlib is imported here only inside functions: `bema --hel
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,39 @@ from typing import Any
 from bema_cli.errors import OutputError, UsageError
 
 DPI = 100  # pixels per inch: a figure of w x h inches is a PNG of (100 w) x (100 h) pixels
+
+# One colour per run in every figure bema draws (report, simulate, demo): a run's method family
+# picks the hue, and a run of that family with its own hyperparameters (bema-k0.5-e0.3) a shade
+# fixed by its name. vanilla is black and dashed everywhere.
+FAMILY_COLORS = {
+    "vanilla": ("black", None), "ema": ("tab:blue", "Blues"), "bema": ("tab:red", "Reds"),
+    "dema": ("tab:green", "Greens"), "ouema": ("tab:purple", "Purples"), "mle": ("tab:orange", "Oranges"),
+}  # fmt: skip
+OTHER_COLORS = "Greys"  # a run name of no known family: a shade of grey fixed by its name
+
+
+def family(run: str) -> str:
+    """'bema-k0.5-e0.2' / 'bema_k0.5' / 'bema' -> 'bema'."""
+    return re.split(r"[-_@ ]", str(run), maxsplit=1)[0].lower()
+
+
+def run_color(run: str):
+    """The colour of `run` in every figure: its family's colour for the family's plain name, else a
+    shade of the family's colormap picked by a stable hash of the full name."""
+    from matplotlib import colormaps
+
+    plain, shades = FAMILY_COLORS.get(family(run), (None, OTHER_COLORS))
+    if run == family(run) and plain is not None or shades is None:
+        return plain
+    digest = int.from_bytes(hashlib.sha256(str(run).encode()).digest()[:4], "big") / 2**32
+    return colormaps[shades](0.45 + 0.5 * digest)
+
+
+def run_style(run: str) -> dict:
+    """matplotlib keyword arguments of a run's line: its colour, dashed for vanilla."""
+    return {"color": run_color(run), "ls": "--" if family(run) == "vanilla" else "-"}
+
+
 FORMATS = (".png", ".pdf", ".svg")
 
 

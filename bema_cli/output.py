@@ -72,6 +72,84 @@ def print_json(obj: Any, indent: int | None = 2) -> None:
     sys.stdout.flush()
 
 
+# -- tables: a number, a run name or a path is never cut -----------------------------------------
+MIN_TEXT_WIDTH = 12  # a left-aligned text column (run, path) folds onto more lines down to this width
+
+
+def _cell_texts(table) -> list[list[str]]:
+    """Each column's header and cells as plain strings."""
+    return [
+        [str(col.header), *(c.plain if isinstance(c, Text) else str(c) for c in col.cells)]
+        for col in table.columns
+    ]
+
+
+def plain_table(table) -> str:
+    """Complete aligned text (title, header, rows, caption): what a pipe gets, at any width."""
+    texts = _cell_texts(table)
+    widths = [max(len(line) for cell in col for line in cell.splitlines() or [""]) for col in texts]
+    lines = [str(table.title)] if table.title else []
+    for row in range(len(texts[0]) if texts else 0):
+        cells = [
+            texts[i][row].ljust(w) if table.columns[i].justify == "left" else texts[i][row].rjust(w)
+            for i, w in enumerate(widths)
+        ]
+        lines.append("  ".join(cells).rstrip())
+        if row == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    if table.caption:
+        lines.append(str(table.caption))
+    return "\n".join(lines) + "\n"
+
+
+def _fit(table, width: int) -> None:
+    """Make `table` fit `width` columns without cutting a value: right-aligned (number) columns keep
+    their width, text columns fold onto more lines; where even that is too wide, the rightmost
+    columns are left out and the caption says which (a pipe and --json have every column)."""
+    texts = _cell_texts(table)
+    natural = [max(len(x) for x in col) for col in texts]
+    for col, w in zip(table.columns, natural, strict=True):
+        col.no_wrap, col.overflow, col.width = True, "fold", w
+    if sum(natural) + _frame(len(natural), table.show_edge) <= width:
+        return
+    table.show_edge = table.pad_edge = False  # the outer edges are the first room given back
+    text = [i for i, col in enumerate(table.columns) if col.justify == "left"]
+    floor = [min(w, MIN_TEXT_WIDTH) if i in text else w for i, w in enumerate(natural)]
+    dropped = []
+    while len(floor) > 1 and sum(floor) + _frame(len(floor), False) > width:
+        dropped.insert(0, str(table.columns[-1].header))
+        table.columns.pop()
+        floor.pop()
+        natural.pop()
+        text = [i for i in text if i < len(floor)]
+    spare = width - (sum(floor) + _frame(len(floor), False))
+    for i in text:  # share the room left among the text columns, each up to its natural width
+        grow = min(natural[i] - floor[i], spare)
+        floor[i] += grow
+        spare -= grow
+    for i, col in enumerate(table.columns):
+        col.width, col.no_wrap = floor[i], i not in text
+    if dropped:
+        note = f"not shown (terminal too narrow): {', '.join(dropped)}; a pipe or --json has every column"
+        table.caption = f"{table.caption}; {note}" if table.caption else note
+
+
+def _frame(columns: int, edges: bool) -> int:
+    """A rich table's width beyond its cells: a padding of 1 on each side of every cell, a divider
+    between columns, and with `edges` an edge at each side (else no outer edge nor outer padding)."""
+    return 2 * columns + (columns - 1) + (2 if edges else -2)
+
+
+def print_table(table) -> None:
+    """A rich Table on stdout: fitted to a terminal (values folded, never cut), plain text in a pipe."""
+    if stdout.is_terminal:
+        _fit(table, stdout.width)
+        stdout.print(table)
+    else:
+        sys.stdout.write(plain_table(table))
+        sys.stdout.flush()
+
+
 def progress_enabled() -> bool:
     return stderr.is_terminal and not _quiet
 

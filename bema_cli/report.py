@@ -18,7 +18,9 @@ from bema_cli.eval.results import read_jsonl
 from bema_cli.output import warn
 
 REQUIRED = ("run", "step", "task", "metrics")
-LOWER_IS_BETTER = ("loss", "perplexity", "ppl", "error", "failure")  # substrings of a metric name
+# The direction of bema's own headline metrics; an lm_eval: record carries lm-eval's own
+# `higher_is_better` table (per task, per metric), which is used as it is.
+BEMA_HIGHER_IS_BETTER = {"loss": False, "accuracy_strict": True, "accuracy_flexible": True, "accuracy": True}  # "accuracy": bema 0.1
 PANEL_W, PANEL_H, LEGEND_W = 5.0, 3.8, 2.5  # inches: the figure is (PANEL_W*cols + LEGEND_W) x PANEL_H*rows
 MAX_COLS = 3
 
@@ -73,8 +75,21 @@ def load(inputs: list[str]) -> tuple[list[Path], list[dict]]:
 
 
 # -- summarising ----------------------------------------------------------------------------------
-def higher_is_better(metric: str) -> bool:
-    return not any(word in metric.lower() for word in LOWER_IS_BETTER)
+def higher_is_better(record: dict, metric: str) -> bool | None:
+    """Whether a larger `metric` is better, as the record's producer says: lm-eval's table for an
+    lm_eval: task ("exact_match[strict-match]" looks up "exact_match"; a group's aggregate takes its
+    subtasks' shared answer), bema's own table otherwise; None when nobody says (no best is picked)."""
+    lm_eval = record.get("lm_eval")
+    if isinstance(lm_eval, dict):
+        table = lm_eval.get("higher_is_better")
+        table = table if isinstance(table, dict) else {}
+        name = metric.removesuffix("_stderr").split("[", 1)[0]
+        own = table.get(lm_eval.get("task"))
+        if isinstance(own, dict) and isinstance(own.get(name), bool):
+            return own[name]
+        answers = {v.get(name) for v in table.values() if isinstance(v, dict)} - {None}
+        return answers.pop() if len(answers) == 1 and isinstance(next(iter(answers)), bool) else None
+    return BEMA_HIGHER_IS_BETTER.get(metric)
 
 
 def headline_metrics(metrics: dict) -> list[str]:
@@ -102,8 +117,13 @@ def summarize(records: list[dict]) -> dict:
     points: dict[tuple[str, str, str], dict[int, tuple[float, float]]] = {}
     references: dict[tuple[str, str], dict[str, dict]] = {}
     stabilizers: dict[str, dict] = {}
+    directions: dict[tuple[str, str], bool | None] = {}
+    theta0_steps: set[int] = set()  # the steps of base-model (theta0) points
     for rec in records:
         run, task, step = str(rec["run"]), str(rec["task"]), rec["step"]
+        for metric in headline_metrics(rec["metrics"]):
+            if directions.get((task, metric)) is None:
+                directions[(task, metric)] = higher_is_better(rec, metric)
         if step is None:
             for metric in headline_metrics(rec["metrics"]):
                 value, se = _number(rec["metrics"][metric]), _number(rec["metrics"][f"{metric}_stderr"])
@@ -113,6 +133,8 @@ def summarize(records: list[dict]) -> dict:
                         "stderr": se,
                     }
             continue
+        if rec.get("is_base"):
+            theta0_steps.add(step)
         if not rec.get("is_base") or run not in stabilizers:
             stabilizers[run] = rec.get("stabilizer") or {}
         for metric in headline_metrics(rec["metrics"]):
@@ -129,26 +151,60 @@ def summarize(records: list[dict]) -> dict:
         if not series:
             continue
         entry = summary.setdefault(task, {}).setdefault(
-            metric, {"higher_is_better": higher_is_better(metric), "runs": {}}
+            metric, {"higher_is_better": directions.get((task, metric)), "runs": {}}
         )
         steps = list(series)
         values, errors = [series[s][0] for s in steps], [series[s][1] for s in steps]
-        sign = 1.0 if entry["higher_is_better"] else -1.0
-        best = max(range(len(steps)), key=lambda i: (sign * values[i], -steps[i]))  # earliest of equal bests
+        best = _best_index(values, steps, entry["higher_is_better"])
         entry["runs"][run] = {
             "steps": steps,
             "values": values,
             "stderr": errors,
             "final": {"step": steps[-1], "value": values[-1], "stderr": errors[-1]},
-            "best": {"step": steps[best], "value": values[best], "stderr": errors[best]},
+            "best": None
+            if best is None
+            else {"step": steps[best], "value": values[best], "stderr": errors[best]},
             "stabilizer": stabilizers.get(run, {}),
+            "theta0_step": next((s for s in steps if s in theta0_steps), None),
         }
+    for metrics in summary.values():
+        for entry in metrics.values():
+            _versus_vanilla(entry["runs"])
     for (task, metric), refs in sorted(references.items()):
         entry = summary.setdefault(task, {}).setdefault(
-            metric, {"higher_is_better": higher_is_better(metric), "runs": {}}
+            metric, {"higher_is_better": directions.get((task, metric)), "runs": {}}
         )
         entry["references"] = refs
     return summary
+
+
+def _versus_vanilla(runs: dict) -> None:
+    """Each run's "vs_vanilla": value - vanilla's value at the SAME step (the run's final step when
+    vanilla has it, else the last step both have), or None when they share no step."""
+    vanilla = runs.get("vanilla")
+    at_step = dict(zip(vanilla["steps"], vanilla["values"], strict=True)) if vanilla else {}
+    for run, r in runs.items():
+        if run == "vanilla":
+            continue
+        common = [s for s in r["steps"] if s in at_step]
+        if not common:
+            r["vs_vanilla"] = None
+            continue
+        step = common[-1]
+        value = r["values"][r["steps"].index(step)]
+        r["vs_vanilla"] = {
+            "step": step,
+            "delta": value - at_step[step],
+            "final_step": step == r["final"]["step"],
+        }
+
+
+def _best_index(values: list[float], steps: list[int], higher: bool | None) -> int | None:
+    """The best point (the earliest of equal bests); None when the metric's direction is unknown."""
+    if higher is None:
+        return None
+    sign = 1.0 if higher else -1.0
+    return max(range(len(steps)), key=lambda i: (sign * values[i], -steps[i]))
 
 
 def build(inputs: list[str]) -> dict:
@@ -170,8 +226,15 @@ def _fmt(value: float, se: float) -> str:
     return f"{value:.4g}" + ("" if math.isnan(se) else f" ± {se:.2g}")
 
 
+def _direction(higher: bool | None) -> str:
+    return {True: "higher is better", False: "lower is better", None: "direction unknown: no best picked"}[
+        higher
+    ]
+
+
 def tables(doc: dict) -> list:
-    """One rich table per task and headline metric: final and best value per run (best final in bold)."""
+    """One rich table per task and headline metric: final and best value per run (best final in bold);
+    "vs vanilla" is taken at the same step ("@N" when that is not the run's final step)."""
     from rich import box
     from rich.table import Table
     from rich.text import Text
@@ -179,38 +242,42 @@ def tables(doc: dict) -> list:
     out = []
     for task, metrics in doc["tasks"].items():
         for metric, entry in metrics.items():
-            runs = entry["runs"]
-            sign = 1.0 if entry["higher_is_better"] else -1.0
-            top = max(runs, key=lambda r: sign * runs[r]["final"]["value"], default=None)
-            vanilla = runs.get("vanilla", {}).get("final", {}).get("value")
-            direction = "higher" if entry["higher_is_better"] else "lower"
+            runs, higher = entry["runs"], entry["higher_is_better"]
+            top = None
+            if higher is not None:
+                sign = 1.0 if higher else -1.0
+                top = max(runs, key=lambda r: sign * runs[r]["final"]["value"], default=None)
             table = Table(
-                title=f"{task}: {metric} ({direction} is better)",
-                caption="n: evaluated steps; final: at the last step; best: over all steps, reached at 'at'",
+                title=f"{task}: {metric} ({_direction(higher)})",
+                caption="n: evaluated steps; final: at the last step; vs vanilla: at the same step; "
+                "best: over all steps, @ the step it was reached",
                 box=box.SIMPLE_HEAD,
             )
-            for col in ("run", "n", "step", "final", "vs vanilla", "best", "at"):
-                table.add_column(col, justify="left" if col == "run" else "right", no_wrap=True)
+            for col in ("run", "n", "step", "final", "vs vanilla", "best"):
+                table.add_column(col, justify="left" if col == "run" else "right")
             for run, r in runs.items():
                 final = _fmt(r["final"]["value"], r["final"]["stderr"])
-                delta = "" if vanilla is None or run == "vanilla" else f"{r['final']['value'] - vanilla:+.3g}"
-                best = _fmt(r["best"]["value"], r["best"]["stderr"])
-                shown = Text(final, style="bold") if run == top else final
+                best = "" if r["best"] is None else f"{_fmt(r['best']['value'], r['best']['stderr'])} @{r['best']['step']}"
                 table.add_row(
-                    run,
-                    str(len(r["steps"])),
-                    str(r["final"]["step"]),
-                    shown,
-                    delta,
-                    best,
-                    str(r["best"]["step"]),
-                )
+                    run, str(len(r["steps"])), str(r["final"]["step"]),
+                    Text(final, style="bold") if run == top else final, _delta(run, r.get("vs_vanilla")), best,
+                )  # fmt: skip
+            vanilla = runs.get("vanilla")
             for label, ref in entry.get("references", {}).items():  # step-less models: one value, no curve
                 value = _fmt(ref["value"], ref["stderr"])
-                delta = "" if vanilla is None else f"{ref['value'] - vanilla:+.3g}"
-                table.add_row(f"{label} (no step)", "1", "-", value, delta, value, "-")
+                table.add_row(f"{label} (no step)", "1", "-", value, "", value)
+            if vanilla is None and len(runs) > 0:
+                table.caption += "; no vanilla run in these records"
             out.append(table)
     return out
+
+
+def _delta(run: str, versus: dict | None) -> str:
+    if run == "vanilla":
+        return ""
+    if versus is None:
+        return "no same step"
+    return f"{versus['delta']:+.3g}" + ("" if versus["final_step"] else f" @{versus['step']}")
 
 
 def figure_inches(panels: int) -> tuple[float, float]:
@@ -229,14 +296,46 @@ def plotted(metric: str, scoring: str) -> bool:
     return other is None or not metric.endswith(other)
 
 
-def plot(doc: dict, path: str, scoring: str = "flexible") -> None:
+# Axis labels in words. A metric not named here is spelled out from its key ("acc_norm" -> "acc norm").
+METRIC_LABELS = {
+    "loss": "loss (nats/token)", "accuracy_flexible": "accuracy, flexible scoring (share of samples)",
+    "accuracy_strict": "accuracy, strict scoring (share of samples)", "acc": "accuracy",
+    "acc_norm": "length-normalized accuracy", "exact_match": "exact match (share of items)",
+    "word_perplexity": "word perplexity", "byte_perplexity": "byte perplexity", "bits_per_byte": "bits per byte",
+    "brier_score": "Brier score", "f1": "F1", "mcc": "Matthews correlation",
+}  # fmt: skip
+TASK_LABELS = {"loss": "held-out", "train_loss": "training-data"}
+
+
+def axis_label(task: str, metric: str) -> str:
+    name, _, rest = metric.partition("[")
+    words = METRIC_LABELS.get(name, name.replace("_", " "))
+    words = f"{TASK_LABELS[task]} {words}" if task in TASK_LABELS else words
+    return f"{words}, {rest.rstrip(']')}" if rest else words
+
+
+def log_scale(task: str, metric: str) -> bool:
+    """Losses and perplexities span orders of magnitude between theta0 and a trained model."""
+    return metric == "loss" or "perplexity" in metric
+
+
+def gapped(steps: list[int], values: list[float], grid: list[int]) -> tuple[list[int], list[float]]:
+    """The run's points with NaN at every step of `grid` (all the panel's steps) it lacks between its
+    first and last: matplotlib breaks the line there instead of drawing across the gap."""
+    have = dict(zip(steps, values, strict=True))
+    inside = [s for s in grid if steps[0] <= s <= steps[-1]]
+    return inside, [have.get(s, math.nan) for s in inside]
+
+
+def plot(doc: dict, path: str, scoring: str = "flexible", theta0: bool = True) -> None:
     """One panel per task/metric: value vs training step, one line per run, stderr band, vanilla dashed.
 
     `scoring` picks which accuracy of the generation tasks is drawn (flexible by default: see
-    docs/eval-protocol.md); other metrics (loss, lm-eval metrics) are always drawn.
+    docs/eval-protocol.md); other metrics (loss, lm-eval metrics) are always drawn. theta0=False
+    leaves the base model's points out (its loss can dwarf the rest). A run's colour is the same in
+    every figure bema draws (figures.run_color); a line never crosses a step the run lacks.
     """
     import numpy as np
-    from matplotlib import colormaps
     from matplotlib.lines import Line2D
 
     from bema_cli import figures
@@ -249,34 +348,38 @@ def plot(doc: dict, path: str, scoring: str = "flexible") -> None:
     ]
     refs = {label for *_, e in panels for label in e.get("references", {})}
     all_runs = sorted({run for *_, e in panels for run in e["runs"]} | refs, key=run_order)
-    palette = colormaps["tab10" if len(all_runs) <= 10 else "tab20"]
-    colors = {run: palette(i % palette.N) for i, run in enumerate(r for r in all_runs if r != "vanilla")}
-    colors["vanilla"] = "black"
     fig = figures.new_figure(*figure_inches(len(panels)))
     cols = min(MAX_COLS, len(panels))
     axes = fig.subplots(math.ceil(len(panels) / cols), cols, squeeze=False).ravel()
     for ax, (task, metric, entry) in zip(axes, panels, strict=False):
+        series = {}
         for run, r in entry["runs"].items():
-            x, y, se = np.array(r["steps"]), np.array(r["values"]), np.array(r["stderr"], dtype=float)
-            dashed = run == "vanilla"
-            ax.plot(x, y, color=colors[run], ls="--" if dashed else "-", marker="o", ms=3, lw=1.6, label=run)
-            ok = np.isfinite(se)
-            if ok.any():
-                ax.fill_between(x[ok], (y - se)[ok], (y + se)[ok], color=colors[run], alpha=0.15, lw=0)
+            keep = [i for i, s in enumerate(r["steps"]) if theta0 or s != r.get("theta0_step")]
+            if keep:
+                series[run] = [[r[k][i] for i in keep] for k in ("steps", "values", "stderr")]
+        grid = sorted({s for steps, _, _ in series.values() for s in steps})
+        for run, (steps, values, errors) in series.items():
+            x, y = gapped(steps, values, grid)
+            _, se = gapped(steps, [math.nan if e is None else e for e in errors], grid)
+            x, y, se = np.array(x), np.array(y, dtype=float), np.array(se, dtype=float)
+            ax.plot(x, y, marker="o", ms=3, lw=1.6, label=run, **figures.run_style(run))
+            if np.isfinite(se).any():  # NaN rows break the band at the same gaps
+                ax.fill_between(x, y - se, y + se, color=figures.run_color(run), alpha=0.15, lw=0)
         for label, ref in entry.get("references", {}).items():  # a step-less model: a horizontal line
-            ax.axhline(ref["value"], color=colors[label], ls=":", lw=1.4)
-        arrow = "higher" if entry["higher_is_better"] else "lower"
-        name = task if metric == task else f"{task}\n{metric}"
-        ax.set_title(f"{name} ({arrow} is better; band: ±1 s.e.)", fontsize=10)
+            ax.axhline(ref["value"], color=figures.run_color(label), ls=":", lw=1.4)
+        name = task if metric == task else f"{task}: {axis_label(task, metric)}"
+        ax.set_title(f"{name}\n({_direction(entry['higher_is_better'])}; band: ±1 s.e.)", fontsize=10)
         ax.set_xlabel("training step")
-        ax.set_ylabel(metric)
+        ax.set_ylabel(axis_label(task, metric))
+        if log_scale(task, metric) and all(v > 0 for _, vals, _ in series.values() for v in vals):
+            ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
     for ax in axes[len(panels) :]:
         ax.set_visible(False)
     handles = [
-        Line2D([], [], color=colors[r], ls=":", label=f"{r} (no step)")
+        Line2D([], [], color=figures.run_color(r), ls=":", label=f"{r} (no step)")
         if r in refs
-        else Line2D([], [], color=colors[r], ls="--" if r == "vanilla" else "-", marker="o", ms=3, label=r)
+        else Line2D([], [], marker="o", ms=3, label=r, **figures.run_style(r))
         for r in all_runs
     ]
     fig.legend(handles=handles, loc="outside right upper", title="run", ncols=1 if len(all_runs) <= 16 else 2)

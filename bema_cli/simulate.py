@@ -279,14 +279,6 @@ def trajectory_2d(st: SimSettings, methods: tuple[str, ...] = ("vanilla", "ema",
 
 
 # -- presentation: a rich table and two figures (matplotlib imported lazily) --------
-COLORS = {
-    "vanilla": "0.45",
-    "ema": "tab:blue",
-    "bema": "tab:red",
-    "dema": "tab:green",
-    "ouema": "tab:purple",
-    "mle": "tab:orange",
-}
 MAX_TABLE_ROWS = 20
 
 
@@ -332,13 +324,13 @@ def plot_curves(doc: dict, path: str) -> None:
     ax = fig.add_subplot()
     for m, v in doc["estimators"].items():
         mean, se = np.asarray(v["mean"]), np.asarray(v["stderr"], dtype=float)
-        ax.plot(steps, mean, color=COLORS[m], lw=1.8, ls="--" if m == "vanilla" else "-", label=m)
+        ax.plot(steps, mean, color=figures.run_color(m), lw=1.8, ls="--" if m == "vanilla" else "-", label=m)
         if np.isfinite(se).all():
             ax.fill_between(
                 steps,
                 np.maximum(mean - 2 * se, mean * 1e-3),
                 mean + 2 * se,
-                color=COLORS[m],
+                color=figures.run_color(m),
                 alpha=0.18,
                 lw=0,
             )
@@ -376,7 +368,7 @@ def plot_2d(traj: dict, st: SimSettings, path: str) -> None:
         ax.plot(
             p[:, 0],
             p[:, 1],
-            color=COLORS[m],
+            color=figures.run_color(m),
             lw=1.0 if m == "vanilla" else 1.8,
             alpha=0.6 if m == "vanilla" else 1.0,
             label=m,
@@ -386,7 +378,7 @@ def plot_2d(traj: dict, st: SimSettings, path: str) -> None:
     for s in marks:
         at = np.array([p[s] for p in paths.values()])
         ax.plot(at[:, 0], at[:, 1], color="0.3", ls=":", lw=0.8)
-        ax.scatter(at[:, 0], at[:, 1], c=[COLORS[m] for m in paths], s=18, zorder=3)
+        ax.scatter(at[:, 0], at[:, 1], c=[figures.run_color(m) for m in paths], s=18, zorder=3)
         ax.annotate(
             f"s={s}",
             at[list(paths).index("ema") if "ema" in paths else 0],

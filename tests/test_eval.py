@@ -117,7 +117,12 @@ def test_records_follow_the_contract(evaluated):
         f"{m}_{w}" for m in ("accuracy", "parse_failure_rate") for w in ways
     } | {f"accuracy_{w}_stderr" for w in ways}
     assert set(by_task["loss"]["metrics"]) == {"loss", "loss_stderr", "tokens"}
-    assert by_task["gsm8k"]["seeds"] == {"sampling": 13337, "selection": 37371, "scheme": 2, "per_prompt": SEED_RULE}
+    assert by_task["gsm8k"]["seeds"] == {
+        "sampling": 13337,
+        "selection": 37371,
+        "scheme": 2,
+        "per_prompt": SEED_RULE,
+    }
     protocol = by_task["boolq"]["protocol"]
     assert (
         protocol["n_samples"],

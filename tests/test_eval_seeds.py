@@ -24,9 +24,10 @@ TEXTS = ["hi", "hi", "the cat sees the dog", "what is 2 plus 2"]  # the first tw
 
 def test_prompt_seed_is_a_pure_function_of_seed_task_and_prompt():
     """Stable across processes (sha256, not Python's salted hash), distinct per input, 62 bits."""
-    assert prompt_seed(13337, "gsm8k", "0") == int.from_bytes(
-        __import__("hashlib").sha256(b"13337/gsm8k/0").digest()[:8], "big"
-    ) >> 2
+    assert (
+        prompt_seed(13337, "gsm8k", "0")
+        == int.from_bytes(__import__("hashlib").sha256(b"13337/gsm8k/0").digest()[:8], "big") >> 2
+    )
     seeds = {prompt_seed(s, t, d) for s in (1, 2) for t in ("boolq", "gsm8k") for d in ("0", "1", "b/0")}
     assert len(seeds) == 12 and all(0 <= s < 2**62 for s in seeds)
 

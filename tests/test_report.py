@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 
 import matplotlib.image
 import numpy as np
 import pytest
 from conftest import run_bema
 
-from bema_cli import report
+from bema_cli import figures, output, report
 from bema_cli.errors import InputError
 
 STEPS = [0, 100, 200, 300]
@@ -91,11 +92,11 @@ def test_table_shows_final_and_best(results):
         cells = line.split()
         if cells and cells[0] in DATA:
             rows.setdefault(cells[0], []).append(cells)
-    # run n step final ± se [vs vanilla] best ± se at
+    # run n step final ± se [vs vanilla] best ± se @at
     ema_acc, ema_loss = rows["ema-k0.5"]
-    assert ema_acc == ["ema-k0.5", "4", "300", "0.43", "±", "0.015", "+0.03", "0.45", "±", "0.015", "200"]
-    assert ema_loss == ["ema-k0.5", "4", "300", "1.58", "±", "0.0075", "-0.02", "1.55", "±", "0.0075", "200"]
-    assert rows["vanilla"][0] == ["vanilla", "4", "300", "0.4", "±", "0.015", "0.4", "±", "0.015", "300"]
+    assert ema_acc == ["ema-k0.5", "4", "300", "0.43", "±", "0.015", "+0.03", "0.45", "±", "0.015", "@200"]
+    assert ema_loss == ["ema-k0.5", "4", "300", "1.58", "±", "0.0075", "-0.02", "1.55", "±", "0.0075", "@200"]
+    assert rows["vanilla"][0] == ["vanilla", "4", "300", "0.4", "±", "0.015", "0.4", "±", "0.015", "@300"]
 
 
 def test_plot_renders(results, tmp_path):
@@ -107,8 +108,10 @@ def test_plot_renders(results, tmp_path):
     assert img.shape[:2] == (round(h * 100), round(w * 100)) == (380, 1250)
     rgb = img[..., :3]
     assert rgb.std() > 0.05
-    # tab10 blue (the first stabilized run) and black (vanilla, dashed) are drawn
-    assert (np.abs(rgb - np.array([31, 119, 180]) / 255).max(axis=-1) < 0.05).sum() > 200
+    # each stabilized run in its own fixed colour (figures.run_color) and black (vanilla, dashed) are drawn
+    for run in ("ema-k0.5", "bema-k0.5-e0.2"):
+        color = np.array(matplotlib.colors.to_rgb(figures.run_color(run)))
+        assert (np.abs(rgb - color).max(axis=-1) < 0.05).sum() > 200, run
     assert (rgb.max(axis=-1) < 0.1).sum() > 500
     assert not list(tmp_path.glob(".curves.png*")), "temp file left behind"
 
@@ -221,3 +224,111 @@ def test_cli_errors(tmp_path, results):
     empty.mkdir()
     r = run_bema("report", empty)
     assert r.returncode == 3 and "no results.jsonl" in r.stderr
+
+
+def lm_eval_record(run: str, step: int, metric: str, value: float, higher: bool | None) -> dict:
+    """An lm_eval: record as bema eval writes it: lm-eval's own higher_is_better table inside."""
+    table = {} if higher is None else {"toy": {metric.split("[")[0]: higher}}
+    return {**record(run, step, "loss", 0.0), "task": "lm_eval:toy",
+            "metrics": {metric: value, f"{metric}_stderr": 0.01},
+            "lm_eval": {"task": "toy", "higher_is_better": table}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "metric, higher, best_step",
+    [("bits_per_byte", False, 200), ("brier_score", False, 200), ("ter", False, 200), ("acc", True, 100),
+     ("exact_match[strict-match]", True, 100), ("some_metric", None, None)],
+)  # fmt: skip
+def test_best_follows_lm_evals_higher_is_better(tmp_path, metric, higher, best_step):
+    """'best' comes from the direction lm-eval returned (bema stores it), not from words in the
+    name: ter, brier_score and bits_per_byte (lower is better) picked the worst step by name."""
+    path = tmp_path / "results.jsonl"
+    values = {100: 0.9, 200: 0.1, 300: 0.5}
+    path.write_text(
+        "".join(json.dumps(lm_eval_record("vanilla", s, metric, v, higher)) + "\n" for s, v in values.items())
+    )
+    doc = report.build([str(path)])
+    entry = doc["tasks"]["lm_eval:toy"][metric]
+    assert entry["higher_is_better"] is higher
+    best = entry["runs"]["vanilla"]["best"]
+    assert (best and best["step"]) == best_step
+    table = output.plain_table(report.tables(doc)[0])
+    assert ("direction unknown" in table) == (higher is None)
+
+
+def test_vs_vanilla_compares_at_the_same_step(tmp_path):
+    """bema evaluated up to step 200 (and at step 0 only, for another run): vanilla's value at THAT
+    step, never vanilla's last (step 300); no shared step at all is said, not computed."""
+    path = tmp_path / "results.jsonl"
+    lines = [record("vanilla", s, "loss", v) for s, v in ((100, 2.0), (200, 1.5), (300, 0.2))]
+    lines += [record("bema-k0.5-e0.2", s, "loss", v) for s, v in ((100, 1.8), (200, 1.4))]
+    lines += [{**record("ema-k0.5", 50, "loss", 1.9), "is_base": False}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    doc = report.build([str(path)])
+    runs = doc["tasks"]["loss"]["loss"]["runs"]
+    assert runs["bema-k0.5-e0.2"]["vs_vanilla"] == {
+        "step": 200,
+        "delta": pytest.approx(-0.1),
+        "final_step": True,
+    }
+    assert runs["ema-k0.5"]["vs_vanilla"] is None
+    table = output.plain_table(report.tables(doc)[0])
+    assert "-0.1" in table and "no same step" in table and "-1.2" not in table
+
+
+LONG = "bema-k0.5-e0.123456789-with-a-long-suffix"
+
+
+def test_tables_never_cut_a_value_in_a_pipe_or_on_a_narrow_terminal(tmp_path, monkeypatch):
+    """A pipe gets plain complete text at any width; an 80-column terminal folds the run name and
+    keeps every number whole (or leaves a column out and says so): no '…' anywhere."""
+    path = tmp_path / "results.jsonl"
+    lines = [
+        record(run, s, "gsm8k", v)
+        for run in ("vanilla", LONG)
+        for s, v in ((1000, 0.123456), (2000, 0.654321))
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    r = run_bema("report", path, env={"COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    assert LONG in r.stdout and "2000" in r.stdout and "0.6543 ± 0.015" in r.stdout and "@2000" in r.stdout
+    assert "…" not in r.stdout and "\x1b" not in r.stdout  # plain text: no ellipsis, no colour codes
+    from rich.console import Console
+
+    for width in (80, 60):
+        console = Console(width=width, force_terminal=True, no_color=True, record=True, soft_wrap=True)
+        monkeypatch.setattr(output, "stdout", console)
+        for table in report.tables(report.build([str(path)])):
+            output.print_table(table)
+        text = console.export_text()
+        rows = [
+            line for line in text.splitlines() if not line.startswith("n: evaluated")
+        ]  # the caption soft-wraps
+        assert "…" not in text and all(len(line) <= width for line in rows)
+        assert "0.6543 ± 0.015" in text and "2000" in text
+        firsts = "".join(line.split()[0] for line in text.splitlines() if line.split())
+        assert LONG in firsts  # the folded run name, read down its column, is whole
+
+
+def test_plot_breaks_lines_at_missing_steps_and_labels_axes_in_words(tmp_path):
+    """A run lacking step 200 of the panel's grid gets a NaN there (matplotlib breaks the line);
+    axes read in words; --no-theta0 leaves the base point out and still draws."""
+    assert report.gapped([100, 300], [1.0, 2.0], [0, 100, 200, 300, 400]) == (
+        [100, 200, 300],
+        [1.0, math.nan, 2.0],
+    )
+    assert report.gapped([100, 300], [1.0, 2.0], [0, 100, 200, 300, 400])[1][1]
+    assert report.axis_label("loss", "loss") == "held-out loss (nats/token)"
+    assert report.axis_label("gsm8k", "accuracy_flexible") == "accuracy, flexible scoring (share of samples)"
+    assert (
+        report.axis_label("lm_eval:gsm8k", "exact_match[flexible-extract]")
+        == "exact match (share of items), flexible-extract"
+    )
+    path = tmp_path / "results.jsonl"
+    lines = [record("vanilla", s, "loss", v) for s, v in ((0, 9.0), (100, 2.0), (200, 1.5), (300, 1.2))]
+    lines += [record("bema-k0.5-e0.2", s, "loss", v) for s, v in ((0, 9.0), (100, 1.8), (300, 1.1))]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    for flag in ("--theta0", "--no-theta0"):
+        r = run_bema("report", path, "--plot", tmp_path / f"c{flag}.png", flag)
+        assert r.returncode == 0, r.stderr
+    assert (tmp_path / "c--theta0.png").read_bytes() != (tmp_path / "c--no-theta0.png").read_bytes()

@@ -57,7 +57,17 @@ def _messy_gsm8k_responses() -> list[str]:
     pieces = ["12", "-7", "1,000", "$18", "3.50", ".5", "18.", "$", ",", ".", "-", "####", "#### ", " ",
               "\n", "coins", "How", "is", "1/2", "1e3", "**", "x", "0", "42", "-0.25", "1 234", ",,", "$1,2"]  # fmt: skip
     corpus = [r for r, _, _ in GSM8K_CASES]
-    corpus += ["The answer is $1,234.56.", "#### 6\nso 6 coins.", "-.5", "-$5", "$$", "..", "5,", ".,.", "a-1-2"]
+    corpus += [
+        "The answer is $1,234.56.",
+        "#### 6\nso 6 coins.",
+        "-.5",
+        "-$5",
+        "$$",
+        "..",
+        "5,",
+        ".,.",
+        "a-1-2",
+    ]
     corpus += ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 9))) for _ in range(600)]
     return corpus
 
@@ -102,6 +112,8 @@ def test_gsm8k_scoring_uses_the_flexible_comparison():
     scored = scoring.score_item(gsm8k, ["#### 6.00", "#### 6\nin 5 steps", "How6 coins."], "6")
     assert scored["strict"]["correct"] == [True, True, False]
     assert scored["flexible"]["correct"] == [False, False, True]
+
+
 BOOLQ_CASES = [
     ("The passage says so. Answer: true", True, True),
     ("answer: FALSE", False, False),

@@ -186,7 +186,7 @@ def evaluate(
     if json_:
         output.print_json(records)
     else:
-        output.stdout.print(records_table(records))
+        output.print_table(records_table(records))
 
 
 def rescore(
@@ -215,4 +215,4 @@ def rescore(
     if json_:
         output.print_json(records)
     else:
-        output.stdout.print(records_table(records, title="bema rescore"))
+        output.print_table(records_table(records, title="bema rescore"))

@@ -26,11 +26,18 @@ def report(
             help="Which generation-task accuracy --plot draws: flexible (default), strict or both. Tables show both.",
         ),
     ] = "flexible",
+    theta0: Annotated[
+        bool,
+        typer.Option(
+            "--theta0/--no-theta0",
+            help="--plot: draw the base model's points (step 0), or leave them out (its loss can dwarf the rest).",
+        ),
+    ] = True,
     json: JsonOpt = False,
 ) -> None:
     """Tables and curves from `bema eval` results: per task, each run's final value and its best value and step.
 
-    Records are grouped by run (vanilla, ema-k..., bema-k...-e...) and ordered by training step. A metric X with an X_stderr companion (accuracy, loss) is reported; best = highest accuracy / lowest loss. --plot draws one panel per task: metric vs step, a line per run with a +-1 standard-error band, vanilla dashed.
+    Records are grouped by run (vanilla, ema-k..., bema-k...-e...) and ordered by training step. A metric X with an X_stderr companion (accuracy, loss) is reported; best = highest accuracy / lowest loss (lm-eval metrics: lm-eval's own higher_is_better); "vs vanilla" compares at the same step. --plot draws one panel per task: metric vs step, a line per run with a +-1 standard-error band, vanilla dashed, one colour per run in every figure.
     """
     from bema_cli import figures
     from bema_cli import report as rep
@@ -42,10 +49,10 @@ def report(
     doc = rep.build(inputs)
     doc["plot"] = plot
     if plot:
-        rep.plot(doc, plot, scoring)
+        rep.plot(doc, plot, scoring, theta0)
         output.log(f"wrote {plot}")
     if json:
         output.print_json(doc)
         return
     for table in rep.tables(doc):
-        output.stdout.print(table)
+        output.print_table(table)

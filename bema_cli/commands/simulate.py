@@ -98,4 +98,4 @@ def simulate(
     if json:
         output.print_json(doc)
     else:
-        output.stdout.print(sim.table(doc))
+        output.print_table(sim.table(doc))

@@ -273,18 +273,21 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
+NUMERIC = ("step", "alpha", "beta")  # right-aligned: kept whole on a narrow terminal (output.print_table)
+
+
 def _print_plan(doc: dict) -> None:
     from rich.table import Table
 
     plan = doc["plan"]
     table = Table(title=f"bema stabilize --dry-run (theta0: {plan['theta0_source']})")
     for col in ("run", "step", "action", "alpha", "beta", "written"):
-        table.add_column(col)
+        table.add_column(col, justify="right" if col in NUMERIC else "left")
     for run in plan["runs"]:
         for e in run["events"]:
             weights = [f"{e[k]:.4g}" if e["action"] != "skip" else "" for k in ("alpha", "beta")]
             table.add_row(run["run"], str(e["step"]), e["action"], *weights, "yes" if e["output"] else "")
-    output.stdout.print(table)
+    output.print_table(table)
     shards = ", ".join(f"{s['file']} ({_gb(s['bytes'])}, {s['tensors']} tensors)" for s in plan["shards"])
     output.stdout.print(f"{len(doc['outputs'])} outputs; shards of each: {shards}")
     output.stdout.print(
@@ -298,10 +301,10 @@ def _print_summary(doc: dict) -> None:
 
     table = Table(title="bema stabilize")
     for col in ("run", "step", "alpha", "beta", "path"):
-        table.add_column(col)
+        table.add_column(col, justify="right" if col in NUMERIC else "left")
     for o in doc["outputs"]:
         table.add_row(o["run"], str(o["step"]), f"{o['alpha']:.4g}", f"{o['beta']:.4g}", o["path"])
-    output.stdout.print(table)
+    output.print_table(table)
     rate = doc["read_bytes"] / doc["seconds"] / 1e6 if doc["seconds"] else 0.0
     output.stdout.print(
         f"read {_gb(doc['read_bytes'])}, wrote {_gb(doc['written_bytes'])} in {doc['seconds']:.1f} s ({rate:.0f} MB/s read)"

@@ -212,11 +212,11 @@ def _table(title: str, values: dict, runs: list[str], steps: list[int], fmt: str
 def print_summary(summary: dict, out: Path) -> None:
     """Held-out loss and GSM8K-style accuracy per step and run; the other tasks' final accuracy."""
     runs, steps, acc = summary["runs"], summary["steps"], summary["accuracy"]
-    output.stdout.print(
+    output.print_table(
         _table("held-out loss (nats/token, lower is better)", summary["loss"], runs, steps, "{:.4f}")
     )
     if "gsm8k" in acc:
-        output.stdout.print(_table("gsm8k accuracy (higher is better)", acc["gsm8k"], runs, steps, "{:.3f}"))
+        output.print_table(_table("gsm8k accuracy (higher is better)", acc["gsm8k"], runs, steps, "{:.3f}"))
     last = steps[-1]
     for task in sorted(set(acc) - {"gsm8k"}):
         finals = ", ".join(
@@ -245,10 +245,12 @@ def plot_summary(summary: dict, path: Path) -> Path:
         ("gsm8k", summary["accuracy"].get("gsm8k", {}), "gsm8k accuracy"),
     ]
     for ax, (name, values, label) in zip(axes, panels, strict=True):
-        for i, run in enumerate(summary["runs"]):
+        grid = sorted({s for run in summary["runs"] for s in values.get(run, {}) if s > 0 or name != "loss"})
+        for run in summary["runs"]:
             steps = sorted(s for s in values.get(run, {}) if s > 0 or name != "loss")  # base: off the scale
-            style = {"color": "black", "ls": "--"} if run == "vanilla" else {"color": f"C{i}", "ls": "-"}
-            ax.plot(steps, [values[run][s] for s in steps], marker="o", ms=3, lw=1.6, label=run, **style)
+            if steps:
+                x, y = report.gapped(steps, [values[run][s] for s in steps], grid)
+                ax.plot(x, y, marker="o", ms=3, lw=1.6, label=run, **figures.run_style(run))
         ax.set_xlabel("training step")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)

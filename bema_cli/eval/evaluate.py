@@ -122,7 +122,12 @@ def _seeds(config: EvalConfig, name: str) -> dict:
         from bema_cli.eval.lm_eval_bridge import SEEDS
 
         return dict(SEEDS)
-    return {"sampling": config.seed, "selection": config.selection_seed, "scheme": SEED_SCHEME, "per_prompt": SEED_RULE}
+    return {
+        "sampling": config.seed,
+        "selection": config.selection_seed,
+        "scheme": SEED_SCHEME,
+        "per_prompt": SEED_RULE,
+    }
 
 
 @dataclass

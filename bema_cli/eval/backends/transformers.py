@@ -99,7 +99,9 @@ class TransformersBackend:
                 out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
             new = out[:, width:].tolist()
             for row in range(0, len(batch), copies):
-                texts = [chat.decode_completion(self.tokenizer, new[row + j], self.stop_ids) for j in range(copies)]
+                texts = [
+                    chat.decode_completion(self.tokenizer, new[row + j], self.stop_ids) for j in range(copies)
+                ]
                 results.append(texts * sampling.n if greedy else texts)
         return results
 

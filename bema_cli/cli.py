@@ -51,10 +51,19 @@ def _root(
     ] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show Python tracebacks on errors.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only errors on stderr.")] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="Also show the libraries' own output (vLLM, transformers, lm-eval) on stderr.",
+        ),
+    ] = False,
 ) -> None:
     global _debug
     _debug = _debug or debug
     output.set_quiet(quiet)
+    output.set_verbose(verbose or _debug)
 
 
 app.command("stabilize")(stabilize.stabilize)

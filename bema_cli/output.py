@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -29,11 +31,40 @@ from rich.text import Text
 stdout = Console(soft_wrap=True, markup=False)
 stderr = Console(stderr=True, soft_wrap=True, markup=False)
 _quiet = False
+_verbose = False
 
 
 def set_quiet(quiet: bool) -> None:
     global _quiet
     _quiet = quiet
+
+
+def set_verbose(verbose: bool) -> None:
+    global _verbose
+    _verbose = verbose
+
+
+def verbose() -> bool:
+    return _verbose
+
+
+def send_library_output(path: str | Path | None) -> None:
+    """From now on, what libraries write to file descriptor 2 (C++ warnings, Python warnings, prints,
+    their loggers, a nanobind leak report at exit) goes to `path` (appended; None: nowhere), while
+    bema's own lines keep the real stderr. Left in place until the process ends, so nothing they
+    print at interpreter teardown reaches the terminal either. With -v (or --debug) it does nothing.
+    """
+    if _verbose or getattr(stderr, "_bema_real_fd", None) is not None:
+        return
+    sys.stderr.flush()
+    real_fd = os.dup(2)
+    stderr.file = os.fdopen(real_fd, "w", encoding="utf-8", errors="replace", buffering=1)
+    stderr._bema_real_fd = real_fd
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    target = os.open(os.devnull if path is None else path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(target, 2)
+    os.close(target)
 
 
 def log(message: str) -> None:

@@ -20,7 +20,12 @@ from bema_cli.output import warn
 REQUIRED = ("run", "step", "task", "metrics")
 # The direction of bema's own headline metrics; an lm_eval: record carries lm-eval's own
 # `higher_is_better` table (per task, per metric), which is used as it is.
-BEMA_HIGHER_IS_BETTER = {"loss": False, "accuracy_strict": True, "accuracy_flexible": True, "accuracy": True}  # "accuracy": bema 0.1
+BEMA_HIGHER_IS_BETTER = {
+    "loss": False,
+    "accuracy_strict": True,
+    "accuracy_flexible": True,
+    "accuracy": True,
+}  # "accuracy": bema 0.1
 PANEL_W, PANEL_H, LEGEND_W = 5.0, 3.8, 2.5  # inches: the figure is (PANEL_W*cols + LEGEND_W) x PANEL_H*rows
 MAX_COLS = 3
 
@@ -257,7 +262,11 @@ def tables(doc: dict) -> list:
                 table.add_column(col, justify="left" if col == "run" else "right")
             for run, r in runs.items():
                 final = _fmt(r["final"]["value"], r["final"]["stderr"])
-                best = "" if r["best"] is None else f"{_fmt(r['best']['value'], r['best']['stderr'])} @{r['best']['step']}"
+                best = (
+                    ""
+                    if r["best"] is None
+                    else f"{_fmt(r['best']['value'], r['best']['stderr'])} @{r['best']['step']}"
+                )
                 table.add_row(
                     run, str(len(r["steps"])), str(r["final"]["step"]),
                     Text(final, style="bold") if run == top else final, _delta(run, r.get("vs_vanilla")), best,

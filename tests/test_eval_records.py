@@ -12,7 +12,7 @@ from conftest import run_bema
 from test_eval import read_jsonl, write_data
 
 from bema_cli.errors import OutputError, UsageError
-from bema_cli.eval import evaluate
+from bema_cli.eval import evaluate, resume
 from bema_cli.eval.backends.base import EngineOptions
 
 SMALL = dict(tasks=["gsm8k", "loss"], n_samples=2, max_new_tokens=4, limit=2, backend="transformers",
@@ -48,15 +48,17 @@ def test_records_carry_the_resume_key(first):
         "backend",
         "dtype",
         "batch_size",
+        "max_model_len",
         "weights",
     }
     assert key["protocol"]["prompt_version"] == 1 and key["protocol"]["num_fewshot"] == 0
     assert (key["backend"], key["dtype"], key["batch_size"], key["chat_template"]) == (
         "transformers",
-        "auto",
+        "auto:checkpoint",
         8,
         "model",
     )
+    assert gsm8k["dtype"] == "float32"  # auto: the checkpoint's own dtype, recorded as run
     assert gsm8k["batch_size"] == 8 and gsm8k["step"] == 7
     assert again(first) == first["records"]  # the same setup: nothing redone, the same records returned
 
@@ -69,7 +71,7 @@ def test_records_carry_the_resume_key(first):
         ({"cot": True}, {}, "protocol.cot False -> True"),
         ({"max_new_tokens": 5}, {}, "protocol.max_new_tokens 4 -> 5"),
         ({}, {"batch_size": 1}, "batch_size 8 -> 1"),
-        ({}, {"dtype": "bfloat16"}, "dtype auto -> bfloat16"),
+        ({}, {"dtype": "bfloat16"}, "dtype auto:checkpoint -> bfloat16"),
         ({"backend": "vllm"}, {}, "backend transformers -> vllm"),
     ],
 )
@@ -287,3 +289,34 @@ def test_swap_comparison_names_what_differs():
     )
     message = compare(same, {"logprobs": [-1.5, -2.0], "params": {"a": "x", "b": "z"}})
     assert message.startswith("parameter b (and 0 more) differs")
+
+
+def test_max_model_len_is_in_the_vllm_resume_key(first):
+    """vLLM refuses prompts longer than --max-model-len: records made with another value differ."""
+    pytest.importorskip("vllm")
+    config = evaluate.EvalConfig(**{**first["config"].__dict__, "backend": "vllm"})
+    keys = [
+        evaluate.Evaluation(config, EngineOptions(max_model_len=n)).inputs["gsm8k"].resume_key
+        for n in (None, 512)
+    ]
+    assert resume.differences(keys[0], keys[1]) == ["max_model_len none -> 512"]
+    assert evaluate.Evaluation(config, EngineOptions()).inputs["loss"].resume_key["max_model_len"] is None
+
+
+def test_dtype_auto_is_the_checkpoints_dtype_on_every_backend(tmp_path, tiny_model_dir):
+    """auto = config.json's dtype, else the weights' first floating dtype, else float32 (vLLM's own
+    auto ran a float32 checkpoint in bfloat16 on CPU, transformers in float32)."""
+    from bema_cli.eval.backends.base import resolve_dtype
+
+    assert (
+        resolve_dtype("auto", tiny_model_dir) == "float32"
+        and resolve_dtype("float16", tiny_model_dir) == "float16"
+    )
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (model / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    assert resolve_dtype("auto", model) == "bfloat16"
+    (model / "config.json").write_text(json.dumps(config))  # no dtype named: the weights' own
+    assert resolve_dtype("auto", model) == "float32"

@@ -36,11 +36,11 @@ def _backend(name: str, model_dir, batch_size: int = 8):
     if name == "vllm":
         from bema_cli.eval.backends.vllm import VllmBackend
 
-        backend = VllmBackend(EngineOptions(dtype="float32"))
+        backend = VllmBackend(EngineOptions(dtype="auto"))  # auto: the checkpoint's float32, as transformers
     else:
         from bema_cli.eval.backends.transformers import TransformersBackend
 
-        backend = TransformersBackend(EngineOptions(dtype="float32", batch_size=batch_size))
+        backend = TransformersBackend(EngineOptions(dtype="auto", batch_size=batch_size))
     backend.load(model_dir)
     return backend
 
@@ -66,7 +66,9 @@ def test_samples_are_independent_across_prompts_and_do_not_depend_on_the_call(na
     try:
         prompts = _prompts(backend)
         seeds = [prompt_seed(13337, "t", str(i)) for i in range(len(prompts))]
+        assert backend.dtype == "float32" or name == "vllm" and backend.llm is None
         together = backend.generate(prompts, SAMPLING, seeds)
+        assert backend.dtype == "float32"  # --dtype auto is the checkpoint's dtype on both backends
         assert all(len(samples) == SAMPLING.n for samples in together)
         # the same text under two prompts' seeds: two different lists (one shared seed made them equal)
         assert together[0] != together[1]
@@ -107,3 +109,34 @@ def test_seeds_are_recorded_per_prompt_and_in_the_record(tiny_model_dir, tmp_pat
     again = run_bema("eval", tiny_model_dir, "--backend", "transformers", "--data-dir", data, "--tasks", "boolq",
                      "--n-samples", 3, "--max-new-tokens", 4, "--limit", 4, "--seed", 7, "--out", out)  # fmt: skip
     assert again.returncode != 0 and "seeds.scheme" in again.stderr, again.stderr
+
+
+def test_eval_without_out_keeps_its_results_in_a_named_folder(tiny_model_dir, tmp_path):
+    """No --out: the results go to ./results/, said on the first stderr line (nothing is thrown away)."""
+    data = write_data(tmp_path / "data")
+    r = run_bema("eval", tiny_model_dir, "--backend", "transformers", "--data-dir", data, "--tasks", "boolq",
+                 "--n-samples", 1, "--max-new-tokens", 2, "--limit", 1, cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines()[0] == "results go to ./results/ (the default; --out DIR chooses)"
+    (record,) = read_jsonl(tmp_path / "results" / "results.jsonl")
+    assert record["task"] == "boolq" and record["model_path"] == str(tiny_model_dir)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vllm is not importable")
+@pytest.mark.parametrize("verbose", [False, True])
+def test_stderr_holds_bemas_own_lines_unless_verbose(tiny_model_dir, tmp_path, verbose):
+    """vLLM's Triton and NUMA warnings and the like go to OUT/libraries.log; -v shows them on stderr."""
+    data = write_data(tmp_path / "data")
+    out = tmp_path / "out"
+    r = run_bema(*(["-v"] if verbose else []), "eval", tiny_model_dir, "--backend", "vllm", "--data-dir", data,
+                 "--tasks", "boolq", "--n-samples", 1, "--max-new-tokens", 2, "--limit", 1, "--out", out)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    noise = ("NUMA", "Triton", "Warning", "WARNING", "nanobind", "leaked")
+    if verbose:
+        assert any(word in r.stderr for word in noise), r.stderr
+    else:
+        lines = r.stderr.splitlines()
+        assert lines[0].startswith("starting vLLM engine on") and lines[1].startswith("boolq: "), r.stderr
+        assert len(lines) == 2 and not any(word in r.stderr for word in noise), r.stderr
+        assert any(word in (out / "libraries.log").read_text() for word in noise)

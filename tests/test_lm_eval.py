@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_bema
+from conftest import one_line_error, run_bema
 from test_eval import read_jsonl
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -161,3 +161,38 @@ def test_lm_eval_on_the_shared_vllm_engine_equals_a_fresh_one(toy, tmp_path):
         for metric, value in hf[task].items():
             expected = None if value is None else pytest.approx(value, rel=1e-4, abs=1e-6)  # None: stderr N/A
             assert mine[task][metric] == expected, (task, metric)
+
+
+def test_log_samples_writes_lm_evals_own_samples(toy, tmp_path):
+    """--log-samples on an lm_eval: task writes lm-eval's per-document logs (it wrote nothing before);
+    `bema rescore` leaves those lines alone (lm-eval scores them) instead of failing on them."""
+    out = tmp_path / "out"
+    proc = run_bema("eval", toy["models"][0], "--tasks", "lm_eval:bema_toy_gen", "--lm-eval-include", toy["include"],
+                    "--backend", "transformers", "--out", out, "--log-samples")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    samples = read_jsonl(out / "samples.jsonl")
+    (record,) = read_jsonl(out / "results.jsonl")
+    assert len(samples) == 8 and {s["task"] for s in samples} == {"lm_eval:bema_toy_gen"}
+    assert {s["eval_id"] for s in samples} == {record["eval_id"]}
+    assert sorted(s["doc"]["question"] for s in samples) == sorted(f"{i} + {i} =" for i in range(8))
+    # lm-eval's own per-sample score, averaged, is the record's metric
+    assert sum(s["exact_match"] for s in samples) / 8 == pytest.approx(record["metrics"]["exact_match"])
+    rescored = run_bema("rescore", out / "samples.jsonl", "--json")
+    assert rescored.returncode == 0 and json.loads(rescored.stdout) == [], rescored.stderr
+    assert "lm-eval scores them" in rescored.stderr
+
+
+def test_missing_lm_eval_data_is_exit_3_before_any_engine(toy, tmp_path):
+    """A task YAML whose data file is gone: one line naming the task, exit 3, no engine started."""
+    include = tmp_path / "tasks"
+    include.mkdir()
+    yaml = (
+        (toy["include"] / "gen.yaml")
+        .read_text()
+        .replace(str(toy["include"] / "gen.jsonl"), str(tmp_path / "gone.jsonl"))
+    )
+    (include / "gen.yaml").write_text(yaml)
+    proc = run_bema("eval", toy["models"][0], "--tasks", "lm_eval:bema_toy_gen", "--lm-eval-include", include,
+                    "--backend", "auto", "--out", tmp_path / "o")  # fmt: skip
+    line = one_line_error(proc, 3)
+    assert "lm_eval:bema_toy_gen" in line and "starting vLLM engine" not in proc.stderr

@@ -13,6 +13,9 @@ _T = "Protocol (defaults = the paper's)"
 _E = "Engine"
 
 
+DEFAULT_OUT = "results"  # `bema report results/` reads it back
+
+
 def evaluate(
     inputs: Annotated[
         list[str] | None, typer.Argument(help="Checkpoint folders, bema stabilize outputs or OUT dirs.")
@@ -25,7 +28,12 @@ def evaluate(
         ),
     ] = "boolq,gsm8k,mmlu_hs",
     out: Annotated[
-        str | None, typer.Option("--out", "-o", help="Directory for results.jsonl (and samples.jsonl).")
+        str | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help=f"Directory for results.jsonl (and samples.jsonl); default ./{DEFAULT_OUT}, said up front.",
+        ),
     ] = None,
     base: Annotated[
         str | None, typer.Option("--base", help="Base model, evaluated once as step 0 of every run.")
@@ -165,6 +173,9 @@ def evaluate(
     from bema_cli.eval.results import records_table
     from bema_cli.eval.tasks import parse_tasks
 
+    if out is None:  # ten minutes of evaluation must never end in nothing kept
+        out = DEFAULT_OUT
+        output.log(f"results go to ./{DEFAULT_OUT}/ (the default; --out DIR chooses)")
     names = parse_tasks(tasks)
     for path, name in ((loss_data, "loss"), (loss_train_data, "train_loss")):
         if path is not None and name not in names:

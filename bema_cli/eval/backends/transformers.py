@@ -14,7 +14,7 @@ from pathlib import Path
 from bema_cli import output
 from bema_cli.errors import BackendError, UsageError
 from bema_cli.eval import chat
-from bema_cli.eval.backends.base import EngineOptions, Sampling
+from bema_cli.eval.backends.base import EngineOptions, Sampling, resolve_dtype
 from bema_cli.eval.tasks import loss as loss_task
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -62,7 +62,7 @@ class TransformersBackend:
     def load(self, checkpoint: Path) -> None:
         self.tokenizer, self.template_source = chat.load_tokenizer(checkpoint, self.options.chat_template)
         self.model = None  # free the previous checkpoint first
-        self.model = load_hf_model(checkpoint, self.options.dtype)
+        self.model = load_hf_model(checkpoint, resolve_dtype(self.options.dtype, checkpoint))
         self.dtype = dtype_name(self.model.dtype)
         self.stop_ids = chat.stop_token_ids(self.tokenizer, checkpoint)
         self.path = Path(checkpoint)

@@ -14,7 +14,7 @@ from bema_cli import output
 from bema_cli.errors import BackendError
 from bema_cli.eval import chat
 from bema_cli.eval.backends import vllm_swap
-from bema_cli.eval.backends.base import EngineOptions, Sampling
+from bema_cli.eval.backends.base import EngineOptions, Sampling, resolve_dtype
 from bema_cli.eval.backends.vllm_swap import WeightSwapExtension, checkpoint_weights  # noqa: F401 (public)
 from bema_cli.io.checkpoints import read_json
 
@@ -48,7 +48,7 @@ class VllmBackend:
         from vllm.platforms import current_platform
 
         kwargs = dict(
-            model=str(path), tokenizer=str(path), dtype=self.options.dtype, seed=0,
+            model=str(path), tokenizer=str(path), dtype=resolve_dtype(self.options.dtype, path), seed=0,
             tensor_parallel_size=self.options.tensor_parallel_size,
             gpu_memory_utilization=self.options.gpu_memory_utilization,
             max_model_len=self.max_model_len,

@@ -18,11 +18,13 @@ from typing import Any
 from rich.console import Console
 from rich.progress import (
     BarColumn,
+    DownloadColumn,
     MofNCompleteColumn,
     Progress,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
+    TransferSpeedColumn,
 )
 from rich.text import Text
 
@@ -93,13 +95,25 @@ def _jsonable(obj: Any) -> Any:
 
 
 def to_json(obj: Any, indent: int | None = 2) -> str:
-    """Strict JSON (no NaN/Infinity literals): inf becomes the string "inf", NaN null."""
+    """Strict JSON (no NaN/Infinity literals) for bema's files: inf becomes the string "inf" (eta = inf
+    names the EMA in bema.json and state.json), NaN null."""
     return json.dumps(_jsonable(obj), indent=indent, allow_nan=False, default=str)
 
 
+def _numbers_or_null(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _numbers_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_numbers_or_null(v) for v in obj]
+    return obj
+
+
 def print_json(obj: Any, indent: int | None = 2) -> None:
-    """The single machine-readable document of a `--json` run (indent=None: one line), on stdout."""
-    sys.stdout.write(to_json(obj, indent) + "\n")
+    """The single machine-readable document of a `--json` run (indent=None: one line), on stdout.
+    A number is a JSON number or null (inf and NaN: null), never a string."""
+    sys.stdout.write(json.dumps(_numbers_or_null(obj), indent=indent, allow_nan=False, default=str) + "\n")
     sys.stdout.flush()
 
 
@@ -186,12 +200,19 @@ def progress_enabled() -> bool:
 
 
 @contextmanager
-def progress() -> Iterator[Progress]:
-    """A rich Progress on stderr, disabled (no output at all) when stderr is not a terminal."""
+def progress(unit: str = "") -> Iterator[Progress]:
+    """A rich Progress on stderr, disabled (no output at all) when stderr is not a terminal.
+    `unit` says what is counted: "bytes" shows sizes and a rate (12.3/250.0 MB, 80 MB/s), any
+    other word follows the count ("3/40 modules")."""
+    counted = (
+        [DownloadColumn(), TransferSpeedColumn()]
+        if unit == "bytes"
+        else [MofNCompleteColumn(), TextColumn(unit, markup=False)]
+    )
     bar = Progress(
         TextColumn("{task.description}", style="progress.description", markup=False),
         BarColumn(),
-        MofNCompleteColumn(),
+        *counted,
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=stderr,
@@ -202,7 +223,7 @@ def progress() -> Iterator[Progress]:
         yield bar
 
 
-def track(items: Iterable[Any], description: str, total: int | None = None) -> Iterator[Any]:
+def track(items: Iterable[Any], description: str, total: int | None = None, unit: str = "") -> Iterator[Any]:
     """Iterate with a progress bar on a terminal, silently otherwise."""
-    with progress() as bar:
+    with progress(unit) as bar:
         yield from bar.track(items, description=description, total=total)

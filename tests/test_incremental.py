@@ -100,6 +100,11 @@ def test_four_then_four_is_bitwise_one_shot(traj, one_shot, tmp_path, tau):
     }
     third = stabilize(part, base, out, "--tau", str(tau))
     assert third["outputs"] == [] and third["read_bytes"] == 0
+    assert third["up_to_date"] is True and third["last_step"] == STEPS[-1] and second["up_to_date"] is False
+    assert set(third) == set(second)  # a no-op's --json has a working run's keys
+    r = run_bema("stabilize", part, "--base", base, "--out", out, *GRID, "--tau", str(tau))
+    assert r.returncode == 0 and r.stdout == "", r.stderr  # no empty table: one line saying so
+    assert r.stderr.strip() == f"up to date: last step {STEPS[-1]} (nothing new to stabilize in {out})"
     assert not list(out.glob(".bema-tmp-*"))
 
 

@@ -70,7 +70,7 @@ def _reference(base: Path, run: Path, method: str) -> dict:
 def _stabilize(*args) -> dict:
     r = run_bema("stabilize", *args, "--json")
     assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+    return {**json.loads(r.stdout), "_stderr": r.stderr}
 
 
 def _check_merged(doc: dict, refs: dict) -> int:
@@ -92,6 +92,8 @@ def test_trainer_lora_merged_equals_weight_space_reference(trainer_run):
         f"checkpoint-{s}" for s in STEPS
     ]
     doc = _stabilize(run, "--method", "bema,ema", "--out", root / "merged")  # --base from adapter_config
+    inferred = f"base model (theta0): {base}, as {run / f'checkpoint-{STEPS[0]}' / 'adapter_config.json'} names it"
+    assert inferred in doc["_stderr"]  # what was inferred is said
     refs = {m: _reference(base, run, m) for m in ("bema", "ema")}
     assert _check_merged(doc, refs) == 2 * len(STEPS) * len(load_model(base))
     final = Path(doc["outputs"][-1]["path"])
@@ -196,3 +198,20 @@ def test_rslora_embedding_and_modules_to_save(tiny_model_dir, tmp_path):
     assert torch.equal(out[untouched], theta0[untouched]), (
         "a module LoRA does not adapt stays bitwise the base"
     )
+
+
+def test_adapter_output_keeps_a_portable_base_name():
+    """--lora-output adapter writes the base as the user gave it (a Hub id) or as the training adapter
+    named it, never the absolute local path theta0 happened to be read from."""
+    from types import SimpleNamespace
+
+    from bema_cli.io.lora_out import adapter_config
+
+    trained = SimpleNamespace(config={"r": 8, "base_model_name_or_path": "Qwen/Qwen2.5-1.5B"})
+    assert (
+        adapter_config(trained, 4, "/root/.cache/hf/models--Qwen/snap/abc")["base_model_name_or_path"]
+        == "Qwen/Qwen2.5-1.5B"
+    )
+    assert adapter_config(trained, 4, "my-org/other-base")["base_model_name_or_path"] == "my-org/other-base"
+    unnamed = SimpleNamespace(config={"r": 8})
+    assert adapter_config(unnamed, 4, "/models/base")["base_model_name_or_path"] == "/models/base"

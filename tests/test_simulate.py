@@ -204,7 +204,7 @@ def test_cli_json_document(tmp_path):
         "plot_2d",
     ):
         assert flag in s, flag
-    assert s["eta"] == "inf" and s["trials"] == 50 and s["bema_version"] and s["dtype"] == "float64"
+    assert s["eta"] is None and s["trials"] == 50 and s["bema_version"] and s["dtype"] == "float64"
     # eta inf: no correction, BEMA is EMA
     assert doc["estimators"]["bema"] == doc["estimators"]["ema"]
 

@@ -244,6 +244,8 @@ def stabilize(
         output.print_json(doc)
     elif dry_run:
         _print_plan(doc)
+    elif doc["up_to_date"]:
+        output.log(f"up to date: last step {doc['last_step']} (nothing new to stabilize in {opts.out})")
     else:
         _print_summary(doc)
 

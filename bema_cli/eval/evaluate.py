@@ -41,7 +41,6 @@ from bema_cli.eval.tasks import common as scoring
 from bema_cli.eval.tasks import loss as loss_task
 from bema_cli.io.commit import check_apart
 
-
 LIBRARY_LOG = "libraries.log"  # OUT/libraries.log: what the libraries print on stderr (shown with -v)
 
 

@@ -14,6 +14,7 @@ import json
 import math
 from pathlib import Path
 
+from bema_cli import output
 from bema_cli.io.lora import CONFIG_NAME, Adapter, scale_of
 from bema_cli.io.safetensors import DTYPES, TensorInfo
 from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
@@ -39,7 +40,12 @@ def truncate(delta, rank: int):
 
 
 def adapter_config(layout: Adapter, rank: int, base_source: str) -> dict:
-    """The training adapter's config at the new uniform rank (patterns cleared: every module has rank R)."""
+    """The training adapter's config at the new uniform rank (patterns cleared: every module has rank R).
+    Its base stays portable: a Hub id the user gave, else the training adapter's own
+    base_model_name_or_path, else the local path theta0 was read from."""
+    given = layout.config.get("base_model_name_or_path")
+    if Path(base_source).is_absolute() and isinstance(given, str) and given:
+        base_source = given
     return {
         **layout.config,
         "r": rank,
@@ -76,7 +82,10 @@ def write_adapter(folder: Path, deltas, layout: Adapter, rank: int, base_source:
     shard.filename = ADAPTER_FILE
     writer = ShardedWriter(folder, [shard], {"bema_lora_rank": str(rank)}).open()
     errors = {}
-    for name, m in layout.modules.items():
+    modules = output.track(
+        layout.modules.items(), f"{folder.name}: rank-{rank} SVDs", len(layout.modules), "modules"
+    )
+    for name, m in modules:
         info = deltas.index.tensors[name]
         delta = deltas.read(name, 0, info.shape[0])
         ba = (delta.T if m.transpose else delta) / scale

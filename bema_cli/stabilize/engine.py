@@ -119,14 +119,13 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
             raise
         output.warn(f"{exc} (a real run would stop here)")
     n_outputs = sum(len(r.out_steps) for r in plan.runs)
-    if not plan.read_steps and not n_outputs:  # nothing new since the last call
+    last_step = max((c.step for c in plan.checkpoints), default=None)
+    if not plan.read_steps and not n_outputs:  # nothing new since the last call: a working run's keys
         return {
-            "outputs": [],
-            "read_bytes": 0,
-            "written_bytes": 0,
-            "state_bytes": 0,
-            "seconds": time.perf_counter() - t0,
-        }
+            "outputs": [], "read_bytes": 0, "written_bytes": 0, "state_bytes": 0,
+            "executor": {"executor": executor.executor, "workers": executor.workers},
+            "up_to_date": True, "last_step": last_step, "seconds": time.perf_counter() - t0,
+        }  # fmt: skip
     # the first check that needs torch (~1-2 s to import), so other errors come first; none in a dry run
     torch_device(opts.device, need_torch=not opts.dry_run)
     theta0_bytes = plan.base_index.nbytes if plan.theta0_index is plan.base_index else 0
@@ -140,6 +139,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
         "state_bytes": state.traffic(plan),
     }
     doc["executor"] = {"executor": executor.executor, "workers": executor.workers}
+    doc["up_to_date"], doc["last_step"] = False, last_step
     if opts.dry_run:
         return {
             "dry_run": True,
@@ -251,8 +251,8 @@ def _walk(plan: Plan, opts: Options, tmp: Path, executor: ExecutorOptions) -> in
     if opts.allow_nonfinite:
         output.warn("--allow-nonfinite: NaN/Inf in inputs are not checked and propagate to the outputs")
     total = sum(unit_bytes(u) for u in plan.units)
-    with output.progress() as bar:
-        task = bar.add_task("stabilizing", total=total)
+    with output.progress("bytes") as bar:
+        task = bar.add_task("stabilizing (checkpoint bytes read)", total=total)
         run_units(plan, opts, outputs, executor, lambda n: bar.advance(task, n))
     return finish_outputs(plan, opts, outputs)
 

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from bema_cli import output
 from bema_cli.errors import InputError, UsageError
 from bema_cli.io.checkpoints import Checkpoint, aux_files, find_checkpoints, is_adapter, resolve_base
 from bema_cli.io.fingerprint import weight_files
@@ -305,6 +306,11 @@ def prepare(opts: Options) -> Plan:
     base = resolve_base(
         opts.base or (stored and stored["theta0"].get("source")), checkpoints, check=has_weights
     )
+    if not opts.base and not stored and base.path != checkpoints[0].path:  # say what was inferred
+        named_by = "adapter_config.json" if is_adapter(checkpoints[0].path) else "config.json"
+        output.log(
+            f"base model (theta0): {base.source}, as {checkpoints[0].path / named_by} names it (--base to choose)"
+        )
     resume = state.resume(opts, out, checkpoints, base.source, weight_files(base.path))
     steps = resume.steps
     tau = opts.schedules[0].tau if opts.schedules else 0

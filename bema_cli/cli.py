@@ -137,6 +137,10 @@ def main() -> None:
     except typer.Abort:
         output.error("aborted")
         sys.exit(1)
+    except BrokenPipeError:  # `bema ... | head`: the reader left; end quietly as a SIGPIPE'd tool does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+        sys.exit(128 + signal.SIGPIPE)
     except (signals.Terminated, KeyboardInterrupt) as exc:
         if _debug:
             traceback.print_exc()

@@ -92,7 +92,9 @@ def test_trainer_lora_merged_equals_weight_space_reference(trainer_run):
         f"checkpoint-{s}" for s in STEPS
     ]
     doc = _stabilize(run, "--method", "bema,ema", "--out", root / "merged")  # --base from adapter_config
-    inferred = f"base model (theta0): {base}, as {run / f'checkpoint-{STEPS[0]}' / 'adapter_config.json'} names it"
+    inferred = (
+        f"base model (theta0): {base}, as {run / f'checkpoint-{STEPS[0]}' / 'adapter_config.json'} names it"
+    )
     assert inferred in doc["_stderr"]  # what was inferred is said
     refs = {m: _reference(base, run, m) for m in ("bema", "ema")}
     assert _check_merged(doc, refs) == 2 * len(STEPS) * len(load_model(base))

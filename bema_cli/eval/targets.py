@@ -57,6 +57,11 @@ def check_model_dir(path: Path) -> None:
     """Fail early, before any engine starts, on folders that cannot be evaluated."""
     if not path.is_dir():
         raise InputError(f"{path}: not a directory")
+    if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+        raise InputError(
+            f"{path}: a PEFT LoRA adapter, not a model folder; evaluate the merged outputs of "
+            "bema stabilize (--lora-output merged, the default), or --method vanilla for merged copies of the run"
+        )
     if not (path / "config.json").is_file():
         raise InputError(f"{path}: no config.json (not a model folder)")
     model_weight_files(path)  # the rule stabilize and the vLLM weight swap use: safetensors only

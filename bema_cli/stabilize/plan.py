@@ -122,8 +122,8 @@ class Plan:
 def grid(methods: list[str], kappas: list[float], etas: list[float], **common) -> list[Schedule]:
     """Every (method, kappa, eta) combination, validated, one per output run name.
 
-    Methods without bias correction (ema, dema, vanilla) record eta = inf, so the grid
-    `--method bema,ema --eta 0.2,inf` does not produce the same EMA run twice.
+    Methods without bias correction (ema, dema, vanilla) record eta = inf, and BEMA with eta = inf
+    (alpha = 0) is the EMA itself, so `--method bema,ema --eta 0.2,inf` writes that EMA once.
     """
     if not methods:
         raise UsageError("--method: no method given")
@@ -132,6 +132,13 @@ def grid(methods: list[str], kappas: list[float], etas: list[float], **common) -
         for kappa in kappas:
             for eta in etas:
                 eta = eta if method in ("bema", "ouema") else math.inf
+                if method == "bema" and math.isinf(eta):  # alpha = 0: BEMA is the EMA, bit for bit
+                    ema = Schedule(method="ema", kappa=kappa, eta=eta, **common).resolved()
+                    output.log(
+                        f"bema with --eta inf is {run_name(ema)} (no bias correction): written once, as {run_name(ema)}"
+                    )
+                    out.setdefault(run_name(ema), ema)
+                    continue
                 s = Schedule(method=method, kappa=kappa, eta=eta, **common).resolved()
                 out.setdefault(run_name(s), s)
     return list(out.values())

@@ -146,9 +146,7 @@ WITHOUT_RAY = (
 @pytest.mark.parametrize("command", ["stabilize", "eval"])
 def test_executor_ray_without_ray_is_one_line(tmp_path, command):
     base, run = write_trajectory(tmp_path, [10, 20])
-    args = [str(run), "--base", str(base)] + (
-        ["--out", str(tmp_path / "out")] if command == "stabilize" else []
-    )
+    args = [str(run), "--base", str(base), "--out", str(tmp_path / "out")]
     r = subprocess.run(
         [sys.executable, "-c", WITHOUT_RAY, command, *args, "--executor", "ray", "--workers", "2"],
         capture_output=True,

@@ -117,16 +117,29 @@ def _skip_final_collection() -> None:
         gc.freeze()
 
 
+def command():
+    """The click command typer builds from `app`, with help that reads as the usage: a flag shows no
+    `<bool>` value, an argument is named in capitals (CHECKPOINT_DIR, not {checkpoint_dir})."""
+    built = typer.main.get_command(app)
+    for sub in [built, *getattr(built, "commands", {}).values()]:
+        for param in sub.params:
+            if getattr(param, "is_flag", False):
+                param.metavar = ""
+            elif param.param_type_name == "argument":
+                param.metavar = (param.name or "").upper()
+    return built
+
+
 def main() -> None:
     """Console-script entry point: run the app, turn failures into one line + exit code (docs: README)."""
     signals.install()
     atexit.register(_skip_final_collection)
     if not sys.argv[1:]:  # bare `bema`: the usage goes to stderr (stdout is for data), exit 2
         with contextlib.redirect_stdout(sys.stderr):
-            app(["--help"], standalone_mode=False)
+            command()(["--help"], standalone_mode=False, prog_name="bema")
         sys.exit(2)
     try:
-        code = app(standalone_mode=False)
+        code = command()(standalone_mode=False, prog_name="bema")
     except click.NoArgsIsHelpError:  # its help text was printed while it was raised
         sys.exit(2)
     except click.UsageError as exc:

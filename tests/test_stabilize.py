@@ -307,3 +307,23 @@ def test_bema_with_eta_inf_is_the_ema_written_once(tmp_path):
     assert r.returncode == 0, r.stderr
     assert sorted(o["run"] for o in json.loads(r.stdout)["outputs"]) == ["bema-k0.5-e0.1", "ema-k0.5"]
     assert "bema with --eta inf is ema-k0.5 (no bias correction): written once, as ema-k0.5" in r.stderr
+
+
+def test_degenerate_kappas_are_warned_about(capsys):
+    """kappa 0 makes the EMA the current iterate; kappa > 1 never forgets theta0: each is said."""
+    from bema_cli.stabilize.plan import grid
+
+    grid(["bema"], [0.0, 0.5, 2.0], [0.2])
+    err = capsys.readouterr().err
+    assert "--kappa 0: beta = 1 at every step" in err and "--kappa 2 > 1:" in err and "0.5" not in err
+    grid(["bema"], [0.5], [0.2])
+    assert capsys.readouterr().err == ""
+
+
+def test_help_reads_as_the_usage():
+    """Flags show no `<bool>` value; the argument is named in capitals."""
+    r = run_bema("stabilize", "--help", env={"COLUMNS": "200"})
+    assert r.returncode == 0
+    assert "{checkpoint_dir}" not in r.stdout and "CHECKPOINT_DIR" in r.stdout
+    flags = [line for line in r.stdout.splitlines() if "--final-only" in line or "--dry-run" in line]
+    assert flags and not any("<bool>" in line for line in flags)

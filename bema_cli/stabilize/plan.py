@@ -127,6 +127,12 @@ def grid(methods: list[str], kappas: list[float], etas: list[float], **common) -
     """
     if not methods:
         raise UsageError("--method: no method given")
+    for kappa in set(kappas) & ({0.0} | {k for k in kappas if k > 1}) if set(methods) - {"vanilla"} else ():
+        output.warn(
+            f"--kappa {kappa:g}: beta = 1 at every step, so the EMA is the current iterate (no averaging)"
+            if kappa == 0
+            else f"--kappa {kappa:g} > 1: the betas sum to a finite total, so the EMA never forgets theta0"
+        )
     out: dict[str, Schedule] = {}
     for method in methods:
         for kappa in kappas:

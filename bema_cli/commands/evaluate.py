@@ -169,7 +169,7 @@ def evaluate(
     from bema_cli.cluster import ExecutorOptions
     from bema_cli.eval.backends.base import EngineOptions
     from bema_cli.eval.chat import read_template
-    from bema_cli.eval.evaluate import EvalConfig, run_eval
+    from bema_cli.eval.evaluate import LIBRARY_LOG, EvalConfig, run_eval
     from bema_cli.eval.results import records_table
     from bema_cli.eval.tasks import parse_tasks
 
@@ -193,7 +193,10 @@ def evaluate(
         batch_size=batch_size, chat_template=read_template(chat_template) if chat_template else None,
         log_file=str(Path(out) / "vllm.log") if out else None, debug=cli._debug, verify_swap=verify_swap,
     )  # fmt: skip
-    records = run_eval(inputs or [], base, config, engine, ExecutorOptions(executor, workers, ray_address))
+    records = run_eval(
+        inputs or [], base, config, engine, ExecutorOptions(executor, workers, ray_address),
+        validated=lambda: output.send_library_output(Path(out) / LIBRARY_LOG),
+    )  # fmt: skip
     if json_:
         output.print_json(records)
     else:

@@ -379,8 +379,10 @@ def run_eval(
     config: EvalConfig,
     engine: EngineOptions,
     executor: ExecutorOptions | None = None,
+    validated=None,
 ) -> list[dict]:
-    """Evaluate every input (and the base); returns the records of all requested (checkpoint, task)."""
+    """Evaluate every input (and the base); returns the records of all requested (checkpoint, task).
+    `validated()` is called once the inputs and flags are checked, before any library loads."""
     validate(config, engine)
     if executor is not None and executor.executor == "ray":
         import_ray()  # a missing extra is reported before anything is read
@@ -393,8 +395,8 @@ def run_eval(
         check_model_dir(target.path)
     if config.out is not None:  # results.jsonl never lands in a model folder it evaluates
         check_apart(Path(config.out).expanduser(), [t.path for t in targets], may_contain=True)
-    # the libraries' own stderr output (vLLM, torch, transformers, lm-eval) goes to a file from here on
-    output.send_library_output(Path(config.out) / LIBRARY_LOG if config.out is not None else None)
+    if validated is not None:
+        validated()  # the CLI: the libraries' own stderr output goes to OUT/libraries.log from here on
     return Evaluation(config, engine, executor).run(targets)
 
 

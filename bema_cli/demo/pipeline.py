@@ -269,16 +269,49 @@ def plot_summary(summary: dict, path: Path) -> Path:
 
 
 # -- the pipeline -------------------------------------------------------------------------------
-def prepare_out(out: Path, overwrite: bool) -> None:
-    """Refuse to touch a folder that is not ours; replace an old demo only with --overwrite."""
+def prepare_out(out: Path, overwrite: bool, settings: dict) -> dict:
+    """Refuse to touch a folder that is not ours. An earlier demo with the same settings is
+    continued (its finished stages kept); other settings, or --overwrite, start over.
+    Returns the marker document: {"settings", "done": [finished stages]}."""
+    marker = out / MARKER
     if out.exists() and any(out.iterdir()):
-        if not (out / MARKER).exists():
+        if not marker.exists():
             raise OutputError(f"{out}: exists and is not a bema demo folder; choose another --out")
+        doc = _read_marker(marker)
+        if not overwrite and doc.get("settings") != settings:
+            raise OutputError(
+                f"{out}: a demo made with other settings (or by an older bema) is there; "
+                "pass --overwrite to replace it, or choose another --out"
+            )
         if not overwrite:
-            raise OutputError(f"{out}: a previous demo is there; pass --overwrite to replace it")
+            if doc.get("done"):
+                output.log(f"continuing the demo in {out}: {', '.join(doc['done'])} already done")
+            return doc
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("created by `bema demo`; `bema demo --overwrite` may delete this folder\n")
+    doc = {"note": "created by `bema demo`; `bema demo --overwrite` may delete this folder",
+           "settings": settings, "done": []}  # fmt: skip
+    _write_marker(marker, doc)
+    return doc
+
+
+def _read_marker(marker: Path) -> dict:
+    import json
+
+    try:
+        doc = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _write_marker(marker: Path, doc: dict) -> None:
+    tmp = marker.with_name(marker.name + ".tmp")
+    tmp.write_text(output.to_json(doc) + "\n")
+    os.replace(tmp, marker)
+
+
+STAGE_FOLDERS = {"data": ("data",), "base": ("base", "pretrain-tmp"), "finetune": ("sft",)}  # what each writes
 
 
 def run_demo(
@@ -288,45 +321,69 @@ def run_demo(
     overwrite: bool = False,
     keep_failed: bool = False,
 ) -> dict:
-    """Run every stage; returns the summary. On failure the half-made folder is removed (unless keep_failed)."""
+    """Run every stage not finished yet; returns the summary. An interrupted or failed run keeps the
+    finished stages (a rerun continues from them); the unfinished stage's files are removed
+    unless keep_failed. stabilize, eval and report continue by themselves (state, resume keys)."""
     out = Path(out)
     cfg = QUICK if quick else DemoConfig()
-    prepare_out(out, overwrite)
+    marker = prepare_out(out, overwrite, {"config": asdict(cfg), "quick": quick})
+    current: list[str] = []
     try:
-        return _stages(out, cfg, backend, quick)
+        return _stages(out, cfg, backend, quick, marker, current)
     except BaseException:
-        if not keep_failed:
-            shutil.rmtree(out, ignore_errors=True)
-            output.warn(f"removed the unfinished {out} (rerun with --keep-failed to keep it)")
+        for name in current:  # the stage that was running: never half a model or half a run
+            if not keep_failed:
+                for folder in STAGE_FOLDERS.get(name, ()):
+                    shutil.rmtree(out / folder, ignore_errors=True)
+        output.warn(f"kept the finished stages in {out} ({', '.join(marker['done']) or 'none'}); "
+                    "run the same command again to continue")  # fmt: skip
         raise
 
 
-def _stages(out: Path, cfg: DemoConfig, backend: str, quick: bool) -> dict:
+def _stages(out: Path, cfg: DemoConfig, backend: str, quick: bool, marker: dict, current: list[str]) -> dict:
     started = time.perf_counter()
     timings: dict[str, float] = {}
 
-    def stage(name: str, title: str) -> None:
+    def stage(name: str, title: str) -> bool:
+        """Start stage `name`; False when an earlier run finished it (its outputs are there)."""
         from rich.text import Text
 
         timings[name] = time.perf_counter()
+        if name in marker["done"] and name in STAGE_FOLDERS:
+            output.stderr.rule(Text(f"{title} (done earlier)", style="bold"), align="left")
+            return False
+        for folder in STAGE_FOLDERS.get(name, ()):  # what an interrupted attempt left
+            shutil.rmtree(out / folder, ignore_errors=True)
         output.stderr.rule(Text(title, style="bold"), align="left")
+        current[:] = [name]
+        return True
 
-    stage("data", "1/6 data: generated tasks in the `bema eval --data-dir` schemas")
-    data = write_data(out, cfg)
-    stage("base", "2/6 base model: tokenizer + small Qwen2, pretrained on generated text")
-    base = build_base(out, cfg, data["train"])
-    stage(
-        "finetune",
-        f"3/6 fine-tune: HF Trainer, constant LR {cfg.lr}, batch {cfg.batch}, save every {cfg.save_every} steps",
-    )
-    finetune(out, cfg, base, data["train"])
+    def done(name: str) -> None:
+        marker["done"] = [*marker["done"], name] if name not in marker["done"] else marker["done"]
+        _write_marker(out / MARKER, marker)
+        current.clear()
+
+    if stage("data", "1/6 data: generated tasks in the `bema eval --data-dir` schemas"):
+        write_data(out, cfg)
+        done("data")
+    train = read_jsonl(out / "data" / "train.jsonl")
+    if stage("base", "2/6 base model: tokenizer + small Qwen2, pretrained on generated text"):
+        build_base(out, cfg, train)
+        done("base")
+    title = f"3/6 fine-tune: HF Trainer, constant LR {cfg.lr}, batch {cfg.batch}, save every {cfg.save_every} steps"
+    if stage("finetune", title):
+        finetune(out, cfg, out / "base", train)
+        done("finetune")
     stage("stabilize", "4/6 stabilize: EMA and BEMA from the saved checkpoints")
     bema_cli(stabilize_args(out, cfg))
+    done("stabilize")
     stage("eval", "5/6 eval: vanilla, EMA and BEMA on held-out loss and the three tasks")
     args = eval_args(out, cfg, backend)  # auto: vLLM when installed and usable, else transformers
     bema_cli(args, display=_short(args, out, cfg))
+    done("eval")
     stage("report", "6/6 report: tables and curves")
     bema_cli(["report", str(out / "results"), "--plot", str(out / "curves.png")])
+    done("report")
     ends = [*list(timings.values())[1:], time.perf_counter()]
     seconds = {name: round(end - start, 1) for (name, start), end in zip(timings.items(), ends, strict=True)}
     summary = summarize(read_jsonl(out / "results" / "results.jsonl"))

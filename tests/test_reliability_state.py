@@ -238,15 +238,23 @@ def _flip_last_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def _as_float64_with_sum(out: Path, path: Path) -> None:
-    """Rewrite the state file in float64 and update its checksum, as a careless tool would."""
+def _as_float64_with_sum(out: Path, path: Path, reseal: bool = False) -> None:
+    """Rewrite the state file in float64 and update its checksum, as a careless tool would (and with
+    `reseal`, recompute state.json's seal too, as only a deliberate forger would)."""
+    from bema_cli.stabilize.state_doc import seal
+
     save_file({k: v.double() for k, v in load_file(path).items()}, path)
     doc = _state(out)
     doc["checksums"][path.parent.name][path.name] = file_digest(path)
+    if reseal:
+        doc["seal"] = seal(doc)
     _save_state(out, doc)
 
 
-@pytest.mark.parametrize("damage", ["bit flip", "float64", "float64 with checksum", "truncated", "missing"])
+@pytest.mark.parametrize(
+    "damage",
+    ["bit flip", "float64", "float64 with checksum", "float64, checksum, seal", "truncated", "missing"],
+)
 def test_damaged_state_tensor_is_refused_and_restart_recovers(traj, half, tmp_path, damage):
     base, run = traj
     _, part, out = half
@@ -257,12 +265,17 @@ def test_damaged_state_tensor_is_refused_and_restart_recovers(traj, half, tmp_pa
         save_file({k: v.double() for k, v in load_file(path).items()}, path)
     elif damage == "float64 with checksum":
         _as_float64_with_sum(out, path)
+    elif damage == "float64, checksum, seal":  # past the seal: the dtype check still names the file
+        _as_float64_with_sum(out, path, reseal=True)
     elif damage == "truncated":
         path.write_bytes(path.read_bytes()[:-8])
     else:
         path.unlink()
     line = one_line_error(_run(part, base, out), 3)
-    assert path.parent.name in line
+    if damage == "float64 with checksum":  # state.json edited: its seal says so
+        assert "state.json: edited since bema wrote it" in line and "--restart" in line
+    else:
+        assert path.parent.name in line
     _ok(part, base, out, "--restart")
     ref = tmp_path / "ref"
     _ok(run, base, ref)
@@ -335,3 +348,68 @@ def test_consumed_checkpoint_changed_in_the_middle(big_traj, tmp_path, mode):
         assert "checkpoint-10" in line and "changed on disk" in line
     else:
         assert r.returncode == 0, r.stderr
+
+
+# -- 7. state.json seals itself: content of the right type but the wrong value is refused -----------
+def _two_kappas(doc: dict) -> None:
+    """Swap the state folders of the ema-k0.5 and ema-k0.7 tracks."""
+    runs = {r["run"]: r for r in doc["runs"]}
+    a, b = runs["ema-k0.5"], runs["ema-k0.7"]
+    a["state"], b["state"] = b["state"], a["state"]
+
+
+EDITS = {
+    "last_step 50": lambda d: d["runs"][0].update(last_step=50),
+    "last_step 10**30": lambda d: d["runs"][0].update(last_step=10**30),
+    "checksums removed": lambda d: d.pop("checksums"),
+    "checksums emptied": lambda d: d.update(checksums={}),
+    "checksums a list": lambda d: d.update(checksums=[]),
+    "state folders swapped": _two_kappas,
+    "delete names a live output": lambda d: d.update(delete=[f"{d['runs'][0]['run']}/checkpoint-{STEPS[1]}"]),
+    "outputs -5": lambda d: d["runs"][0].update(outputs=[-5]),
+    "outputs 10**30": lambda d: d["runs"][0].update(outputs=[10**30]),
+    "seal removed": lambda d: d.pop("seal"),
+    "an older format": lambda d: d.update(format=1),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_an_edited_state_is_refused_in_one_line_and_nothing_is_lost(traj, tmp_path, edit):
+    """Each of these ended with exit 0 and wrong outputs (or deleted a live one, or exit 70) before
+    the state sealed itself: now one line naming state.json and --restart, OUT untouched, and
+    --restart recomputes outputs equal to a one-shot run."""
+    base, run = traj
+    part, out = _partial(run, tmp_path / "run", STEPS[:2]), tmp_path / "out"
+    grid = ["--method", "ema,bema", "--kappa", "0.5,0.7"]
+    assert run_bema("stabilize", part, "--base", base, "--out", out, *grid).returncode == 0
+    _partial(run, part, STEPS)
+    doc = _state(out)
+    EDITS[edit](doc)
+    _save_state(out, doc)
+    before = _tree(out)
+    r = run_bema("stabilize", part, "--base", base, "--out", out, *grid)
+    line = one_line_error(r, 3)
+    assert "state.json" in line and "--restart" in line, line
+    assert _tree(out) == before  # nothing deleted, nothing written
+    again = run_bema("stabilize", part, "--base", base, "--out", out, *grid, "--restart")
+    assert again.returncode == 0, again.stderr
+    ref = tmp_path / "ref"
+    assert run_bema("stabilize", run, "--base", base, "--out", ref, *grid).returncode == 0
+    assert _outputs(out) == _outputs(ref)
+
+
+def test_tidy_never_deletes_a_live_output_even_from_a_resealed_state(half):
+    """A forger can recompute the seal; a delete entry naming an output the state still lists is
+    still never deleted, and a dropped output is renamed away before it is deleted."""
+    from bema_cli.stabilize import state
+    from bema_cli.stabilize.state_doc import seal
+
+    _, _, out = half
+    doc = _state(out)
+    live = f"{doc['runs'][0]['run']}/checkpoint-{STEPS[1]}"
+    doc["delete"] = [live]
+    doc["seal"] = seal(doc)
+    _save_state(out, doc)
+    before = _tree(out / live)
+    state.tidy(out)
+    assert _tree(out / live) == before and not list(out.glob(".bema-tmp-*"))

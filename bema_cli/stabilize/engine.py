@@ -55,7 +55,14 @@ def _recovered(out: Path, txn: OutputTransaction) -> None:
 
 def _restarted(plan: Plan, opts: Options) -> set[str]:
     """Runs whose folders --restart may replace: those OUT's state knows (others stay protected)."""
-    known = {r["run"] for r in (plan.resume.stored or {}).get("runs", [])} if opts.restart else set()
+    if not opts.restart:
+        return set()
+    known = {r["run"] for r in (plan.resume.stored or {}).get("runs", [])}
+    if plan.resume.stored is None:  # an unusable state: bema's own runs, as the manifest lists them
+        known = {
+            r["run"]
+            for r in (meta.read_manifest(Path(opts.out).expanduser().resolve()) or {}).get("runs", [])
+        }
     return {r.name for r in plan.runs if r.name in known}
 
 
@@ -149,7 +156,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
         }
     with OutputTransaction(out) as txn:  # locks OUT: a second writer is refused here, before any work
         _recovered(out, txn)
-        if state.read(out) != plan.resume.stored:
+        if state.read(out, opts.restart or opts.overwrite) != plan.resume.stored:
             opts = resolve_state(asked)  # another writer committed between our planning and the lock
             plan = prepare(opts)
         _check_out(out, plan.runs, opts.overwrite, _restarted(plan, opts))  # again, now that OUT is ours

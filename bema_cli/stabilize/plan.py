@@ -308,7 +308,7 @@ def prepare(opts: Options) -> Plan:
     if opts.base == "first" and is_adapter(checkpoints[0].path):
         raise UsageError("--base first: a LoRA run starts from the base model it adapts; pass --base DIR")
     out = Path(opts.out).expanduser().resolve()
-    stored = state.read(out)
+    stored = state.read(out, opts.restart or opts.overwrite)
     if opts.no_state is None:
         raise ValueError("Options.no_state is decided by resolve_state before planning")
     if opts.no_state and stored is not None:

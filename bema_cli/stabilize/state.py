@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
 STATE_DIR = ".bema-state"
 STATE_FILE = "state.json"
-FORMAT = 1
+FORMAT = 2  # 2: sealed (state_doc.seal); 1 (bema 0.3): unsealed, refused with a --restart hint
 # What must not change between calls of one run: the schedule and the dtypes (flag names for errors).
 SCHEDULE_KEYS = ("preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min")
 CHECKED = (*SCHEDULE_KEYS, "accum_dtype", "out_dtype", "lora_output", "lora_rank")
@@ -54,14 +55,26 @@ ADDED_LATER = {"lora_output": "merged", "lora_rank": None}
 
 
 # -- reading the state and checking a call against it -----------------------------------------
-def read(out: Path) -> dict | None:
-    """OUT/.bema-state/state.json, or None when OUT has no state; InputError naming it when malformed."""
+_SAID: set[Path] = set()  # unusable states already reported (read runs up to three times a call)
+
+
+def read(out: Path, restart: bool = False) -> dict | None:
+    """OUT/.bema-state/state.json, or None when OUT has no state; InputError naming it when malformed,
+    edited or of an older format, unless `restart` (--restart/--overwrite: nothing of it is used)."""
     state_doc.check_no_links(out / STATE_DIR)
     path = out / STATE_DIR / STATE_FILE
     if not path.exists():
         return None
     required = tuple(k for k in CHECKED if k not in ADDED_LATER)
-    return state_doc.validate(read_json(path), path, FORMAT, required)
+    try:
+        return state_doc.validate(read_json(path), path, FORMAT, required)
+    except InputError as exc:
+        if not restart:
+            raise
+        if path not in _SAID:
+            _SAID.add(path)
+            output.log(f"{str(exc).split('; ')[0]}: recomputing from scratch (--restart)")
+        return None
 
 
 def _settings(schedule: Schedule, opts: Options) -> dict:
@@ -105,7 +118,7 @@ def resume(opts: Options, out: Path, checkpoints: list[Checkpoint], base_source:
     which replaces outputs anyway) recomputes the grid's runs from theta0; the state of other
     runs is kept when the inputs it was computed from are unchanged, else dropped.
     """
-    stored = read(out)
+    stored = read(out, opts.restart or opts.overwrite)
     present = [c.step for c in checkpoints]
     if stored is None:
         return Resume(None, present, {}, None, base_files)
@@ -362,6 +375,8 @@ def stage(plan: Plan, opts: Options, tmp: Path) -> tuple[list[str], list[str], d
     news = [t.folder for t in plan.tracks if t.advancing and t.folder] + [plan.theta0_folder]
     doc["checksums"] = _checksums(doc, plan.resume.stored or {}, tmp / STATE_DIR, [f for f in news if f])
     (tmp / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    doc = json.loads(output.to_json(doc))  # as stored (inf -> "inf"), so the seal is over what is read back
+    doc["seal"] = state_doc.seal(doc)
     (tmp / STATE_DIR / STATE_FILE).write_text(output.to_json(doc) + "\n")
     entries += [f"{STATE_DIR}/{f}" for f in news if f] + [f"{STATE_DIR}/{STATE_FILE}"]
     return entries, delete, kept
@@ -420,15 +435,31 @@ def _new_state(plan: Plan, opts: Options, outputs: dict[str, list[int]]) -> dict
 def tidy(out: Path) -> None:
     """Under OUT's lock: delete what a committed state.json lists as deleted and state folders no run needs.
 
-    Both are left over only when a process died right after its commit; deleting them twice is harmless.
+    A dropped output (--keep-last) is first renamed into a temp folder of bema's, then deleted, so
+    a reader sees it whole or not at all; an entry naming an output the same state still lists is
+    never deleted. Both are left over only when a process died right after its commit; deleting
+    them twice is harmless.
     """
-    doc = read(out)
+    import uuid
+
+    from bema_cli.io.commit import TMP_PREFIX
+
+    try:
+        doc = read(out)
+    except InputError:  # an edited or damaged state names nothing bema may delete
+        return
     if doc is None:
         return
+    live = {(r["run"], f"checkpoint-{s}") for r in doc["runs"] for s in r["outputs"]}
+    trash = out / f"{TMP_PREFIX}trash-{uuid.uuid4().hex[:12]}"
     for rel in doc.get("delete", []):  # "<run>/checkpoint-<step>" (state_doc checked), never through a link
+        run, name = rel.split("/")
         path = out / rel
-        if path.is_dir() and not path.is_symlink() and not path.parent.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
+        if (run, name) in live or not path.is_dir() or path.is_symlink() or path.parent.is_symlink():
+            continue
+        trash.mkdir(exist_ok=True)
+        os.rename(path, trash / f"{run}-{name}")
+    shutil.rmtree(trash, ignore_errors=True)
     keep = {r.get("state") for r in doc["runs"]} | {(doc["theta0"].get("burnin") or {}).get("folder")}
     for p in (out / STATE_DIR).iterdir():
         if p.is_dir() and not p.is_symlink() and p.name not in keep:

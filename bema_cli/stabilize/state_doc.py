@@ -80,8 +80,8 @@ def _check(doc, checked: tuple[str, ...]) -> None:
         if r.get("state") is not None:
             _plain_name(r["state"], f"{where}.state")
         outputs = _field(r, "outputs", list, where)
-        if not all(_is_int(x) for x in outputs):
-            raise _Bad(f"{where}.outputs holds a non-integer step")
+        if not all(_is_int(x) and 0 <= x <= r["last_step"] for x in outputs):
+            raise _Bad(f"{where}.outputs holds a step that is not an integer in [0, last_step]")
         for key in checked:
             if key not in r:
                 raise _Bad(f"{where}: missing {key!r}")
@@ -90,7 +90,11 @@ def _check(doc, checked: tuple[str, ...]) -> None:
         if len(parts) != 2 or not DELETE_RE.fullmatch(parts[1]):
             raise _Bad(f"delete entry {rel!r} is not <run>/checkpoint-<step>")
         _plain_name(parts[0], "delete entry")
-    for folder, files in (doc.get("checksums") or {}).items():
+    sums = _field(doc, "checksums", dict, "state")
+    named = {r.get("state") for r in doc["runs"]} | {(burnin or {}).get("folder")}
+    for folder in sorted(f for f in named if f and f not in sums):
+        raise _Bad(f"checksums has no entry for the state folder {folder!r}")
+    for folder, files in sums.items():
         _plain_name(folder, "checksums folder")
         if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
             raise _Bad(f"checksums[{folder!r}] is not a map of file -> digest")
@@ -98,18 +102,35 @@ def _check(doc, checked: tuple[str, ...]) -> None:
             _plain_name(name, f"checksums[{folder!r}] file")
 
 
+def seal(doc: dict) -> str:
+    """The digest of a state document's canonical JSON (every key but "seal" itself), state-file
+    checksums included: state.json names what bema deletes and continues from, so any edit of
+    the right type but the wrong content (a last_step, a swapped state folder, a removed checksum,
+    a delete entry) is caught here, in one place no key can switch off. It guards against edits
+    and accidents, not a forger who recomputes it (xxh3 is not keyed)."""
+    import json
+
+    import xxhash
+
+    body = {k: v for k, v in doc.items() if k != "seal"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return "xxh3_128:" + xxhash.xxh3_128_hexdigest(text.encode())
+
+
 def validate(doc, path: Path, fmt: int, checked: tuple[str, ...]) -> dict:
-    """The document, checked whole; InputError naming `path` and the first problem otherwise."""
+    """The document, checked whole and against its seal; InputError naming `path` and the first
+    problem otherwise."""
+    fix = "pass --restart to recompute from scratch"
+    if isinstance(doc, dict) and _is_int(doc.get("format")) and 0 < doc["format"] < fmt:
+        raise InputError(f"{path}: a state of an older bema (format {doc['format']}, unsealed); {fix}")
     if not isinstance(doc, dict) or doc.get("format") != fmt:
-        raise InputError(
-            f"{path}: not a bema state (format {fmt}); remove {path.parent} to recompute from scratch"
-        )
+        raise InputError(f"{path}: not a bema state (format {fmt}); {fix}")
     try:
         _check(doc, checked)
     except _Bad as exc:
-        raise InputError(
-            f"{path}: malformed bema state ({exc}); remove {path.parent} to recompute from scratch"
-        ) from None
+        raise InputError(f"{path}: malformed bema state ({exc}); {fix}") from None
+    if doc.get("seal") != seal(doc):
+        raise InputError(f"{path}: edited since bema wrote it (its seal does not match its content); {fix}")
     return doc
 
 

@@ -26,6 +26,7 @@ BEMA_HIGHER_IS_BETTER = {
     "accuracy_flexible": True,
     "accuracy": True,
 }  # "accuracy": bema 0.1
+MAX_STEP = 2**53  # steps are plotted as float64: larger ones would be rounded (and 10**30 overflows)
 PANEL_W, PANEL_H, LEGEND_W = 5.0, 3.8, 2.5  # inches: the figure is (PANEL_W*cols + LEGEND_W) x PANEL_H*rows
 MAX_COLS = 3
 
@@ -63,8 +64,10 @@ def read_records(path: Path) -> list[dict]:
         if missing:
             raise InputError(f"{where}: no {', '.join(map(repr, missing))}")
         step = record["step"]
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise InputError(f"{where}: 'step' must be a non-negative integer or null, got {step!r}")
+        if step is not None and (
+            not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < MAX_STEP
+        ):
+            raise InputError(f"{where}: 'step' must be an integer in [0, 2**53) or null, got {step!r}")
         if not isinstance(record["metrics"], dict):
             raise InputError(f"{where}: 'metrics' must be an object")
         records.append({**record, "_where": where})

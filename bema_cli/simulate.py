@@ -39,6 +39,7 @@ STATE_TENSORS = 6  # (trials, dim) tensors besides the estimators': theta0, thet
 TENSORS_PER_ESTIMATOR = 6  # its Stabilizer's running averages (up to 4), the held output, a temporary
 BYTES_PER_STEP = 400  # per estimator and SGD step: one planned schedule entry (~190 B) + list slots, 2-D path
 NOISE_BLOCK = 2**21  # normals drawn per torch.randn call (16 MiB of float64): few calls, bounded memory
+MAX_SCALE = 1e100  # --sigma, --distance: their squares times lr**2 and the step count stay far inside float64
 
 
 @dataclass(frozen=True)
@@ -83,17 +84,17 @@ class SimSettings:
             (self.dim >= 1, "--dim", "must be >= 1", self.dim),
             (self.lr > 0 and math.isfinite(self.lr), "--lr", "must be a finite number > 0", self.lr),
             (
-                self.sigma >= 0 and math.isfinite(self.sigma),
+                0 <= self.sigma <= MAX_SCALE,
                 "--sigma",
-                "must be a finite number >= 0",
+                f"must be a number in [0, {MAX_SCALE:g}] (squared errors must stay inside float64)",
                 self.sigma,
             ),
             (self.steps >= 1, "--steps", "must be >= 1", self.steps),
             (self.trials >= 1, "--trials", "must be >= 1", self.trials),
             (
-                self.distance >= 0 and math.isfinite(self.distance),
+                0 <= self.distance <= MAX_SCALE,
                 "--distance",
-                "must be >= 0",
+                f"must be a number in [0, {MAX_SCALE:g}]",
                 self.distance,
             ),
             (self.record_every >= 1, "--record-every", "must be >= 1", self.record_every),

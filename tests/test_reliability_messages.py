@@ -291,3 +291,27 @@ def test_lora_fan_in_fan_out_on_linear_layers_is_ignored_as_peft_does(lora_run, 
     assert outs["plain"].keys() == outs["flipped"].keys()
     for k, v in outs["plain"].items():
         assert torch.equal(v, outs["flipped"][k]), k
+
+
+# -- numbers and nesting no reader expects: one line, never exit 70 --------------------------------
+def test_report_refuses_an_absurd_step_and_deeply_nested_json(tmp_path):
+    from test_report import record
+
+    huge = tmp_path / "huge" / "results.jsonl"
+    huge.parent.mkdir()
+    huge.write_text(json.dumps(record("vanilla", 10**30, "loss", 1.0)) + "\n")
+    line = one_line_error(run_bema("report", huge, "--plot", tmp_path / "p.png"), 3)
+    assert "'step' must be an integer in [0, 2**53)" in line and str(huge) in line
+    deep = tmp_path / "deep" / "results.jsonl"
+    deep.parent.mkdir()
+    deep.write_text(
+        json.dumps(record("vanilla", 10, "loss", 1.0)) + "\n" + "[" * 100000 + "]" * 100000 + "\n"
+    )
+    line = one_line_error(run_bema("report", deep), 3)
+    assert f"{deep}:2: invalid JSON (nested too deeply)" in line
+
+
+@pytest.mark.parametrize("flag", ["--sigma", "--distance"])
+def test_simulate_refuses_scales_that_overflow_float64(flag):
+    line = one_line_error(run_bema("simulate", flag, "1e308", "--trials", "10"), 2)
+    assert flag in line and "1e+308" in line

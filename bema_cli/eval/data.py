@@ -120,6 +120,8 @@ def jsonl_rows(path: Path, end: int | None = None) -> list[tuple[int, object]]:
             out.append((number, json.loads(line)))
         except json.JSONDecodeError as exc:
             raise InputError(f"{path}:{number}: invalid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise InputError(f"{path}:{number}: invalid JSON (nested too deeply)") from None
     return out
 
 

@@ -49,7 +49,7 @@ def torn_tail(path: Path) -> tuple[int, int] | None:
     try:
         json.loads(data[start:])
         return None
-    except ValueError:
+    except (ValueError, RecursionError):
         return data.count(b"\n") + 1, start
 
 

@@ -82,6 +82,8 @@ def read_json(path: Path) -> dict:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise InputError(f"{path}: cannot read ({exc})") from None
+    except RecursionError:  # JSON nested thousands deep: no file bema reads is like that
+        raise InputError(f"{path}: cannot read (JSON nested too deeply)") from None
 
 
 def read_weight_map(index: Path, kind: str = "safetensors") -> dict[str, str]:

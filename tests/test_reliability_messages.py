@@ -315,3 +315,31 @@ def test_report_refuses_an_absurd_step_and_deeply_nested_json(tmp_path):
 def test_simulate_refuses_scales_that_overflow_float64(flag):
     line = one_line_error(run_bema("simulate", flag, "1e308", "--trials", "10"), 2)
     assert flag in line and "1e+308" in line
+
+
+def test_only_a_real_hub_cache_layout_lets_links_reach_its_blobs(tmp_path):
+    """A run folder named `snapshots` beside a `blobs/` folder is not a Hub cache: a side-file link to
+    anything under its parent is refused. A real cache snapshot (models--org--name/snapshots/<rev>)
+    links into its blobs/, and those links are followed (copied as files)."""
+    base, run = _small(tmp_path / "t")
+    fake = tmp_path / "fake"
+    (fake / "blobs").mkdir(parents=True)
+    shutil.copytree(run, fake / "snapshots")
+    secret = fake / "secret.txt"
+    secret.write_text("do not copy me\n")
+    link = fake / "snapshots" / "checkpoint-30" / "tokenizer_config.json"
+    link.unlink(missing_ok=True)
+    link.symlink_to(secret)
+    line = one_line_error(
+        run_bema("stabilize", fake / "snapshots", "--base", base, "--out", tmp_path / "o1"), 3
+    )
+    assert f"{link}: a symbolic link to {secret}" in line
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    shutil.copytree(base, snapshot)
+    (repo / "blobs").mkdir()
+    (repo / "blobs" / "0f1e").write_text('{"shared": true}')
+    (snapshot / "tokenizer_config.json").unlink(missing_ok=True)
+    (snapshot / "tokenizer_config.json").symlink_to(Path("../../blobs/0f1e"))
+    r = run_bema("stabilize", run, "--base", snapshot, "--out", tmp_path / "o2", "--steps", "30")
+    assert r.returncode == 0, r.stderr

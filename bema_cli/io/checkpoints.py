@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -399,7 +400,18 @@ def aux_files(src: Path, inside: list[Path]) -> list[Path]:
     return files
 
 
+HUB_REPO = re.compile(r"models--[^/]+")  # the HF cache's folder of one model repo: models--<org>--<name>
+
+
 def _hub_repo(folder: Path) -> Path | None:
-    """The HF cache repo folder of a snapshot (`models--x--y/snapshots/<rev>`), whose files link to blobs/."""
+    """The blobs/ folder of an HF cache snapshot, recognised by the cache's whole layout
+    (`models--<org>--<name>/snapshots/<rev>` beside `blobs/`): a snapshot's files link there. A run
+    folder merely named `snapshots` beside a `blobs/` is not a cache, and its links stay refused."""
     repo = folder.parent.parent
-    return repo.resolve() if folder.parent.name == "snapshots" and (repo / "blobs").is_dir() else None
+    if (
+        folder.parent.name != "snapshots"
+        or not HUB_REPO.fullmatch(repo.name)
+        or not (repo / "blobs").is_dir()
+    ):
+        return None
+    return (repo / "blobs").resolve()

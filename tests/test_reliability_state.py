@@ -413,3 +413,28 @@ def test_tidy_never_deletes_a_live_output_even_from_a_resealed_state(half):
     before = _tree(out / live)
     state.tidy(out)
     assert _tree(out / live) == before and not list(out.glob(".bema-tmp-*"))
+
+
+def test_an_output_deleted_by_hand_is_reconciled_on_the_next_call(traj, tmp_path):
+    """manifest.json and state.json stop listing an output someone deleted, with a warning naming it;
+    the run goes on, and its continued outputs equal a one-shot run's."""
+    base, run = traj
+    part, out = _partial(run, tmp_path / "run", STEPS[:2]), tmp_path / "out"
+    _ok(part, base, out)
+    gone = out / "ema-k0.5" / f"checkpoint-{STEPS[0]}"
+    shutil.rmtree(gone)
+    r = _run(part, base, out)
+    assert r.returncode == 0, r.stderr
+    assert f"ema-k0.5/checkpoint-{STEPS[0]} deleted by hand since the last call" in r.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    listed = {(x["run"], o["step"]) for x in manifest["runs"] for o in x["outputs"]}
+    assert ("ema-k0.5", STEPS[0]) not in listed and ("ema-k0.5", STEPS[1]) in listed
+    runs = {x["run"]: x["outputs"] for x in _state(out)["runs"]}
+    assert runs["ema-k0.5"] == [STEPS[1]] and runs["bema-k0.5-e0.2"] == STEPS[:2]
+    _partial(run, part, STEPS)
+    _ok(part, base, out)  # the resealed state continues
+    ref = tmp_path / "ref"
+    _ok(run, base, ref)
+    assert _outputs(out) == {
+        k: v for k, v in _outputs(ref).items() if not k.startswith(f"ema-k0.5/checkpoint-{STEPS[0]}/")
+    }

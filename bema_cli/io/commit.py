@@ -83,7 +83,7 @@ class OutputTransaction:
                 raise ValueError(f"commit entry {entry!r} must be a plain path relative to OUT")
         with signals.deferred():
             if manifest is not None:  # no rename of its own: the journal's directory fsync covers it
-                _write_synced(self.tmp / STAGED_MANIFEST, _json_bytes(manifest))
+                _write_synced(self.tmp / STAGED_MANIFEST, _json_bytes(manifest), shown=self.out / MANIFEST)
             journal = []
             for entry in entries:
                 st = os.lstat(self.tmp / entry)
@@ -295,18 +295,26 @@ def _json_bytes(doc: dict) -> bytes:
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write a small file durably: a sibling temp file, fsync, rename over the target."""
     part = path.with_name(f".{path.name}.{os.getpid()}.part")
-    _write_synced(part, data)
-    os.replace(part, path)
+    try:
+        _write_synced(part, data, shown=path)
+        os.replace(part, path)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
-def _write_synced(path: Path, data: bytes) -> None:
+def _write_synced(path: Path, data: bytes, shown: Path | None = None) -> None:
     """Write a file and fsync its data; its directory entry is made durable by the caller's next
-    directory fsync (the staged manifest is only read once the journal, written after it, exists)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    directory fsync (the staged manifest is only read once the journal, written after it, exists).
+    A failure (a full disk) is an OutputError naming `shown` (the file as the user knows it)."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise OutputError(f"{shown or path}: cannot write ({exc.strerror or exc})") from None
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -116,6 +116,8 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
     if not opts.dry_run and out.is_dir() and any(out.glob(TMP_PREFIX + "*")):
         with OutputTransaction(out) as txn:  # a writer died here: finish its commit first (the state)
             _recovered(out, txn)
+    if not opts.dry_run and (out / meta.MANIFEST).is_file():
+        reconcile(out)  # outputs deleted by hand leave manifest.json and state.json first
     asked, opts = opts, resolve_state(opts)
     plan = prepare(opts)
     check_apart(out, _inputs(plan, opts.checkpoint_dir))
@@ -183,6 +185,41 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
     doc["outputs"] = [o for o in doc["outputs"] if (o["run"], o["step"]) in keep]
     doc["seconds"] = time.perf_counter() - t0
     return doc
+
+
+def reconcile(out: Path) -> None:
+    """Outputs deleted by hand since the last call leave manifest.json and state.json (resealed), in
+    one commit under OUT's lock, with a warning naming them: the two never list what is not on disk."""
+    import json
+
+    manifest = meta.read_manifest(out) or {}
+    try:
+        stored = state.read(out)
+    except InputError:
+        stored = None  # an unusable state is refused (or recomputed with --restart) by the call itself
+    listed = {(r["run"], o["step"]) for r in manifest.get("runs", []) for o in r.get("outputs", [])}
+    listed |= {(r["run"], s) for r in (stored or {}).get("runs", []) for s in r["outputs"]}
+    gone = sorted(x for x in listed if not (out / x[0] / f"checkpoint-{x[1]}").is_dir())
+    if not gone:
+        return
+    with OutputTransaction(out) as txn:
+        manifest = meta.read_manifest(out) or {}  # again, now that OUT is ours
+        stored = state.read(out) if stored is not None else None
+        for r in manifest.get("runs", []):
+            r["outputs"] = [o for o in r.get("outputs", []) if (r["run"], o["step"]) not in gone]
+        entries = []
+        if stored is not None:
+            for r in stored["runs"]:
+                r["outputs"] = [s for s in r["outputs"] if (r["run"], s) not in gone]
+            stored["seal"] = state.state_doc.seal(stored)
+            (txn.tmp / state.STATE_DIR).mkdir()
+            (txn.tmp / state.STATE_DIR / state.STATE_FILE).write_text(json.dumps(stored, indent=2) + "\n")
+            entries.append(f"{state.STATE_DIR}/{state.STATE_FILE}")
+        txn.commit(entries, manifest=manifest or None)
+    names = ", ".join(f"{run}/checkpoint-{step}" for run, step in gone)
+    output.warn(
+        f"{out}: {names} deleted by hand since the last call: dropped from manifest.json and state.json"
+    )
 
 
 def _io_error(exc: OSError, tmp: Path) -> BemaError:

@@ -438,3 +438,33 @@ def test_an_output_deleted_by_hand_is_reconciled_on_the_next_call(traj, tmp_path
     assert _outputs(out) == {
         k: v for k, v in _outputs(ref).items() if not k.startswith(f"ema-k0.5/checkpoint-{STEPS[0]}/")
     }
+
+
+# -- 8. gaps: a checkpoint the run's cadence says was saved, gone before bema read it ---------------
+@pytest.mark.parametrize("cadence", ["trainer_state save_steps", "state history"])
+@pytest.mark.parametrize("mode", ["rerun", "follow"])
+def test_a_gap_in_the_run_is_refused_naming_the_missing_steps(tmp_path, cadence, mode):
+    steps = [10, 20, 30, 40, 50]
+    base, run = write_trajectory(tmp_path / "t", steps)
+    first = 3 if cadence == "state history" else 2  # the history needs three consumed steps
+    part, out = _partial(run, tmp_path / "run", steps[:first]), tmp_path / "out"
+    _ok(part, base, out)
+    _partial(run, part, steps[first + 1 :])  # steps[first] was deleted by the trainer meanwhile
+    for c in part.iterdir():
+        doc = {"global_step": int(c.name.split("-")[1])}
+        if cadence == "trainer_state save_steps":
+            doc["save_steps"] = 10
+        (c / "trainer_state.json").write_text(json.dumps(doc))
+    extra = ["--follow", "--idle-timeout", "0"] if mode == "follow" else []
+    before = _tree(out)
+    r = _run(part, base, out, *extra)
+    if mode == "follow":  # after its "following ..." line
+        assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+        line = r.stderr.strip().splitlines()[-1]
+    else:
+        line = one_line_error(r, 3)
+    assert f"checkpoint step(s) {steps[first]} missing from the run" in line and "--allow-gaps" in line, line
+    assert ("save_steps 10" in line) == (cadence == "trainer_state save_steps")
+    assert _tree(out) == before
+    _ok(part, base, out, "--allow-gaps", *extra)
+    assert (out / "ema-k0.5" / f"checkpoint-{steps[-1]}").is_dir()

@@ -92,6 +92,13 @@ def stabilize(
     allow_nonfinite: Annotated[
         bool, typer.Option("--allow-nonfinite", help="Do not stop on NaN/Inf in inputs.")
     ] = False,
+    allow_gaps: Annotated[
+        bool,
+        typer.Option(
+            "--allow-gaps",
+            help="Go on when checkpoints the run's cadence (trainer_state.json save_steps, or the state's history) says were saved are gone.",
+        ),
+    ] = False,
     lora_output: Annotated[
         str,
         typer.Option(
@@ -211,6 +218,7 @@ def stabilize(
         dry_run=dry_run,
         overwrite=overwrite,
         allow_nonfinite=allow_nonfinite,
+        allow_gaps=allow_gaps,
         cast_base=cast_base,
         checkpoints=checkpoints,
         lora_output=lora_output,

@@ -47,6 +47,7 @@ class Options:
     dry_run: bool = False
     overwrite: bool = False
     allow_nonfinite: bool = False
+    allow_gaps: bool = False  # go on past checkpoints the run's cadence says were saved but are gone
     cast_base: bool = False  # accept a floating base of another dtype (e.g. bf16 Hub base, fp32 fine-tune)
     checkpoints: list[Checkpoint] | None = None  # given explicitly (a `STEP PATH` list) instead of found
     lora_output: str = "merged"  # LoRA runs: full merged models, or PEFT adapters of rank lora_rank

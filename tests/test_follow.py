@@ -64,31 +64,49 @@ class Lines:
 
 
 # -- completeness rules (io/watch.py) on real files ------------------------------------------
-def test_a_checkpoint_is_complete_by_trainer_state_or_stable_declared_sizes(tmp_path):
+def test_a_checkpoint_is_complete_by_trainer_state_or_settled_content(tmp_path):
     import torch
 
     run = tmp_path / "run"
     folder = run / "checkpoint-10"
     folder.mkdir(parents=True)
-    save_file({"w": torch.zeros(64, 64)}, tmp_path / "full.safetensors")
+    save_file({"w": torch.randn(64, 64)}, tmp_path / "full.safetensors")
     data = (tmp_path / "full.safetensors").read_bytes()
     assert declared_size(tmp_path / "full.safetensors") == len(data)
-    watcher = Watcher(run)
+    now = [0.0]
+    watcher = Watcher(run, settle=5.0, clock=lambda: now[0])
     (folder / "model.safetensors").write_bytes(data[: len(data) // 2])  # being written
     assert watcher.complete() == {} and watcher.complete() == {}
-    (folder / "model.safetensors").write_bytes(data)
-    assert watcher.complete() == {}  # sizes right, but seen once: could still be a copy in progress
-    assert watcher.complete() == {10: folder}  # unchanged across two polls
-    # an index naming a shard not written yet is not complete; trainer_state.json is complete at once
+    # created at full size (header first, data zero-filled), filled later: sizes match the header
+    (folder / "model.safetensors").write_bytes(data[: len(data) - 64 * 64 * 4] + bytes(64 * 64 * 4))
+    assert watcher.complete() == {} and watcher.complete() == {}  # stable across two polls: settling starts
+    now[0] += 4.0
+    assert watcher.complete() == {}  # not settled yet
+    (folder / "model.safetensors").write_bytes(data)  # the writer fills it after a long pause
+    now[0] += 10.0
+    assert watcher.complete() == {}  # its content changed: not complete, settling starts again
+    assert watcher.complete() == {}
+    now[0] += 5.0
+    assert watcher.complete() == {10: folder}  # content held still for --settle
+    # a run that writes trainer_state.json is read by that marker alone
     other = run / "checkpoint-20"
     other.mkdir()
     (other / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"w": "model-1.safetensors"}})
     )
     assert 20 not in watcher.complete() and 20 not in watcher.complete()
+    (other / "model-1.safetensors").write_bytes(data)
     (other / "trainer_state.json").write_text(json.dumps({"global_step": 20}))
-    assert watcher.complete()[20] == other
-    assert set(watcher.seen) == {10, 20}
+    assert watcher.complete()[20] == other and watcher.marked
+    third = run / "checkpoint-30"
+    third.mkdir()
+    (third / "model.safetensors").write_bytes(data)
+    for _ in range(3):
+        now[0] += 100.0
+        assert 30 not in watcher.complete()  # whatever its files look like: no marker yet
+    (third / "trainer_state.json").write_text(json.dumps({"global_step": 30}))
+    assert watcher.complete()[30] == third
+    assert set(watcher.seen) == {10, 20, 30}
 
 
 def test_wait_sleeps_between_polls():
@@ -261,3 +279,30 @@ def test_follow_a_checkpoint_every_run_skips_costs_no_cpu(tmp_path):
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("fmt", ["lora", "bin"])
+def test_follow_reads_marker_less_lora_and_bin_runs(tiny_model_dir, tmp_path, fmt):
+    """A PEFT adapter run and a .bin run saved without trainer_state.json: --follow processes every
+    checkpoint once its content settled (it exited 0 with nothing written, or never ended, before),
+    and the outputs equal a one-shot run's."""
+    from formats import convert
+    from lora_run import perturbed_adapters
+
+    steps = [10, 20, 30]
+    if fmt == "lora":
+        base, run = tiny_model_dir, perturbed_adapters(tiny_model_dir, tmp_path / "run", steps)
+    else:
+        base, st_run = write_trajectory(tmp_path / "t", steps)
+        run = tmp_path / "run"
+        for s in steps:
+            convert(st_run / f"checkpoint-{s}", run / f"checkpoint-{s}", "bin")
+    for folder in run.iterdir():
+        (folder / "trainer_state.json").unlink(missing_ok=True)
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    r = run_bema("stabilize", run, "--base", base, "--out", out, "--follow", "--poll", "0.2", "--settle", "0.5",
+                 "--until-step", "30", "--json", timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(json.loads(line)["step"] for line in r.stdout.splitlines()) == steps
+    assert run_bema("stabilize", run, "--base", base, "--out", ref).returncode == 0
+    assert weight_files(out) == weight_files(ref)

@@ -158,6 +158,13 @@ def stabilize(
     poll: Annotated[
         float, typer.Option("--poll", help="--follow: seconds between looks at CHECKPOINT_DIR.")
     ] = 2.0,
+    settle: Annotated[
+        float | None,
+        typer.Option(
+            "--settle",
+            help="--follow, runs without trainer_state.json: seconds a checkpoint's content must hold still (default max(5, 2 x --poll)).",
+        ),
+    ] = None,
     cast_base: Annotated[
         bool,
         typer.Option(
@@ -239,13 +246,14 @@ def stabilize(
     if not follow and (until_step is not None or idle_timeout is not None):
         raise UsageError("--until-step and --idle-timeout only apply with --follow")
     check_seconds(poll, "--poll")
+    check_seconds(settle, "--settle", zero_ok=True)
     check_seconds(idle_timeout, "--idle-timeout", zero_ok=True)  # 0: process what is there, then stop
     if until_step is not None and until_step < 0:
         raise UsageError(f"--until-step: must be a step >= 0, got {until_step}")
     where = ExecutorOptions(executor, workers, ray_address)
     with session(where) if not dry_run else nullcontext():  # Ray's workers start while the driver plans
         if follow:
-            _follow(opts, where, json_out, poll, until_step, idle_timeout)
+            _follow(opts, where, json_out, poll, until_step, idle_timeout, settle)
             return
         doc = run(opts, where)
     if json_out:
@@ -258,7 +266,7 @@ def stabilize(
         _print_summary(doc)
 
 
-def _follow(opts, executor_opts, json_out: bool, poll: float, until_step, idle_timeout) -> None:
+def _follow(opts, executor_opts, json_out: bool, poll: float, until_step, idle_timeout, settle=None) -> None:
     from bema_cli.stabilize import stabilize
     from bema_cli.stabilize.follow import follow
 
@@ -276,7 +284,7 @@ def _follow(opts, executor_opts, json_out: bool, poll: float, until_step, idle_t
     def run(o):
         return stabilize(o, executor_opts)
 
-    follow(opts, run, emit, poll=poll, until_step=until_step, idle_timeout=idle_timeout)
+    follow(opts, run, emit, poll=poll, until_step=until_step, idle_timeout=idle_timeout, settle=settle)
 
 
 def _gb(n: int) -> str:

@@ -5,14 +5,19 @@ weight file can be created at full size and filled afterwards, so neither does i
 Complete means (the rule `bema stabilize --follow` reads by; docs/design.md, "Follow mode"):
 
 1. `trainer_state.json` is present and was modified no earlier than every weight file (the HF
-   Trainer writes it after the weights, optimizer and scheduler of the step); or, otherwise,
-2. every weight file's size equals what its own safetensors header declares, and neither a size
-   nor a modification time changed between two polls (a file still being filled or copied
-   moves its mtime at every write).
+   Trainer writes it after the weights, optimizer and scheduler of the step). A run whose
+   checkpoints carry that marker is read by it alone: a checkpoint of such a run without its
+   marker yet is never complete, whatever its files look like.
+2. A run without the marker (a PEFT adapter run, a .bin or DCP run saved by a script): every
+   weight file of any format is there, every safetensors file's size equals what its own header
+   declares, and the files' content (an xxh3 digest) and their sizes and modification times stayed
+   the same across a settle interval (`--settle`, default max(5 s, 2 x --poll)) after two equal
+   polls. A file created at full size and filled later changes its content within that interval,
+   unless its writer pauses longer than it: only the marker rules that out.
 
 The engine then re-checks the files it holds open after reading them (`check_unchanged`): a file
 whose size or mtime moved while it was read is refused, so a writer that resumed after a pause
-longer than --poll is caught before anything is committed.
+is caught before anything is committed.
 
 Waiting sleeps between polls (no busy loop): an idle follower costs no CPU.
 Checkpoints deleted by `save_total_limit` rotation are held open by `hold_files` once their
@@ -77,9 +82,14 @@ WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.distcp", ".metadata", "*/*.distcp",
 
 
 def sizes_complete(folder: Path) -> Stats | None:
-    """{file name: (size, mtime_ns)} when every safetensors weight file's size equals its header's
-    promise; else None (not safetensors, or not written yet)."""
-    files = _weight_files(folder)
+    """{file name: (size, mtime_ns)} of every weight file (any format) when each safetensors file's size
+    equals its header's promise; else None (no weights yet, or not written yet)."""
+    from bema_cli.io.fingerprint import weight_files
+
+    try:
+        files = weight_files(folder)
+    except Exception:  # a DCP or .bin folder half written: not readable yet
+        return None
     if not files:
         return None
     stats = {}
@@ -88,10 +98,20 @@ def sizes_complete(folder: Path) -> Stats | None:
             st = path.stat()
         except OSError:
             return None
-        if declared_size(path) != st.st_size:
+        if path.suffix == ".safetensors" and declared_size(path) != st.st_size:
             return None
         stats[path.name] = (st.st_size, st.st_mtime_ns)
     return stats
+
+
+def content_digest(folder: Path, stats: Stats) -> str | None:
+    """One xxh3 digest over the weight files named in `stats` (None when one cannot be read)."""
+    from bema_cli.io.fingerprint import file_digest
+
+    try:
+        return "/".join(file_digest(folder / name) for name in sorted(stats))
+    except OSError:
+        return None
 
 
 def signalled(folder: Path) -> bool:
@@ -107,17 +127,25 @@ def signalled(folder: Path) -> bool:
     return max(weights, default=0) <= written  # no weights yet: the round says what is missing
 
 
+SETTLE_FLOOR = 5.0  # seconds: a marker-less checkpoint's content must hold this long at least
+
+
 @dataclass
 class Watcher:
     """Polls a run folder; `complete()` returns the steps whose checkpoint folder is complete.
 
-    Folders without a trainer_state.json newer than their weights count only once two consecutive
-    polls saw the same complete sizes and modification times. `seen` keeps every step ever listed, so a checkpoint that vanished before it
-    was read can be told apart from one that never existed.
+    A run that writes trainer_state.json is read by that marker only. Other folders count once two
+    consecutive polls saw the same complete sizes and modification times and, `settle` seconds
+    later, the same content digest too. `seen` keeps every step ever listed, so a checkpoint that
+    vanished before it was read can be told apart from one that never existed.
     """
 
     run_dir: Path
+    settle: float = SETTLE_FLOOR
+    clock: Callable[[], float] = time.monotonic
     _sizes: dict[int, Stats] = field(default_factory=dict)
+    _settling: dict[int, tuple[Stats, str, float]] = field(default_factory=dict)  # stats, digest, since
+    marked: bool = False  # some checkpoint of this run carries trainer_state.json
     seen: dict[int, Path] = field(default_factory=dict)
 
     def scan(self) -> dict[int, Path]:
@@ -145,12 +173,15 @@ class Watcher:
         """step -> folder of the checkpoints that are complete now (one poll)."""
         done = {}
         present = self.scan()
+        self.marked = self.marked or any(is_regular(f / TRAINER_STATE) for f in present.values())
         for step, folder in present.items():
             sizes = sizes_complete(folder)
             if signalled(folder) and (sizes is not None or _weight_files(folder) is None):
                 done[step] = folder  # (safetensors: the sizes must match the headers too)
                 continue
-            if sizes is not None and self._sizes.get(step) == sizes:
+            if self.marked:  # the trainer writes its marker: wait for it
+                continue
+            if sizes is not None and self._sizes.get(step) == sizes and self._settled(step, folder, sizes):
                 done[step] = folder
             if sizes is None:
                 self._sizes.pop(step, None)
@@ -159,7 +190,24 @@ class Watcher:
         for step in list(self._sizes):
             if step not in present:
                 del self._sizes[step]
+                self._settling.pop(step, None)
         return done
+
+    def _settled(self, step: int, folder: Path, sizes: Stats) -> bool:
+        """The content held still for `settle` seconds (first call for these stats: the clock starts)."""
+        now = self.clock()
+        started = self._settling.get(step)
+        if started is None or started[0] != sizes:
+            digest = content_digest(folder, sizes)
+            if digest is not None:
+                self._settling[step] = (sizes, digest, now)
+            return False
+        if now - started[2] < self.settle:
+            return False
+        same = content_digest(folder, sizes) == started[1] and sizes_complete(folder) == sizes
+        if not same:
+            self._settling.pop(step, None)
+        return same
 
 
 def wait_for(poll: Callable[[], bool], interval: float, timeout: float | None, sleep=time.sleep) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bema_cli import output, signals
 from bema_cli.errors import InputError
-from bema_cli.io.watch import Watcher, wait_for
+from bema_cli.io.watch import SETTLE_FLOOR, Watcher, wait_for
 from bema_cli.stabilize import state
 from bema_cli.stabilize.plan import Options
 
@@ -79,9 +79,11 @@ def _follow(
     poll: float = 2.0,
     until_step: int | None = None,
     idle_timeout: float | None = None,
+    settle: float | None = None,
 ) -> dict:
     out = Path(opts.out).expanduser().resolve()
-    watcher = Watcher(Path(opts.checkpoint_dir).expanduser())
+    settle = max(SETTLE_FLOOR, 2 * poll) if settle is None else settle
+    watcher = Watcher(Path(opts.checkpoint_dir).expanduser(), settle=settle)
     totals = {"outputs": 0, "read_bytes": 0, "written_bytes": 0, "state_bytes": 0, "rounds": 0}
     first = True
     import torch  # noqa: F401  (imported now, not when the first checkpoint is waiting to be read)

@@ -66,6 +66,7 @@ def _root(
     output.set_verbose(verbose or _debug)
 
 
+PANELS = {"stabilize": stabilize.PANELS}  # option panels of commands that declare them
 app.command("stabilize")(stabilize.stabilize)
 app.command("simulate")(simulate.simulate)
 app.command("eval")(evaluate.evaluate)
@@ -121,8 +122,11 @@ def command():
     """The click command typer builds from `app`, with help that reads as the usage: a flag shows no
     `<bool>` value, an argument is named in capitals (CHECKPOINT_DIR, not {checkpoint_dir})."""
     built = typer.main.get_command(app)
-    for sub in [built, *getattr(built, "commands", {}).values()]:
+    for name, sub in [("bema", built), *getattr(built, "commands", {}).items()]:
+        panels = {p: panel for panel, ps in PANELS.get(name, {}).items() for p in ps}
         for param in sub.params:
+            if param.name in panels:
+                param.rich_help_panel = panels[param.name]
             if getattr(param, "is_flag", False):
                 param.metavar = ""
             elif param.param_type_name == "argument":

@@ -327,3 +327,7 @@ def test_help_reads_as_the_usage():
     assert "{checkpoint_dir}" not in r.stdout and "CHECKPOINT_DIR" in r.stdout
     flags = [line for line in r.stdout.splitlines() if "--final-only" in line or "--dry-run" in line]
     assert flags and not any("<bool>" in line for line in flags)
+    from bema_cli.commands.stabilize import PANELS
+
+    for panel in PANELS:  # options grouped in panels, as eval's are
+        assert f"─ {panel} ─" in r.stdout, panel

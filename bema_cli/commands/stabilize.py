@@ -291,6 +291,16 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
+# `bema stabilize --help` groups its options in panels (cli.command applies them), as eval's are.
+PANELS = {
+    "Stabilizer (the grid: comma lists)": ["method", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min", "preset"],
+    "What to write": ["final_only", "steps", "out_dtype", "accum_dtype", "max_shard_size", "lora_output", "lora_rank",
+                      "keep_last"],
+    "Incremental runs and follow mode": ["keep_state", "restart", "fingerprint", "follow", "until_step",
+                                         "idle_timeout", "poll", "settle", "allow_gaps"],
+    "Safety": ["overwrite", "allow_nonfinite", "cast_base", "dry_run"],
+    "Resources and scale-out": ["max_memory", "device", "executor", "workers", "ray_address"],
+}  # fmt: skip
 NUMERIC = ("step", "alpha", "beta")  # right-aligned: kept whole on a narrow terminal (output.print_table)
 
 

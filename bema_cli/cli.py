@@ -28,7 +28,7 @@ app = typer.Typer(
     epilog=(
         "Exit codes: 0 ok; 1 other failure; 2 bad flags; 3 bad input file; 4 output exists, overlaps an input, "
         "is locked by another bema process or cannot be written; 5 backend failure; 70 internal error (a bug); "
-        "130/143/129 interrupted by SIGINT/SIGTERM/SIGHUP."
+        "130/143/129 interrupted by SIGINT/SIGTERM/SIGHUP; 141 stdout closed by its reader."
     ),
     no_args_is_help=True,
     pretty_exceptions_enable=False,

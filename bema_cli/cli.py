@@ -154,7 +154,7 @@ def main() -> None:
     except typer.Abort:
         output.error("aborted")
         sys.exit(1)
-    except BrokenPipeError:  # `bema ... | head`: the reader left; end quietly as a SIGPIPE'd tool does
+    except (output.ClosedPipe, BrokenPipeError):  # `bema ... | head`: end quietly as a SIGPIPE'd tool does
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
         sys.exit(128 + signal.SIGPIPE)

@@ -31,6 +31,28 @@ from rich.text import Text
 # Markup off: paths, run names and messages are data ("o[/x]y" is a valid folder name); style goes
 # through rich.text.Text or style= instead.
 stdout = Console(soft_wrap=True, markup=False)
+
+
+class ClosedPipe(Exception):
+    """stdout's reader went away (`bema ... | head`). Not an OSError: click turns an EPIPE OSError
+    into a silent exit 1, and rich does the same; cli.main ends as a tool killed by SIGPIPE (141)."""
+
+
+def _closed_pipe() -> None:
+    raise ClosedPipe()
+
+
+stdout.on_broken_pipe = _closed_pipe
+
+
+def _write_stdout(text: str) -> None:
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise ClosedPipe() from None
+
+
 stderr = Console(stderr=True, soft_wrap=True, markup=False)
 _quiet = False
 _verbose = False
@@ -113,8 +135,7 @@ def _numbers_or_null(obj: Any) -> Any:
 def print_json(obj: Any, indent: int | None = 2) -> None:
     """The single machine-readable document of a `--json` run (indent=None: one line), on stdout.
     A number is a JSON number or null (inf and NaN: null), never a string."""
-    sys.stdout.write(json.dumps(_numbers_or_null(obj), indent=indent, allow_nan=False, default=str) + "\n")
-    sys.stdout.flush()
+    _write_stdout(json.dumps(_numbers_or_null(obj), indent=indent, allow_nan=False, default=str) + "\n")
 
 
 # -- tables: a number, a run name or a path is never cut -----------------------------------------
@@ -191,8 +212,7 @@ def print_table(table) -> None:
         _fit(table, stdout.width)
         stdout.print(table)
     else:
-        sys.stdout.write(plain_table(table))
-        sys.stdout.flush()
+        _write_stdout(plain_table(table))
 
 
 def progress_enabled() -> bool:

@@ -353,3 +353,14 @@ def test_a_full_disk_during_the_manifest_write_names_the_manifest(tmp_path):
     with pytest.raises(OutputError) as err:
         _write_synced(Path("/dev/full"), b'{"runs": []}', shown=tmp_path / "out" / "manifest.json")
     assert str(err.value) == f"{tmp_path / 'out' / 'manifest.json'}: cannot write (No space left on device)"
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_a_closed_stdout_ends_quietly_with_141(json_out):
+    """`bema ... | head`: the reader is gone before bema prints. It exited 1 with no word (click's and
+    rich's own handling); now as a tool killed by SIGPIPE: 141, nothing on stderr."""
+    args = [str(BEMA), "simulate", "--trials", "10", "--steps", "200", *(["--json"] if json_out else [])]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err

@@ -39,7 +39,7 @@ from bema_cli.io.reader import read_into
 from bema_cli.io.safetensors import FLOATING, TAG_OF, ModelIndex, TensorInfo
 from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
 from bema_cli.recurrence import STATE_TENSORS, Schedule, Stabilizer, run_name, state_key
-from bema_cli.stabilize import state_doc
+from bema_cli.stabilize import gaps, state_doc
 
 if TYPE_CHECKING:
     from bema_cli.stabilize.plan import Options, Piece, Plan, Run
@@ -121,7 +121,7 @@ def resume(opts: Options, out: Path, checkpoints: list[Checkpoint], base_source:
     stored = read(out, opts.restart or opts.overwrite)
     present = [c.step for c in checkpoints]
     consumed = sorted(int(s["step"]) for s in stored["steps"]) if stored is not None else []
-    check_gaps(checkpoints, consumed, opts.allow_gaps)
+    gaps.check_gaps(checkpoints, consumed, opts.allow_gaps)
     if stored is None:
         return Resume(None, present, {}, None, base_files)
     restart = opts.restart or opts.overwrite
@@ -174,46 +174,6 @@ def _check_inputs(
             raise InputError(
                 f"{c.path}: a new checkpoint older than the last processed step {last}; pass --restart to recompute"
             )
-
-
-def cadence(checkpoints: list[Checkpoint], consumed: list[int]) -> tuple[int | None, str]:
-    """The run's own saving cadence: `save_steps` of the newest checkpoint's trainer_state.json, else
-    the state's step history when it is regular (three or more consumed steps, equal spacing)."""
-    for c in sorted(checkpoints, key=lambda c: c.step, reverse=True)[:1]:
-        path = c.path / "trainer_state.json"
-        try:
-            save = read_json(path).get("save_steps") if path.is_file() else None
-        except (InputError, AttributeError):
-            save = None
-        if isinstance(save, int) and not isinstance(save, bool) and save > 0:
-            return save, f"save_steps {save} in {path}"
-    gaps = {b - a for a, b in zip(consumed, consumed[1:], strict=False)}
-    if len(consumed) >= 3 and len(gaps) == 1:
-        step = gaps.pop()
-        return step, f"the state's step history (every {step} steps)"
-    return None, ""
-
-
-def check_gaps(checkpoints: list[Checkpoint], consumed: list[int], allow: bool) -> None:
-    """Refuse a hole in the trajectory: a step the run's cadence says was saved, between its first
-    and newest step, that is neither on disk nor already consumed (a trainer's save_total_limit
-    deleted it while no bema call was running). --allow-gaps goes on without it."""
-    present = sorted({c.step for c in checkpoints} | set(consumed))
-    every, source = cadence(checkpoints, sorted(consumed))
-    if allow or every is None or len(present) < 2:
-        return
-    # the HF Trainer saves at multiples of save_steps (and at the last step); a history keeps its phase
-    phase = 0 if source.startswith("save_steps") else consumed[0] % every
-    first = present[0] + (phase - present[0]) % every
-    missing = [s for s in range(first, present[-1] + 1, every) if s not in set(present)]
-    if missing:
-        shown = ", ".join(map(str, missing[:8])) + (
-            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-        )
-        raise InputError(
-            f"{checkpoints[0].path.parent}: checkpoint step(s) {shown} missing from the run (cadence: "
-            f"{source}); a moving average over a gap is not the run's; pass --allow-gaps to go on without them"
-        )
 
 
 # -- tracks: the recurrence states one call walks -----------------------------------------------

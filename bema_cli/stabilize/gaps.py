@@ -1,0 +1,50 @@
+"""Gaps in a run: a checkpoint the run's own cadence says was saved (trainer_state.json `save_steps`,
+or the state's step history) but that is gone. A moving average over it is not the run's, so it
+is refused naming the steps (`--allow-gaps` goes on); a trainer's save_total_limit deleting a
+checkpoint while no bema call was running is how it happens.
+"""
+
+from __future__ import annotations
+
+from bema_cli.errors import InputError
+from bema_cli.io.checkpoints import Checkpoint, read_json
+
+
+def cadence(checkpoints: list[Checkpoint], consumed: list[int]) -> tuple[int | None, str]:
+    """The run's own saving cadence: `save_steps` of the newest checkpoint's trainer_state.json, else
+    the state's step history when it is regular (three or more consumed steps, equal spacing)."""
+    for c in sorted(checkpoints, key=lambda c: c.step, reverse=True)[:1]:
+        path = c.path / "trainer_state.json"
+        try:
+            save = read_json(path).get("save_steps") if path.is_file() else None
+        except (InputError, AttributeError):
+            save = None
+        if isinstance(save, int) and not isinstance(save, bool) and save > 0:
+            return save, f"save_steps {save} in {path}"
+    gaps = {b - a for a, b in zip(consumed, consumed[1:], strict=False)}
+    if len(consumed) >= 3 and len(gaps) == 1:
+        step = gaps.pop()
+        return step, f"the state's step history (every {step} steps)"
+    return None, ""
+
+
+def check_gaps(checkpoints: list[Checkpoint], consumed: list[int], allow: bool) -> None:
+    """Refuse a hole in the trajectory: a step the run's cadence says was saved, between its first
+    and newest step, that is neither on disk nor already consumed (a trainer's save_total_limit
+    deleted it while no bema call was running). --allow-gaps goes on without it."""
+    present = sorted({c.step for c in checkpoints} | set(consumed))
+    every, source = cadence(checkpoints, sorted(consumed))
+    if allow or every is None or len(present) < 2:
+        return
+    # the HF Trainer saves at multiples of save_steps (and at the last step); a history keeps its phase
+    phase = 0 if source.startswith("save_steps") else consumed[0] % every
+    first = present[0] + (phase - present[0]) % every
+    missing = [s for s in range(first, present[-1] + 1, every) if s not in set(present)]
+    if missing:
+        shown = ", ".join(map(str, missing[:8])) + (
+            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        )
+        raise InputError(
+            f"{checkpoints[0].path.parent}: checkpoint step(s) {shown} missing from the run (cadence: "
+            f"{source}); a moving average over a gap is not the run's; pass --allow-gaps to go on without them"
+        )

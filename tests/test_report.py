@@ -184,7 +184,7 @@ def report_record(value):
         (json.dumps({"run": "x", "step": 1, "metrics": {}}), ", record 2: no 'task'"),
         (
             json.dumps({"run": "x", "step": "5", "task": "t", "metrics": {}}),
-            ", record 2: 'step' must be a non-negative integer",
+            ", record 2: 'step' must be an integer in [0, 2**53) or null",
         ),
         (
             json.dumps({"run": "x", "step": 5, "task": "t", "metrics": [1]}),

@@ -69,9 +69,10 @@ def test_ray_two_workers_bitwise_equal_to_local(tmp_path, ray_address):
         env={"RAY_ADDRESS": ray_address},
     )
     assert remote["executor"] == {"executor": "ray", "workers": 2}
-    assert len(remote["outputs"]) == len(local["outputs"]) == 5 * 12  # 12 configs, 5 steps
+    # 10 configs (bema at eta inf is the ema, written once), 5 steps
+    assert len(remote["outputs"]) == len(local["outputs"]) == 5 * 10
     a, b = digest(tmp_path / "local"), digest(tmp_path / "ray")
-    assert len(a) > 60 * 3 and a == b  # every shard, index and bema.json of every output
+    assert len(a) > 50 * 3 and a == b  # every shard, index and bema.json of every output
     folder = Path(remote["outputs"][0]["path"])
     assert len(list(folder.glob("model-*-of-*.safetensors"))) > 1
     plan = stabilize(*common, "--out", tmp_path / "plan", "--dry-run")["plan"]

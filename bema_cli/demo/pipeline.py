@@ -273,7 +273,10 @@ def prepare_out(out: Path, overwrite: bool, settings: dict) -> dict:
     """Refuse to touch a folder that is not ours. An earlier demo with the same settings is
     continued (its finished stages kept); other settings, or --overwrite, start over.
     Returns the marker document: {"settings", "done": [finished stages]}."""
+    import json
+
     marker = out / MARKER
+    settings = json.loads(output.to_json(settings))  # as stored (tuples are lists there)
     if out.exists() and any(out.iterdir()):
         if not marker.exists():
             raise OutputError(f"{out}: exists and is not a bema demo folder; choose another --out")

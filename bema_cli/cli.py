@@ -112,9 +112,9 @@ def _usage_line(exc: click.UsageError) -> str:
 def _skip_final_collection() -> None:
     """torch's ~10^5 objects make the interpreter's final garbage collection cost ~0.4 s at every exit;
     frozen objects are skipped by it (atexit handlers run first-registered last, i.e. after all others).
-    Not after vLLM: its nanobind extensions then report every object left alive as a leak on stderr,
-    after bema's own last line."""
-    if "vllm" not in sys.modules:
+    Not after vLLM or triton (which torch imports for training): their nanobind extensions then
+    report every object left alive as a leak on stderr, after bema's own last line."""
+    if not any(name in sys.modules for name in ("vllm", "triton")):
         gc.freeze()
 
 

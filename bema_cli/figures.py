@@ -33,21 +33,35 @@ def family(run: str) -> str:
     return re.split(r"[-_@ ]", str(run), maxsplit=1)[0].lower()
 
 
+SHADES = (0.95, 0.45, 0.8, 0.6, 0.7, 0.5, 0.88)  # well-separated levels of a family's colormap
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+
+def _pick(run: str, salt: str, n: int) -> int:
+    """A stable index in [0, n) from the run's name (sha256: the same in every process)."""
+    return int.from_bytes(hashlib.sha256(f"{salt}:{run}".encode()).digest()[:4], "big") % n
+
+
 def run_color(run: str):
     """The colour of `run` in every figure: its family's colour for the family's plain name, else a
-    shade of the family's colormap picked by a stable hash of the full name."""
+    shade of the family's colormap picked from the full name (two runs of one family differ in
+    shade or marker, run_style, unless 1 pair in 49 collides in both)."""
     from matplotlib import colormaps
 
     plain, shades = FAMILY_COLORS.get(family(run), (None, OTHER_COLORS))
     if run == family(run) and plain is not None or shades is None:
         return plain
-    digest = int.from_bytes(hashlib.sha256(str(run).encode()).digest()[:4], "big") / 2**32
-    return colormaps[shades](0.45 + 0.5 * digest)
+    return colormaps[shades](SHADES[_pick(run, "shade", len(SHADES))])
 
 
 def run_style(run: str) -> dict:
-    """matplotlib keyword arguments of a run's line: its colour, dashed for vanilla."""
-    return {"color": run_color(run), "ls": "--" if family(run) == "vanilla" else "-"}
+    """matplotlib keyword arguments of a run's line: its colour and marker, dashed for vanilla."""
+    plain = run == family(run)
+    return {
+        "color": run_color(run),
+        "ls": "--" if family(run) == "vanilla" else "-",
+        "marker": "o" if plain else MARKERS[_pick(run, "marker", len(MARKERS))],
+    }
 
 
 FORMATS = (".png", ".pdf", ".svg")

@@ -165,7 +165,7 @@ def plain_table(table) -> str:
             lines.append("  ".join("-" * w for w in widths))
     if table.caption:
         lines.append(str(table.caption))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n"  # a blank line between tables
 
 
 def _fit(table, width: int) -> None:

@@ -374,7 +374,7 @@ def plot(doc: dict, path: str, scoring: str = "flexible", theta0: bool = True) -
             x, y = gapped(steps, values, grid)
             _, se = gapped(steps, [math.nan if e is None else e for e in errors], grid)
             x, y, se = np.array(x), np.array(y, dtype=float), np.array(se, dtype=float)
-            ax.plot(x, y, marker="o", ms=3, lw=1.6, label=run, **figures.run_style(run))
+            ax.plot(x, y, ms=4, lw=1.6, label=run, **figures.run_style(run))
             if np.isfinite(se).any():  # NaN rows break the band at the same gaps
                 ax.fill_between(x, y - se, y + se, color=figures.run_color(run), alpha=0.15, lw=0)
         for label, ref in entry.get("references", {}).items():  # a step-less model: a horizontal line
@@ -391,7 +391,7 @@ def plot(doc: dict, path: str, scoring: str = "flexible", theta0: bool = True) -
     handles = [
         Line2D([], [], color=figures.run_color(r), ls=":", label=f"{r} (no step)")
         if r in refs
-        else Line2D([], [], marker="o", ms=3, label=r, **figures.run_style(r))
+        else Line2D([], [], ms=4, label=r, **figures.run_style(r))
         for r in all_runs
     ]
     fig.legend(handles=handles, loc="outside right upper", title="run", ncols=1 if len(all_runs) <= 16 else 2)

@@ -250,7 +250,7 @@ def plot_summary(summary: dict, path: Path) -> Path:
             steps = sorted(s for s in values.get(run, {}) if s > 0 or name != "loss")  # base: off the scale
             if steps:
                 x, y = report.gapped(steps, [values[run][s] for s in steps], grid)
-                ax.plot(x, y, marker="o", ms=3, lw=1.6, label=run, **figures.run_style(run))
+                ax.plot(x, y, ms=4, lw=1.6, label=run, **figures.run_style(run))
         ax.set_xlabel("training step")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)

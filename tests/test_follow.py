@@ -88,7 +88,7 @@ def test_a_checkpoint_is_complete_by_trainer_state_or_settled_content(tmp_path):
     assert watcher.complete() == {}
     now[0] += 5.0
     assert watcher.complete() == {10: folder}  # content held still for --settle
-    # a run that writes trainer_state.json is read by that marker alone
+    # a trainer_state.json no older than the weights counts at once
     other = run / "checkpoint-20"
     other.mkdir()
     (other / "model.safetensors.index.json").write_text(
@@ -97,14 +97,15 @@ def test_a_checkpoint_is_complete_by_trainer_state_or_settled_content(tmp_path):
     assert 20 not in watcher.complete() and 20 not in watcher.complete()
     (other / "model-1.safetensors").write_bytes(data)
     (other / "trainer_state.json").write_text(json.dumps({"global_step": 20}))
-    assert watcher.complete()[20] == other and watcher.marked
+    assert watcher.complete()[20] == other
+    # a marker written BEFORE the weights (older than them) does not count: the settle rule applies
     third = run / "checkpoint-30"
     third.mkdir()
-    (third / "model.safetensors").write_bytes(data)
-    for _ in range(3):
-        now[0] += 100.0
-        assert 30 not in watcher.complete()  # whatever its files look like: no marker yet
     (third / "trainer_state.json").write_text(json.dumps({"global_step": 30}))
+    os.utime(third / "trainer_state.json", ns=(1, 1))
+    (third / "model.safetensors").write_bytes(data)
+    assert 30 not in watcher.complete() and 30 not in watcher.complete()
+    now[0] += 5.0
     assert watcher.complete()[30] == third
     assert set(watcher.seen) == {10, 20, 30}
 

@@ -5,15 +5,14 @@ weight file can be created at full size and filled afterwards, so neither does i
 Complete means (the rule `bema stabilize --follow` reads by; docs/design.md, "Follow mode"):
 
 1. `trainer_state.json` is present and was modified no earlier than every weight file (the HF
-   Trainer writes it after the weights, optimizer and scheduler of the step). A run whose
-   checkpoints carry that marker is read by it alone: a checkpoint of such a run without its
-   marker yet is never complete, whatever its files look like.
-2. A run without the marker (a PEFT adapter run, a .bin or DCP run saved by a script): every
-   weight file of any format is there, every safetensors file's size equals what its own header
-   declares, and the files' content (an xxh3 digest) and their sizes and modification times stayed
-   the same across a settle interval (`--settle`, default max(5 s, 2 x --poll)) after two equal
-   polls. A file created at full size and filled later changes its content within that interval,
-   unless its writer pauses longer than it: only the marker rules that out.
+   Trainer writes it after the weights, optimizer and scheduler of the step): complete at once.
+2. Otherwise (no marker: a PEFT adapter run, a .bin or DCP run saved by a script; or a marker
+   older than the weights: written first, or copied before them): every weight file of any
+   format is there, every safetensors file's size equals what its own header declares, and the
+   files' content (an xxh3 digest) and their sizes and modification times stayed the same across
+   a settle interval (`--settle`, default max(5 s, 2 x --poll)) after two equal polls. A file
+   created at full size and filled later changes its content within that interval, unless its
+   writer pauses longer than it: only the marker rules that out.
 
 The engine then re-checks the files it holds open after reading them (`check_unchanged`): a file
 whose size or mtime moved while it was read is refused, so a writer that resumed after a pause
@@ -134,7 +133,7 @@ SETTLE_FLOOR = 5.0  # seconds: a marker-less checkpoint's content must hold this
 class Watcher:
     """Polls a run folder; `complete()` returns the steps whose checkpoint folder is complete.
 
-    A run that writes trainer_state.json is read by that marker only. Other folders count once two
+    A folder with a trainer_state.json no older than its weights counts at once; others once two
     consecutive polls saw the same complete sizes and modification times and, `settle` seconds
     later, the same content digest too. `seen` keeps every step ever listed, so a checkpoint that
     vanished before it was read can be told apart from one that never existed.
@@ -145,7 +144,6 @@ class Watcher:
     clock: Callable[[], float] = time.monotonic
     _sizes: dict[int, Stats] = field(default_factory=dict)
     _settling: dict[int, tuple[Stats, str, float]] = field(default_factory=dict)  # stats, digest, since
-    marked: bool = False  # some checkpoint of this run carries trainer_state.json
     seen: dict[int, Path] = field(default_factory=dict)
 
     def scan(self) -> dict[int, Path]:
@@ -173,13 +171,10 @@ class Watcher:
         """step -> folder of the checkpoints that are complete now (one poll)."""
         done = {}
         present = self.scan()
-        self.marked = self.marked or any(is_regular(f / TRAINER_STATE) for f in present.values())
         for step, folder in present.items():
             sizes = sizes_complete(folder)
             if signalled(folder) and (sizes is not None or _weight_files(folder) is None):
                 done[step] = folder  # (safetensors: the sizes must match the headers too)
-                continue
-            if self.marked:  # the trainer writes its marker: wait for it
                 continue
             if sizes is not None and self._sizes.get(step) == sizes and self._settled(step, folder, sizes):
                 done[step] = folder

@@ -56,6 +56,7 @@ def _write_stdout(text: str) -> None:
 stderr = Console(stderr=True, soft_wrap=True, markup=False)
 _quiet = False
 _verbose = False
+_real_stderr: int | None = None  # the terminal's stderr, once send_library_output moved fd 2 away
 
 
 def set_quiet(quiet: bool) -> None:
@@ -78,12 +79,12 @@ def send_library_output(path: str | Path | None) -> None:
     bema's own lines keep the real stderr. Left in place until the process ends, so nothing they
     print at interpreter teardown reaches the terminal either. With -v (or --debug) it does nothing.
     """
-    if _verbose or getattr(stderr, "_bema_real_fd", None) is not None:
+    global _real_stderr
+    if _verbose or _real_stderr is not None:
         return
     sys.stderr.flush()
-    real_fd = os.dup(2)
-    stderr.file = os.fdopen(real_fd, "w", encoding="utf-8", errors="replace", buffering=1)
-    stderr._bema_real_fd = real_fd
+    _real_stderr = os.dup(2)
+    stderr.file = os.fdopen(_real_stderr, "w", encoding="utf-8", errors="replace", buffering=1)
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     target = os.open(os.devnull if path is None else path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -106,13 +107,14 @@ def error(message: str) -> None:
     stderr.print(Text("error:", style="bold red"), " ".join(str(message).split("\n")), highlight=False)
 
 
-def _jsonable(obj: Any) -> Any:
+def _jsonable(obj: Any, inf_as_text: bool = True) -> Any:
+    """NaN -> null; inf -> "inf"/"-inf" (bema's files) or null (a --json document: numbers only)."""
     if isinstance(obj, float) and not math.isfinite(obj):
-        return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+        return ("inf" if obj > 0 else "-inf") if inf_as_text and not math.isnan(obj) else None
     if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
+        return {str(k): _jsonable(v, inf_as_text) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
+        return [_jsonable(v, inf_as_text) for v in obj]
     return obj
 
 
@@ -122,20 +124,12 @@ def to_json(obj: Any, indent: int | None = 2) -> str:
     return json.dumps(_jsonable(obj), indent=indent, allow_nan=False, default=str)
 
 
-def _numbers_or_null(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _numbers_or_null(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_numbers_or_null(v) for v in obj]
-    return obj
-
-
 def print_json(obj: Any, indent: int | None = 2) -> None:
     """The single machine-readable document of a `--json` run (indent=None: one line), on stdout.
     A number is a JSON number or null (inf and NaN: null), never a string."""
-    _write_stdout(json.dumps(_numbers_or_null(obj), indent=indent, allow_nan=False, default=str) + "\n")
+    _write_stdout(
+        json.dumps(_jsonable(obj, inf_as_text=False), indent=indent, allow_nan=False, default=str) + "\n"
+    )
 
 
 # -- tables: a number, a run name or a path is never cut -----------------------------------------
@@ -153,7 +147,7 @@ def _cell_texts(table) -> list[list[str]]:
 def plain_table(table) -> str:
     """Complete aligned text (title, header, rows, caption): what a pipe gets, at any width."""
     texts = _cell_texts(table)
-    widths = [max(len(line) for cell in col for line in cell.splitlines() or [""]) for col in texts]
+    widths = [max(map(len, col)) for col in texts]
     lines = [str(table.title)] if table.title else []
     for row in range(len(texts[0]) if texts else 0):
         cells = [

@@ -411,12 +411,12 @@ def rescore(samples_path: str | Path, results_path: str | Path | None = None) ->
 
     samples_path = Path(samples_path)
     lines = read_jsonl(samples_path, skip_torn=True)
-    lm_eval_lines = [x for x in lines if isinstance(x, dict) and is_lm_eval(str(x.get("task", "")))]
-    if lm_eval_lines:  # lm-eval scores its own samples (filters, metrics): there is no bema rule to re-apply
+    kept = [x for x in lines if not (isinstance(x, dict) and is_lm_eval(str(x.get("task", ""))))]
+    if len(kept) < len(lines):  # lm-eval scores its own samples (filters, metrics): no bema rule to re-apply
         output.log(
-            f"rescore: {len(lm_eval_lines)} lm_eval: sample lines left as they are (lm-eval scores them)"
+            f"rescore: {len(lines) - len(kept)} lm_eval: sample lines left as they are (lm-eval scores them)"
         )
-        lines = [x for x in lines if not (isinstance(x, dict) and is_lm_eval(str(x.get("task", ""))))]
+    lines = kept
     results_path = Path(results_path) if results_path else samples_path.with_name("results.jsonl")
     old = read_jsonl(results_path, skip_torn=True) if results_path.is_file() else []
     latest: dict[tuple, str] = {}

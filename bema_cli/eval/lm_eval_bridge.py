@@ -17,7 +17,7 @@ import math
 from functools import cache
 
 from bema_cli import output
-from bema_cli.errors import BackendError, UsageError
+from bema_cli.errors import BackendError, InputError, UsageError
 
 PREFIX = "lm_eval:"
 # lm-eval's own defaults, recorded (they change numbers when a task samples few-shot examples)
@@ -55,8 +55,6 @@ def check_tasks(names: list[str], include: str | None) -> None:
 def check_data(name: str, include: str | None) -> None:
     """Build the task (lm-eval loads its dataset here) before any engine starts: a missing or
     unreadable data file is a one-line input error (exit 3), not a failure after the engine start."""
-    from bema_cli.errors import InputError
-
     _import()
     from lm_eval.tasks import get_task_dict
 

@@ -14,7 +14,6 @@ temp folder under OUT, runs the units, writes metadata and commits the folders b
 
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -29,7 +28,7 @@ from bema_cli.io.fingerprint import fingerprint
 from bema_cli.io.safetensors import ModelIndex
 from bema_cli.io.watch import check_unchanged, held_stats, hold_files, release
 from bema_cli.io.writer import ShardedWriter
-from bema_cli.stabilize import meta, state, state_doc
+from bema_cli.stabilize import meta, state
 from bema_cli.stabilize.plan import Options, Plan, Run, prepare, resolve_state
 from bema_cli.stabilize.unit import Outputs, torch_device, unit_bytes
 
@@ -210,10 +209,7 @@ def reconcile(out: Path) -> None:
         if stored is not None:
             for r in stored["runs"]:
                 r["outputs"] = [s for s in r["outputs"] if (r["run"], s) not in gone]
-            stored["seal"] = state_doc.seal(stored)
-            (txn.tmp / state.STATE_DIR).mkdir()
-            (txn.tmp / state.STATE_DIR / state.STATE_FILE).write_text(json.dumps(stored, indent=2) + "\n")
-            entries.append(f"{state.STATE_DIR}/{state.STATE_FILE}")
+            entries.append(state.write_sealed(txn.tmp, stored))
         txn.commit(entries, manifest=manifest or None)
     names = ", ".join(f"{run}/checkpoint-{step}" for run, step in gone)
     output.warn(

@@ -376,12 +376,19 @@ def stage(plan: Plan, opts: Options, tmp: Path) -> tuple[list[str], list[str], d
     doc["delete"] = delete
     news = [t.folder for t in plan.tracks if t.advancing and t.folder] + [plan.theta0_folder]
     doc["checksums"] = _checksums(doc, plan.resume.stored or {}, tmp / STATE_DIR, [f for f in news if f])
-    (tmp / STATE_DIR).mkdir(parents=True, exist_ok=True)
-    doc = json.loads(output.to_json(doc))  # as stored (inf -> "inf"), so the seal is over what is read back
-    doc["seal"] = state_doc.seal(doc)
-    (tmp / STATE_DIR / STATE_FILE).write_text(output.to_json(doc) + "\n")
+    write_sealed(tmp, doc)
     entries += [f"{STATE_DIR}/{f}" for f in news if f] + [f"{STATE_DIR}/{STATE_FILE}"]
     return entries, delete, kept
+
+
+def write_sealed(tmp: Path, doc: dict) -> str:
+    """tmp/.bema-state/state.json: `doc` as stored (inf -> "inf"), sealed over exactly that content.
+    Returns the commit entry."""
+    doc = json.loads(output.to_json(doc))
+    doc["seal"] = state_doc.seal(doc)
+    (tmp / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    (tmp / STATE_DIR / STATE_FILE).write_text(output.to_json(doc) + "\n")
+    return f"{STATE_DIR}/{STATE_FILE}"
 
 
 def _checksums(doc: dict, stored: dict, staged: Path, news: list[str]) -> dict[str, dict[str, str]]:

@@ -139,13 +139,8 @@ def checksums(folder: Path) -> dict[str, str]:
     return {p.name: file_digest(p) for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def verify(folder: Path, expected: dict[str, str] | None) -> None:
-    """The state folder holds exactly the files summed when it was written, byte for byte.
-
-    `expected` None: a state written before checksums were kept (nothing to compare).
-    """
-    if expected is None:
-        return
+def verify(folder: Path, expected: dict[str, str]) -> None:
+    """The state folder holds exactly the files summed when it was written, byte for byte."""
     fix = "pass --restart to recompute from scratch"
     for name, digest in sorted(expected.items()):
         path = folder / name
@@ -183,8 +178,7 @@ def index_state(folder: Path, stored: dict) -> ModelIndex:
     """A state folder, its files verified against the checksums state.json keeps for them."""
     if not folder.is_dir():
         raise InputError(f"{folder}: the state folder is missing; pass --restart to recompute from scratch")
-    sums = stored.get("checksums")
-    verify(folder, sums.get(folder.name) if sums is not None else None)
+    verify(folder, stored["checksums"][folder.name])  # _check: every named folder has its checksums
     return index_model(folder, model_weight_files(folder))
 
 

@@ -81,9 +81,6 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
-
-
 def resolve_dtype(dtype: str, checkpoint: Path) -> str:
     """--dtype auto is the checkpoint's own dtype, the same on every backend: config.json's `dtype`
     (`torch_dtype` before transformers 5), else its first floating-point safetensors tensor, else
@@ -91,25 +88,28 @@ def resolve_dtype(dtype: str, checkpoint: Path) -> str:
     it in float32, so the two backends' greedy answers differed.)"""
     if dtype != "auto":
         return dtype
-    import json
+    from bema_cli.errors import InputError
+    from bema_cli.io.checkpoints import read_json
+    from bema_cli.io.safetensors import DTYPES, read_header
 
+    engine_dtypes = {DTYPES[tag][0] for tag in ("F32", "BF16", "F16")}  # what an engine runs in
     try:
-        config = json.loads((Path(checkpoint) / "config.json").read_text())
-    except (OSError, ValueError):
+        config = read_json(Path(checkpoint) / "config.json")
+    except InputError:
         config = {}
-    named = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
-    if isinstance(named, str) and named.removeprefix("torch.") in FLOAT_DTYPES.values():
-        return "float32" if named.removeprefix("torch.") == "float64" else named.removeprefix("torch.")
-    from bema_cli.io.safetensors import read_header
-
+    config = config if isinstance(config, dict) else {}
+    named = str(config.get("dtype") or config.get("torch_dtype") or "").removeprefix("torch.")
+    if named in engine_dtypes:
+        return named
     for file in sorted(Path(checkpoint).glob("*.safetensors")):
         try:
             header = read_header(file)
-        except Exception:
+        except Exception:  # a shard that cannot be read is the loader's to report
             continue
         for info in header.values():
-            if isinstance(info, dict) and info.get("dtype") in ("BF16", "F16", "F32"):
-                return FLOAT_DTYPES[info["dtype"]]
+            tag = info.get("dtype") if isinstance(info, dict) else None
+            if tag in DTYPES and DTYPES[tag][0] in engine_dtypes:
+                return DTYPES[tag][0]
     return "float32"
 
 

@@ -11,6 +11,17 @@ related stabilizers it is compared with. With w(s) = rho + gamma*s:
 The same `Stabilizer` runs on one chunk of one weight tensor (`bema stabilize`)
 and on a (trials, dim) batch of simulated trajectories (`bema simulate`): all
 updates are elementwise, so shapes never matter. No I/O here.
+
+Beside them, the averages that read a trajectory's checkpoints with fixed weights
+(docs/math.md has each formula and its source):
+
+    lawa   the uniform mean of the last K checkpoints (Kaddour 2022, fairseq average_checkpoints)
+    wsm    Megatron-LM weighted_merge coefficients over the last K (WSM, arXiv 2507.17634)
+    swa    the equal-weight running mean from a start step (torch.optim.swa_utils.AveragedModel)
+    power  the power-function EMA of Karras et al. 2024 (EDM2, arXiv 2312.02696)
+
+The members of a window or mean are the checkpoints the cadence keeps (`update` events);
+theta0 never is one.
 """
 
 from __future__ import annotations
@@ -24,7 +35,10 @@ if TYPE_CHECKING:  # tensors arrive from the caller; not importing torch keeps C
 
 from bema_cli.errors import UsageError
 
-METHODS = ("vanilla", "ema", "bema", "dema", "ouema")
+METHODS = ("vanilla", "ema", "bema", "dema", "ouema", "lawa", "wsm", "swa", "power")
+EMA_FAMILY = ("ema", "bema", "dema", "ouema")  # the paper's stabilizers: kappa/eta/gamma/rho/beta_min
+WINDOW_METHODS = ("lawa", "wsm")  # merges of the last K members, read from a ring of K-1 slices
+DECAYS = ("linear", "minus-sqrt", "cosine")  # wsm's decay functions g on [0, 1]; "<name>:reverse" too
 PRESETS = ("paper", "reference")
 Action = Literal["burnin", "update", "skip"]
 
@@ -46,6 +60,11 @@ class Schedule:
     tau: int = 0  # burn-in: checkpoints with s <= tau restart the average from theta_s
     phi: int | None = None  # update cadence; None = every checkpoint (paper) / 400 (reference)
     beta_min: float | None = None  # floor on beta_s; None = 0 (paper) / 1e-4 (reference)
+    window: int | None = None  # lawa/wsm: K, the checkpoints merged at each step
+    merge_schedule: str | None = None  # wsm: the decay g (bema.json's "schedule"); None = minus-sqrt
+    swa_start: int | None = None  # swa: the first step averaged; None = the first checkpoint
+    sigma_rel: float | None = None  # power: EDM2's relative width, sets power_gamma
+    power_gamma: float | None = None  # power: the exponent; None = from sigma_rel (0.05 when neither)
 
     def resolved(self) -> Schedule:
         """Fill preset-dependent defaults and validate; every caller goes through this."""
@@ -79,7 +98,22 @@ class Schedule:
             raise UsageError(
                 "--eta 0 with ouema: alpha_s = 1 makes (theta_s - alpha*theta0)/(1 - alpha) undefined"
             )
-        return s
+        return _resolve_own(s)
+
+    def params(self) -> dict:
+        """The hyperparameters this method uses, keyed as bema.json and --json records name them."""
+        common = {"method": self.method, "preset": self.preset, "tau": self.tau, "phi": self.phi}
+        if self.method in EMA_FAMILY or self.method == "vanilla":
+            names = ("kappa", "eta", "gamma", "rho", "beta_min")
+            return {**common, **{n: getattr(self, n) for n in names}}
+        own = {"window": self.window} if self.method in WINDOW_METHODS else {}
+        if self.method == "wsm":
+            own["schedule"] = self.merge_schedule
+        if self.method == "swa":
+            own["swa_start"] = self.swa_start
+        if self.method == "power":
+            own.update(sigma_rel=self.sigma_rel, power_gamma=self.power_gamma)
+        return {**common, **own}
 
     # -- the two schedules ------------------------------------------------
     def _weight_base(self, step: int) -> tuple[float, float]:
@@ -109,10 +143,16 @@ class Schedule:
 
     # -- cadence ------------------------------------------------------------
     def plan(self, steps: list[int]) -> list[PlannedStep]:
-        """What happens at each checkpoint step (sorted, unique): burn-in, update or skip."""
+        """What happens at each checkpoint step (sorted, unique): burn-in, update or skip.
+
+        An update is a member of the trajectory (`member` counts them from 1): the EMA family
+        weighs it with (alpha_s, beta_s); swa and power with their own beta; lawa and wsm merge
+        the last K members. swa skips the steps before --swa-start.
+        """
         s = self.resolved()
         events: list[PlannedStep] = []
         last_update: int | None = None
+        members = 0
         for step in steps:
             if step <= s.tau:
                 events.append(PlannedStep(step, "burnin", 0.0, 1.0))
@@ -121,11 +161,22 @@ class Schedule:
                 due = s.phi is None or (step - s.tau) % s.phi == 0
             else:  # reference: the first checkpoint after burn-in, then every >= phi steps
                 due = last_update is None or step - last_update >= s.phi
+            if s.method == "swa" and s.swa_start is not None and step < s.swa_start:
+                due = False
             if not due:
                 events.append(PlannedStep(step, "skip", math.nan, math.nan))
                 continue
-            last_update = step
-            events.append(PlannedStep(step, "update", s.bias_weight(step), s.ema_weight(step)))
+            previous, last_update = last_update, step
+            members += 1
+            if s.method in EMA_FAMILY or s.method == "vanilla":
+                alpha, beta = s.bias_weight(step), s.ema_weight(step)
+            elif s.method == "swa":  # the running mean: mu_n = mu_(n-1) + (theta_n - mu_(n-1)) / n
+                alpha, beta = 0.0, 1.0 / members
+            elif s.method == "power":
+                alpha, beta = 0.0, power_weight(previous if members > 1 else 0, step, s.power_gamma)
+            else:  # lawa, wsm: no running state, a merge of the last K members
+                alpha, beta = 0.0, math.nan
+            events.append(PlannedStep(step, "update", alpha, beta, members))
         return events
 
 
@@ -135,10 +186,145 @@ class PlannedStep:
     action: Action
     alpha: float  # bias_weight used at this step (nan when skipped)
     beta: float  # ema_weight used at this step (nan when skipped)
+    member: int = 0  # updates so far, this one included (the ring slot of a window method)
+
+
+def _resolve_own(s: Schedule) -> Schedule:
+    """Defaults and checks of the window, swa and power parameters (those of other methods: None)."""
+    window = s.window if s.method in WINDOW_METHODS else None
+    if s.method in WINDOW_METHODS:
+        window = 8 if window is None else window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise UsageError(f"--window: must be a whole number of checkpoints >= 1, got {window}")
+    decay = (s.merge_schedule or "minus-sqrt") if s.method == "wsm" else None
+    if decay is not None:
+        merge_coefficients(decay, 1)  # an unknown name is refused here
+    swa_start = s.swa_start if s.method == "swa" else None
+    if swa_start is not None and swa_start < 0:
+        raise UsageError(f"--swa-start: must be a step >= 0, got {swa_start}")
+    sigma_rel = power_gamma = None
+    if s.method == "power":
+        sigma_rel, power_gamma = s.sigma_rel, s.power_gamma
+        if sigma_rel is None and power_gamma is None:
+            sigma_rel = 0.05
+        if sigma_rel is not None:
+            power_gamma = sigma_rel_to_gamma(sigma_rel)
+        elif not math.isfinite(power_gamma) or power_gamma <= -1:
+            raise UsageError(f"--power-gamma: must be a finite number > -1, got {power_gamma}")
+    return replace(
+        s,
+        window=window,
+        merge_schedule=decay,
+        swa_start=swa_start,
+        sigma_rel=sigma_rel,
+        power_gamma=power_gamma,
+    )
+
+
+# -- the power-function EMA (Karras et al. 2024, "Analyzing and Improving the Training Dynamics
+#    of Diffusion Models", Algorithm 2: https://arxiv.org/abs/2312.02696) ----------------------
+def power_weight(previous: int, step: int, gamma: float) -> float:
+    """1 - (s_(k-1)/s_k)**(gamma+1): the weight of theta_k in the update mu_k = lerp(mu_(k-1), theta_k, .).
+    With every step saved this is EDM2's beta_t = (1 - 1/t)**(gamma+1); a saved checkpoint stands
+    for its interval. s_0 = 0, so the first member is taken whole."""
+    if previous <= 0 or step <= 0:
+        return 1.0
+    return 1.0 - (previous / step) ** (gamma + 1.0)
+
+
+def _width(gamma: float) -> float:
+    """EDM2's sigma_rel of exponent gamma: sqrt((gamma+1) / ((gamma+2)**2 (gamma+3)))."""
+    return math.sqrt((gamma + 1.0) / ((gamma + 2.0) ** 2 * (gamma + 3.0)))
+
+
+def sigma_rel_to_gamma(sigma_rel: float) -> float:
+    """The exponent gamma with relative width sigma_rel, on the branch where the width falls as gamma
+    grows (the root EDM2 and ema-pytorch take), by bisection: no polynomial solver needed."""
+    lo, hi = -0.5, 0.0  # the width peaks where d/dg log(width) = 1/(g+1) - 2/(g+2) - 1/(g+3) is 0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if 1 / (mid + 1) - 2 / (mid + 2) - 1 / (mid + 3) > 0 else (lo, mid)
+    peak = _width(lo)
+    if isinstance(sigma_rel, bool) or not (0 < sigma_rel < peak):  # NaN fails both comparisons
+        raise UsageError(f"--sigma-rel: must be in (0, {peak:.4f}), got {sigma_rel}")
+    hi = 1.0
+    while _width(hi) > sigma_rel:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _width(mid) > sigma_rel else (lo, mid)
+    return (lo + hi) / 2
+
+
+# -- window merges (Megatron-LM tools/checkpoint/weighted_merge.py) ------------------------------
+_DECAY = {
+    "linear": lambda x: 1.0 - x,  # uniform weights: LAWA
+    "minus-sqrt": lambda x: 1.0 - math.sqrt(x),  # WSM's best (arXiv 2507.17634)
+    "cosine": lambda x: (1.0 + math.cos(math.pi * x)) / 2.0,
+}
+
+
+def merge_coefficients(schedule: str, n: int) -> list[float]:
+    """The weights of n checkpoints, oldest first, from a decay g: d_i = g(i/n); c_(n-1) = d_(n-1);
+    c_i = d_i - d_(i+1) for 0 < i < n-1; c_0 = 1 - the others. `<g>:reverse` reverses them."""
+    name, _, variant = schedule.partition(":")
+    if name not in _DECAY or variant not in ("", "reverse"):
+        choices = ", ".join(DECAYS)
+        raise UsageError(
+            f"--schedule: unknown schedule {schedule!r} (choose from {choices}, each with :reverse)"
+        )
+    g = _DECAY[name]
+    d = [g(i / n) for i in range(n)]
+    c = [d[i] - d[i + 1] for i in range(n - 1)] + [d[n - 1]]
+    c[0] = 1.0 - sum(c[1:])
+    return c[::-1] if variant else c
+
+
+class Window:
+    """The last K-1 members of a trajectory in a ring of slots (member j lives in slot j % len(slots)),
+    and the merges of lawa and wsm over them and the current checkpoint.
+
+    `estimate` must come before `advance` at a step: the merge of a full window still needs the
+    oldest slice, which `advance` then overwrites with theta_s. A `view` shares the ring's storage.
+    """
+
+    def __init__(self, slots: list):
+        self.slots = slots
+
+    def view(self, lo: int, hi: int) -> Window:
+        return Window([t[lo:hi] for t in self.slots])
+
+    def advance(self, event: PlannedStep, theta: torch.Tensor) -> None:
+        if event.action == "update" and self.slots:
+            self.slots[event.member % len(self.slots)].copy_(theta)
+
+    def estimate(self, event: PlannedStep, theta: torch.Tensor, schedule: Schedule, out=None) -> torch.Tensor:
+        """sum_i c_i theta_i over the last n = min(K, members so far) members, oldest first."""
+        import torch
+
+        if event.action == "burnin":
+            return theta
+        n = min(schedule.window, event.member)
+        coefficients = merge_coefficients(schedule.merge_schedule or "linear", n)
+        members = [self.slots[j % len(self.slots)] for j in range(event.member - n + 1, event.member)]
+        members.append(theta)
+        out = torch.mul(members[0], coefficients[0], out=out)
+        for c, member in zip(coefficients[1:], members[1:], strict=True):
+            out.add_(member, alpha=c)
+        return out
+
+
+def window_members(events: dict[int, PlannedStep], step: int, window: int) -> list[int]:
+    """The steps a window merge at `step` reads, oldest first (bema.json records them)."""
+    m = events[step].member
+    return sorted(e.step for e in events.values() if e.action == "update" and m - window < e.member <= m)
 
 
 # The running tensors each method keeps besides theta0 (memory planning counts them).
-STATE_TENSORS = {"vanilla": (), "ema": ("ema",), "bema": ("ema",), "dema": ("e1", "e2"), "ouema": ("ou",)}
+STATE_TENSORS = {
+    "vanilla": (), "ema": ("ema",), "bema": ("ema",), "dema": ("e1", "e2"), "ouema": ("ou",),
+    "swa": ("avg",), "power": ("avg",), "lawa": (), "wsm": (),  # a window's ring is sized by K: Window
+}  # fmt: skip
 
 
 class Stabilizer:
@@ -158,7 +344,7 @@ class Stabilizer:
         if method not in METHODS:
             raise UsageError(f"unknown method {method!r}")
         self.method = method
-        self.ema = self.e1 = self.e2 = self.ou = None
+        self.ema = self.e1 = self.e2 = self.ou = self.avg = None
         for name, buffer in zip(STATE_TENSORS[method], buffers or (), strict=False):
             setattr(self, name, buffer)
         self.restart(theta0)
@@ -168,7 +354,7 @@ class Stabilizer:
         land in this state's storage. The engine walks a unit in cache-sized blocks this way."""
         part = object.__new__(Stabilizer)
         part.method, part.theta0 = self.method, self.theta0[lo:hi]
-        for name in ("ema", "e1", "e2", "ou"):
+        for name in ("ema", "e1", "e2", "ou", "avg"):
             state = getattr(self, name)
             setattr(part, name, None if state is None else state[lo:hi])
         return part
@@ -200,6 +386,8 @@ class Stabilizer:
             ):  # average the debiased targets d = (theta - alpha*theta0)/(1 - alpha)
                 debiased = (theta - event.alpha * self.theta0) / (1.0 - event.alpha)
                 self.ou.lerp_(debiased, beta)
+            elif self.method in ("swa", "power"):  # mu = mu + beta*(theta - mu), beta 1/n or power_weight
+                self.avg.lerp_(theta, beta)
 
     def estimate(
         self,
@@ -230,6 +418,8 @@ class Stabilizer:
             return torch.add(self.ema, drift, alpha=event.alpha, out=out)
         if method == "dema":  # 2*e1 - e2
             return torch.sub(torch.mul(self.e1, 2, out=out), self.e2, out=out)
+        if method in ("swa", "power"):
+            return self.avg
         return self.ou
 
     def apply(self, event: PlannedStep, theta: torch.Tensor) -> torch.Tensor | None:
@@ -244,6 +434,10 @@ def state_key(s: Schedule) -> tuple:
     ema and bema share their EMA (alpha_s only enters bema's output); ouema's state
     depends on alpha_s, hence on eta.
     """
+    if s.method in WINDOW_METHODS:  # one ring serves every window: members depend on the cadence only
+        return ("window", s.preset, s.tau, s.phi)
+    if s.method in ("swa", "power"):
+        return (s.method, s.preset, s.tau, s.phi, s.swa_start, s.power_gamma)
     family = "ema" if s.method in ("ema", "bema") else s.method
     return (
         family,
@@ -262,6 +456,14 @@ def run_name(s: Schedule) -> str:
     """Output folder name of a run: bema-k0.5-e0.2, ema-k0.5, dema-k0.5, ouema-k0.5-e0.2, vanilla."""
     if s.method == "vanilla":
         return "vanilla"
+    if s.method == "lawa":
+        return f"lawa-w{s.window}"
+    if s.method == "wsm":
+        return f"wsm-{s.merge_schedule.replace('-', '_').replace(':', '_')}-w{s.window}"
+    if s.method == "swa":
+        return "swa" if s.swa_start is None else f"swa-s{s.swa_start}"
+    if s.method == "power":
+        return f"power-sr{s.sigma_rel!r}" if s.sigma_rel is not None else f"power-g{s.power_gamma!r}"
     if s.method in ("ema", "dema"):
         return f"{s.method}-k{s.kappa!r}"
     eta = "inf" if math.isinf(s.eta) else repr(s.eta)

@@ -29,7 +29,9 @@ from bema_cli.io.safetensors import ModelIndex
 from bema_cli.io.watch import check_unchanged, held_stats, hold_files, release
 from bema_cli.io.writer import ShardedWriter
 from bema_cli.stabilize import meta, state
-from bema_cli.stabilize.plan import Options, Plan, Run, prepare, resolve_state
+from bema_cli.stabilize.executors import run_units
+from bema_cli.stabilize.plan import Options, Plan, Run
+from bema_cli.stabilize.prepare import prepare, resolve_state
 from bema_cli.stabilize.unit import Outputs, torch_device, unit_bytes
 
 
@@ -283,8 +285,6 @@ def _fingerprints(
 
 def _walk(plan: Plan, opts: Options, tmp: Path, executor: ExecutorOptions) -> int:
     """The tensor-major pass; writes every output folder under tmp; returns safetensors bytes written."""
-    from bema_cli.stabilize.executors import run_units
-
     outputs = open_outputs(plan, tmp)
     plan.state_writers = state.open_writers(plan, opts, tmp)
     if opts.allow_nonfinite:

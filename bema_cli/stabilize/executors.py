@@ -64,7 +64,7 @@ def session(executor: ExecutorOptions) -> Iterator[None]:
 def _warm_up() -> None:
     import torch  # noqa: F401
 
-    import bema_cli.stabilize.engine  # noqa: F401  (and torch, safetensors with it)
+    import bema_cli.stabilize.unit  # noqa: F401  (the module a unit task runs, and safetensors with it)
 
 
 def _ray_unit(plan: Plan, opts: Options, index: int, outputs: Outputs, threads: int) -> int:

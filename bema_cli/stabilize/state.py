@@ -26,10 +26,8 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from bema_cli import __version__, output
 from bema_cli.errors import BemaError, InputError, UsageError
@@ -40,9 +38,7 @@ from bema_cli.io.safetensors import FLOATING, TAG_OF, ModelIndex, TensorInfo
 from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
 from bema_cli.recurrence import STATE_TENSORS, Schedule, Stabilizer, run_name, state_key
 from bema_cli.stabilize import gaps, state_doc
-
-if TYPE_CHECKING:
-    from bema_cli.stabilize.plan import Options, Piece, Plan, Run
+from bema_cli.stabilize.plan import Options, Piece, Plan, Resume, Run, Track
 
 STATE_DIR = ".bema-state"
 STATE_FILE = "state.json"
@@ -94,20 +90,6 @@ def check_run(name: str, stored: dict, schedule: Schedule, opts: Options, where:
                 f"{name}: --{key.replace('_', '-')} is {now[key]} but {where} was computed with "
                 f"{before}; pass --restart to recompute this run from scratch (or choose another --out)"
             )
-
-
-@dataclass
-class Resume:
-    """What the persistent state says about one call (empty when OUT has none)."""
-
-    stored: dict | None
-    steps: list[int]  # the whole trajectory: consumed steps, then the new present ones
-    starts: dict[str, int | None]  # run name -> last step already processed; None: from theta0
-    theta0_state: str | None  # folder in .bema-state holding theta0 after a burn-in, if any
-    base_files: list[Path] = field(default_factory=list)  # theta0's weight files (fingerprinted)
-
-    def start(self, name: str) -> int | None:
-        return self.starts.get(name)
 
 
 def resume(opts: Options, out: Path, checkpoints: list[Checkpoint], base_source: str, base_files) -> Resume:
@@ -174,30 +156,6 @@ def _check_inputs(
             raise InputError(
                 f"{c.path}: a new checkpoint older than the last processed step {last}; pass --restart to recompute"
             )
-
-
-# -- tracks: the recurrence states one call walks -----------------------------------------------
-@dataclass
-class Track:
-    """One recurrence state walked by this call, shared by the runs with the same state_key and start."""
-
-    method: str  # the Stabilizer's method (that of the track's first run)
-    runs: list[Run]
-    start: int | None  # last step already in the state; None: the state starts at theta0
-    last: int  # the last step this call advances it to (== start: nothing new)
-    source: ModelIndex | None  # the state folder to resume from (read one unit at a time)
-    folder: str | None  # the state folder after this call (new when it advances)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return STATE_TENSORS[self.method]
-
-    @property
-    def advancing(self) -> bool:
-        return self.last != self.start
-
-    def advances(self, step: int) -> bool:
-        return (self.start is None or step > self.start) and step <= self.last
 
 
 def _digest(*parts) -> str:

@@ -34,14 +34,45 @@ RayAddressOpt = Annotated[
 
 # Stabilizer hyperparameters (names follow the paper's symbols; see docs/math.md).
 KappaOpt = Annotated[
-    str, typer.Option("--kappa", help="EMA decay power: beta_s = w(s)**-kappa. Comma list for a grid.")
+    str | None,
+    typer.Option(
+        "--kappa", help="EMA decay power: beta_s = w(s)**-kappa. Comma list for a grid. [default: 0.5]"
+    ),
 ]
 EtaOpt = Annotated[
-    str,
+    str | None,
     typer.Option(
         "--eta",
-        help="Bias-correction power: alpha_s = w(s)**-eta ('inf' = no correction, 0 = alpha 1). Comma list for a grid.",
+        help="Bias-correction power: alpha_s = w(s)**-eta ('inf' = no correction, 0 = alpha 1). Comma list for a grid. [default: 0.2]",
     ),
+]
+# The window and schedule-weighted averages (docs/math.md): each a grid dimension like --kappa.
+WindowOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--window", help="lawa, wsm: merge the last K checkpoints. Comma list for a grid. [default: 8]"
+    ),
+]
+ScheduleOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--schedule",
+        help="wsm: the decay g giving the weights: linear, minus-sqrt, cosine, each also NAME:reverse. Comma list. [default: minus-sqrt]",
+    ),
+]
+SwaStartOpt = Annotated[
+    str | None,
+    typer.Option("--swa-start", help="swa: average every checkpoint from this step on. [default: the first]"),
+]
+SigmaRelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--sigma-rel", help="power: EDM2's relative width of the power EMA. Comma list. [default: 0.05]"
+    ),
+]
+PowerGammaOpt = Annotated[
+    str | None,
+    typer.Option("--power-gamma", help="power: the exponent gamma directly (instead of --sigma-rel)."),
 ]
 GammaOpt = Annotated[float, typer.Option("--gamma", help="Step multiplier in w(s) = rho + gamma*s.")]
 RhoOpt = Annotated[float, typer.Option("--rho", help="Lag offset in w(s) = rho + gamma*s.")]

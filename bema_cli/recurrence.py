@@ -102,10 +102,10 @@ class Schedule:
 
     def params(self) -> dict:
         """The hyperparameters this method uses, keyed as bema.json and --json records name them."""
-        common = {"method": self.method, "preset": self.preset, "tau": self.tau, "phi": self.phi}
         if self.method in EMA_FAMILY or self.method == "vanilla":
-            names = ("kappa", "eta", "gamma", "rho", "beta_min")
-            return {**common, **{n: getattr(self, n) for n in names}}
+            names = ("method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min")
+            return {n: getattr(self, n) for n in names}
+        common = {"method": self.method, "preset": self.preset, "tau": self.tau, "phi": self.phi}
         own = {"window": self.window} if self.method in WINDOW_METHODS else {}
         if self.method == "wsm":
             own["schedule"] = self.merge_schedule
@@ -171,11 +171,11 @@ class Schedule:
             if s.method in EMA_FAMILY or s.method == "vanilla":
                 alpha, beta = s.bias_weight(step), s.ema_weight(step)
             elif s.method == "swa":  # the running mean: mu_n = mu_(n-1) + (theta_n - mu_(n-1)) / n
-                alpha, beta = 0.0, 1.0 / members
+                alpha, beta = math.nan, 1.0 / members
             elif s.method == "power":
-                alpha, beta = 0.0, power_weight(previous if members > 1 else 0, step, s.power_gamma)
+                alpha, beta = math.nan, power_weight(previous if members > 1 else 0, step, s.power_gamma)
             else:  # lawa, wsm: no running state, a merge of the last K members
-                alpha, beta = 0.0, math.nan
+                alpha, beta = math.nan, math.nan
             events.append(PlannedStep(step, "update", alpha, beta, members))
         return events
 

@@ -21,10 +21,15 @@ from bema_cli.options import (
     OutDirOpt,
     OverwriteOpt,
     PhiOpt,
+    PowerGammaOpt,
     PresetOpt,
     RayAddressOpt,
     RhoOpt,
+    ScheduleOpt,
+    SigmaRelOpt,
+    SwaStartOpt,
     TauOpt,
+    WindowOpt,
     WorkersOpt,
     check_seconds,
     parse_float_list,
@@ -51,10 +56,19 @@ def stabilize(
         ),
     ] = None,
     method: Annotated[
-        str, typer.Option("--method", help="bema, ema, dema, ouema, vanilla; comma list for a grid.")
+        str,
+        typer.Option(
+            "--method",
+            help="bema, ema, dema, ouema, lawa, wsm, swa, power, vanilla; comma list for a grid.",
+        ),
     ] = "bema",
-    kappa: KappaOpt = "0.5",
-    eta: EtaOpt = "0.2",
+    kappa: KappaOpt = None,
+    eta: EtaOpt = None,
+    window: WindowOpt = None,
+    schedule: ScheduleOpt = None,
+    swa_start: SwaStartOpt = None,
+    sigma_rel: SigmaRelOpt = None,
+    power_gamma: PowerGammaOpt = None,
     gamma: GammaOpt = 1.0,
     rho: RhoOpt = 10.0,
     tau: TauOpt = 0,
@@ -176,12 +190,13 @@ def stabilize(
     workers: WorkersOpt = 1,
     ray_address: RayAddressOpt = None,
 ) -> None:
-    """Stabilize a fine-tuning run's checkpoints with BEMA/EMA/DEMA/OUEMA, streaming tensor by tensor.
+    """Stabilize a fine-tuning run's checkpoints with BEMA/EMA/DEMA/OUEMA or a window/schedule average
+    (LAWA, WSM, SWA, power EMA), streaming tensor by tensor.
 
     Writes OUT/<run>/checkpoint-<step>/ (loadable HF model folders with bema.json) and OUT/manifest.json.
     Reads safetensors, PyTorch .bin, DCP (FSDP sharded) checkpoints and PEFT LoRA adapters (stabilized
     in weight space).
-    A grid (comma lists in --method/--kappa/--eta) is computed in one pass over the inputs.
+    A grid (comma lists in --method/--kappa/--eta/--window/--schedule/...) is computed in one pass over the inputs.
     OUT/.bema-state/ keeps the recurrences, so a re-run reads only new checkpoints; --follow
     keeps going while training runs (one JSON line per output with --json).
     """
@@ -201,8 +216,13 @@ def stabilize(
 
     schedules = grid(
         parse_str_list(method),
-        parse_float_list(kappa, "--kappa"),
-        parse_float_list(eta, "--eta"),
+        parse_float_list(kappa, "--kappa") if kappa is not None else None,
+        parse_float_list(eta, "--eta") if eta is not None else None,
+        windows=parse_int_list(window, "--window") if window is not None else None,
+        schedules=parse_str_list(schedule) if schedule is not None else None,
+        swa_starts=parse_int_list(swa_start, "--swa-start") if swa_start is not None else None,
+        sigma_rels=parse_float_list(sigma_rel, "--sigma-rel") if sigma_rel is not None else None,
+        power_gammas=parse_float_list(power_gamma, "--power-gamma") if power_gamma is not None else None,
         preset=preset,
         gamma=gamma,
         rho=rho,
@@ -293,7 +313,8 @@ def _gb(n: int) -> str:
 
 # `bema stabilize --help` groups its options in panels (cli.command applies them), as eval's are.
 PANELS = {
-    "Stabilizer (the grid: comma lists)": ["method", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min", "preset"],
+    "Stabilizer (the grid: comma lists)": ["method", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min", "preset",
+                                           "window", "schedule", "swa_start", "sigma_rel", "power_gamma"],
     "What to write": ["final_only", "steps", "out_dtype", "accum_dtype", "max_shard_size", "lora_output", "lora_rank",
                       "keep_last"],
     "Incremental runs and follow mode": ["keep_state", "restart", "fingerprint", "follow", "until_step",
@@ -331,7 +352,8 @@ def _print_summary(doc: dict) -> None:
     for col in ("run", "step", "alpha", "beta", "path"):
         table.add_column(col, justify="right" if col in NUMERIC else "left")
     for o in doc["outputs"]:
-        table.add_row(o["run"], str(o["step"]), f"{o['alpha']:.4g}", f"{o['beta']:.4g}", o["path"])
+        weights = [f"{o[k]:.4g}" if o[k] == o[k] else "-" for k in ("alpha", "beta")]  # nan: a window merge
+        table.add_row(o["run"], str(o["step"]), *weights, o["path"])
     output.print_table(table)
     rate = doc["read_bytes"] / doc["seconds"] / 1e6 if doc["seconds"] else 0.0
     output.stdout.print(

@@ -27,7 +27,7 @@ from bema_cli.stabilize.meta import read_manifest, read_record
 # bema.json keys that describe the stabilizer (per-step alpha/beta and paths are not hyperparameters)
 STABILIZER_KEYS = (
     "method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min",
-    "accum_dtype", "out_dtype", "theta0_source",
+    "window", "schedule", "swa_start", "sigma_rel", "power_gamma", "accum_dtype", "out_dtype", "theta0_source",
 )  # fmt: skip
 VANILLA = {"method": "vanilla"}
 

@@ -16,16 +16,14 @@ from bema_cli.errors import InputError
 from bema_cli.io.checkpoints import copy_aux_files, read_json
 from bema_cli.io.commit import MANIFEST
 from bema_cli.io.safetensors import DTYPES, FLOATING
-from bema_cli.recurrence import Schedule
+from bema_cli.recurrence import WINDOW_METHODS, Schedule, merge_coefficients, window_members
 
 if TYPE_CHECKING:
     from bema_cli.stabilize.plan import Options, Plan, Run
 
-HYPER = ("method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min")
-
-
-def hyper(s: Schedule, names: tuple[str, ...] = HYPER) -> dict:
-    return {n: getattr(s, n) for n in names}
+def hyper(s: Schedule, leave_out: tuple[str, ...] = ()) -> dict:
+    """The run's hyperparameters as records name them (recurrence.Schedule.params)."""
+    return {k: v for k, v in s.params().items() if k not in leave_out}
 
 
 def record(run: Run, step: int, source: Path, base_source: str, opts: Options, out_dtype: str) -> dict:
@@ -110,11 +108,10 @@ def _set_config_dtype(path: Path, dtype: str) -> None:
 
 def outputs_of(plan: Plan, out: Path) -> list[dict]:
     """The `outputs` list of the --json document (paths absolute)."""
-    keys = ("method", "kappa", "eta", "gamma", "rho", "tau", "phi")
     return [
         {
             "run": run.name,
-            **hyper(run.schedule, keys),
+            **hyper(run.schedule, leave_out=("preset", "beta_min")),
             "step": step,
             "path": str(out / run.name / f"checkpoint-{step}"),
             **weights(run, step),
@@ -125,7 +122,15 @@ def outputs_of(plan: Plan, out: Path) -> list[dict]:
 
 
 def weights(run: Run, step: int) -> dict:
-    return {"alpha": run.events[step].alpha, "beta": run.events[step].beta}
+    """The weights an output was made with: (alpha_s, beta_s); a window merge's members and
+    coefficients (fewer than K while the window fills)."""
+    event = run.events[step]
+    out = {"alpha": event.alpha, "beta": event.beta}
+    if run.schedule.method in WINDOW_METHODS and event.action == "update":
+        steps = window_members(run.events, step, run.schedule.window)
+        coefficients = merge_coefficients(run.schedule.merge_schedule or "linear", len(steps))
+        out.update(members=len(steps), member_steps=steps, coefficients=coefficients)
+    return out
 
 
 def read_manifest(out: Path) -> dict | None:

@@ -21,7 +21,15 @@ from bema_cli.io.reader import ModelIndex, TensorInfo
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
 from bema_cli.io.write_behind import DEPTH
 from bema_cli.io.writer import Shard
-from bema_cli.recurrence import STATE_TENSORS, PlannedStep, Schedule, run_name, state_key
+from bema_cli.recurrence import (
+    EMA_FAMILY,
+    STATE_TENSORS,
+    WINDOW_METHODS,
+    PlannedStep,
+    Schedule,
+    run_name,
+    state_key,
+)
 
 OUT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 ACCUM_DTYPES = ("float32", "float64")
@@ -111,7 +119,11 @@ class Resume:
 
 @dataclass
 class Track:
-    """One recurrence state walked by this call, shared by the runs with the same state_key and start."""
+    """One recurrence state walked by this call, shared by the runs with the same state_key and start.
+
+    A window track's state is its ring: the last ring_size members as of a step, stored as the
+    tensors "s<step>/<name>" so a call with another ring size (or another slot order) reads them.
+    """
 
     method: str  # the Stabilizer's method (that of the track's first run)
     runs: list[Run]
@@ -119,9 +131,31 @@ class Track:
     last: int  # the last step this call advances it to (== start: nothing new)
     source: ModelIndex | None  # the state folder to resume from (read one unit at a time)
     folder: str | None  # the state folder after this call (new when it advances)
+    # a continued window: where each member its ring holds at `start` is read, step -> (index, the
+    # tensor name prefix: "" for the run's own checkpoint, "s<step>/" for the state's copy)
+    ring_sources: dict[int, tuple[ModelIndex, str]] = field(default_factory=dict)
+
+    @property
+    def window(self) -> bool:
+        return self.method in WINDOW_METHODS
+
+    @property
+    def ring(self) -> int:
+        return ring_size(self.runs) if self.window else 0
+
+    def ring_steps(self, at: int | None) -> list[int]:
+        """The members a window's ring holds after step `at` (oldest first; none before any step)."""
+        if at is None or not self.ring:
+            return []
+        events = self.runs[0].events
+        members = [e.step for e in events.values() if e.action == "update" and e.step <= at]
+        return sorted(members)[-self.ring :]
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The state tensors this call saves (a window: its ring after `last`)."""
+        if self.window:
+            return tuple(f"s{st}" for st in self.ring_steps(self.last))
         return STATE_TENSORS[self.method]
 
     @property
@@ -154,22 +188,62 @@ class Plan:
     fingerprints: dict[int, list[dict]] = field(default_factory=dict)  # step -> its files as read (state.py)
 
 
-def grid(methods: list[str], kappas: list[float], etas: list[float], **common) -> list[Schedule]:
-    """Every (method, kappa, eta) combination, validated, one per output run name.
+def grid(
+    methods: list[str],
+    kappas: list[float] | None = None,
+    etas: list[float] | None = None,
+    *,
+    windows: list[int] | None = None,
+    schedules: list[str] | None = None,
+    swa_starts: list[int] | None = None,
+    sigma_rels: list[float] | None = None,
+    power_gammas: list[float] | None = None,
+    **common,
+) -> list[Schedule]:
+    """Every combination of each method with the lists of the parameters it uses, validated, one per
+    output run name. A list given for a parameter that no method of the grid uses is an error
+    (None: not given, the default).
 
     Methods without bias correction (ema, dema, vanilla) record eta = inf, and BEMA with eta = inf
     (alpha = 0) is the EMA itself, so `--method bema,ema --eta 0.2,inf` writes that EMA once.
     """
     if not methods:
         raise UsageError("--method: no method given")
-    for kappa in set(kappas) & ({0.0} | {k for k in kappas if k > 1}) if set(methods) - {"vanilla"} else ():
+    for flag, values, users in (
+        ("--kappa", kappas, EMA_FAMILY),
+        ("--eta", etas, ("bema", "ouema")),
+        ("--window", windows, WINDOW_METHODS),
+        ("--schedule", schedules, ("wsm",)),
+        ("--swa-start", swa_starts, ("swa",)),
+        ("--sigma-rel", sigma_rels, ("power",)),
+        ("--power-gamma", power_gammas, ("power",)),
+    ):
+        if values is not None and not set(methods) & set(users):
+            raise UsageError(
+                f"{flag}: applies to {', '.join(users)}, and the grid's methods ({', '.join(methods)}) include none"
+            )
+    kappas, etas = kappas or [0.5], etas or [0.2]
+    ema_like = set(methods) & set(EMA_FAMILY)
+    for kappa in set(kappas) & ({0.0} | {k for k in kappas if k > 1}) if ema_like else ():
         output.warn(
             f"--kappa {kappa:g}: beta = 1 at every step, so the EMA is the current iterate (no averaging)"
             if kappa == 0
             else f"--kappa {kappa:g} > 1: the betas sum to a finite total, so the EMA never forgets theta0"
         )
+    powers = [{"sigma_rel": x} for x in sigma_rels or ()] + [{"power_gamma": g} for g in power_gammas or ()]
+    own = {  # the runs of each method that is not of the EMA family
+        "lawa": [{"window": k} for k in windows or [None]],
+        "wsm": [{"window": k, "merge_schedule": g} for k in windows or [None] for g in schedules or [None]],
+        "swa": [{"swa_start": st} for st in swa_starts or [None]],
+        "power": powers or [{}],
+    }
     out: dict[str, Schedule] = {}
     for method in methods:
+        if method in own:
+            for params in own[method]:
+                s = Schedule(method=method, **params, **common).resolved()
+                out.setdefault(run_name(s), s)
+            continue
         for kappa in kappas:
             for eta in etas:
                 eta = eta if method in ("bema", "ouema") else math.inf
@@ -205,12 +279,25 @@ def out_steps(events: list[PlannedStep], opts: Options, start: int | None = None
 
 def _accumulators(runs: list[Run]) -> int:
     """Accum-dtype buffers per element that `_walk` holds: theta0, theta_s, one set of state per
-    distinct state, theta_s - theta0 (bema), the output (bema, dema), ouema's two temporaries."""
+    distinct state (a window's ring: K-1 slices), theta_s - theta0 (bema), the output (bema, dema,
+    windows), ouema's two temporaries."""
     methods = {r.schedule.method for r in runs}
-    distinct = {state_key(r.schedule): r.schedule.method for r in runs}  # runs sharing a state count once
-    state = sum(len(STATE_TENSORS[m]) for m in distinct.values())
-    scratch = ("bema" in methods) + bool(methods & {"bema", "dema"}) + 2 * ("ouema" in methods)
-    return 2 + state + scratch
+    distinct: dict[tuple, int] = {}  # runs sharing a state count once
+    for r in runs:
+        key = (state_key(r.schedule), r.start)
+        size = (
+            ring_size([r]) if r.schedule.method in WINDOW_METHODS else len(STATE_TENSORS[r.schedule.method])
+        )
+        distinct[key] = max(distinct.get(key, 0), size)
+    scratch = (
+        ("bema" in methods) + bool(methods & {"bema", "dema", *WINDOW_METHODS}) + 2 * ("ouema" in methods)
+    )
+    return 2 + sum(distinct.values()) + scratch
+
+
+def ring_size(runs: list[Run]) -> int:
+    """Slices a window track keeps: K-1 for the largest window K of its runs (theta_s is the K-th)."""
+    return max((r.schedule.window - 1 for r in runs if r.schedule.method in WINDOW_METHODS), default=0)
 
 
 def cut_units(

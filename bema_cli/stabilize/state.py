@@ -36,7 +36,7 @@ from bema_cli.io.fingerprint import changed, fingerprint, fingerprint_if_present
 from bema_cli.io.reader import read_into
 from bema_cli.io.safetensors import FLOATING, TAG_OF, ModelIndex, TensorInfo
 from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
-from bema_cli.recurrence import STATE_TENSORS, Schedule, Stabilizer, run_name, state_key
+from bema_cli.recurrence import STATE_TENSORS, Schedule, Stabilizer, Window, run_name, state_key
 from bema_cli.stabilize import gaps, state_doc
 from bema_cli.stabilize.plan import Options, Piece, Plan, Resume, Run, Track
 
@@ -84,6 +84,8 @@ def check_run(name: str, stored: dict, schedule: Schedule, opts: Options, where:
     """Refuse (one line, naming the difference) to continue a run whose schedule or dtype changed."""
     now = _settings(schedule, opts)
     for key in CHECKED:
+        if key in SCHEDULE_KEYS and key not in schedule.params():
+            continue  # e.g. --kappa for a window run: a parameter it does not use
         before = stored.get(key, ADDED_LATER.get(key))
         if before != now[key]:
             raise UsageError(
@@ -173,18 +175,47 @@ def tracks(plan: Plan, resume: Resume, out: Path) -> list[Track]:
         last = max(r.last_needed for r in runs)
         method = runs[0].schedule.method
         old = stored[runs[0].name].get("state") if start is not None else None
-        folder, source = old, None
-        if STATE_TENSORS[method] and last != start:
+        track = Track(method, runs, start, last, None, old)
+        if (STATE_TENSORS[method] or track.ring) and last != start:
             consumed = [s for s in resume.steps if s <= last]
-            folder = f"{key[0]}-{_digest(key, consumed, plan.base_source)}"
-            source = state_doc.index_state(out / STATE_DIR / old, resume.stored) if old else None
-            if start is not None and source is None:
+            track.folder = f"{key[0]}-{_digest(key, consumed, plan.base_source, track.ring)}"
+            track.source = state_doc.index_state(out / STATE_DIR / old, resume.stored) if old else None
+            if track.window:
+                track.ring_sources = _ring_sources(plan, track, out)
+                track.source = None  # read member by member (ring_sources)
+            elif start is not None and track.source is None:
                 raise InputError(f"{out / STATE_DIR}: no state for run {runs[0].name}; pass --restart")
-            if source is not None:
+            elif track.source is not None:
                 accum = stored[runs[0].name]["accum_dtype"]
-                state_doc.check_layout(source, state_layout(plan, STATE_TENSORS[method], accum, 1 << 62))
-        result.append(Track(method, runs, start, last, source, folder))
+                state_doc.check_layout(track.source, state_layout(plan, track.names, accum, 1 << 62))
+        result.append(track)
     return result
+
+
+def _ring_sources(plan: Plan, track: Track, out: Path) -> dict[int, tuple[ModelIndex, str]]:
+    """Where a continued window reads the members its ring holds at `start`: the run's own checkpoint
+    when it is still there (its fingerprint was checked: resume), else the copy in the state."""
+    sources = {}
+    missing = []
+    for step in track.ring_steps(track.start):
+        if step in plan.indexes:
+            sources[step] = (plan.indexes[step], "")
+        elif track.source is not None and any(n.startswith(f"s{step}/") for n in track.source.tensors):
+            sources[step] = (track.source, f"s{step}/")
+        else:
+            missing.append(step)
+    if missing:
+        run = max(track.runs, key=lambda r: r.schedule.window)
+        raise UsageError(
+            f"{out / STATE_DIR}: run {run.name} (--window {run.schedule.window}) needs checkpoint step(s) "
+            f"{', '.join(map(str, missing))} to continue, and neither the run folder nor the state has "
+            "them; pass --restart to recompute from theta0"
+        )
+    if track.source is not None:
+        accum = next(r for r in plan.resume.stored["runs"] if r["run"] == track.runs[0].name)["accum_dtype"]
+        names = tuple(f"s{s}" for s, (index, _) in sources.items() if index is track.source)
+        state_doc.check_layout(track.source, state_layout(plan, names, accum, 1 << 62))
+    return sources
 
 
 def state_layout(plan: Plan, names: tuple[str, ...], accum_dtype: str, max_shard_size: int):
@@ -237,11 +268,24 @@ def write_unit(writer: ShardedWriter, unit: list[Piece], names: tuple[str, ...],
                 writer.write(f"{n}/{p.info.name}", p.start * row, tensor_bytes(data))
 
 
-def start_unit(plan: Plan, unit: list[Piece], theta0, buffer=None) -> list[Stabilizer]:
-    """One Stabilizer per track for this unit: from theta0, or continued from its state folder.
-    `buffer(key)`, if given, returns reused storage of theta0's shape for each state tensor."""
+def start_unit(plan: Plan, unit: list[Piece], theta0, buffer=None, scratch=None) -> list[Stabilizer | Window]:
+    """One Stabilizer (a Window for lawa/wsm) per track for this unit: from theta0, or continued from
+    its state folder. `buffer(key)`, if given, returns reused storage of theta0's shape for each state
+    tensor; `scratch` is the byte buffer a cast read goes through."""
+    import torch
+
     stabs = []
     for i, t in enumerate(plan.tracks):
+        if t.window:
+            new = buffer or (lambda key: torch.empty_like(theta0))
+            ring = Window([new(f"state{i}-slot{j}") for j in range(t.ring)])
+            if t.advancing:
+                for step in t.ring_steps(t.start):
+                    index, prefix = t.ring_sources[step]
+                    slot = ring.slots[t.runs[0].events[step].member % t.ring]
+                    _read_members(index, unit, prefix, slot, scratch)
+            stabs.append(ring)
+            continue
         buffers = [buffer(f"state{i}-{n}") for n in t.names] if buffer else None
         stab = Stabilizer(t.method, theta0, buffers)
         if t.source is not None and t.advancing:
@@ -250,11 +294,26 @@ def start_unit(plan: Plan, unit: list[Piece], theta0, buffer=None) -> list[Stabi
     return stabs
 
 
-def end_unit(plan: Plan, unit: list[Piece], stabs: list[Stabilizer], theta0) -> None:
+def _read_members(index: ModelIndex, unit: list[Piece], prefix: str, flat, scratch=None) -> None:
+    """One member of a window's ring, this unit's rows, from a checkpoint ("") or the state ("s<step>/")."""
+    with index.open() as reader:
+        for p in unit:
+            if p.hi > p.lo:
+                read_into(reader, prefix + p.info.name, p.start, p.stop, flat[p.lo : p.hi], scratch)
+
+
+def _state_tensors(t: Track, stab) -> list:
+    """The tensors of a track's state, in `t.names` order (a window: the slots of its last members)."""
+    if t.window:
+        return [stab.slots[t.runs[0].events[st].member % t.ring] for st in t.ring_steps(t.last)]
+    return [getattr(stab, n) for n in t.names]
+
+
+def end_unit(plan: Plan, unit: list[Piece], stabs: list, theta0) -> None:
     """Save this unit's rows of every advanced state (and theta0 after a burn-in) into the new state."""
     for t, stab in zip(plan.tracks, stabs, strict=True):
         if t.advancing and t.folder in plan.state_writers:  # none with --no-state
-            write_unit(plan.state_writers[t.folder], unit, t.names, [getattr(stab, n) for n in t.names])
+            write_unit(plan.state_writers[t.folder], unit, t.names, _state_tensors(t, stab))
     if plan.theta0_folder in plan.state_writers:
         write_unit(plan.state_writers[plan.theta0_folder], unit, ("theta0",), [theta0])
 

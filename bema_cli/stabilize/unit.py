@@ -20,6 +20,7 @@ from bema_cli.io.reader import TensorReader, read_into, streams
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
 from bema_cli.io.write_behind import WriteBehind
 from bema_cli.io.writer import ShardedWriter, tensor_bytes
+from bema_cli.recurrence import WINDOW_METHODS, Window
 from bema_cli.stabilize import state
 from bema_cli.stabilize.plan import Options, Piece, Plan
 
@@ -239,7 +240,9 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
     state.read_theta0(plan, unit, theta0, load_theta0)
     # one Stabilizer per track (runs sharing a state, e.g. ema and bema at one kappa): from theta0,
     # or continued from OUT's persistent state
-    stabs = state.start_unit(plan, unit, theta0, lambda key: ws.view(key, size))  # no per-unit clones
+    stabs = state.start_unit(
+        plan, unit, theta0, lambda key: ws.view(key, size), scratch
+    )  # no per-unit clones
     track_of = {r.name: i for i, t in enumerate(plan.tracks) for r in t.runs}
     for step in plan.read_steps:
         index = plan.indexes[step]
@@ -248,6 +251,9 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
             for track, stab in zip(plan.tracks, stabs, strict=True)  # one update per distinct state
             if track.advances(step)
         ]
+        # a window's ring takes theta_s after the outputs: a full window's merge reads its oldest slice
+        after = [(stab, event) for stab, event in advancing if isinstance(stab, Window)]
+        advancing = [(stab, event) for stab, event in advancing if not isinstance(stab, Window)]
         writing = [(run, outputs[run.name, step]) for run in plan.runs if (run.name, step) in outputs]
         with index.open() as reader, ExitStack() as held:
             raw = _read_raw(reader, unit)
@@ -279,13 +285,22 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
                         if method == "bema" and drift is None and event.action == "update":
                             drift = torch.sub(th, theta0[lo:hi], out=ws.view("drift", hi - lo))
                         out = None
-                        if method in ("bema", "dema"):  # computed straight into a write buffer when it can
+                        if method in (
+                            "bema",
+                            "dema",
+                            *WINDOW_METHODS,
+                        ):  # straight into a write buffer when it can
                             out = wb.buffer(ws.acc, hi - lo) if direct else ws.view("out", hi - lo)
                         part = stabs[track_of[run.name]].view(lo, hi)
-                        result = part.estimate(event, th, drift=drift, out=out, method=method)
+                        if method in WINDOW_METHODS:
+                            result = part.estimate(event, th, run.schedule, out=out)
+                        else:
+                            result = part.estimate(event, th, drift=drift, out=out, method=method)
                         _emit(wb, writer, parts, lo, result, out_dtypes)
                         if out is not None and result is not out and direct:
                             wb.release(out)  # a burn-in step returned theta_s instead
+                    for ring, event in after:
+                        ring.view(lo, hi).advance(event, th)
             for _, writer in writing:
                 _write_raw(writer, unit, raw)
         del raw

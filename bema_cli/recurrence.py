@@ -154,6 +154,9 @@ class Schedule:
         last_update: int | None = None
         members = 0
         for step in steps:
+            if s.method == "swa" and s.swa_start is not None and step < s.swa_start:
+                events.append(PlannedStep(step, "skip", math.nan, math.nan))  # swa's outputs start at S
+                continue
             if step <= s.tau:
                 events.append(PlannedStep(step, "burnin", 0.0, 1.0))
                 continue
@@ -161,8 +164,6 @@ class Schedule:
                 due = s.phi is None or (step - s.tau) % s.phi == 0
             else:  # reference: the first checkpoint after burn-in, then every >= phi steps
                 due = last_update is None or step - last_update >= s.phi
-            if s.method == "swa" and s.swa_start is not None and step < s.swa_start:
-                due = False
             if not due:
                 events.append(PlannedStep(step, "skip", math.nan, math.nan))
                 continue

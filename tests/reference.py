@@ -97,3 +97,90 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.maximum(
         torch.exp2(torch.floor(torch.log2(mag))) * info.eps, torch.tensor(info.tiny * info.eps)
     )
+
+
+# -- the window and schedule-weighted averages, from issue 21's formulas (not from recurrence.py) --
+DECAY = {
+    "linear": lambda x: 1 - x,
+    "minus-sqrt": lambda x: 1 - math.sqrt(x),
+    "cosine": lambda x: (1 + math.cos(math.pi * x)) / 2,
+}
+
+
+def megatron_coefficients(schedule: str, n: int) -> list[float]:
+    """Megatron-LM weighted_merge: d_i = g(i/n); c_(n-1) = d_(n-1); c_i = d_i - d_(i+1) (0 < i < n-1);
+    c_0 = 1 - sum of the others; oldest first. ':reverse' reverses the list."""
+    name, _, variant = schedule.partition(":")
+    d = [DECAY[name](i / n) for i in range(n)]
+    c = [0.0] * n
+    c[n - 1] = d[n - 1]
+    for i in range(1, n - 1):
+        c[i] = d[i] - d[i + 1]
+    c[0] = 1 - sum(c[1:])
+    return c[::-1] if variant == "reverse" else c
+
+
+def edm2_gamma(sigma_rel: float) -> float:
+    """EDM2 Algorithm 2's gamma for sigma_rel: the largest real root of the cubic it solves."""
+    import numpy as np
+
+    t = sigma_rel**-2
+    return float(np.roots([1, 7, 16 - t, 12 - t]).real.max())
+
+
+def members_of(trajectory, tau: int = 0, phi: int | None = None, swa_start: int | None = None) -> list[int]:
+    """The steps that are members (after burn-in, on the paper cadence, from swa_start)."""
+    return [
+        s
+        for s, _ in trajectory
+        if s > tau and (phi is None or (s - tau) % phi == 0) and (swa_start is None or s >= swa_start)
+    ]
+
+
+def window_reference(
+    trajectory: list[tuple[int, dict]],
+    method: str,
+    window: int = 8,
+    schedule: str = "linear",
+    swa_start: int | None = None,
+    power_gamma: float | None = None,
+    tau: int = 0,
+    phi: int | None = None,
+) -> dict[int, dict]:
+    """{step: {name: float64 tensor}} of lawa, wsm, swa or power at each written step.
+
+    Burn-in steps (s <= tau) output theta_s. lawa/wsm: sum_i c_i theta_i over the last
+    min(K, members so far) members; swa: the plain mean of the members so far; power:
+    mu_k = mu_(k-1) + (1 - (s_(k-1)/s_k)**(gamma+1)) (theta_k - mu_(k-1)) with s_0 = 0.
+    """
+    floats = [k for k, v in trajectory[0][1].items() if v.is_floating_point()]
+    members = members_of(trajectory, tau, phi, swa_start if method == "swa" else None)
+    states = {s: {k: v[k].double() for k in floats} for s, v in trajectory}
+    outputs = {}
+    mu, previous = None, 0
+    for step, state in trajectory:
+        copied = {k: v.clone() for k, v in state.items() if not v.is_floating_point()}
+        if step <= tau and not (method == "swa" and swa_start is not None and step < swa_start):
+            outputs[step] = {**states[step], **copied}
+            continue
+        if step not in members:
+            continue
+        so_far = [m for m in members if m <= step]
+        if method in ("lawa", "wsm"):
+            last = so_far[-window:]
+            c = megatron_coefficients("linear" if method == "lawa" else schedule, len(last))
+            out = {k: sum(ci * states[m][k] for ci, m in zip(c, last)) for k in floats}
+        elif method == "swa":
+            out = {k: sum(states[m][k] for m in so_far) / len(so_far) for k in floats}
+        elif method == "power":
+            w = 1.0 if previous == 0 else 1 - (previous / step) ** (power_gamma + 1)
+            mu = {
+                k: states[step][k].clone() if mu is None else mu[k] + w * (states[step][k] - mu[k])
+                for k in floats
+            }
+            previous = step
+            out = dict(mu)
+        else:
+            raise ValueError(method)
+        outputs[step] = {**out, **copied}
+    return outputs

@@ -81,6 +81,11 @@ def prepare(opts: Options) -> Plan:
             f"--tau {tau}: at or beyond the last checkpoint step ({steps[-1]}); every output would be a "
             "plain copy of a checkpoint (steps <= tau restart the average)"
         )
+    for s in opts.schedules:
+        if s.method == "swa" and s.swa_start is not None and s.swa_start > steps[-1]:
+            raise UsageError(
+                f"--swa-start {s.swa_start}: after the last checkpoint step ({steps[-1]}); swa would average nothing"
+            )
     runs = []
     for s in opts.schedules:
         events = s.plan(steps)

@@ -1,0 +1,284 @@
+"""lawa, wsm, swa and power (issue 21): exact against a float64 reference and real libraries.
+
+The reference (tests/reference.py: window_reference, megatron_coefficients) is written from the
+issue's formulas, not from bema's code. `bema stabilize` accumulates in float32 here: outputs agree
+with the float64 reference to 2e-6 relative + 1e-6 absolute (a K-term float32 sum of O(1) values).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from conftest import one_line_error, run_bema
+from reference import edm2_gamma, megatron_coefficients, window_reference
+from safetensors.torch import load_file
+from trajectory import write_trajectory
+
+from bema_cli.errors import UsageError
+from bema_cli.recurrence import Schedule, merge_coefficients, run_name, sigma_rel_to_gamma
+
+STEPS = [10, 20, 30, 40, 50, 60, 70]
+RTOL, ATOL = 2e-6, 1e-6
+
+
+def _load(folder):
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _trajectory(root, steps=STEPS, **kw):
+    base, run = write_trajectory(root, steps, **kw)
+    return base, run, [(s, _load(run / f"checkpoint-{s}")) for s in steps]
+
+
+def _close(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want), what
+    for name, w in want.items():
+        g = got[name]
+        if w.is_floating_point():
+            torch.testing.assert_close(g.double(), w.double(), rtol=RTOL, atol=ATOL, msg=f"{what} {name}")
+        else:
+            assert torch.equal(g, w), f"{what} {name}"
+
+
+@pytest.mark.parametrize("schedule", ["linear", "minus-sqrt", "cosine"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_coefficient_table_matches_the_definition(schedule, reverse):
+    """merge_coefficients for n = 1..20 against Megatron's definition, computed here."""
+    name = schedule + (":reverse" if reverse else "")
+    for n in range(1, 21):
+        got, want = merge_coefficients(name, n), megatron_coefficients(name, n)
+        assert len(got) == n
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-15), (name, n)
+        assert math.fsum(got) == pytest.approx(1.0, abs=1e-12)
+    if schedule == "linear":  # the uniform mean: LAWA
+        assert merge_coefficients(name, 8) == pytest.approx([1 / 8] * 8)
+    if schedule == "minus-sqrt" and not reverse:  # oldest first: the oldest weighs most (sqrt(1/n))
+        c = merge_coefficients(name, 4)
+        assert c[0] == pytest.approx(0.5) and c[-1] == pytest.approx(1 - math.sqrt(3 / 4))
+
+
+def test_sigma_rel_matches_edm2():
+    for sr in (0.01, 0.05, 0.1, 0.2, 0.28):
+        assert sigma_rel_to_gamma(sr) == pytest.approx(edm2_gamma(sr), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "flag"),
+    [
+        ({"method": "lawa", "window": 0}, "--window"),
+        ({"method": "wsm", "merge_schedule": "sqrt"}, "--schedule"),
+        ({"method": "wsm", "merge_schedule": "linear:backwards"}, "--schedule"),
+        ({"method": "power", "sigma_rel": math.nan}, "--sigma-rel"),
+        ({"method": "power", "sigma_rel": 0.5}, "--sigma-rel"),
+        ({"method": "power", "power_gamma": -2.0}, "--power-gamma"),
+        ({"method": "swa", "swa_start": -1}, "--swa-start"),
+    ],
+)
+def test_invalid_parameters(kwargs, flag):
+    with pytest.raises(UsageError, match=flag):
+        Schedule(**kwargs).resolved()
+
+
+def test_run_names():
+    def name(**kw):
+        return run_name(Schedule(**kw).resolved())
+
+    assert name(method="lawa", window=8) == "lawa-w8"
+    assert name(method="wsm", window=8, merge_schedule="minus-sqrt") == "wsm-minus_sqrt-w8"
+    assert name(method="wsm", window=4, merge_schedule="cosine:reverse") == "wsm-cosine_reverse-w4"
+    assert name(method="swa", swa_start=1000) == "swa-s1000"
+    assert name(method="power", sigma_rel=0.05) == "power-sr0.05"
+    assert name(method="power", power_gamma=6.94) == "power-g6.94"
+
+
+# (flags, {run: reference kwargs}) of one `bema stabilize` call each
+CASES = {
+    "grid": (
+        ["--method", "bema,lawa,wsm,swa,power", "--window", "3,8", "--schedule", "minus-sqrt,cosine:reverse"],
+        {
+            "lawa-w3": {"method": "lawa", "window": 3},
+            "lawa-w8": {"method": "lawa", "window": 8},  # larger than the run: it only grows
+            "wsm-minus_sqrt-w3": {"method": "wsm", "window": 3, "schedule": "minus-sqrt"},
+            "wsm-minus_sqrt-w8": {"method": "wsm", "window": 8, "schedule": "minus-sqrt"},
+            "wsm-cosine_reverse-w3": {"method": "wsm", "window": 3, "schedule": "cosine:reverse"},
+            "wsm-cosine_reverse-w8": {"method": "wsm", "window": 8, "schedule": "cosine:reverse"},
+            "swa": {"method": "swa"},
+            "power-sr0.05": {"method": "power", "power_gamma": edm2_gamma(0.05)},
+        },
+    ),
+    "phi-burnin": (
+        [
+            "--method",
+            "lawa,wsm,swa,power",
+            "--window",
+            "2",
+            "--tau",
+            "20",
+            "--phi",
+            "20",
+            "--power-gamma",
+            "3",
+        ],
+        {
+            "lawa-w2": {"method": "lawa", "window": 2, "tau": 20, "phi": 20},
+            "wsm-minus_sqrt-w2": {
+                "method": "wsm",
+                "window": 2,
+                "schedule": "minus-sqrt",
+                "tau": 20,
+                "phi": 20,
+            },
+            "swa": {"method": "swa", "tau": 20, "phi": 20},
+            "power-g3.0": {"method": "power", "power_gamma": 3.0, "tau": 20, "phi": 20},
+        },
+    ),
+    "swa-start": (
+        ["--method", "swa", "--swa-start", "40,45"],
+        {"swa-s40": {"method": "swa", "swa_start": 40}, "swa-s45": {"method": "swa", "swa_start": 45}},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cli_matches_float64_reference(tmp_path, case):
+    flags, runs = CASES[case]
+    base, run, trajectory = _trajectory(tmp_path)
+    out = tmp_path / "out"
+    proc = run_bema("stabilize", run, "--base", base, "--out", out, "--max-memory", "700B", "--json", *flags)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert {o["run"] for o in doc["outputs"]} - {"bema-k0.5-e0.2"} == set(runs)  # every combination
+    for name, kw in runs.items():
+        want = window_reference(trajectory, **kw)
+        steps = sorted(o["step"] for o in doc["outputs"] if o["run"] == name)
+        assert steps == sorted(want), name
+        for step in steps:
+            folder = out / name / f"checkpoint-{step}"
+            _close(_load(folder), want[step], f"{name}@{step}")
+            record = json.loads((folder / "bema.json").read_text())
+            assert record["method"] == kw["method"]
+            if kw["method"] in ("lawa", "wsm") and step > kw.get("tau", 0):
+                # how many were merged: fewer than K while the window fills
+                members = [s for s in sorted(want) if s <= step and s > kw.get("tau", 0)]
+                assert record["members"] == min(kw["window"], len(members)), (name, step)
+                assert record["member_steps"] == members[-kw["window"] :]
+                assert record["window"] == kw["window"]
+    if case == "grid":
+        record = json.loads((out / "power-sr0.05/checkpoint-70/bema.json").read_text())
+        assert record["sigma_rel"] == 0.05 and record["power_gamma"] == pytest.approx(edm2_gamma(0.05))
+        assert json.loads((out / "wsm-cosine_reverse-w8/checkpoint-70/bema.json").read_text())[
+            "schedule"
+        ] == ("cosine:reverse")
+
+
+def test_swa_matches_torch_averaged_model(tmp_path):
+    """torch.optim.swa_utils.AveragedModel's default (equal weights) over the same checkpoints."""
+    base, run, trajectory = _trajectory(tmp_path, with_int=False)
+    out = tmp_path / "out"
+    proc = run_bema("stabilize", run, "--base", base, "--out", out, "--method", "swa", "--swa-start", "30")
+    assert proc.returncode == 0, proc.stderr
+    model = torch.nn.ParameterDict(
+        {k.replace(".", "_"): torch.nn.Parameter(v) for k, v in trajectory[0][1].items()}
+    )
+    averaged = torch.optim.swa_utils.AveragedModel(model)
+    for step, state in trajectory:
+        if step < 30:
+            continue
+        with torch.no_grad():
+            for k, v in state.items():
+                model[k.replace(".", "_")].copy_(v)
+        averaged.update_parameters(model)
+        got = _load(out / "swa-s30" / f"checkpoint-{step}")
+        for k in state:
+            want = averaged.module[k.replace(".", "_")].detach()
+            torch.testing.assert_close(got[k], want, rtol=2e-6, atol=1e-6, msg=f"step {step} {k}")
+
+
+def test_power_matches_ema_pytorch_karras_ema(tmp_path):
+    """ema-pytorch's KarrasEMA (EDM2's power EMA) on a trajectory that saves every step.
+
+    KarrasEMA's t-th update weighs the model by 1 - (t/(t+1))**(gamma+1) (its step counter is
+    incremented before `beta` reads step + 1), which is EDM2's (s_(k-1)/s_k)**(gamma+1) with s_k = k + 1:
+    a run that saves every step from step 2 on. The first update takes the model whole in both."""
+    ema_pytorch = pytest.importorskip("ema_pytorch")
+    steps = list(range(2, 14))
+    base, run, trajectory = _trajectory(tmp_path, steps=steps, with_int=False)
+    out = tmp_path / "out"
+    proc = run_bema("stabilize", run, "--base", base, "--out", out, "--method", "power", "--sigma-rel", "0.1")
+    assert proc.returncode == 0, proc.stderr
+    model = torch.nn.ParameterDict(
+        {k.replace(".", "_"): torch.nn.Parameter(v.clone()) for k, v in _load(base).items()}
+    )
+    karras = ema_pytorch.KarrasEMA(model, sigma_rel=0.1, update_every=1)
+    for step, state in trajectory:
+        with torch.no_grad():
+            for k, v in state.items():
+                model[k.replace(".", "_")].copy_(v)
+        karras.update()
+        got = _load(out / "power-sr0.1" / f"checkpoint-{step}")
+        for k in state:
+            want = karras.ema_model[k.replace(".", "_")].detach()
+            torch.testing.assert_close(got[k], want, rtol=2e-6, atol=1e-6, msg=f"step {step} {k}")
+
+
+def test_one_read_pass_and_units_shrink_with_window(tmp_path):
+    """Bytes read equal the inputs' tensor bytes for any K; the ring (K-1 slices) is counted in
+    --max-memory, so units shrink (more of them) as K grows."""
+    base, run, _ = _trajectory(tmp_path, shapes={"w": (256, 64), "b": (64,)})
+    files = [base / "model.safetensors", *run.glob("*/model.safetensors")]
+    tensor_bytes = sum(f.stat().st_size - 8 - int.from_bytes(f.read_bytes()[:8], "little") for f in files)
+    units = []
+    for window in (1, 4, 16):
+        flags = ("--method", "lawa,wsm", "--window", str(window), "--max-memory", "300KiB", "--json")
+        out = tmp_path / f"out{window}"
+        plan = json.loads(
+            run_bema("stabilize", run, "--base", base, "--out", out, *flags, "--dry-run").stdout
+        )
+        units.append(plan["plan"]["work_units"])
+        proc = run_bema("stabilize", run, "--base", base, "--out", out, *flags)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["read_bytes"] == tensor_bytes, window
+    assert units[0] < units[1] < units[2], units
+
+
+def test_continued_window_is_bitwise_one_shot_even_when_checkpoints_rotate(tmp_path):
+    """Three calls (the middle one after the trainer deleted old checkpoints: save_total_limit 2 < K)
+    give the bytes of one call over the whole run; the ring comes from the run or from the state."""
+    base, run, _ = _trajectory(tmp_path)
+    flags = ("--method", "lawa,wsm,swa,power,bema", "--window", "4", "--max-memory", "900B")
+    whole = tmp_path / "whole"
+    assert run_bema("stabilize", run, "--base", base, "--out", whole, *flags).returncode == 0
+    part = tmp_path / "part"
+    part.mkdir()
+    out = tmp_path / "out"
+    for batch in ([10, 20, 30], [40, 50], [60, 70]):
+        for s in batch:
+            shutil.copytree(run / f"checkpoint-{s}", part / f"checkpoint-{s}")
+        proc = run_bema("stabilize", part, "--base", base, "--out", out, *flags)
+        assert proc.returncode == 0, proc.stderr
+        for s in sorted(int(p.name.split("-")[1]) for p in part.glob("checkpoint-*"))[:-2]:
+            shutil.rmtree(part / f"checkpoint-{s}")  # save_total_limit 2
+    for folder in whole.glob("*/checkpoint-*"):
+        got = out / folder.relative_to(whole)
+        assert (got / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes(), folder
+
+
+def test_bad_input_is_one_line(tmp_path):
+    base, run, _ = _trajectory(tmp_path)
+    out = tmp_path / "out"
+    cases = [
+        (["--method", "lawa", "--window", "0"], "--window"),
+        (["--method", "wsm", "--schedule", "sqrt"], "--schedule"),
+        (["--method", "power", "--sigma-rel", "nan"], "--sigma-rel"),
+        (["--method", "swa", "--swa-start", "1000"], "--swa-start 1000: after the last checkpoint step (70)"),
+        (["--method", "bema", "--window", "4"], "--window: applies to lawa, wsm"),
+        (["--method", "lawa", "--kappa", "0.3"], "--kappa: applies to"),
+    ]
+    for flags, message in cases:
+        line = one_line_error(run_bema("stabilize", run, "--base", base, "--out", out, *flags))
+        assert message in line, line
+    assert not out.exists()

@@ -314,6 +314,16 @@ class Window:
             out.add_(member, alpha=c)
         return out
 
+    def apply(self, event: PlannedStep, theta: torch.Tensor, schedule: Schedule) -> torch.Tensor | None:
+        """estimate + advance in one call (Stabilizer.apply's order reversed: see the class); None
+        for a skipped step. The result is a new tensor."""
+        if event.action == "skip":
+            return None
+        out = self.estimate(event, theta, schedule)
+        out = out.clone() if out is theta else out
+        self.advance(event, theta)
+        return out
+
 
 def window_members(events: dict[int, PlannedStep], step: int, window: int) -> list[int]:
     """The steps a window merge at `step` reads, oldest first (bema.json records them)."""

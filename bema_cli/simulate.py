@@ -30,7 +30,7 @@ import torch
 
 from bema_cli import __version__
 from bema_cli.errors import UsageError
-from bema_cli.recurrence import METHODS, Schedule, Stabilizer
+from bema_cli.recurrence import METHODS, WINDOW_METHODS, Schedule, Stabilizer, Window
 
 ESTIMATORS = (*METHODS, "mle")
 DTYPE = torch.float64
@@ -64,8 +64,13 @@ class SimSettings:
     phi: int | None = None
     preset: str = "paper"
     beta_min: float | None = None
+    window: int = 100  # lawa, wsm: the last K iterates (every SGD step is a checkpoint here)
+    merge_schedule: str = "minus-sqrt"  # wsm's decay
+    swa_start: int | None = None  # swa: from this step (None: the first)
+    sigma_rel: float = 0.05  # power: EDM2's relative width
 
     def schedule(self, method: str) -> Schedule:
+        """The Schedule of one estimator, resolved: the same object `bema stabilize` builds per run."""
         return Schedule(
             method=method,
             preset=self.preset,
@@ -76,7 +81,11 @@ class SimSettings:
             tau=self.tau,
             phi=self.phi,
             beta_min=self.beta_min,
-        )
+            window=self.window,
+            merge_schedule=self.merge_schedule,
+            swa_start=self.swa_start,
+            sigma_rel=self.sigma_rel,
+        ).resolved()
 
     def validated(self) -> SimSettings:
         """Check every flag (one-line UsageErrors naming it); returns self with methods de-duplicated."""
@@ -103,7 +112,8 @@ class SimSettings:
             if not ok:
                 raise UsageError(f"{flag}: {what}, got {value}")
         methods = tuple(dict.fromkeys(self.methods))
-        check_memory(self.dim, self.trials, self.steps, len(methods))
+        ring = (self.window - 1) * len(set(methods) & set(WINDOW_METHODS)) if self.window >= 1 else 0
+        check_memory(self.dim, self.trials, self.steps, len(methods), extra_tensors=ring)
         unknown = [m for m in methods if m not in ESTIMATORS]
         if unknown or not methods:
             raise UsageError(
@@ -111,7 +121,7 @@ class SimSettings:
             )
         for method in methods:
             if method != "mle":
-                self.schedule(method).resolved()
+                self.schedule(method)
         eig = parse_spectrum(self.spectrum, self.dim)
         if self.lr * float(eig.max()) >= 2:
             raise UsageError(f"--lr: lr * max eigenvalue = {self.lr * float(eig.max()):g} >= 2, SGD diverges")
@@ -126,7 +136,9 @@ def physical_memory() -> int | None:
         return None
 
 
-def check_memory(dim: int, trials: int, steps: int, estimators: int, available: int | None = None) -> None:
+def check_memory(
+    dim: int, trials: int, steps: int, estimators: int, available: int | None = None, extra_tensors: int = 0
+) -> None:
     """Refuse, before allocating anything, a run whose arrays cannot fit in this machine's memory.
 
     Computed from the sizes (float64 (trials, dim) tensors, per-step schedules), not by catching
@@ -136,7 +148,7 @@ def check_memory(dim: int, trials: int, steps: int, estimators: int, available: 
     available = physical_memory() if available is None else available
     if available is None:
         return
-    tensors = 8 * dim * (trials * (STATE_TENSORS + TENSORS_PER_ESTIMATOR * estimators) + 1)
+    tensors = 8 * dim * (trials * (STATE_TENSORS + TENSORS_PER_ESTIMATOR * estimators + extra_tensors) + 1)
     schedules = BYTES_PER_STEP * steps * max(estimators, 1)
     if tensors + schedules <= available:
         return
@@ -198,8 +210,14 @@ def walk(
     a = torch.as_tensor(eig, dtype=DTYPE)  # (dim,) the diagonal of A
     theta0 = torch.as_tensor(start_point(st.distance, dim), dtype=DTYPE).expand(trials, dim).clone()
     stabilized = [m for m in st.methods if m != "mle"]
-    plans = {m: st.schedule(m).plan(steps) for m in stabilized}
-    stabilizers = {m: Stabilizer(m, theta0) for m in stabilized}
+    schedules = {m: st.schedule(m) for m in stabilized}
+    plans = {m: schedules[m].plan(steps) for m in stabilized}
+    stabilizers = {
+        m: Window([torch.empty_like(theta0) for _ in range(schedules[m].window - 1)])
+        if m in WINDOW_METHODS
+        else Stabilizer(m, theta0)
+        for m in stabilized
+    }
     keep_copy = any(e.action == "skip" for p in plans.values() for e in p)
     held: dict[str, torch.Tensor] = {m: theta0 for m in st.methods}
     running_sum = torch.zeros_like(theta0) if "mle" in st.methods else None  # sum_{j<k} theta_j
@@ -212,9 +230,13 @@ def walk(
             running_sum += theta
         theta = theta - st.lr * (a * theta + st.sigma * noise[(k - 1) % block])
         for m in stabilized:
-            out = stabilizers[m].apply(plans[m][k - 1], theta)
+            if m in WINDOW_METHODS:  # a merge of the ring: a new tensor each step
+                out = stabilizers[m].apply(plans[m][k - 1], theta, schedules[m])
+            else:
+                out = stabilizers[m].apply(plans[m][k - 1], theta)
+                out = out.clone() if keep_copy and out is not None else out
             if out is not None:
-                held[m] = out.clone() if keep_copy else out
+                held[m] = out
         if want(k):
             if running_sum is not None:
                 held["mle"] = (theta - theta0) / (a * (st.lr * k)) + running_sum / k

@@ -244,3 +244,35 @@ def test_cli_table_and_errors(tmp_path):
 def test_invalid_settings_name_the_flag(flags, needle):
     with pytest.raises(UsageError, match=needle):
         SimSettings(steps=5, **flags).validated()
+
+
+def test_window_averages_on_the_quadratic_match_their_definitions():
+    """lawa, wsm, swa and power in `bema simulate` are their formulas over the SGD iterates (each step
+    a checkpoint), computed here in float64 from the vanilla iterates of the same run."""
+    import torch
+    from reference import edm2_gamma, megatron_coefficients
+
+    from bema_cli.simulate import parse_spectrum, walk
+
+    st = SimSettings(
+        dim=3, trials=4, steps=30, methods=("vanilla", "lawa", "wsm", "swa", "power"), window=5, swa_start=7
+    ).validated()
+    gen = torch.Generator().manual_seed(0)
+    iterates, got = {}, {}
+    for k, held in walk(st, parse_spectrum(st.spectrum, st.dim), st.trials, gen, lambda k: True):
+        iterates[k] = held["vanilla"].clone()
+        got[k] = {m: held[m].clone() for m in ("lawa", "wsm", "swa", "power")}
+    gamma, mu = edm2_gamma(st.sigma_rel), None
+    for k in iterates:
+        last = [iterates[j] for j in range(max(1, k - 4), k + 1)]
+        c = megatron_coefficients("minus-sqrt", len(last))
+        torch.testing.assert_close(got[k]["lawa"], sum(last) / len(last), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            got[k]["wsm"], sum(ci * x for ci, x in zip(c, last)), rtol=1e-12, atol=1e-12
+        )
+        if k >= 7:
+            mean = sum(iterates[j] for j in range(7, k + 1)) / (k - 6)
+            torch.testing.assert_close(got[k]["swa"], mean, rtol=1e-12, atol=1e-12)
+        w = 1.0 if k == 1 else 1 - ((k - 1) / k) ** (gamma + 1)
+        mu = iterates[k] if mu is None else mu + w * (iterates[k] - mu)
+        torch.testing.assert_close(got[k]["power"], mu, rtol=1e-9, atol=1e-12)

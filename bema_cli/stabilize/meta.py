@@ -21,6 +21,7 @@ from bema_cli.recurrence import WINDOW_METHODS, Schedule, merge_coefficients, wi
 if TYPE_CHECKING:
     from bema_cli.stabilize.plan import Options, Plan, Run
 
+
 def hyper(s: Schedule, leave_out: tuple[str, ...] = ()) -> dict:
     """The run's hyperparameters as records name them (recurrence.Schedule.params)."""
     return {k: v for k, v in s.params().items() if k not in leave_out}

@@ -24,7 +24,11 @@ DPI = 100  # pixels per inch: a figure of w x h inches is a PNG of (100 w) x (10
 FAMILY_COLORS = {
     "vanilla": ("black", None), "ema": ("tab:blue", "Blues"), "bema": ("tab:red", "Reds"),
     "dema": ("tab:green", "Greens"), "ouema": ("tab:purple", "Purples"), "mle": ("tab:orange", "Oranges"),
+    "power": ("darkgoldenrod", "YlOrBr"),
+    # the window family (merges of saved checkpoints): dash-dot lines, square markers (run_style)
+    "lawa": ("tab:brown", "copper"), "wsm": ("tab:olive", "YlGn"), "swa": ("tab:pink", "RdPu"),
 }  # fmt: skip
+WINDOW_FAMILY = ("lawa", "wsm", "swa")
 OTHER_COLORS = "Greys"  # a run name of no known family: a shade of grey fixed by its name
 
 
@@ -55,13 +59,35 @@ def run_color(run: str):
 
 
 def run_style(run: str) -> dict:
-    """matplotlib keyword arguments of a run's line: its colour and marker, dashed for vanilla."""
+    """matplotlib keyword arguments of a run's line: its colour and marker, dashed for vanilla,
+    dash-dot for the window family (lawa, wsm, swa) so it stands apart from the EMA family."""
     plain = run == family(run)
+    ls = "--" if family(run) == "vanilla" else "-." if family(run) in WINDOW_FAMILY else "-"
     return {
         "color": run_color(run),
-        "ls": "--" if family(run) == "vanilla" else "-",
+        "ls": ls,
         "marker": "o" if plain else MARKERS[_pick(run, "marker", len(MARKERS))],
     }
+
+
+_LABELS = (  # run-name patterns of `bema stabilize` -> what a legend says about them
+    (r"lawa-w(\d+)", "LAWA: mean of the last {0}"),
+    (r"wsm-(\w+?)(_reverse)?-w(\d+)", "WSM {0}{1}: last {2}"),
+    (r"swa-s(\d+)", "SWA from step {0}"),
+    (r"swa", "SWA from the first step"),
+    (r"power-sr(.+)", "power EMA, sigma_rel {0}"),
+    (r"power-g(.+)", "power EMA, gamma {0}"),
+)
+
+
+def run_label(run: str) -> str:
+    """A legend entry: the run's name, and for the window and power runs what the name means."""
+    for pattern, text in _LABELS:
+        m = re.fullmatch(pattern, str(run))
+        if m:
+            parts = [(g or "").replace("_reverse", " reversed").replace("_", "-") for g in m.groups()]
+            return f"{run} ({text.format(*parts)})"
+    return str(run)
 
 
 FORMATS = (".png", ".pdf", ".svg")

@@ -391,7 +391,7 @@ def plot(doc: dict, path: str, scoring: str = "flexible", theta0: bool = True) -
     handles = [
         Line2D([], [], color=figures.run_color(r), ls=":", label=f"{r} (no step)")
         if r in refs
-        else Line2D([], [], ms=4, label=r, **figures.run_style(r))
+        else Line2D([], [], ms=4, label=figures.run_label(r), **figures.run_style(r))
         for r in all_runs
     ]
     fig.legend(handles=handles, loc="outside right upper", title="run", ncols=1 if len(all_runs) <= 16 else 2)

@@ -347,7 +347,8 @@ def plot_curves(doc: dict, path: str) -> None:
     ax = fig.add_subplot()
     for m, v in doc["estimators"].items():
         mean, se = np.asarray(v["mean"]), np.asarray(v["stderr"], dtype=float)
-        ax.plot(steps, mean, color=figures.run_color(m), lw=1.8, ls="--" if m == "vanilla" else "-", label=m)
+        style = figures.run_style(m)
+        ax.plot(steps, mean, color=style["color"], lw=1.8, ls=style["ls"], label=figures.run_label(m))
         if np.isfinite(se).all():
             ax.fill_between(
                 steps,

@@ -329,3 +329,25 @@ def test_plot_breaks_lines_at_missing_steps_and_labels_axes_in_words(tmp_path):
         r = run_bema("report", path, "--plot", tmp_path / f"c{flag}.png", flag)
         assert r.returncode == 0, r.stderr
     assert (tmp_path / "c--theta0.png").read_bytes() != (tmp_path / "c--no-theta0.png").read_bytes()
+
+
+def test_window_runs_are_told_apart_from_the_ema_family(tmp_path):
+    """lawa/wsm/swa runs: their own hues, dash-dot lines (the EMA family's are solid), readable legends."""
+    assert figures.run_style("lawa-w8")["ls"] == figures.run_style("wsm-minus_sqrt-w8")["ls"] == "-."
+    assert figures.run_style("bema-k0.5-e0.2")["ls"] == figures.run_style("power-sr0.05")["ls"] == "-"
+    assert figures.run_label("wsm-minus_sqrt-w8") == "wsm-minus_sqrt-w8 (WSM minus-sqrt: last 8)"
+    assert figures.run_label("wsm-cosine_reverse-w4") == "wsm-cosine_reverse-w4 (WSM cosine reversed: last 4)"
+    assert figures.run_label("lawa-w8") == "lawa-w8 (LAWA: mean of the last 8)"
+    assert figures.run_label("swa-s1000") == "swa-s1000 (SWA from step 1000)"
+    assert figures.run_label("bema-k0.5-e0.2") == "bema-k0.5-e0.2"
+    names = ["vanilla", "bema-k0.5-e0.2", "lawa-w8", "wsm-minus_sqrt-w8"]
+    colors = [np.array(matplotlib.colors.to_rgb(figures.run_color(r))) for r in names]
+    assert min(np.abs(a - b).max() for i, a in enumerate(colors) for b in colors[i + 1 :]) > 0.2
+    path = tmp_path / "r" / "results.jsonl"
+    write_results(path, {r: {"gsm8k": DATA["vanilla"]["gsm8k"]} for r in names})
+    png = tmp_path / "curves.png"
+    r = run_bema("report", path, "--plot", png)
+    assert r.returncode == 0, r.stderr
+    rgb = matplotlib.image.imread(png)[..., :3]
+    for run, color in zip(names[2:], colors[2:], strict=True):  # the window runs are drawn in their hues
+        assert (np.abs(rgb - color).max(axis=-1) < 0.05).sum() > 100, run

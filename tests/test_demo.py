@@ -106,11 +106,14 @@ def test_quick_demo_end_to_end(tmp_path):
     # stabilized runs at the evaluated steps, with their hyperparameters
     manifest = json.loads((out / "stabilized" / "manifest.json").read_text())
     runs = {r["run"]: r for r in manifest["runs"]}
-    assert set(runs) == {"ema-k0.5", "bema-k0.5-e0.2", "bema-k0.5-e0.5"}
+    assert set(runs) == {"ema-k0.5", "bema-k0.5-e0.2", "bema-k0.5-e0.5", "lawa-w8", "wsm-minus_sqrt-w8"}
     for run in runs.values():
         assert [o["step"] for o in run["outputs"]] == [20, 40]
         meta = json.loads((out / "stabilized" / run["run"] / "checkpoint-40" / "bema.json").read_text())
         assert meta["method"] == run["method"] and meta["step"] == 40
+    # the window (8) is larger than the quick run: the merge at step 40 is of the 4 checkpoints there are
+    assert runs["lawa-w8"]["outputs"][-1]["members"] == 4
+    assert runs["lawa-w8"]["outputs"][-1]["member_steps"] == [10, 20, 30, 40]
 
     # results: every (run, step, task), base as step 0 of each run
     records = [json.loads(line) for line in (out / "results" / "results.jsonl").read_text().splitlines()]

@@ -3,7 +3,7 @@
     1. data       generated tasks in the `bema eval --data-dir` schemas + a held-out loss split
     2. base       BPE tokenizer + small Qwen2, pretrained on generated text      -> OUT/base   (theta0)
     3. finetune   HF Trainer, constant LR, small batch, checkpoint-<s> every k  -> OUT/sft
-    4. stabilize  `bema stabilize` (EMA + BEMA at two etas)                      -> OUT/stabilized
+    4. stabilize  `bema stabilize` (EMA, BEMA at two etas, LAWA and WSM windows)  -> OUT/stabilized
     5. eval       `bema eval` of vanilla/EMA/BEMA on loss + the three tasks      -> OUT/results
     6. report     `bema report --plot`, then the summary      -> OUT/curves.png, OUT/summary.{json,png}
 
@@ -60,6 +60,7 @@ class DemoConfig:
     n_samples: int = 4
     max_new_tokens: int = 24
     etas: tuple[float, ...] = (0.2, 0.5)  # default eta and one stronger-decaying correction
+    window: int = 8  # LAWA and WSM (minus-sqrt) merge the last 8 checkpoints (80 steps) beside them
     seed: int = 0
 
 
@@ -153,7 +154,8 @@ def eval_steps(cfg: DemoConfig) -> list[int]:
 def stabilize_args(out: Path, cfg: DemoConfig) -> list[str]:
     return [
         "stabilize", str(out / "sft"), "--base", str(out / "base"), "--out", str(out / "stabilized"),
-        "--method", "ema,bema", "--eta", ",".join(map(str, cfg.etas)),
+        "--method", "ema,bema,lawa,wsm", "--eta", ",".join(map(str, cfg.etas)),
+        "--window", str(cfg.window), "--schedule", "minus-sqrt",
         "--steps", ",".join(map(str, eval_steps(cfg))),
     ]  # fmt: skip
 
@@ -377,7 +379,7 @@ def _stages(out: Path, cfg: DemoConfig, backend: str, quick: bool, marker: dict,
     if stage("finetune", title):
         finetune(out, cfg, out / "base", train)
         done("finetune")
-    stage("stabilize", "4/6 stabilize: EMA and BEMA from the saved checkpoints")
+    stage("stabilize", "4/6 stabilize: EMA, BEMA, LAWA and WSM from the saved checkpoints")
     bema_cli(stabilize_args(out, cfg))
     done("stabilize")
     stage("eval", "5/6 eval: vanilla, EMA and BEMA on held-out loss and the three tasks")

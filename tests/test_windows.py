@@ -226,22 +226,31 @@ def test_power_matches_ema_pytorch_karras_ema(tmp_path):
 
 
 def test_one_read_pass_and_units_shrink_with_window(tmp_path):
-    """Bytes read equal the inputs' tensor bytes for any K; the ring (K-1 slices) is counted in
-    --max-memory, so units shrink (more of them) as K grows."""
+    """Bytes read equal the inputs' tensor bytes for any K (theta0 only where a method needs it); the
+    ring (K-1 slices) is counted in --max-memory, so units shrink (more of them) as K grows."""
     base, run, _ = _trajectory(tmp_path, shapes={"w": (256, 64), "b": (64,)})
-    files = [base / "model.safetensors", *run.glob("*/model.safetensors")]
-    tensor_bytes = sum(f.stat().st_size - 8 - int.from_bytes(f.read_bytes()[:8], "little") for f in files)
+
+    def tensor_bytes(files):
+        return sum(f.stat().st_size - 8 - int.from_bytes(f.read_bytes()[:8], "little") for f in files)
+
+    checkpoints = tensor_bytes(run.glob("*/model.safetensors"))
+    theta0 = tensor_bytes([base / "model.safetensors"])
     units = []
     for window in (1, 4, 16):
-        flags = ("--method", "lawa,wsm", "--window", str(window), "--max-memory", "300KiB", "--json")
+        flags = ("--window", str(window), "--max-memory", "300KiB", "--json")
         out = tmp_path / f"out{window}"
+        windows = ("--method", "lawa,wsm", *flags)
         plan = json.loads(
-            run_bema("stabilize", run, "--base", base, "--out", out, *flags, "--dry-run").stdout
+            run_bema("stabilize", run, "--base", base, "--out", out, *windows, "--dry-run").stdout
         )
         units.append(plan["plan"]["work_units"])
-        proc = run_bema("stabilize", run, "--base", base, "--out", out, *flags)
+        proc = run_bema("stabilize", run, "--base", base, "--out", out, *windows)
         assert proc.returncode == 0, proc.stderr
-        assert json.loads(proc.stdout)["read_bytes"] == tensor_bytes, window
+        assert json.loads(proc.stdout)["read_bytes"] == checkpoints, window  # windows never read theta0
+        grid = ("--method", "lawa,wsm,bema", *flags)
+        proc = run_bema("stabilize", run, "--base", base, "--out", tmp_path / f"grid{window}", *grid)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["read_bytes"] == checkpoints + theta0, window  # bema's drift needs it
     assert units[0] < units[1] < units[2], units
 
 

@@ -140,7 +140,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
     # the first check that needs torch (~1-2 s to import), so other errors come first; none in a dry run
     torch_device(opts.device, need_torch=not opts.dry_run)
     theta0_bytes = plan.base_index.nbytes if plan.theta0_index is plan.base_index else 0
-    read_bytes = theta0_bytes + sum(plan.indexes[s].nbytes for s in plan.read_steps)
+    read_bytes = theta0_bytes + sum(index.nbytes for index in plan.indexes.values())  # ring re-reads too
     meta0 = {"bema_version": __version__}
     written = n_outputs * ShardedWriter(out, plan.shards, meta0).nbytes  # header sizes differ by a few bytes
     doc = {

@@ -330,7 +330,9 @@ def attach(plan: Plan, resume: Resume, out: Path) -> None:
     tau = plan.runs[0].schedule.tau  # one tau per grid (plan.prepare)
     burnin = [s for s in plan.read_steps if s <= tau]
     plan.theta0_folder = f"theta0-{_digest(plan.base_source, burnin[-1])}" if burnin else None
-    fresh = any(t.start is None for t in plan.tracks)
+    fresh = any(
+        t.start is None and STATE_TENSORS[t.method] for t in plan.tracks
+    )  # windows, vanilla: no theta0
     if not fresh and not any(r.schedule.method in ("bema", "ouema") and r.out_steps for r in plan.runs):
         plan.theta0_index = None
     elif fresh or not resume.theta0_state:
@@ -355,6 +357,15 @@ def read_theta0(plan: Plan, unit: list[Piece], theta0, load) -> None:
 def traffic(plan: Plan) -> int:
     """Bytes of state this call reads (continued states, theta0's copy); `written` adds the new states."""
     read = sum(t.source.nbytes for t in plan.tracks if t.source is not None and t.advancing)
+    read += sum(  # a continued window's members kept in the state
+        tensor.nbytes
+        for t in plan.tracks
+        if t.advancing
+        for index, prefix in t.ring_sources.values()
+        if prefix
+        for name, tensor in index.tensors.items()
+        if name.startswith(prefix)
+    )
     if plan.theta0_index is not None and plan.theta0_index is not plan.base_index:
         read += plan.theta0_index.nbytes
     return read

@@ -67,12 +67,14 @@ bench: install install-vllm
 	$(PY) bench/bench_ray.py
 	$(PY) bench/bench_formats.py
 	$(PY) bench/bench_incremental.py
+	$(PY) bench/bench_windows.py
 
 bench-quick: install install-vllm
 	$(PY) bench/bench_stabilize.py --quick
 	$(PY) bench/bench_ray.py --quick
 	$(PY) bench/bench_formats.py --quick
 	$(PY) bench/bench_incremental.py --quick
+	$(PY) bench/bench_windows.py --quick
 
 lint: install
 	$(PY) -m ruff check bema_cli tests bench

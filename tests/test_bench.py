@@ -125,3 +125,23 @@ def test_bench_ray_quick_checks_outputs_and_records(tmp_path):
     assert checks["eval records (metrics) equal to local"]["result"] == "PASS"
     assert len(set(doc["stabilize"]["bitwise"].values())) == 1 and len(doc["stabilize"]["bitwise"]) == 4
     assert list(tmp_path.iterdir()) == [], "scratch directory not cleaned up"
+
+
+@pytest.mark.slow
+def test_bench_windows_quick_prints_every_row_and_json(tmp_path):
+    """bench_windows.py --quick: every row; the one read pass, the bytes and the peer's numerics asserted."""
+    rows = [
+        "grid of 6 / 1 bema config (every step)",
+        "grid bytes read = inputs' tensor bytes",
+        "wsm w8: bytes read / Megatron-style peer's",
+        "one-read-pass bound",
+        "wsm w8: wall / Megatron-style peer's",
+        "max relative difference, bema vs peer outputs",
+        "grid peak RSS",
+    ]
+    doc, _ = run_quick("bench_windows.py", tmp_path, rows)
+    x = doc["x1"]
+    assert x["grid_read_bytes"] == x["inputs_tensor_bytes"]  # every input byte read once, theta0 included
+    assert x["wsm_read_bytes"] == x["checkpoint_tensor_bytes"]  # a window alone never reads theta0
+    assert x["peer_read_bytes"] > 4 * x["wsm_read_bytes"]  # the peer reloads each window
+    assert x["max_rel_err"] <= 1e-5  # the same merges as the Megatron-style peer

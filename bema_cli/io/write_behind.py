@@ -22,6 +22,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 DEPTH = 4  # buffers per dtype in flight: one being filled, up to three queued or being written
+# Every wait between the two threads is bounded and re-checks its condition: a signal's exception
+# raised in the main thread inside a queue operation (Ctrl-C lands anywhere) can lose a wake-up,
+# which an unbounded wait turned into a hang at exit (seen once in a SIGINT test).
+POLL_S = 0.5
 
 
 class WriteBehind:
@@ -99,14 +103,19 @@ class WriteBehind:
         self._drain(drop=not raise_error)
         if self._thread is not None and self._thread.is_alive():
             self._jobs.put(None)
-            self._thread.join()
+            while self._thread.is_alive():
+                self._thread.join(timeout=POLL_S)
 
     def _drain(self, drop: bool) -> None:
         """Wait until the queue is empty (its blocks written, or dropped with `drop`); re-raise a write
         error unless dropping."""
         self._stop = drop or self._stop
-        if self._thread is not None and self._thread.is_alive():
-            self._jobs.join()
+        jobs = self._jobs
+        while self._thread is not None and self._thread.is_alive():
+            with jobs.all_tasks_done:  # Queue.join with a bounded wait: see POLL_S
+                if not jobs.unfinished_tasks:
+                    break
+                jobs.all_tasks_done.wait(timeout=POLL_S)
         error, self._error, self._stop = self._error, None, False
         if error is not None and not drop:
             raise error
@@ -118,12 +127,17 @@ class WriteBehind:
             raise error
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while True:
             try:
+                job = self._jobs.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            try:
+                if job is None:
+                    return
                 self._write(job)
             finally:
                 self._jobs.task_done()
-        self._jobs.task_done()
 
     def _write(self, job) -> None:
         data, writes = job

@@ -291,3 +291,75 @@ def test_bad_input_is_one_line(tmp_path):
         line = one_line_error(run_bema("stabilize", run, "--base", base, "--out", out, *flags))
         assert message in line, line
     assert not out.exists()
+
+
+@pytest.mark.slow  # ~30 s: a --follow process beside a "trainer" that keeps 2 checkpoints
+def test_follow_with_a_window_larger_than_save_total_limit(tmp_path):
+    """--follow continues lawa/wsm over checkpoints the trainer already deleted (the ring kept in the
+    state); its outputs are the bytes of a one-shot run."""
+    import subprocess
+    import time
+
+    from conftest import BEMA
+
+    base, full, _ = _trajectory(tmp_path / "traj")
+    run, out = tmp_path / "run", tmp_path / "out"
+    run.mkdir()
+    flags = ["--method", "lawa,wsm", "--window", "4", "--max-memory", "900B"]
+    cmd = [str(BEMA), "stabilize", str(run), "--base", str(base), "--out", str(out), *flags]
+    proc = subprocess.Popen(
+        [*cmd, "--follow", "--json", "--poll", "0.2", "--settle", "0", "--until-step", "70"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for i, step in enumerate(STEPS):
+        shutil.copytree(full / f"checkpoint-{step}", run / f"checkpoint-{step}")
+        deadline = time.monotonic() + 60
+        while not (out / "lawa-w4" / f"checkpoint-{step}").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if i >= 2:  # save_total_limit 2: the trainer deletes the oldest
+            shutil.rmtree(run / f"checkpoint-{STEPS[i - 2]}")
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert sorted({json.loads(x)["step"] for x in stdout.splitlines()}) == STEPS
+    one = tmp_path / "one"
+    assert run_bema("stabilize", full, "--base", base, "--out", one, *flags).returncode == 0
+    for folder in sorted(one.glob("*/checkpoint-*")):
+        got = out / folder.relative_to(one) / "model.safetensors"
+        assert got.read_bytes() == (folder / "model.safetensors").read_bytes(), folder
+
+
+def test_a_member_neither_on_disk_nor_in_the_state_is_refused(tmp_path):
+    """A continued window whose ring member is gone from the run and missing from the state (here: a
+    state written without it, sealed as bema would) is one line naming the step and --window."""
+    from safetensors.torch import save_file
+
+    from bema_cli.stabilize import state_doc
+
+    base, full, _ = _trajectory(tmp_path / "traj")
+    run, out = tmp_path / "run", tmp_path / "out"
+    run.mkdir()
+    for s in (10, 20, 30, 40):
+        shutil.copytree(full / f"checkpoint-{s}", run / f"checkpoint-{s}")
+    flags = ("--method", "lawa", "--window", "4")
+    assert run_bema("stabilize", run, "--base", base, "--out", out, *flags).returncode == 0
+    doc_path = out / ".bema-state" / "state.json"
+    doc = json.loads(doc_path.read_text())
+    folder = out / ".bema-state" / doc["runs"][0]["state"]
+    tensors = {k: v for k, v in _load(folder).items() if not k.startswith("s30/")}
+    assert len(tensors) < len(_load(folder))  # the ring held step 30
+    save_file(tensors, str(folder / "model.safetensors"))
+    doc["checksums"][folder.name] = state_doc.checksums(folder)
+    doc["seal"] = state_doc.seal(doc)
+    doc_path.write_text(json.dumps(doc))
+    shutil.rmtree(run / "checkpoint-30")
+    shutil.copytree(full / "checkpoint-50", run / "checkpoint-50")
+    line = one_line_error(run_bema("stabilize", run, "--base", base, "--out", out, *flags, "--allow-gaps"))
+    assert "lawa-w4 (--window 4) needs checkpoint step(s) 30" in line, line
+    # with checkpoint-30 back on disk the same call goes on: the member is read from the run
+    shutil.copytree(full / "checkpoint-30", run / "checkpoint-30")
+    proc = run_bema("stabilize", run, "--base", base, "--out", out, *flags)
+    assert proc.returncode == 0, proc.stderr
+    want = window_reference([(s, _load(full / f"checkpoint-{s}")) for s in STEPS[:5]], "lawa", window=4)
+    _close(_load(out / "lawa-w4" / "checkpoint-50"), want[50], "lawa-w4@50")

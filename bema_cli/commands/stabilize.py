@@ -325,6 +325,11 @@ PANELS = {
 NUMERIC = ("step", "alpha", "beta")  # right-aligned: kept whole on a narrow terminal (output.print_table)
 
 
+def _weight(x: float | None) -> str:
+    """alpha_s or beta_s for a table; '-' where the method has none (NaN: swa/power alpha, a window's both)."""
+    return "-" if x is None or x != x else f"{x:.4g}"
+
+
 def _print_plan(doc: dict) -> None:
     from rich.table import Table
 
@@ -334,7 +339,7 @@ def _print_plan(doc: dict) -> None:
         table.add_column(col, justify="right" if col in NUMERIC else "left")
     for run in plan["runs"]:
         for e in run["events"]:
-            weights = [f"{e[k]:.4g}" if e["action"] != "skip" else "" for k in ("alpha", "beta")]
+            weights = [_weight(e[k]) if e["action"] != "skip" else "" for k in ("alpha", "beta")]
             table.add_row(run["run"], str(e["step"]), e["action"], *weights, "yes" if e["output"] else "")
     output.print_table(table)
     shards = ", ".join(f"{s['file']} ({_gb(s['bytes'])}, {s['tensors']} tensors)" for s in plan["shards"])
@@ -352,8 +357,7 @@ def _print_summary(doc: dict) -> None:
     for col in ("run", "step", "alpha", "beta", "path"):
         table.add_column(col, justify="right" if col in NUMERIC else "left")
     for o in doc["outputs"]:
-        weights = [f"{o[k]:.4g}" if o[k] == o[k] else "-" for k in ("alpha", "beta")]  # nan: a window merge
-        table.add_row(o["run"], str(o["step"]), *weights, o["path"])
+        table.add_row(o["run"], str(o["step"]), _weight(o["alpha"]), _weight(o["beta"]), o["path"])
     output.print_table(table)
     rate = doc["read_bytes"] / doc["seconds"] / 1e6 if doc["seconds"] else 0.0
     output.stdout.print(

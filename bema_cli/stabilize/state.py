@@ -178,7 +178,8 @@ def tracks(plan: Plan, resume: Resume, out: Path) -> list[Track]:
         track = Track(method, runs, start, last, None, old)
         if (STATE_TENSORS[method] or track.ring) and last != start:
             consumed = [s for s in resume.steps if s <= last]
-            track.folder = f"{key[0]}-{_digest(key, consumed, plan.base_source, track.ring)}"
+            ring = (track.ring,) if track.ring else ()  # the EMA family's names as before windows existed
+            track.folder = f"{key[0]}-{_digest(key, consumed, plan.base_source, *ring)}"
             track.source = state_doc.index_state(out / STATE_DIR / old, resume.stored) if old else None
             if track.window:
                 track.ring_sources = _ring_sources(plan, track, out)

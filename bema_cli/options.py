@@ -32,45 +32,32 @@ RayAddressOpt = Annotated[
     ),
 ]
 
-# Stabilizer hyperparameters (names follow the paper's symbols; see docs/math.md).
-KappaOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--kappa", help="EMA decay power: beta_s = w(s)**-kappa. Comma list for a grid. [default: 0.5]"
-    ),
-]
-EtaOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--eta",
-        help="Bias-correction power: alpha_s = w(s)**-eta ('inf' = no correction, 0 = alpha 1). Comma list for a grid. [default: 0.2]",
-    ),
-]
-# The window and schedule-weighted averages (docs/math.md): each a grid dimension like --kappa.
-WindowOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--window", help="lawa, wsm: merge the last K checkpoints. Comma list for a grid. [default: 8]"
-    ),
-]
-ScheduleOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--schedule",
-        help="wsm: the decay g giving the weights: linear, minus-sqrt, cosine, each also NAME:reverse. Comma list. [default: minus-sqrt]",
-    ),
-]
-SwaStartOpt = Annotated[
-    str | None,
-    typer.Option("--swa-start", help="swa: average every checkpoint from this step on. [default: the first]"),
-]
-SigmaRelOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--sigma-rel", help="power: EDM2's relative width of the power EMA. Comma list. [default: 0.05]"
-    ),
-]
-PowerGammaOpt = Annotated[
+
+# Stabilizer hyperparameters (names follow the paper's symbols; see docs/math.md). The grid's
+# dimensions are comma lists; None means "not given", so a list no method of the grid uses is an error.
+def _grid(flag: str, help: str, default: str):
+    return Annotated[
+        str | None, typer.Option(flag, help=f"{help} Comma list for a grid (default: {default}).")
+    ]
+
+
+KappaOpt = _grid("--kappa", "EMA decay power: beta_s = w(s)**-kappa.", "0.5")
+EtaOpt = _grid(
+    "--eta", "Bias-correction power: alpha_s = w(s)**-eta ('inf' = no correction, 0 = alpha 1).", "0.2"
+)
+# the window and schedule-weighted averages (docs/math.md)
+WindowOpt = _grid("--window", "lawa, wsm: merge the last K checkpoints.", "8")
+ScheduleOpt = _grid(
+    "--schedule",
+    "wsm: the decay g giving the weights: linear, minus-sqrt, cosine, each also NAME:reverse.",
+    "minus-sqrt",
+)
+SwaStartOpt = _grid("--swa-start", "swa: average every checkpoint from this step on.", "the first")
+SigmaRelOpt = _grid("--sigma-rel", "power: EDM2's relative width of the power EMA.", "0.05")
+PowerGammaOpt = _grid(
+    "--power-gamma", "power: the exponent gamma directly (instead of --sigma-rel).", "from --sigma-rel"
+)
+GammaOpt = Annotated[
     str | None,
     typer.Option("--power-gamma", help="power: the exponent gamma directly (instead of --sigma-rel)."),
 ]

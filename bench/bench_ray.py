@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import run_measured, set_cache  # noqa: E402
+from measure import common_args, run_measured, set_cache  # noqa: E402
 from synth import make_trajectory  # noqa: E402
 
 BEMA = Path(sys.executable).with_name("bema")
@@ -199,20 +199,12 @@ def rows(res: dict) -> list[tuple[str, str, str, str]]:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--quick", action="store_true", help="tiny sizes, 1 repeat: a smoke run (numbers mean nothing)"
-    )
-    ap.add_argument("--size-mb", type=float, default=250, help="one checkpoint's bytes, in MB")
-    ap.add_argument("--checkpoints", type=int, default=10)
-    ap.add_argument("--max-memory", default="512MiB")
-    ap.add_argument("--repeats", type=int, default=3)
+    common_args(ap, size_mb=250, checkpoints=10)
     ap.add_argument("--eval-checkpoints", type=int, default=6)
     ap.add_argument("--eval-repeats", type=int, default=1)
     ap.add_argument("--limit", type=int, default=16, help="prompts per task")
     ap.add_argument("--n-samples", type=int, default=4)
     ap.add_argument("--skip", choices=["stabilize", "eval"], action="append", default=[])
-    ap.add_argument("--workdir", type=Path, default=None)
-    ap.add_argument("--json", action="store_true", help="raw numbers on stdout (table on stderr)")
     args = ap.parse_args(argv)
     if args.quick:
         args.size_mb, args.checkpoints, args.repeats, args.max_memory = 8, 3, 1, "16MiB"

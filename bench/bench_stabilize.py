@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -27,7 +26,7 @@ from bema_cli.options import parse_size
 from bema_cli.recurrence import Schedule, Stabilizer, run_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import Run, read_files, report, run_measured, set_cache, write_files  # noqa: E402
+from measure import Run, machine, read_files, report, run_measured, set_cache, write_files  # noqa: E402
 from synth import Trajectory, make_trajectory  # noqa: E402
 
 BEMA = Path(sys.executable).with_name("bema")
@@ -375,12 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bema-bench-", dir=args.workdir))
     res: dict = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
-    res["machine"] = {
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-    }
-    res["machine"]["mem_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    res["machine"] = machine()
     res["loadavg_start"] = os.getloadavg()
     t0 = time.perf_counter()
     try:

@@ -21,16 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_stabilize import COLUMNS, MiB, interpreter_overhead, log, max_rel_err, median_ratio, render  # noqa: E402
-from measure import read_files, report, run_measured, set_cache, write_files  # noqa: E402
+from measure import common_args, machine, read_files, report, run_measured, set_cache, write_files  # noqa: E402
 from synth import Trajectory, make_trajectory  # noqa: E402
 
 from bema_cli.options import parse_size  # noqa: E402
@@ -183,16 +181,8 @@ def rows(r: dict, args, overhead: int) -> list[tuple[str, str, str, str]]:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--quick", action="store_true", help="tiny sizes, 1 repeat: a smoke run (numbers mean nothing)"
-    )
-    ap.add_argument("--size-mb", type=float, default=100, help="bytes of one checkpoint, in MB")
-    ap.add_argument("--checkpoints", type=int, default=24)
+    common_args(ap, size_mb=100, checkpoints=24)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--max-memory", default="512MiB")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--workdir", type=Path, default=None)
-    ap.add_argument("--json", action="store_true", help="raw numbers as one JSON document on stdout")
     args = ap.parse_args(argv)
     if args.quick:
         args.size_mb, args.checkpoints, args.repeats, args.max_memory = 4, 10, 1, "64MiB"
@@ -203,11 +193,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bema-bench-windows-", dir=args.workdir))
     res: dict = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
-    res["machine"] = {
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-    }
+    res["machine"] = machine()
     res["loadavg_start"] = os.getloadavg()
     try:
         res["overhead_rss"], _ = interpreter_overhead(work, 1)

@@ -83,6 +83,34 @@ def set_cache(paths: list[Path], state: str) -> None:
             os.close(fd)
 
 
+def machine() -> dict:
+    """What a benchmark's header says about where it ran."""
+    import platform
+
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "mem_gib": round(mem / 2**30, 1),
+    }
+
+
+def common_args(ap, size_mb: float, checkpoints: int) -> None:
+    """The flags every trajectory benchmark takes (its own defaults for the sizes)."""
+    from pathlib import Path
+
+    ap.add_argument(
+        "--quick", action="store_true", help="tiny sizes, 1 repeat: a smoke run (numbers mean nothing)"
+    )
+    ap.add_argument("--size-mb", type=float, default=size_mb, help="one checkpoint's bytes, in MB")
+    ap.add_argument("--checkpoints", type=int, default=checkpoints)
+    ap.add_argument("--max-memory", default="512MiB")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", type=Path, default=None, help="scratch parent (default: $TMPDIR or /tmp)")
+    ap.add_argument("--json", action="store_true", help="raw numbers on stdout (table on stderr)")
+
+
 def report(table: str, doc: dict, as_json: bool) -> None:
     """The table on stdout; with --json the raw numbers as one JSON document on stdout, the table on stderr."""
     print(table, file=sys.stderr if as_json else sys.stdout, flush=True)

@@ -169,7 +169,7 @@ def window_reference(
         if method in ("lawa", "wsm"):
             last = so_far[-window:]
             c = megatron_coefficients("linear" if method == "lawa" else schedule, len(last))
-            out = {k: sum(ci * states[m][k] for ci, m in zip(c, last)) for k in floats}
+            out = {k: sum(ci * states[m][k] for ci, m in zip(c, last, strict=True)) for k in floats}
         elif method == "swa":
             out = {k: sum(states[m][k] for m in so_far) / len(so_far) for k in floats}
         elif method == "power":

@@ -268,7 +268,7 @@ def test_window_averages_on_the_quadratic_match_their_definitions():
         c = megatron_coefficients("minus-sqrt", len(last))
         torch.testing.assert_close(got[k]["lawa"], sum(last) / len(last), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(
-            got[k]["wsm"], sum(ci * x for ci, x in zip(c, last)), rtol=1e-12, atol=1e-12
+            got[k]["wsm"], sum(ci * x for ci, x in zip(c, last, strict=True)), rtol=1e-12, atol=1e-12
         )
         if k >= 7:
             mean = sum(iterates[j] for j in range(7, k + 1)) / (k - 6)

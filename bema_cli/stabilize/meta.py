@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bema_cli import __version__, output
+from bema_cli import __version__, card, output
 from bema_cli.errors import InputError
 from bema_cli.io.checkpoints import copy_aux_files, read_json
 from bema_cli.io.commit import MANIFEST
@@ -86,11 +86,15 @@ def finish_folder(
     folder: Path, source: Path, base_dir: Path, record: dict, opts: Options, model: bool = True
 ) -> None:
     """Config/tokenizer files (a model's from the checkpoint, else the base; an adapter's from its
-    checkpoint only, so it is not mistaken for a model folder) and bema.json."""
+    checkpoint only, so it is not mistaken for a model folder), bema.json and the model card."""
     copy_aux_files(folder, [source, base_dir] if model else [source], inside=[source, base_dir])
     if record["out_dtype"] != "mixed":
         _set_config_dtype(folder / "config.json", record["out_dtype"])
     (folder / "bema.json").write_text(output.to_json(record) + "\n")
+    base_model = card.hub_base_model(record["theta0_source"], base_dir)
+    (folder / "README.md").write_text(
+        card.card(json.loads(output.to_json(record)), base_model, adapter=not model)
+    )
 
 
 def _set_config_dtype(path: Path, dtype: str) -> None:

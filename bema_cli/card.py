@@ -1,0 +1,126 @@
+"""The model card (README.md) in every checkpoint folder bema writes.
+
+The Hub reads a model card's YAML metadata (base_model, library_name, tags, model-index) for
+search, the model tree and the evaluation widget; a user reads the text below it. The metadata
+is built with huggingface_hub's own `ModelCardData`, so it is what the Hub's parser expects; the
+text gives the provenance that bema.json records (method, hyperparameters, step, source run,
+theta0, bema version) and the citation.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+PAPER = "https://arxiv.org/abs/2508.00180"
+CITATION = """@article{block2025ema,
+  title         = {EMA Without the Lag: Bias-Corrected Iterate Averaging Schemes},
+  author        = {Block, Adam and Zhang, Cyril},
+  year          = {2025},
+  eprint        = {2508.00180},
+  archivePrefix = {arXiv},
+  primaryClass  = {cs.LG},
+}"""
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "org/name", as the Hub spells a model id
+METHOD_NAMES = {
+    "bema": "BEMA (bias-corrected EMA)", "ema": "EMA", "dema": "DEMA", "ouema": "OUEMA",
+    "lawa": "LAWA (latest weight averaging)", "wsm": "WSM (schedule-weighted checkpoint merge)",
+    "swa": "SWA (equal-weight running mean)", "power": "power EMA (EDM2)", "vanilla": "the checkpoint itself",
+}  # fmt: skip
+PROVENANCE = ("run", "step", "source_checkpoint", "theta0_source", "accum_dtype", "out_dtype", "bema_version")
+
+
+def hub_base_model(theta0_source: str, theta0_dir: Path | None = None) -> str | None:
+    """The Hub id theta0 came from: the source itself when it is one, else the `_name_or_path` of
+    theta0's config.json when that is one (a local copy of a Hub model); None otherwise (the Hub
+    refuses a local path as base_model)."""
+    if REPO_ID.match(theta0_source) and not Path(theta0_source).exists():
+        return theta0_source
+    config = (theta0_dir or Path(theta0_source)) / "config.json"
+    try:
+        name = json.loads(config.read_text()).get("_name_or_path", "")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and REPO_ID.match(name) and not Path(name).exists() else None
+
+
+def card(
+    record: dict, base_model: str | None, adapter: bool = False, evaluation: list[dict] | None = None
+) -> str:
+    """README.md text for one output folder described by its bema.json `record`.
+
+    `evaluation`: model-index results, each {"task", "dataset", "metric", "value"} with optional
+    "interval" ([lo, hi], a 95% paired-bootstrap interval) and "vs" (what it is a difference to)."""
+    from huggingface_hub import EvalResult, ModelCardData
+
+    method = record.get("method", "vanilla")
+    results = [
+        EvalResult(
+            task_type="text-generation",
+            dataset_type=e["dataset"],
+            dataset_name=e["dataset"],
+            metric_type=e["metric"],
+            metric_value=e["value"],
+            metric_name=e["metric"]
+            + (f" (95% CI {e['interval'][0]:.4g} to {e['interval'][1]:.4g})" if e.get("interval") else ""),
+        )
+        for e in evaluation or []
+    ]
+    data = ModelCardData(
+        base_model=base_model,
+        library_name="peft" if adapter else "transformers",
+        tags=list(dict.fromkeys(["bema", method, "checkpoint-averaging"])),
+        model_name=record.get("run"),
+        eval_results=results or None,
+    )
+    params = {k: v for k, v in record.items() if k not in PROVENANCE and k not in ("method",) and _plain(v)}
+    lines = [
+        "---",
+        data.to_yaml(),
+        "---",
+        "",
+        f"# {record.get('run', 'bema output')} at step {record.get('step')}",
+        "",
+        f"{METHOD_NAMES.get(method, method)} of a fine-tuning run's checkpoints, written by "
+        f"[bema](https://pypi.org/project/bema-cli/) {record.get('bema_version', '')}: the weights "
+        f"at training step {record.get('step')}, averaged as below. Load it like any "
+        f"{'PEFT adapter' if adapter else 'transformers model'}; `bema.json` beside it holds the same "
+        "record as JSON.",
+        "",
+        "## Provenance",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| method | `{method}` |",
+        *[f"| {k} | `{v}` |" for k, v in params.items()],
+        *[f"| {k.replace('_', ' ')} | `{record[k]}` |" for k in PROVENANCE if k in record],
+        "",
+    ]
+    if evaluation:
+        lines += ["## Evaluation", "", "| task | metric | value | 95% interval | |", "|---|---|---|---|---|"]
+        for e in evaluation:
+            lo_hi = f"{e['interval'][0]:.4g} to {e['interval'][1]:.4g}" if e.get("interval") else ""
+            lines.append(
+                f"| {e['dataset']} | {e['metric']} | {e['value']:.4g} | {lo_hi} | {e.get('vs', '')} |"
+            )
+        lines.append("")
+    lines += [
+        "## Citation",
+        "",
+        f'The averaging follows Block & Zhang, "EMA Without the Lag: Bias-Corrected Iterate Averaging '
+        f"Schemes\" ({PAPER}); the window methods' sources are in bema's docs/math.md.",
+        "",
+        "```bibtex",
+        CITATION,
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _plain(value) -> bool:
+    """A hyperparameter worth a table row: numbers and short strings (per-step lists stay in bema.json)."""
+    return (
+        value is not None and value == value and isinstance(value, int | float | str) and len(str(value)) < 80
+    )

@@ -1,0 +1,61 @@
+"""The model card (README.md) of every checkpoint bema writes, read back with huggingface_hub's own parser."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_bema
+from huggingface_hub import ModelCard
+from trajectory import write_trajectory
+
+from bema_cli import card
+
+
+def test_every_stabilize_output_has_a_hub_model_card(tmp_path):
+    base, run = write_trajectory(tmp_path, [10, 20, 30])
+    config = json.loads((base / "config.json").read_text()) if (base / "config.json").exists() else {}
+    (base / "config.json").write_text(json.dumps({**config, "_name_or_path": "Qwen/Qwen2.5-1.5B"}))
+    out = tmp_path / "out"
+    proc = run_bema("stabilize", run, "--base", base, "--out", out, "--method", "bema,lawa", "--window", "2")
+    assert proc.returncode == 0, proc.stderr
+    folders = sorted(out.glob("*/checkpoint-*"))
+    assert len(folders) == 6
+    for folder in folders:
+        parsed = ModelCard.load(folder / "README.md")  # the Hub client's parser: YAML metadata + text
+        record = json.loads((folder / "bema.json").read_text())
+        assert parsed.data.library_name == "transformers"
+        assert parsed.data.base_model == "Qwen/Qwen2.5-1.5B"  # theta0 is a local copy of a Hub model
+        assert parsed.data.tags == ["bema", record["method"], "checkpoint-averaging"] or (
+            record["method"] == "bema" and parsed.data.tags == ["bema", "checkpoint-averaging"]
+        )
+        text = parsed.text
+        assert f"at step {record['step']}" in text and f"`{record['source_checkpoint']}`" in text
+        assert f"`{record['theta0_source']}`" in text and "2508.00180" in text
+        if record["method"] == "lawa":
+            assert "| window | `2` |" in text
+        else:
+            assert "| eta | `0.2` |" in text and "| kappa | `0.5` |" in text
+
+
+def test_a_local_theta0_is_not_a_base_model_and_results_make_a_model_index(tmp_path):
+    record = {"run": "bema-k0.5-e0.2", "method": "bema", "step": 100, "kappa": 0.5, "eta": 0.2,
+              "theta0_source": str(tmp_path), "bema_version": "0.5.0"}  # fmt: skip
+    assert card.hub_base_model(str(tmp_path), tmp_path) is None  # a local folder without a Hub name
+    assert card.hub_base_model("Qwen/Qwen2.5-1.5B") == "Qwen/Qwen2.5-1.5B"
+    evaluation = [
+        {
+            "dataset": "gsm8k",
+            "metric": "accuracy",
+            "value": 0.61,
+            "interval": [0.55, 0.67],
+            "vs": "vanilla +0.04",
+        }
+    ]
+    path = tmp_path / "README.md"
+    path.write_text(card.card(record, None, evaluation=evaluation))
+    parsed = ModelCard.load(path)
+    assert parsed.data.base_model is None
+    (result,) = parsed.data.eval_results
+    assert result.dataset_type == "gsm8k" and result.metric_type == "accuracy" and result.metric_value == 0.61
+    assert "95% CI 0.55 to 0.67" in result.metric_name
+    assert "| gsm8k | accuracy | 0.61 | 0.55 to 0.67 | vanilla +0.04 |" in parsed.text

@@ -334,7 +334,9 @@ def evaluate_task(backend, job: Job, item: TaskInput) -> tuple[list[dict], list[
         ]  # fmt: skip
     elif name in LOSS_TASKS:
         seqs = [loss_task.encode_record(r, backend.tokenizer, c.loss_max_tokens) for r in item.loss_records]
-        metrics = loss_task.loss_metrics(backend.loss(seqs))
+        pairs = backend.loss(seqs)
+        metrics = loss_task.loss_metrics(pairs)
+        extra["items"] = loss_task.loss_items(pairs)
         n_prompts, n_samples = len(seqs), 1
     else:
         task, docs = get_task(name), item.docs
@@ -350,6 +352,7 @@ def evaluate_task(backend, job: Job, item: TaskInput) -> tuple[list[dict], list[
         responses = backend.generate(prompts, sampling, seeds)
         scored = scoring.score_all(task, docs, responses)
         metrics, extra = scoring.task_metrics(task, scored, [d.get("subject", "") for d in docs])
+        extra["items"] = scoring.prompt_items([d["_id"] for d in docs], scored)
         n_prompts, n_samples = len(docs), c.n_samples
         samples = [
             {"eval_id": eval_id, "model_path": str(target.path), "run": None if target.is_base else target.run,
@@ -436,6 +439,7 @@ def rescore(samples_path: str | Path, results_path: str | Path | None = None) ->
             raise InputError(f"{samples_path}: {str(exc).removeprefix('--tasks: ')}") from None
         scored = [scoring.score_item(task, x["responses"], x["gold"]) for x in group]
         metrics, extra = scoring.task_metrics(task, scored, [x.get("subject") or "" for x in group])
+        extra["items"] = scoring.prompt_items([x.get("doc_id") for x in group], scored)
         matches = [r for r in old if r.get("model_path") == model_path and r.get("task") == name
                    and r.get("eval_id") == eval_id] or [
             {"model_path": model_path, "run": group[0].get("run"), "step": group[0].get("step"), "task": name,

@@ -106,6 +106,19 @@ def task_metrics(
     return all_metrics(scored), extra
 
 
+def prompt_items(ids: Sequence, scored: Sequence[dict]) -> dict:
+    """The record's `items`: each prompt's id and its accuracy (mean over its samples), per scoring.
+    `bema select` resamples prompts from these for paired bootstrap intervals; their mean is the
+    record's accuracy."""
+    out: dict = {"ids": list(ids)}
+    for scoring in SCORINGS:
+        out[scoring] = [
+            sum(s[scoring]["correct"]) / len(s[scoring]["correct"]) if s[scoring]["correct"] else None
+            for s in scored
+        ]
+    return out
+
+
 def sample_fields(scored_item: dict) -> dict:
     """The samples.jsonl fields of one scored prompt: extracted_strict, correct_strict, ... ."""
     return {

@@ -69,6 +69,12 @@ def record_losses(
     return out
 
 
+def loss_items(pairs: Sequence[tuple[float, int]]) -> dict:
+    """The record's `items`: each held-out record's summed NLL and token count (by position in the
+    loss file's prefix), so `bema select` can resample records: loss = sum(nll) / sum(tokens)."""
+    return {"ids": list(range(len(pairs))), "nll": [s for s, _ in pairs], "tokens": [n for _, n in pairs]}
+
+
 def loss_metrics(pairs: Sequence[tuple[float, int]]) -> dict:
     """loss = sum(nll) / sum(tokens); stderr of that ratio over records (delta method)."""
     pairs = [p for p in pairs if p[1] > 0]

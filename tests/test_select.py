@@ -1,0 +1,201 @@
+"""`bema select`: paired bootstrap intervals, ties, holdout, refusals; end to end on real eval records."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+from conftest import one_line_error, run_bema
+
+from bema_cli.errors import InputError, UsageError
+from bema_cli.select import Metric, parse_metric, select, split
+
+GSM = Metric("gsm8k", "flexible", True)
+PROTOCOL = {"task": "gsm8k", "limit": 60}
+
+
+def record(run: str, step: int, scores, task: str = "gsm8k", **extra) -> dict:
+    ids = list(range(len(scores)))
+    return {"run": run, "step": step, "task": task, "metrics": {"accuracy_flexible": float(np.mean(scores))},
+            "items": {"ids": ids, "flexible": [float(x) for x in scores], "strict": [float(x) for x in scores]},
+            "protocol": PROTOCOL, "seeds": {"sampling": 0}, "n_samples": 4, "n_prompts": len(scores),
+            "backend": "transformers", "dtype": "float32", "model_path": f"/x/{run}/checkpoint-{step}",
+            "_where": f"results.jsonl ({run}@{step})", **extra}  # fmt: skip
+
+
+def test_identical_and_shifted_configs_have_exact_intervals():
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0, 0.8, 50)
+    doc = select(
+        [record("vanilla", 100, base), record("same", 100, base), record("up", 100, base + 0.1)], GSM
+    )
+    rows = {c["run"]: c for c in doc["candidates"]}
+    assert rows["same"]["vs_vanilla"] == {"value": 0.0, "low": 0.0, "high": 0.0}  # paired: no spread at all
+    up = rows["up"]["vs_vanilla"]
+    assert (
+        up["value"] == pytest.approx(0.1)
+        and up["low"] == pytest.approx(0.1)
+        and up["high"] == pytest.approx(0.1)
+    )
+    assert doc["winner"]["run"] == "up" and rows["up"]["value"] == pytest.approx(base.mean() + 0.1)
+    assert not rows["vanilla"]["tied_with_best"]  # 0.1 worse on every item: certainly not tied
+    assert rows["up"]["vs_vanilla"] is not None and rows["vanilla"]["vs_vanilla"] is None
+
+
+def test_intervals_cover_the_true_difference_about_95_percent_of_the_time():
+    """300 simulated evaluations: per-item differences N(0.05, 0.2) on 60 items. A paired percentile
+    bootstrap interval should contain 0.05 in about 95% of them (a little less at n = 60)."""
+    rng = np.random.default_rng(1)
+    hits = 0
+    for trial in range(300):
+        v = rng.uniform(0, 1, 60)
+        a = v + rng.normal(0.05, 0.2, 60)
+        doc = select([record("vanilla", 1, v), record("a", 1, a)], GSM, resamples=500, seed=trial)
+        d = next(c for c in doc["candidates"] if c["run"] == "a")["vs_vanilla"]
+        hits += d["low"] <= 0.05 <= d["high"]
+    assert 0.88 <= hits / 300 <= 0.99, hits
+
+
+def test_ties_and_the_winner():
+    rng = np.random.default_rng(2)
+    v = rng.uniform(0, 1, 80)
+    records = [
+        record("vanilla", 10, v),
+        record("close", 10, v + rng.normal(0.005, 0.05, 80)),  # within noise of the best
+        record("best", 10, v + rng.normal(0.01, 0.05, 80)),
+        record("bad", 10, v - 0.3),
+    ]
+    doc = select(records, GSM, seed=3)
+    rows = {c["run"]: c for c in doc["candidates"]}
+    assert doc["winner"]["run"] == max(rows, key=lambda r: rows[r]["value"])
+    assert rows[doc["winner"]["run"]]["tied_with_best"]
+    assert not rows["bad"]["tied_with_best"] and rows["bad"]["vs_best"]["high"] < 0
+    tied = [r for r in rows if rows[r]["tied_with_best"]]
+    assert {"close", "best"} <= set(tied) | {doc["winner"]["run"]}
+    assert [c["run"] for c in doc["candidates"]][-1] == "bad"  # ranked best first
+
+
+def test_holdout_picks_on_one_part_and_reports_on_the_rest():
+    rng = np.random.default_rng(4)
+    v = rng.uniform(0, 1, 200)
+    records = [record("vanilla", 5, v), record("a", 5, v + 0.02)]
+    pick, rest = split(list(range(200)), 0.5, seed=7)
+    assert pick and rest and not pick & rest and pick | rest == set(range(200))
+    assert split(list(range(200)), 0.5, seed=7) == (pick, rest) and split(list(range(200)), 0.5, 8) != (
+        pick,
+        rest,
+    )
+    doc = select(records, GSM, holdout=0.5, seed=7)
+    assert doc["selection"]["picked_on"] == len(pick) and doc["selection"]["reported_on"] == len(rest)
+    a = next(c for c in doc["candidates"] if c["run"] == "a")
+    assert a["value"] == pytest.approx(
+        np.mean([v[i] + 0.02 for i in sorted(rest)])
+    )  # reported on the rest only
+    assert "picked on" in doc["selection"]["note"]
+    assert "optimistic" in select(records, GSM)["selection"]["note"]
+
+
+def test_loss_is_the_token_weighted_ratio_and_lower_is_better():
+    m = parse_metric("loss")
+    assert not m.higher_is_better and parse_metric("gsm8k:strict").key == "strict"
+
+    def loss(run, nll, tokens):
+        return {**record(run, 3, [0.0] * len(nll), task="loss"),
+                "items": {"ids": list(range(len(nll))), "nll": nll, "tokens": tokens}}  # fmt: skip
+
+    doc = select([loss("vanilla", [10.0, 30.0], [10, 10]), loss("ema", [8.0, 28.0], [10, 10])], m)
+    rows = {c["run"]: c for c in doc["candidates"]}
+    assert rows["vanilla"]["value"] == pytest.approx(40 / 20) and rows["ema"]["value"] == pytest.approx(
+        36 / 20
+    )
+    assert doc["winner"]["run"] == "ema"
+
+
+def test_refusals():
+    v = [0.5] * 10
+    with pytest.raises(InputError, match=r"protocol\.limit differs"):
+        select([record("vanilla", 1, v), {**record("a", 1, v), "protocol": {**PROTOCOL, "limit": 30}}], GSM)
+    with pytest.raises(InputError, match="no record holds it"):
+        select([record("vanilla", 1, v)], parse_metric("boolq"))
+    with pytest.raises(UsageError, match="--at 7: no gsm8k:flexible record at step 7"):
+        select([record("vanilla", 1, v)], GSM, at="7")
+    old = record("vanilla", 1, v)
+    del old["items"]
+    with pytest.raises(InputError, match="no per-item scores"):
+        select([old], GSM)
+    with pytest.raises(UsageError, match="--metric"):
+        parse_metric("gsm8k:loose")
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(tiny_model_dir, tmp_path_factory):
+    """A tiny real model, two noisy 'checkpoints', stabilized (bema, ema) and evaluated on held-out loss."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("select")
+    base = root / "base"
+    shutil.copytree(tiny_model_dir, base)
+    weights = load_file(str(base / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    for step in (10, 20):
+        folder = root / "run" / f"checkpoint-{step}"
+        shutil.copytree(base, folder)
+        noisy = {k: v + 0.02 * step / 10 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+        save_file(noisy, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    chat = [{"messages": [{"role": "user", "content": f"count {i}"}, {"role": "assistant", "content": f"{i} and {i + 1}"}]} for i in range(12)]  # fmt: skip
+    (root / "heldout.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chat))
+    stab = root / "stab"
+    proc = run_bema("stabilize", root / "run", "--base", base, "--out", stab, "--method", "bema,ema")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_bema("eval", root / "run" / "checkpoint-10", root / "run" / "checkpoint-20", stab, "--base", base,
+                    "--tasks", "loss", "--loss-data", root / "heldout.jsonl", "--backend", "transformers",
+                    "--out", root / "results")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return root
+
+
+def test_select_end_to_end_and_write_the_winner(evaluated_run, tmp_path):
+    root = evaluated_run
+    proc = run_bema("select", root / "results", "--metric", "loss", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    records = [json.loads(x) for x in (root / "results" / "results.jsonl").read_text().splitlines()]
+    at20 = {r["run"]: r["metrics"]["loss"] for r in records if r["step"] == 20 and r["task"] == "loss"}
+    rows = {c["run"]: c for c in doc["candidates"]}
+    assert set(rows) == {"vanilla", "bema-k0.5-e0.2", "ema-k0.5"} and doc["at"] == "last"
+    for run, value in at20.items():  # the point values are the eval records' own metrics
+        assert rows[run]["value"] == pytest.approx(value, rel=1e-12)
+    assert doc["winner"]["run"] == min(at20, key=at20.get)
+    plain = run_bema("select", root / "results", "--metric", "loss")
+    assert plain.returncode == 0 and f"winner: {doc['winner']['run']} at step 20" in plain.stdout
+    # --write: the winner through the streaming stabilize path, bitwise `bema stabilize --steps 20`
+    out = tmp_path / "ship"
+    proc = run_bema("select", root / "results", "--metric", "loss", "--write", out, "--json")
+    assert proc.returncode == 0, proc.stderr
+    written = json.loads(proc.stdout)["written"]
+    if doc["winner"]["run"] != "vanilla":
+        method = doc["winner"]["stabilizer"]["method"]
+        ref = tmp_path / "ref"
+        flags = ["--method", method, "--steps", "20"]
+        assert (
+            run_bema("stabilize", root / "run", "--base", root / "base", "--out", ref, *flags).returncode == 0
+        )
+        got = out / written["run"] / "checkpoint-20" / "model.safetensors"
+        assert got.read_bytes() == (ref / written["run"] / "checkpoint-20" / "model.safetensors").read_bytes()
+    from huggingface_hub import ModelCard
+
+    parsed = ModelCard.load(out / written["run"] / "checkpoint-20" / "README.md")
+    (result,) = parsed.data.eval_results
+    assert result.metric_type == "loss" and result.metric_value == pytest.approx(doc["winner"]["value"])
+    assert math.isfinite(result.metric_value)
+
+
+def test_cli_refusals_are_one_line(evaluated_run):
+    line = one_line_error(run_bema("select", evaluated_run / "results", "--metric", "gsm8k"))
+    assert "--metric gsm8k:flexible: no record holds it" in line
+    line = one_line_error(run_bema("select", evaluated_run / "results", "--at", "15"))
+    assert "--at 15" in line and "steps: 0, 10, 20" in line

@@ -115,6 +115,11 @@ def test_quick_demo_end_to_end(tmp_path):
     assert runs["lawa-w8"]["outputs"][-1]["members"] == 4
     assert runs["lawa-w8"]["outputs"][-1]["member_steps"] == [10, 20, 30, 40]
 
+    # select: the winner on held-out loss, written with its model card (picked on half the records)
+    shipped = list((out / "ship").glob("*/checkpoint-40/README.md"))
+    assert len(shipped) == 1, shipped
+    assert "loss" in shipped[0].read_text() and "$ bema select" in result.stderr
+
     # results: every (run, step, task), base as step 0 of each run
     records = [json.loads(line) for line in (out / "results" / "results.jsonl").read_text().splitlines()]
     got = {(r["run"], r["step"], r["task"]) for r in records}
@@ -170,7 +175,7 @@ def test_an_interrupted_demo_keeps_its_finished_stages_and_a_rerun_continues(tmp
 
     from conftest import BEMA
 
-    stages = ["data", "base", "finetune", "stabilize", "eval", "report"]
+    stages = ["data", "base", "finetune", "stabilize", "eval", "report", "select"]
     folders = {"data": "data", "base": "base", "finetune": "sft"}
     out = tmp_path / "demo"
     proc = subprocess.Popen([str(BEMA), "demo", "--quick", "--out", str(out)], stdout=subprocess.PIPE,

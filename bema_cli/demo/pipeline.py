@@ -160,6 +160,11 @@ def stabilize_args(out: Path, cfg: DemoConfig) -> list[str]:
     ]  # fmt: skip
 
 
+def select_args(out: Path) -> list[str]:
+    """Pick on half of the held-out loss records, report on the other half (no winner's curse)."""
+    return ["select", str(out / "results"), "--metric", "loss", "--holdout", "0.5", "--write", str(out / "ship")]
+
+
 def eval_args(out: Path, cfg: DemoConfig, backend: str) -> list[str]:
     vanilla = [str(out / "sft" / f"checkpoint-{s}") for s in eval_steps(cfg)]
     return [
@@ -368,27 +373,31 @@ def _stages(out: Path, cfg: DemoConfig, backend: str, quick: bool, marker: dict,
         _write_marker(out / MARKER, marker)
         current.clear()
 
-    if stage("data", "1/6 data: generated tasks in the `bema eval --data-dir` schemas"):
+    if stage("data", "1/7 data: generated tasks in the `bema eval --data-dir` schemas"):
         write_data(out, cfg)
         done("data")
     train = read_jsonl(out / "data" / "train.jsonl")
-    if stage("base", "2/6 base model: tokenizer + small Qwen2, pretrained on generated text"):
+    if stage("base", "2/7 base model: tokenizer + small Qwen2, pretrained on generated text"):
         build_base(out, cfg, train)
         done("base")
-    title = f"3/6 fine-tune: HF Trainer, constant LR {cfg.lr}, batch {cfg.batch}, save every {cfg.save_every} steps"
+    title = f"3/7 fine-tune: HF Trainer, constant LR {cfg.lr}, batch {cfg.batch}, save every {cfg.save_every} steps"
     if stage("finetune", title):
         finetune(out, cfg, out / "base", train)
         done("finetune")
-    stage("stabilize", "4/6 stabilize: EMA, BEMA, LAWA and WSM from the saved checkpoints")
+    stage("stabilize", "4/7 stabilize: EMA, BEMA, LAWA and WSM from the saved checkpoints")
     bema_cli(stabilize_args(out, cfg))
     done("stabilize")
-    stage("eval", "5/6 eval: vanilla, EMA and BEMA on held-out loss and the three tasks")
+    stage("eval", "5/7 eval: vanilla and every stabilized run on held-out loss and the three tasks")
     args = eval_args(out, cfg, backend)  # auto: vLLM when installed and usable, else transformers
     bema_cli(args, display=_short(args, out, cfg))
     done("eval")
-    stage("report", "6/6 report: tables and curves")
+    stage("report", "6/7 report: tables and curves")
     bema_cli(["report", str(out / "results"), "--plot", str(out / "curves.png")])
     done("report")
+    stage("select", "7/7 select: the config to ship, against vanilla with intervals, written with its card")
+    shutil.rmtree(out / "ship", ignore_errors=True)  # select writes it anew from the current results
+    bema_cli(select_args(out))
+    done("select")
     ends = [*list(timings.values())[1:], time.perf_counter()]
     seconds = {name: round(end - start, 1) for (name, start), end in zip(timings.items(), ends, strict=True)}
     summary = summarize(read_jsonl(out / "results" / "results.jsonl"))

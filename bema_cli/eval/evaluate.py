@@ -257,6 +257,8 @@ class Evaluation:
                 if target.is_base and not old:  # the base evaluated earlier for other runs counts too
                     old = [r for r in self.results.records if r["model_path"] == str(target.path)
                            and r["task"] == name and r.get("is_base")][-1:]  # fmt: skip
+                # a record of bema < 0.5 lacks the per-item scores `bema select` needs: evaluated again
+                old = [r for r in old if "items" in r or is_lm_eval(name)]
                 if self.config.force or not old:
                     todo.append(item)
                     continue

@@ -19,7 +19,7 @@ import typer
 import typer._click.exceptions as click  # typer's own copy of click's exception classes
 
 from bema_cli import __version__, output, signals
-from bema_cli.commands import demo, evaluate, report, select, simulate, stabilize
+from bema_cli.commands import demo, evaluate, push, report, select, simulate, stabilize
 from bema_cli.errors import BemaError
 
 app = typer.Typer(
@@ -73,6 +73,7 @@ app.command("eval")(evaluate.evaluate)
 app.command("rescore")(evaluate.rescore)
 app.command("report")(report.report)
 app.command("select")(select.select)
+app.command("push")(push.push)
 app.command("demo")(demo.demo)
 
 

@@ -1,0 +1,50 @@
+"""`bema push`: a checkpoint bema wrote, to the Hugging Face Hub (bema_cli/push.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from bema_cli import output
+from bema_cli.options import JsonOpt
+
+
+def push(
+    folder: Annotated[
+        str, typer.Argument(help="A checkpoint folder bema wrote (or a `bema select --write` folder).")
+    ],
+    repo_id: Annotated[str, typer.Option("--repo-id", help="The model repo: ORG/NAME (created if needed).")],
+    private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
+    revision: Annotated[
+        str | None, typer.Option("--revision", help="Branch to commit to (created if needed; default main).")
+    ] = None,
+    commit_message: Annotated[
+        str | None, typer.Option("--commit-message", help="Commit message (default: the run and step).")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="List what would be uploaded and its size; contact nobody.")
+    ] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Upload a stabilized checkpoint (weights, config, tokenizer, bema.json, model card) to the Hub.
+
+    Uses huggingface_hub (HfApi.create_repo, HfApi.upload_folder) with the token from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hub. Exit codes: 3 not a bema output, 6 no or refused token, 7 the name is another kind of repo (or the Hub refused it), 8 the Hub is unreachable.
+    """
+    from bema_cli.push import push as run
+
+    doc = run(Path(folder), repo_id, private, revision, commit_message, dry_run)
+    if json:
+        output.print_json(doc)
+        return
+    if dry_run:
+        for f in doc["files"]:
+            output.stdout.print(f"{f['bytes']:>14,}  {f['path']}", highlight=False)
+        output.stdout.print(
+            f"would upload {len(doc['files'])} files, {doc['bytes'] / 1e6:.2f} MB, from {doc['folder']} "
+            f"to {doc['repo_id']} ({doc['revision']})",
+            highlight=False,
+        )
+        return
+    output.stdout.print(f"pushed {doc['folder']} -> {doc['commit_url']}", highlight=False)

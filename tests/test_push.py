@@ -1,0 +1,104 @@
+"""`bema push` against a local HTTP stand-in for the Hub (tests/hub_standin.py).
+
+The Hub cannot be reached from here. The stand-in answers the endpoints huggingface_hub's client
+calls (as read from its code); `bema push` runs unchanged, as a user runs it: the real `bema` CLI in
+a subprocess, `HfApi` pointed at the stand-in by HF_ENDPOINT, the token from HF_TOKEN. Xet is off
+(HF_HUB_DISABLE_XET=1): the stand-in speaks the LFS protocol only.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from conftest import one_line_error, run_bema
+from hub_standin import TOKEN, HubStandIn, Repo
+from trajectory import write_trajectory
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("push")
+    base, run = write_trajectory(root, [10, 20])
+    out = root / "out"
+    assert run_bema("stabilize", run, "--base", base, "--out", out, "--method", "bema").returncode == 0
+    return out / "bema-k0.5-e0.2" / "checkpoint-20"
+
+
+def hub_env(url: str, token: str | None = TOKEN) -> dict:
+    env = {
+        "HF_ENDPOINT": url,
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HOME": "/nonexistent-bema-hf",
+    }
+    env["HF_TOKEN"] = token or ""
+    return env
+
+
+def test_push_uploads_every_file_in_one_commit(checkpoint):
+    with HubStandIn() as hub:
+        proc = run_bema(
+            "push", checkpoint, "--repo-id", "org/bema-tiny", "--private", "--json", env=hub_env(hub.url)
+        )
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        repo = hub.repos["org/bema-tiny"]
+        assert repo.kind == "model" and repo.private
+        local = {p.name: p.read_bytes() for p in checkpoint.iterdir() if p.is_file()}
+        assert repo.branches["main"] == local  # every byte, weights (LFS) and text (inline) alike
+        assert {"bema.json", "README.md", "model.safetensors", "config.json"} <= set(local)
+        (commit,) = repo.commits
+        assert commit["header"]["summary"] == "bema: bema-k0.5-e0.2 at checkpoint-20" == doc["commit_message"]
+        assert doc["commit_oid"] == commit["oid"] and doc["bytes"] == sum(map(len, local.values()))
+        assert any(c.startswith("PUT /lfs-upload/") for c in hub.calls)  # the safetensors went by LFS
+        # a second push to a branch: the repo is kept, the branch made, a new commit lands there
+        proc = run_bema("push", checkpoint, "--repo-id", "org/bema-tiny", "--revision", "v2",
+                        "--commit-message", "again", env=hub_env(hub.url))  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert repo.branches["v2"] == local and repo.commits[-1]["header"]["summary"] == "again"
+        assert "pushed" in proc.stdout
+
+
+def test_dry_run_lists_files_and_contacts_nobody(checkpoint):
+    with HubStandIn() as hub:
+        proc = run_bema(
+            "push", checkpoint, "--repo-id", "org/x", "--dry-run", "--json", env=hub_env(hub.url, None)
+        )
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        sizes = {f["path"]: f["bytes"] for f in doc["files"]}
+        assert sizes == {p.name: p.stat().st_size for p in checkpoint.iterdir() if p.is_file()}
+        assert hub.calls == [] and not hub.repos
+        plain = run_bema(
+            "push", checkpoint.parent.parent, "--repo-id", "org/x", "--dry-run", env=hub_env(hub.url)
+        )
+        assert plain.returncode == 3  # an OUT with several checkpoints is not one thing to push
+        text = run_bema("push", checkpoint, "--repo-id", "org/x", "--dry-run", env=hub_env(hub.url)).stdout
+        assert "model.safetensors" in text and "would upload" in text
+
+
+def test_failures_are_one_line_with_distinct_exit_codes(checkpoint, tmp_path):
+    not_bema = tmp_path / "plain"
+    not_bema.mkdir()
+    (not_bema / "model.safetensors").write_bytes(b"x")
+    with HubStandIn() as hub:
+        hub.repos["org/data"] = Repo("dataset")
+        cases = [
+            ((not_bema, "--repo-id", "org/m"), hub_env(hub.url), 3, "not a bema output"),
+            ((checkpoint, "--repo-id", "org/m"), hub_env(hub.url, None), 6, "no Hugging Face token"),
+            ((checkpoint, "--repo-id", "org/m"), hub_env(hub.url, "hf_wrong"), 6, "refused the token"),
+            ((checkpoint, "--repo-id", "org/data"), hub_env(hub.url), 7, "a dataset repo"),
+        ]
+        for args, env, code, needle in cases:
+            line = one_line_error(run_bema("push", *args, env=env), code)
+            assert needle in line, line
+        assert "org/m" not in hub.repos
+    with socket.socket() as s:  # a port nobody listens on: the network failure
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    line = one_line_error(
+        run_bema("push", checkpoint, "--repo-id", "org/m", env=hub_env(f"http://127.0.0.1:{port}")), 8
+    )
+    assert "unreachable" in line

@@ -363,3 +363,51 @@ def test_a_member_neither_on_disk_nor_in_the_state_is_refused(tmp_path):
     assert proc.returncode == 0, proc.stderr
     want = window_reference([(s, _load(full / f"checkpoint-{s}")) for s in STEPS[:5]], "lawa", window=4)
     _close(_load(out / "lawa-w4" / "checkpoint-50"), want[50], "lawa-w4@50")
+
+
+def test_a_yaml_grid_config_is_the_same_grid_as_the_flags(tmp_path):
+    """--config grid.yaml (each method with its own lists, mergekit-style) writes the runs the
+    equivalent flags write, byte for byte; bad files and flags beside it are one line."""
+    base, run, _ = _trajectory(tmp_path)
+    config = tmp_path / "grid.yaml"
+    config.write_text(
+        "tau: 0\n"
+        "methods:\n"
+        "  bema: {kappa: 0.5, eta: [0.2, inf]}\n"  # eta inf: the EMA, written once as ema-k0.5
+        "  wsm: {window: [2, 4], schedule: [minus-sqrt, 'cosine:reverse']}\n"
+        "  power: {sigma_rel: [0.1]}\n"
+    )
+    a, b = tmp_path / "a", tmp_path / "b"
+    proc = run_bema("stabilize", run, "--base", base, "--out", a, "--config", config, "--json")
+    assert proc.returncode == 0, proc.stderr
+    names = {o["run"] for o in json.loads(proc.stdout)["outputs"]}
+    assert names == {"bema-k0.5-e0.2", "ema-k0.5", "wsm-minus_sqrt-w2", "wsm-minus_sqrt-w4",
+                     "wsm-cosine_reverse-w2", "wsm-cosine_reverse-w4", "power-sr0.1"}  # fmt: skip
+    flags = ("--method", "bema,wsm,power", "--eta", "0.2,inf", "--window", "2,4",
+             "--schedule", "minus-sqrt,cosine:reverse", "--sigma-rel", "0.1")  # fmt: skip
+    assert run_bema("stabilize", run, "--base", base, "--out", b, *flags).returncode == 0
+    for folder in sorted(a.glob("*/checkpoint-*")):
+        other = b / folder.relative_to(a) / "model.safetensors"
+        assert (folder / "model.safetensors").read_bytes() == other.read_bytes(), folder
+    bad = [
+        ("methods:\n  lawa: {kappa: 0.5}\n", "methods.lawa.kappa is not a lawa parameter (allowed: window)"),
+        ("methods:\n  nope: {}\n", "unknown method 'nope'"),
+        ("methods:\n  lawa: {window: 2.5}\n", "methods.lawa.window: a whole number, got 2.5"),
+        ("methods: [bema]\n", "expected a mapping with a non-empty 'methods:' mapping"),
+        ("methods: {bema: {}}\nkapa: 1\n", "unknown key 'kapa'"),
+        ("methods: {bema: {\n", "not valid YAML"),
+    ]
+    for i, (text, message) in enumerate(bad):
+        config.write_text(text)
+        line = one_line_error(
+            run_bema("stabilize", run, "--base", base, "--out", tmp_path / f"x{i}", "--config", config), 3
+        )
+        assert message in line and str(config) in line, line
+    config.write_text("methods: {bema: {}}\n")
+    line = one_line_error(
+        run_bema(
+            "stabilize", run, "--base", base, "--out", tmp_path / "y", "--config", config, "--eta", "0.3"
+        ),
+        2,
+    )
+    assert "drop --eta" in line

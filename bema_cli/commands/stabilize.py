@@ -56,12 +56,12 @@ def stabilize(
         ),
     ] = None,
     method: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--method",
-            help="bema, ema, dema, ouema, lawa, wsm, swa, power, vanilla; comma list for a grid.",
+            help="bema, ema, dema, ouema, lawa, wsm, swa, power, vanilla; comma list for a grid (default: bema).",
         ),
-    ] = "bema",
+    ] = None,
     kappa: KappaOpt = None,
     eta: EtaOpt = None,
     window: WindowOpt = None,
@@ -69,6 +69,13 @@ def stabilize(
     swa_start: SwaStartOpt = None,
     sigma_rel: SigmaRelOpt = None,
     power_gamma: PowerGammaOpt = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            "--config",
+            help="A YAML grid: `methods:` mapping each method to its own parameter lists (docs/math.md); replaces --method and the grid flags.",
+        ),
+    ] = None,
     gamma: GammaOpt = 1.0,
     rho: RhoOpt = 10.0,
     tau: TauOpt = 0,
@@ -205,6 +212,7 @@ def stabilize(
     from bema_cli.stabilize import Options, grid
     from bema_cli.stabilize import stabilize as run
     from bema_cli.stabilize.executors import session
+    from bema_cli.stabilize.plan import grid_from_config
 
     checkpoints = None
     if checkpoint_dir == "-":
@@ -214,22 +222,26 @@ def stabilize(
             )
         checkpoints = read_checkpoint_list(sys.stdin.read())
 
-    schedules = grid(
-        parse_str_list(method),
-        parse_float_list(kappa, "--kappa") if kappa is not None else None,
-        parse_float_list(eta, "--eta") if eta is not None else None,
-        windows=parse_int_list(window, "--window") if window is not None else None,
-        schedules=parse_str_list(schedule) if schedule is not None else None,
-        swa_starts=parse_int_list(swa_start, "--swa-start") if swa_start is not None else None,
-        sigma_rels=parse_float_list(sigma_rel, "--sigma-rel") if sigma_rel is not None else None,
-        power_gammas=parse_float_list(power_gamma, "--power-gamma") if power_gamma is not None else None,
-        preset=preset,
-        gamma=gamma,
-        rho=rho,
-        tau=tau,
-        phi=phi,
-        beta_min=beta_min,
-    )
+    common = dict(preset=preset, gamma=gamma, rho=rho, tau=tau, phi=phi, beta_min=beta_min)
+    if config is not None:
+        flags = {"--method": method, "--kappa": kappa, "--eta": eta, "--window": window, "--schedule": schedule,
+                 "--swa-start": swa_start, "--sigma-rel": sigma_rel, "--power-gamma": power_gamma}  # fmt: skip
+        given = [f for f, v in flags.items() if v is not None]
+        if given:
+            raise UsageError(f"--config: the grid comes from {config}; drop {given[0]}")
+        schedules = grid_from_config(config, **common)
+    else:
+        schedules = grid(
+            parse_str_list(method or "bema"),
+            parse_float_list(kappa, "--kappa") if kappa is not None else None,
+            parse_float_list(eta, "--eta") if eta is not None else None,
+            windows=parse_int_list(window, "--window") if window is not None else None,
+            schedules=parse_str_list(schedule) if schedule is not None else None,
+            swa_starts=parse_int_list(swa_start, "--swa-start") if swa_start is not None else None,
+            sigma_rels=parse_float_list(sigma_rel, "--sigma-rel") if sigma_rel is not None else None,
+            power_gammas=parse_float_list(power_gamma, "--power-gamma") if power_gamma is not None else None,
+            **common,
+        )
     opts = Options(
         checkpoint_dir=checkpoint_dir,
         schedules=schedules,
@@ -314,7 +326,7 @@ def _gb(n: int) -> str:
 # `bema stabilize --help` groups its options in panels (cli.command applies them), as eval's are.
 PANELS = {
     "Stabilizer (the grid: comma lists)": ["method", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min", "preset",
-                                           "window", "schedule", "swa_start", "sigma_rel", "power_gamma"],
+                                           "window", "schedule", "swa_start", "sigma_rel", "power_gamma", "config"],
     "What to write": ["final_only", "steps", "out_dtype", "accum_dtype", "max_shard_size", "lora_output", "lora_rank",
                       "keep_last"],
     "Incremental runs and follow mode": ["keep_state", "restart", "fingerprint", "follow", "until_step",

@@ -259,6 +259,92 @@ def grid(
     return list(out.values())
 
 
+# --config FILE: each method with its own parameter lists (mergekit-style), keys as on the command line
+CONFIG_KEYS = {
+    **{m: ("kappa", "eta") for m in ("bema", "ouema")},
+    **{m: ("kappa",) for m in ("ema", "dema")},
+    "vanilla": (), "lawa": ("window",), "wsm": ("window", "schedule"), "swa": ("swa_start",),
+    "power": ("sigma_rel", "power_gamma"),
+}  # fmt: skip
+CONFIG_COMMON = ("preset", "gamma", "rho", "tau", "phi", "beta_min")
+GRID_ARGS = {"kappa": "kappas", "eta": "etas", "window": "windows", "schedule": "schedules",
+             "swa_start": "swa_starts", "sigma_rel": "sigma_rels", "power_gamma": "power_gammas"}  # fmt: skip
+
+
+def grid_from_config(path: str, **common) -> list[Schedule]:
+    """The grid a YAML file describes: `methods:` maps each method to its own parameter lists
+    (a scalar is a list of one), beside optional shared settings (`gamma`, `rho`, `tau`, `phi`,
+    `beta_min`, `preset`) that override `common`. Unlike the flags, lists do not cross methods:
+
+        methods:
+          bema: {kappa: [0.5], eta: [0.2, 0.5]}
+          ema: {kappa: 0.5}
+          wsm: {window: [4, 8], schedule: [minus-sqrt, linear]}
+    """
+    import yaml
+
+    from bema_cli.errors import InputError
+
+    try:
+        doc = yaml.safe_load(Path(path).expanduser().read_text())
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the grid config ({exc.strerror or exc})") from None
+    except yaml.YAMLError as exc:
+        raise InputError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("methods"), dict) or not doc["methods"]:
+        raise InputError(f"{path}: expected a mapping with a non-empty 'methods:' mapping")
+    unknown = sorted(set(doc) - {"methods", *CONFIG_COMMON})
+    if unknown:
+        raise InputError(f"{path}: unknown key {unknown[0]!r} (allowed: methods, {', '.join(CONFIG_COMMON)})")
+    common = {**common, **{k: doc[k] for k in CONFIG_COMMON if k in doc}}
+    out: dict[str, Schedule] = {}
+    for method, params in doc["methods"].items():
+        if method not in CONFIG_KEYS:
+            raise InputError(f"{path}: unknown method {method!r} (choose from {', '.join(CONFIG_KEYS)})")
+        params = params or {}
+        if not isinstance(params, dict):
+            raise InputError(f"{path}: methods.{method} must map parameter names to values or lists")
+        bad = sorted(set(params) - set(CONFIG_KEYS[method]))
+        if bad:
+            allowed = ", ".join(CONFIG_KEYS[method]) or "none"
+            raise InputError(
+                f"{path}: methods.{method}.{bad[0]} is not a {method} parameter (allowed: {allowed})"
+            )
+        lists = {
+            GRID_ARGS[k]: [
+                _config_value(path, f"methods.{method}.{k}", x) for x in (v if isinstance(v, list) else [v])
+            ]
+            for k, v in params.items()
+        }
+        kappas, etas = lists.pop("kappas", None), lists.pop("etas", None)
+        for s in grid([method], kappas, etas, **lists, **common):
+            out.setdefault(run_name(s), s)
+    return list(out.values())
+
+
+def _config_value(path: str, where: str, value):
+    """A YAML value as the flag would parse it: windows and steps whole numbers, schedules names, the
+    rest numbers ('inf' and .inf alike)."""
+    from bema_cli.errors import InputError
+
+    key = where.rsplit(".", 1)[1]
+    if key == "schedule":
+        if not isinstance(value, str):
+            raise InputError(f"{path}: {where}: a schedule name, got {value!r}")
+        return value
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        if key in ("window", "swa_start"):
+            if isinstance(value, float) or int(value) != float(value):
+                raise ValueError
+            return int(value)
+        return float(value)
+    except (TypeError, ValueError):
+        kind = "a whole number" if key in ("window", "swa_start") else "a number"
+        raise InputError(f"{path}: {where}: {kind}, got {value!r}") from None
+
+
 def out_steps(events: list[PlannedStep], opts: Options, start: int | None = None) -> list[int]:
     done = [e.step for e in events if e.action != "skip"]
     if not done:

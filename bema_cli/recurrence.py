@@ -1,7 +1,8 @@
 """The stabilizer math, and nothing else: schedules and one-step updates.
 
-Implements Algorithm 1 of Block & Zhang, "EMA Without the Lag" (BEMA), plus the
-related stabilizers it is compared with. With w(s) = rho + gamma*s:
+Implements Algorithm 1 of Block & Zhang, "EMA Without the Lag" (BEMA,
+https://arxiv.org/abs/2508.00180), plus the related stabilizers it is compared with.
+With w(s) = rho + gamma*s:
 
     beta_s  = min(1, max(w(s)**-kappa, beta_min))      # ema_weight
     alpha_s = w(s)**-eta                               # bias_weight

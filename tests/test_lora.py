@@ -152,10 +152,12 @@ def test_trainer_lora_adapter_output(trainer_run, rank):
     for o in doc["outputs"]:
         folder = Path(o["path"])
         assert sorted(p.name for p in folder.iterdir()) == [
+            "README.md",  # the model card: a PEFT adapter's
             "adapter_config.json",
             "adapter_model.safetensors",
             "bema.json",
         ]
+        assert "library_name: peft" in (folder / "README.md").read_text()
         record = json.loads((folder / "bema.json").read_text())["lora"]
         assert (
             record["rank"] == rank and json.loads((folder / "adapter_config.json").read_text())["r"] == rank

@@ -35,3 +35,21 @@ class BackendError(BemaError):
     """An evaluation backend failed to load or run a model."""
 
     exit_code = 5
+
+
+class HubAuthError(BemaError):
+    """No Hugging Face token, or the Hub refused it."""
+
+    exit_code = 6
+
+
+class HubRepoError(BemaError):
+    """The repo id names something else on the Hub (a dataset or Space), or the Hub refused the repo."""
+
+    exit_code = 7
+
+
+class HubNetworkError(BemaError):
+    """The Hub could not be reached."""
+
+    exit_code = 8

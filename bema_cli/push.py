@@ -10,27 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bema_cli.errors import BemaError, InputError
+from bema_cli.errors import BemaError, HubAuthError, HubNetworkError, HubRepoError, InputError
 
 HIDDEN = (".bema-", ".cache", ".git")  # never uploaded: bema's own state and lock files, caches
-
-
-class HubAuthError(BemaError):
-    """No Hugging Face token, or the Hub refused it."""
-
-    exit_code = 6
-
-
-class HubRepoError(BemaError):
-    """The repo id names something else on the Hub (a dataset or Space), or the Hub refused the repo."""
-
-    exit_code = 7
-
-
-class HubNetworkError(BemaError):
-    """The Hub could not be reached."""
-
-    exit_code = 8
 
 
 def checkpoint_folder(path: Path) -> Path:

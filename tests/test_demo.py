@@ -198,3 +198,37 @@ def test_an_interrupted_demo_keeps_its_finished_stages_and_a_rerun_continues(tmp
     assert "continuing the demo" in again.stderr and "(done earlier)" in again.stderr
     assert (out / "base" / "model.safetensors").read_bytes() == base_bytes  # not retrained
     assert json.loads((out / ".bema-demo").read_text())["done"] == stages
+
+
+def test_other_stabilize_settings_keep_the_training_stages(tmp_path):
+    """A demo trained with the same settings but stabilized/evaluated otherwise (e.g. by an older bema):
+    its data, base and fine-tuning run are kept, everything after them starts over; other training
+    settings are still refused."""
+    from dataclasses import asdict, replace
+
+    from bema_cli.demo.pipeline import MARKER, QUICK, prepare_out
+    from bema_cli.errors import OutputError
+
+    out = tmp_path / "demo"
+    out.mkdir()
+    old = {"config": asdict(replace(QUICK, etas=(0.3,))), "quick": True}
+    done = ["data", "base", "finetune", "stabilize", "eval", "report"]
+    (out / MARKER).write_text(json.dumps({"settings": old, "done": done}))
+    for folder in ("sft", "base", "stabilized", "results"):
+        (out / folder).mkdir()
+    (out / "curves.png").write_bytes(b"png")
+    doc = prepare_out(out, False, {"config": asdict(QUICK), "quick": True})
+    assert doc["done"] == ["data", "base", "finetune"]
+    assert (out / "sft").is_dir() and (out / "base").is_dir()
+    assert (
+        not (out / "stabilized").exists()
+        and not (out / "results").exists()
+        and not (out / "curves.png").exists()
+    )
+    assert json.loads((out / MARKER).read_text())["settings"]["config"]["etas"] == list(QUICK.etas)
+    (out / MARKER).write_text(
+        json.dumps({"settings": {"config": asdict(replace(QUICK, lr=1.0)), "quick": True}})
+    )
+    with pytest.raises(OutputError, match="other settings"):
+        prepare_out(out, False, {"config": asdict(QUICK), "quick": True})
+    assert (out / "sft").is_dir()  # nothing removed when refused

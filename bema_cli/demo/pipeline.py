@@ -288,6 +288,8 @@ def prepare_out(out: Path, overwrite: bool, settings: dict) -> dict:
         if not marker.exists():
             raise OutputError(f"{out}: exists and is not a bema demo folder; choose another --out")
         doc = _read_marker(marker)
+        if not overwrite and doc.get("settings") != settings and _same_training(doc.get("settings"), settings):
+            return _restart_after_training(out, doc, settings)
         if not overwrite and doc.get("settings") != settings:
             raise OutputError(
                 f"{out}: a demo made with other settings (or by an older bema) is there; "
@@ -302,6 +304,41 @@ def prepare_out(out: Path, overwrite: bool, settings: dict) -> dict:
     doc = {"note": "created by `bema demo`; `bema demo --overwrite` may delete this folder",
            "settings": settings, "done": []}  # fmt: skip
     _write_marker(marker, doc)
+    return doc
+
+
+# The settings the data, base-model and fine-tuning stages depend on; the others (what is stabilized,
+# evaluated, selected) only change stages that are rerun from the kept checkpoints.
+TRAINING_FIELDS = (
+    "hidden", "layers", "heads", "intermediate", "vocab", "pretrain_docs", "pretrain_steps", "pretrain_batch",
+    "pretrain_lr", "train_per_task", "test_per_task", "steps", "batch", "lr", "save_every", "seed",
+)  # fmt: skip
+LATER_OUTPUTS = ("stabilized", "results", "ship", "curves.png", "summary.png", "summary.json")
+
+
+def _same_training(old: dict | None, new: dict) -> bool:
+    if not isinstance(old, dict) or old.get("quick") != new.get("quick"):
+        return False
+    before, now = old.get("config") or {}, new["config"]
+    return all(before.get(f) == now.get(f) for f in TRAINING_FIELDS)
+
+
+def _restart_after_training(out: Path, doc: dict, settings: dict) -> dict:
+    """An earlier demo trained with these settings but stabilized or evaluated otherwise (or with an
+    older bema): keep its data, base model and fine-tuning run, redo everything after them."""
+    for name in LATER_OUTPUTS:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+    kept = [d for d in doc.get("done", []) if d in STAGE_FOLDERS]
+    doc = {**doc, "settings": settings, "done": kept}
+    _write_marker(out / MARKER, doc)
+    output.log(
+        f"continuing the demo in {out} with its {', '.join(kept) or 'nothing'}: its stabilize, eval and "
+        "select settings changed (or an older bema made it), so those stages start over"
+    )
     return doc
 
 

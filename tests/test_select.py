@@ -199,3 +199,20 @@ def test_cli_refusals_are_one_line(evaluated_run):
     assert "--metric gsm8k:flexible: no record holds it" in line
     line = one_line_error(run_bema("select", evaluated_run / "results", "--at", "15"))
     assert "--at 15" in line and "steps: 0, 10, 20" in line
+
+
+def test_at_all_ranks_every_step_against_vanilla_at_the_same_step():
+    v1, v2 = np.full(20, 0.2), np.full(20, 0.6)
+    records = [
+        record("vanilla", 1, v1),
+        record("a", 1, v1 + 0.1),
+        record("vanilla", 2, v2),
+        record("a", 2, v2 + 0.05),
+    ]
+    doc = select(records, GSM, at="all")
+    rows = {(c["run"], c["step"]): c for c in doc["candidates"]}
+    assert set(rows) == {("vanilla", 1), ("a", 1), ("vanilla", 2), ("a", 2)}
+    assert rows[("a", 1)]["vs_vanilla"]["value"] == pytest.approx(0.1)  # against vanilla at step 1
+    assert rows[("a", 2)]["vs_vanilla"]["value"] == pytest.approx(0.05)  # and at step 2
+    assert (doc["winner"]["run"], doc["winner"]["step"]) == ("a", 2)
+    assert select(records, GSM, at="1")["winner"]["step"] == 1

@@ -143,6 +143,7 @@ def test_cpu_commands_run_on_a_quick_demo(tmp_path):
     assert (tmp_path / "demo" / "grid" / "manifest.json").is_file()
     assert (tmp_path / "demo" / "grid-results" / "results.jsonl").is_file()
     assert (tmp_path / "demo" / "simulate.png").stat().st_size > 1000
+    assert list((tmp_path / "demo" / "ship").glob("*/checkpoint-*/README.md"))  # select --write's card
 
 
 @pytest.mark.slow

@@ -8,9 +8,11 @@ token (6), a repo of another type under that name (7), the Hub unreachable (8).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from bema_cli.errors import BemaError, HubAuthError, HubNetworkError, HubRepoError, InputError
+from bema_cli.errors import HubAuthError, HubNetworkError, HubRepoError, InputError
 
 HIDDEN = (".bema-", ".cache", ".git")  # never uploaded: bema's own state and lock files, caches
 
@@ -99,31 +101,21 @@ def push(
     return doc
 
 
-class _hub_errors:
+@contextmanager
+def _hub_errors(repo_id: str) -> Iterator[None]:
     """Turn the client's exceptions into bema's one-line errors (the server's message kept)."""
+    from huggingface_hub.errors import HfHubHTTPError
 
-    def __init__(self, repo_id: str):
-        self.repo_id = repo_id
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        if exc is None or isinstance(exc, BemaError):
-            return False
-        from huggingface_hub.errors import HfHubHTTPError
-
-        if isinstance(exc, _transport_errors()):
-            raise HubNetworkError(f"the Hub is unreachable ({type(exc).__name__}: {exc})") from None
-        if isinstance(exc, HfHubHTTPError):
-            status = exc.response.status_code if exc.response is not None else None
-            server = (exc.server_message or str(exc)).splitlines()[0]
-            if status in (401, 403):
-                raise HubAuthError(
-                    f"the Hub refused the token for {self.repo_id} ({status}: {server})"
-                ) from None
-            raise HubRepoError(f"--repo-id {self.repo_id}: the Hub answered {status} ({server})") from None
-        return False
+    try:
+        yield
+    except _transport_errors() as exc:
+        raise HubNetworkError(f"the Hub is unreachable ({type(exc).__name__}: {exc})") from None
+    except HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else None
+        server = (exc.server_message or str(exc)).splitlines()[0]
+        if status in (401, 403):
+            raise HubAuthError(f"the Hub refused the token for {repo_id} ({status}: {server})") from None
+        raise HubRepoError(f"--repo-id {repo_id}: the Hub answered {status} ({server})") from None
 
 
 def _transport_errors() -> tuple[type, ...]:
@@ -140,6 +132,6 @@ def _transport_errors() -> tuple[type, ...]:
         kinds += [
             k
             for k in (getattr(found, n, None) for n in ("TransportError", "ConnectionError", "Timeout"))
-            if isinstance(k, type)
+            if isinstance(k, type) and issubclass(k, BaseException)  # httpx.Timeout is a setting
         ]
     return tuple(kinds)

@@ -62,7 +62,9 @@ class Schedule:
     phi: int | None = None  # update cadence; None = every checkpoint (paper) / 400 (reference)
     beta_min: float | None = None  # floor on beta_s; None = 0 (paper) / 1e-4 (reference)
     window: int | None = None  # lawa/wsm: K, the checkpoints merged at each step
-    merge_schedule: str | None = None  # wsm: the decay g (bema.json's "schedule"); None = minus-sqrt
+    merge_schedule: str | None = (
+        None  # wsm: the decay g (bema.json's "schedule"); None = minus-sqrt (lawa: linear)
+    )
     swa_start: int | None = None  # swa: the first step averaged; None = the first checkpoint
     sigma_rel: float | None = None  # power: EDM2's relative width, sets power_gamma
     power_gamma: float | None = None  # power: the exponent; None = from sigma_rel (0.05 when neither)
@@ -198,7 +200,8 @@ def _resolve_own(s: Schedule) -> Schedule:
         window = 8 if window is None else window
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise UsageError(f"--window: must be a whole number of checkpoints >= 1, got {window}")
-    decay = (s.merge_schedule or "minus-sqrt") if s.method == "wsm" else None
+    # lawa is wsm's linear schedule (uniform weights); wsm defaults to WSM's minus-sqrt
+    decay = {"lawa": "linear", "wsm": s.merge_schedule or "minus-sqrt"}.get(s.method)
     if decay is not None:
         merge_coefficients(decay, 1)  # an unknown name is refused here
     swa_start = s.swa_start if s.method == "swa" else None
@@ -307,7 +310,7 @@ class Window:
         if event.action == "burnin":
             return theta
         n = min(schedule.window, event.member)
-        coefficients = merge_coefficients(schedule.merge_schedule or "linear", n)
+        coefficients = merge_coefficients(schedule.merge_schedule, n)
         members = [self.slots[j % len(self.slots)] for j in range(event.member - n + 1, event.member)]
         members.append(theta)
         out = torch.mul(members[0], coefficients[0], out=out)
@@ -326,10 +329,13 @@ class Window:
         return out
 
 
-def window_members(events: dict[int, PlannedStep], step: int, window: int) -> list[int]:
-    """The steps a window merge at `step` reads, oldest first (bema.json records them)."""
-    m = events[step].member
-    return sorted(e.step for e in events.values() if e.action == "update" and m - window < e.member <= m)
+def last_members(events: dict[int, PlannedStep], step: int | None, count: int) -> list[int]:
+    """The steps of the last `count` members at or before `step`, oldest first: what a window merge
+    at `step` reads (count K), or what a window's ring holds after it (count K-1)."""
+    if step is None or count <= 0:
+        return []
+    members = sorted(e.step for e in events.values() if e.action == "update" and e.step <= step)
+    return members[-count:]
 
 
 # The running tensors each method keeps besides theta0 (memory planning counts them).

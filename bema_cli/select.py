@@ -167,6 +167,7 @@ def select(
             "run": key[0],
             "step": key[1],
             "value": float(_value(items[key], metric, report[None, :])[0]),
+            "interval": [float(x) for x in np.quantile(boot[key], [alpha, 1 - alpha])],  # its own value's
             "vs_best": diff(key, best),
             "vs_vanilla": diff(key, vanilla) if vanilla in items and key != vanilla else None,
             "path": r.get("model_path"),
@@ -195,7 +196,9 @@ def select(
         },
         "protocol": {k: chosen[0].get(k) for k in SAME},
         "candidates": rows,
-        "winner": {k: winner[k] for k in ("run", "step", "value", "path", "stabilizer")},
+        "winner": {
+            k: winner[k] for k in ("run", "step", "value", "interval", "vs_vanilla", "path", "stabilizer")
+        },
     }
 
 

@@ -43,6 +43,11 @@ def test_identical_and_shifted_configs_have_exact_intervals():
     assert doc["winner"]["run"] == "up" and rows["up"]["value"] == pytest.approx(base.mean() + 0.1)
     assert not rows["vanilla"]["tied_with_best"]  # 0.1 worse on every item: certainly not tied
     assert rows["up"]["vs_vanilla"] is not None and rows["vanilla"]["vs_vanilla"] is None
+    # each value's own interval (the card's): around the value, identical for identical configs, and
+    # far wider than the paired difference's (which is exact here)
+    lo, hi = rows["vanilla"]["interval"]
+    assert lo < rows["vanilla"]["value"] < hi and rows["same"]["interval"] == [lo, hi]
+    assert hi - lo > 0.05 and doc["winner"]["interval"] == rows["up"]["interval"]
 
 
 def test_intervals_cover_the_true_difference_about_95_percent_of_the_time():
@@ -191,6 +196,8 @@ def test_select_end_to_end_and_write_the_winner(evaluated_run, tmp_path):
     parsed = ModelCard.load(out / written["run"] / "checkpoint-20" / "README.md")
     (result,) = parsed.data.eval_results
     assert result.metric_type == "loss" and result.metric_value == pytest.approx(doc["winner"]["value"])
+    lo, hi = doc["winner"]["interval"]
+    assert lo < doc["winner"]["value"] < hi and f"95% CI {lo:.4g} to {hi:.4g}" in result.metric_name
     assert math.isfinite(result.metric_value)
 
 

@@ -99,32 +99,21 @@ def write_winner(doc: dict, records: list[dict], out: Path) -> dict:
     result = stabilize(opts)
     (written,) = [o for o in result["outputs"] if o["step"] == winner["step"]]
     folder = Path(written["path"])
-    vanilla = next(
-        (c for c in doc["candidates"] if c["run"] == "vanilla" and c["step"] == winner["step"]), None
-    )
+    versus = winner["vs_vanilla"]
     evaluation = [
         {
             "dataset": doc["task"],
             "metric": doc["metric"],
             "value": winner["value"],
-            "interval": [winner["value"] - v["vs_vanilla"]["value"] + v["vs_vanilla"]["low"],
-                         winner["value"] - v["vs_vanilla"]["value"] + v["vs_vanilla"]["high"]]
-            if (v := next(c for c in doc["candidates"] if (c["run"], c["step"]) == (winner["run"], winner["step"])))[
-                "vs_vanilla"
-            ] else None,
-            "vs": f"vs vanilla {_interval(v['vs_vanilla'])}" if v["vs_vanilla"] else "",
+            "interval": winner["interval"],
+            "vs": f"vs vanilla {_interval(versus)}" if versus else "",
         }
-    ]  # fmt: skip
+    ]
     record = json.loads((folder / "bema.json").read_text())
     base_model = card.hub_base_model(record["theta0_source"], None)
     (folder / "README.md").write_text(card.card(record, base_model, evaluation=evaluation))
     output.log(f"wrote {folder} ({winner['run']} at step {winner['step']}) with its model card")
-    return {
-        "path": str(folder),
-        "run": written["run"],
-        "step": written["step"],
-        "vanilla": vanilla is not None,
-    }
+    return {"path": str(folder), "run": written["run"], "step": written["step"]}
 
 
 def _number(value):

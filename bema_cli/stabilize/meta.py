@@ -16,7 +16,7 @@ from bema_cli.errors import InputError
 from bema_cli.io.checkpoints import copy_aux_files, read_json
 from bema_cli.io.commit import MANIFEST
 from bema_cli.io.safetensors import DTYPES, FLOATING
-from bema_cli.recurrence import WINDOW_METHODS, Schedule, merge_coefficients, window_members
+from bema_cli.recurrence import WINDOW_METHODS, Schedule, last_members, merge_coefficients
 
 if TYPE_CHECKING:
     from bema_cli.stabilize.plan import Options, Plan, Run
@@ -132,8 +132,8 @@ def weights(run: Run, step: int) -> dict:
     event = run.events[step]
     out = {"alpha": event.alpha, "beta": event.beta}
     if run.schedule.method in WINDOW_METHODS and event.action == "update":
-        steps = window_members(run.events, step, run.schedule.window)
-        coefficients = merge_coefficients(run.schedule.merge_schedule or "linear", len(steps))
+        steps = last_members(run.events, step, run.schedule.window)
+        coefficients = merge_coefficients(run.schedule.merge_schedule, len(steps))
         out.update(members=len(steps), member_steps=steps, coefficients=coefficients)
     return out
 

@@ -27,6 +27,7 @@ from bema_cli.recurrence import (
     WINDOW_METHODS,
     PlannedStep,
     Schedule,
+    last_members,
     run_name,
     state_key,
 )
@@ -145,11 +146,7 @@ class Track:
 
     def ring_steps(self, at: int | None) -> list[int]:
         """The members a window's ring holds after step `at` (oldest first; none before any step)."""
-        if at is None or not self.ring:
-            return []
-        events = self.runs[0].events
-        members = [e.step for e in events.values() if e.action == "update" and e.step <= at]
-        return sorted(members)[-self.ring :]
+        return last_members(self.runs[0].events, at, self.ring)
 
     @property
     def names(self) -> tuple[str, ...]:

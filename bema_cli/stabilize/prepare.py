@@ -20,7 +20,7 @@ from bema_cli.io.reader import ModelIndex, TensorInfo, has_weights, open_checkpo
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
 from bema_cli.io.write_behind import DEPTH
 from bema_cli.io.writer import plan_shards
-from bema_cli.recurrence import WINDOW_METHODS, run_name
+from bema_cli.recurrence import WINDOW_METHODS, last_members, run_name
 from bema_cli.stabilize import plan as planning
 from bema_cli.stabilize import state
 from bema_cli.stabilize.plan import ACCUM_DTYPES, LORA_OUTPUTS, OUT_DTYPES, Options, Plan, Run
@@ -117,7 +117,12 @@ def prepare(opts: Options) -> Plan:
     if not base_index.tensors:
         raise InputError(f"{base.path}: the base model has no tensors")
     # a continued window re-reads the members its ring holds from the run where they still are
-    ring = {st for r in runs if r.out_steps for st in _ring_members(r)} - set(read_steps)
+    ring = {
+        st
+        for r in runs
+        if r.out_steps and r.schedule.method in WINDOW_METHODS
+        for st in last_members(r.events, r.start, r.schedule.window - 1)
+    } - set(read_steps)
     reading = [c for c in checkpoints if c.step in read_steps or c.step in ring]
     lora = _lora_sources(reading, base_index, opts) if is_adapter(checkpoints[0].path) else None
     if lora:
@@ -208,14 +213,6 @@ def _check_one_dtype(indexes: dict[int, ModelIndex]) -> None:
                     f"{t.file}: tensor {name!r} has dtype {t.dtype}, {f.file} has {f.dtype}; "
                     "checkpoints of mixed dtypes need --out-dtype"
                 )
-
-
-def _ring_members(run: Run) -> list[int]:
-    """The last K-1 members up to a continued window run's start (state.Track.ring_steps of one run)."""
-    if run.schedule.method not in WINDOW_METHODS or run.start is None or run.schedule.window < 2:
-        return []
-    members = [e.step for e in run.events.values() if e.action == "update" and e.step <= run.start]
-    return members[-(run.schedule.window - 1) :]
 
 
 def _lora_sources(reading: list[Checkpoint], base: ModelIndex, opts: Options):

@@ -328,12 +328,11 @@ def attach(plan: Plan, resume: Resume, out: Path) -> None:
     """
     plan.resume = resume
     plan.tracks = tracks(plan, resume, out)
-    tau = plan.runs[0].schedule.tau  # one tau per grid (plan.prepare)
+    tau = plan.runs[0].schedule.tau  # one tau per grid (prepare.prepare)
     burnin = [s for s in plan.read_steps if s <= tau]
     plan.theta0_folder = f"theta0-{_digest(plan.base_source, burnin[-1])}" if burnin else None
-    fresh = any(
-        t.start is None and STATE_TENSORS[t.method] for t in plan.tracks
-    )  # windows, vanilla: no theta0
+    # a state started from theta0 reads it (windows and vanilla have none)
+    fresh = any(t.start is None and STATE_TENSORS[t.method] for t in plan.tracks)
     if not fresh and not any(r.schedule.method in ("bema", "ouema") and r.out_steps for r in plan.runs):
         plan.theta0_index = None
     elif fresh or not resume.theta0_state:

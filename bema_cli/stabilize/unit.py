@@ -25,6 +25,7 @@ from bema_cli.stabilize import state
 from bema_cli.stabilize.plan import Options, Piece, Plan
 
 Outputs = dict[tuple[str, int], ShardedWriter]  # (run name, step) -> the writer of that output folder
+BUFFERED = ("bema", "dema", *WINDOW_METHODS)  # methods whose output is a new tensor (not a state)
 
 
 def torch_device(name: str, need_torch: bool = True):
@@ -240,9 +241,8 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
     state.read_theta0(plan, unit, theta0, load_theta0)
     # one Stabilizer per track (runs sharing a state, e.g. ema and bema at one kappa): from theta0,
     # or continued from OUT's persistent state
-    stabs = state.start_unit(
-        plan, unit, theta0, lambda key: ws.view(key, size), scratch
-    )  # no per-unit clones
+    # (no per-unit clones: the states live in the workspace's reused buffers)
+    stabs = state.start_unit(plan, unit, theta0, lambda key: ws.view(key, size), scratch)
     track_of = {r.name: i for i, t in enumerate(plan.tracks) for r in t.runs}
     for step in plan.read_steps:
         index = plan.indexes[step]
@@ -285,11 +285,7 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
                         if method == "bema" and drift is None and event.action == "update":
                             drift = torch.sub(th, theta0[lo:hi], out=ws.view("drift", hi - lo))
                         out = None
-                        if method in (
-                            "bema",
-                            "dema",
-                            *WINDOW_METHODS,
-                        ):  # straight into a write buffer when it can
+                        if method in BUFFERED:  # computed straight into a write buffer when it can
                             out = wb.buffer(ws.acc, hi - lo) if direct else ws.view("out", hi - lo)
                         part = stabs[track_of[run.name]].view(lo, hi)
                         if method in WINDOW_METHODS:

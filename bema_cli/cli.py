@@ -19,7 +19,7 @@ import typer
 import typer._click.exceptions as click  # typer's own copy of click's exception classes
 
 from bema_cli import __version__, output, signals
-from bema_cli.commands import demo, evaluate, push, report, select, simulate, stabilize
+from bema_cli.commands import demo, evaluate, push, report, select, simulate, stabilize, sweep
 from bema_cli.errors import BemaError
 
 app = typer.Typer(
@@ -66,10 +66,11 @@ def _root(
     output.set_verbose(verbose or _debug)
 
 
-PANELS = {"stabilize": stabilize.PANELS}  # option panels of commands that declare them
+PANELS = {"stabilize": stabilize.PANELS, "sweep": sweep.PANELS}  # option panels of commands that declare them
 app.command("stabilize")(stabilize.stabilize)
 app.command("simulate")(simulate.simulate)
 app.command("eval")(evaluate.evaluate)
+app.command("sweep")(sweep.sweep)
 app.command("rescore")(evaluate.rescore)
 app.command("report")(report.report)
 app.command("select")(select.select)

@@ -148,3 +148,19 @@ def parse_size(text: str, flag: str) -> int:
     if size <= 0:
         raise UsageError(f"{flag}: must be positive, got {text!r}")
     return size
+
+
+MethodOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--method",
+        help="bema, ema, dema, ouema, lawa, wsm, swa, power, vanilla; comma list for a grid (default: bema).",
+    ),
+]
+GridConfigOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--config",
+        help="A YAML grid: `methods:` mapping each method to its own parameter lists (docs/math.md); replaces --method and the grid flags.",
+    ),
+]

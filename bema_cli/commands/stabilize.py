@@ -16,8 +16,10 @@ from bema_cli.options import (
     EtaOpt,
     ExecutorOpt,
     GammaOpt,
+    GridConfigOpt,
     JsonOpt,
     KappaOpt,
+    MethodOpt,
     OutDirOpt,
     OverwriteOpt,
     PhiOpt,
@@ -55,13 +57,7 @@ def stabilize(
             help="theta0: a model folder, a Hub repo id, or 'first' (default: checkpoint-0, else config _name_or_path).",
         ),
     ] = None,
-    method: Annotated[
-        str | None,
-        typer.Option(
-            "--method",
-            help="bema, ema, dema, ouema, lawa, wsm, swa, power, vanilla; comma list for a grid (default: bema).",
-        ),
-    ] = None,
+    method: MethodOpt = None,
     kappa: KappaOpt = None,
     eta: EtaOpt = None,
     window: WindowOpt = None,
@@ -69,13 +65,7 @@ def stabilize(
     swa_start: SwaStartOpt = None,
     sigma_rel: SigmaRelOpt = None,
     power_gamma: PowerGammaOpt = None,
-    config: Annotated[
-        str | None,
-        typer.Option(
-            "--config",
-            help="A YAML grid: `methods:` mapping each method to its own parameter lists (docs/math.md); replaces --method and the grid flags.",
-        ),
-    ] = None,
+    config: GridConfigOpt = None,
     gamma: GammaOpt = 1.0,
     rho: RhoOpt = 10.0,
     tau: TauOpt = 0,
@@ -209,10 +199,9 @@ def stabilize(
     """
     from bema_cli.cluster import ExecutorOptions
     from bema_cli.io.checkpoints import read_checkpoint_list
-    from bema_cli.stabilize import Options, grid
+    from bema_cli.stabilize import Options
     from bema_cli.stabilize import stabilize as run
     from bema_cli.stabilize.executors import session
-    from bema_cli.stabilize.plan import grid_from_config
 
     checkpoints = None
     if checkpoint_dir == "-":
@@ -222,26 +211,7 @@ def stabilize(
             )
         checkpoints = read_checkpoint_list(sys.stdin.read())
 
-    common = dict(preset=preset, gamma=gamma, rho=rho, tau=tau, phi=phi, beta_min=beta_min)
-    if config is not None:
-        flags = {"--method": method, "--kappa": kappa, "--eta": eta, "--window": window, "--schedule": schedule,
-                 "--swa-start": swa_start, "--sigma-rel": sigma_rel, "--power-gamma": power_gamma}  # fmt: skip
-        given = [f for f, v in flags.items() if v is not None]
-        if given:
-            raise UsageError(f"--config: the grid comes from {config}; drop {given[0]}")
-        schedules = grid_from_config(config, **common)
-    else:
-        schedules = grid(
-            parse_str_list(method or "bema"),
-            parse_float_list(kappa, "--kappa") if kappa is not None else None,
-            parse_float_list(eta, "--eta") if eta is not None else None,
-            windows=parse_int_list(window, "--window") if window is not None else None,
-            schedules=parse_str_list(schedule) if schedule is not None else None,
-            swa_starts=parse_int_list(swa_start, "--swa-start") if swa_start is not None else None,
-            sigma_rels=parse_float_list(sigma_rel, "--sigma-rel") if sigma_rel is not None else None,
-            power_gammas=parse_float_list(power_gamma, "--power-gamma") if power_gamma is not None else None,
-            **common,
-        )
+    schedules = schedules_from_flags(locals())
     opts = Options(
         checkpoint_dir=checkpoint_dir,
         schedules=schedules,
@@ -296,6 +266,37 @@ def stabilize(
         output.log(f"up to date: last step {doc['last_step']} (nothing new to stabilize in {opts.out})")
     else:
         _print_summary(doc)
+
+
+def schedules_from_flags(f: dict) -> list:
+    """The grid (stabilize and sweep alike): --config FILE, or --method and the parameter lists."""
+    from bema_cli.stabilize import grid
+    from bema_cli.stabilize.plan import grid_from_config
+
+    common = {k: f[k] for k in ("preset", "gamma", "rho", "tau", "phi", "beta_min")}
+    if f["config"] is not None:
+        flags = {"--method": f["method"], "--kappa": f["kappa"], "--eta": f["eta"], "--window": f["window"],
+                 "--schedule": f["schedule"], "--swa-start": f["swa_start"], "--sigma-rel": f["sigma_rel"],
+                 "--power-gamma": f["power_gamma"]}  # fmt: skip
+        given = [flag for flag, v in flags.items() if v is not None]
+        if given:
+            raise UsageError(f"--config: the grid comes from {f['config']}; drop {given[0]}")
+        return grid_from_config(f["config"], **common)
+
+    def numbers(key: str, flag: str, parse):
+        return parse(f[key], flag) if f[key] is not None else None
+
+    return grid(
+        parse_str_list(f["method"] or "bema"),
+        numbers("kappa", "--kappa", parse_float_list),
+        numbers("eta", "--eta", parse_float_list),
+        windows=numbers("window", "--window", parse_int_list),
+        schedules=parse_str_list(f["schedule"]) if f["schedule"] is not None else None,
+        swa_starts=numbers("swa_start", "--swa-start", parse_int_list),
+        sigma_rels=numbers("sigma_rel", "--sigma-rel", parse_float_list),
+        power_gammas=numbers("power_gamma", "--power-gamma", parse_float_list),
+        **common,
+    )
 
 
 def _follow(opts, executor_opts, json_out: bool, poll: float, until_step, idle_timeout, settle=None) -> None:

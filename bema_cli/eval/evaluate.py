@@ -242,12 +242,13 @@ class Evaluation:
             else None,
         }
 
-    def plan(self, targets: list[Target]) -> list[Job]:
+    def plan(self, targets: list[Target], fingerprints: dict[Path, str] | None = None) -> list[Job]:
         """The jobs left to do. Records made with another resume key refuse the run (unless --force);
-        a base record with the same key is copied to a run new to results.jsonl instead of redone."""
+        a base record with the same key is copied to a run new to results.jsonl instead of redone.
+        `fingerprints`: the weights' identity per target path (default: its files', `bema sweep` has none)."""
         jobs, refused, copies = [], [], []
         for target in targets:
-            fingerprint = resume.weights_fingerprint(target.path)
+            fingerprint = (fingerprints or {}).get(target.path) or resume.weights_fingerprint(target.path)
             todo = []
             for name, item in self.inputs.items():
                 key = {**item.resume_key, "weights": fingerprint}

@@ -136,7 +136,7 @@ def prepare(opts: Options) -> Plan:
             raise UsageError("--lora-output/--lora-rank: the checkpoints are not LoRA adapters")
         indexes = {c.step: open_checkpoint(c.path, like=set(base_index.tensors)) for c in reading}
     for index in indexes.values():
-        _drop_tied_head(index, base_index)
+        drop_tied_head(index, base_index)
         _check_same(index, base_index, "base model", opts.cast_base)
     if not opts.out_dtype:
         _check_one_dtype(indexes)
@@ -164,7 +164,7 @@ def prepare(opts: Options) -> Plan:
     return plan
 
 
-def _drop_tied_head(index: ModelIndex, base: ModelIndex) -> None:
+def drop_tied_head(index: ModelIndex, base: ModelIndex) -> None:
     """A tied output head is the input embedding: HF safetensors files omit it, a raw state_dict
     (.bin, DCP) has it. Drop it from whichever side has it alone when the base config ties them."""
     config = base.folder / "config.json"

@@ -46,6 +46,26 @@ def load_hf_model(path: str | Path, dtype: str = "auto", device: str | None = No
     return model.to(device).eval()
 
 
+def load_weights(model, weights, where) -> None:
+    """Copy (name, tensor) pairs into a live model's parameters in place (`param.copy_` casts to the
+    model's dtype, as from_pretrained does): `bema sweep` swaps configs without writing files.
+    Every parameter must be given (a tied head shares the embedding's storage, so it is)."""
+    import torch
+
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    missing = set(dict(model.named_parameters()))
+    with torch.no_grad():
+        for name, tensor in weights:
+            target = params.get(name)
+            if target is None or tuple(target.shape) != tuple(tensor.shape):
+                raise BackendError(f"{where}: tensor {name!r} does not fit the loaded transformers model")
+            target.copy_(tensor)
+            missing.discard(name)
+    if missing:
+        raise BackendError(f"{where}: the weights lack parameter {sorted(missing)[0]!r}")
+
+
 def dtype_name(torch_dtype_value) -> str:
     return str(torch_dtype_value).removeprefix("torch.")
 
@@ -58,6 +78,7 @@ class TransformersBackend:
         self.model = None
         self.path: Path | None = None
         self.dtype = options.dtype
+        self.walker = None
 
     def load(self, checkpoint: Path) -> None:
         self.tokenizer, self.template_source = chat.load_tokenizer(checkpoint, self.options.chat_template)
@@ -66,6 +87,28 @@ class TransformersBackend:
         self.dtype = dtype_name(self.model.dtype)
         self.stop_ids = chat.stop_token_ids(self.tokenizer, checkpoint)
         self.path = Path(checkpoint)
+
+    # `bema sweep`: the grid's states live in this process (sweep/walk.py); each config's weights
+    # are copied into the one live model, no file written
+    def open_sweep(self, opts, folder: Path) -> None:
+        from bema_cli.sweep.walk import Walker
+
+        self.load(folder)  # the architecture (and first tokenizer) from a checkpoint of the run
+        self.walker = Walker(opts)
+
+    def sweep_advance(self, step: int) -> None:
+        self.walker.advance(step)
+
+    def sweep_finish(self) -> None:
+        self.walker.finish()
+
+    def sweep_load(self, run: str | None, folder: Path) -> None:
+        """Config `run` (None: theta_s) at the walker's step; tokenizer files from `folder`."""
+        if Path(folder) != self.path:
+            self.tokenizer, self.template_source = chat.load_tokenizer(folder, self.options.chat_template)
+            self.stop_ids = chat.stop_token_ids(self.tokenizer, folder)
+            self.path = Path(folder)
+        load_weights(self.model, self.walker.weights(run, self.model.dtype), folder)
 
     def generate(self, prompts: list[str], sampling: Sampling, seeds: list[int]) -> list[list[str]]:
         """For each prompt, n completions; sample j of prompt i is drawn with its own generator
@@ -109,7 +152,7 @@ class TransformersBackend:
         return loss_task.record_losses(self.model, sequences, pad_id=self.tokenizer.pad_token_id or 0)
 
     def close(self) -> None:
-        self.model = None
+        self.model = self.walker = None
 
 
 class SeededSampler:

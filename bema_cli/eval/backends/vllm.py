@@ -134,6 +134,38 @@ class VllmBackend:
             ) from exc
         self.llm.reset_prefix_cache()
 
+    # `bema sweep`: the states live in the engine's worker (vllm_swap.WeightSwapExtension), where
+    # the weights load; only step numbers and config names cross to it
+    def open_sweep(self, opts, folder: Path) -> None:
+        self.load(folder)  # the engine starts on a checkpoint of the run (its architecture)
+        self._rpc("bema_sweep_open", opts)
+        self.sweep_run: str | None = None
+
+    def sweep_advance(self, step: int) -> None:
+        self._rpc("bema_sweep_advance", step)
+
+    def sweep_finish(self) -> None:
+        self._rpc("bema_sweep_finish")
+
+    def sweep_load(self, run: str | None, folder: Path) -> None:
+        folder = Path(folder)
+        if folder != self.path:
+            self.tokenizer, self.template_source = chat.load_tokenizer(folder, self.options.chat_template)
+            self.stop_ids = chat.stop_token_ids(self.tokenizer, folder)
+            self.path = folder
+        tied = bool(read_json(folder / "config.json").get("tie_word_embeddings", False))
+        self._rpc("bema_sweep_load", run, tied)
+        self.llm.reset_prefix_cache()
+        self.sweep_run = run
+
+    def _rpc(self, method: str, *args):
+        try:
+            return self.llm.collective_rpc(method, args=args)[0]
+        except BackendError:
+            raise
+        except Exception as exc:
+            raise BackendError(f"vLLM engine: {method} failed ({cause(exc)})") from exc
+
     def generate(self, prompts: list[str], sampling: Sampling, seeds: list[int]) -> list[list[str]]:
         """One request per prompt with that prompt's own seed: vLLM seeds a request's generator with
         it (and child j of n with seed + j), so a prompt's samples do not depend on the batch."""
@@ -171,6 +203,9 @@ class VllmBackend:
         from bema_cli.eval.backends.transformers import load_hf_model
         from bema_cli.eval.tasks import loss as loss_task
 
+        if getattr(self, "sweep_run", False) is not False:  # a sweep: computed where its states are
+            pad = self.tokenizer.pad_token_id or 0
+            return self._rpc("bema_sweep_loss", self.sweep_run, str(self.path), self.dtype, sequences, pad)
         if self._hf_model is None:
             self._hf_model = load_hf_model(self.path, self.dtype)
         return loss_task.record_losses(self._hf_model, sequences, pad_id=self.tokenizer.pad_token_id or 0)

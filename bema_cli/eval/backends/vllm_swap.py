@@ -35,17 +35,27 @@ def checkpoint_weights(path: str | Path, tied: bool, dtype=None) -> Iterator[tup
     lm_head.weight = embedding when tied."""
     from safetensors import safe_open
 
+    def read():
+        for file in model_weight_files(path):
+            with safe_open(str(file), framework="pt") as reader:
+                for name in reader.keys():
+                    tensor = reader.get_tensor(name)
+                    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                        tensor = tensor.to(dtype)
+                    yield name, tensor
+
+    return with_tied_head(read(), tied)
+
+
+def with_tied_head(weights: Iterator[tuple[str, object]], tied: bool) -> Iterator[tuple[str, object]]:
+    """`weights`, then lm_head.weight = the input embedding when the model ties them and the
+    weights lack it (HF files omit it; vLLM's reload keeps the OLD head otherwise)."""
     seen, embedding = set(), None
-    for file in model_weight_files(path):
-        with safe_open(str(file), framework="pt") as reader:
-            for name in reader.keys():
-                tensor = reader.get_tensor(name)
-                if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
-                    tensor = tensor.to(dtype)
-                seen.add(name)
-                if name.endswith(EMBEDDING_SUFFIXES) and embedding is None:
-                    embedding = tensor
-                yield name, tensor
+    for name, tensor in weights:
+        seen.add(name)
+        if name.endswith(EMBEDDING_SUFFIXES) and embedding is None:
+            embedding = tensor
+        yield name, tensor
     if tied and "lm_head.weight" not in seen and embedding is not None:
         yield "lm_head.weight", embedding
 
@@ -61,16 +71,56 @@ class WeightSwapExtension:
         return self.model_runner.get_model()
 
     def bema_load_checkpoint(self, path: str, tied: bool) -> bool:
+        dtype = self.vllm_config.model_config.dtype
+        return self._bema_reload(checkpoint_weights(path, tied, dtype))
+
+    def _bema_reload(self, weights) -> bool:
+        """Load `weights` in place; a swap that changes a parameter's dtype or shape is an error."""
         model = self._bema_model()
         before = _layout(model)
-        dtype = self.vllm_config.model_config.dtype
-        self.reload_weights(weights_iterator=checkpoint_weights(path, tied, dtype), is_checkpoint_format=True)
+        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         after = _layout(model)
         changed = [n for n in before if after.get(n) != before[n]]
         if changed:
             raise RuntimeError(
                 f"the swap changed parameter {changed[0]}: {before[changed[0]]} -> {after.get(changed[0])}"
             )
+        return True
+
+    # `bema sweep`: the grid's states live here, where the weights load (sweep/walk.py); only a
+    # step number or a config name crosses the process boundary, never a tensor
+    def bema_sweep_open(self, opts) -> int:
+        from bema_cli.sweep.walk import Walker
+
+        self._bema_walker, self._bema_loss_model = Walker(opts), None
+        return self._bema_walker.size
+
+    def bema_sweep_advance(self, step: int) -> bool:
+        self._bema_walker.advance(step)
+        return True
+
+    def bema_sweep_finish(self) -> bool:
+        self._bema_walker.finish()
+        return True
+
+    def bema_sweep_load(self, run: str | None, tied: bool) -> bool:
+        dtype = self.vllm_config.model_config.dtype
+        return self._bema_reload(with_tied_head(self._bema_walker.weights(run, dtype), tied))
+
+    def bema_sweep_loss(self, run: str | None, folder: str, dtype: str, sequences, pad_id: int) -> list:
+        """Losses of config `run` from a transformers model beside the engine (as `bema eval`'s
+        vllm backend computes them), its weights streamed from the states held here."""
+        from bema_cli.eval.backends.transformers import load_hf_model, load_weights
+        from bema_cli.eval.tasks import loss as loss_task
+
+        if self._bema_loss_model is None:
+            self._bema_loss_model = load_hf_model(folder, dtype)
+        model = self._bema_loss_model
+        load_weights(model, self._bema_walker.weights(run, model.dtype), folder)
+        return loss_task.record_losses(model, sequences, pad_id=pad_id)
+
+    def bema_sweep_close(self) -> bool:
+        self._bema_walker = self._bema_loss_model = None
         return True
 
     def bema_param_digest(self) -> dict:

@@ -1,0 +1,179 @@
+"""The flags `bema eval` and `bema sweep` share (the protocol and the engine), declared once."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+_T = "Protocol (defaults = the paper's)"
+_E = "Engine"
+DEFAULT_OUT = "results"  # `bema report results/` reads it back
+
+TasksOpt = Annotated[
+    str,
+    typer.Option(
+        "--tasks",
+        help="Comma list of boolq,gsm8k,mmlu_hs,loss,train_loss, then lm_eval:<task>[,<task>...] (lm-evaluation-harness tasks or groups).",
+    ),
+]
+OutOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--out",
+        "-o",
+        help=f"Directory for results.jsonl (and samples.jsonl); default ./{DEFAULT_OUT}, said up front.",
+    ),
+]
+BaseOpt = Annotated[
+    str | None, typer.Option("--base", help="Base model, evaluated once as step 0 of every run.")
+]
+DataDirOpt = Annotated[
+    str | None, typer.Option("--data-dir", help="Local <task>.jsonl|parquet files instead of the Hub.")
+]
+LossDataOpt = Annotated[
+    str | None, typer.Option("--loss-data", help="Held-out jsonl ({messages} or {text}); adds task loss.")
+]
+LossTrainDataOpt = Annotated[
+    str | None, typer.Option("--loss-train-data", help="Train jsonl; adds task train_loss.")
+]
+LossSamplesOpt = Annotated[
+    int, typer.Option("--loss-samples", help="First N loss records.", rich_help_panel=_T)
+]
+LossMaxTokensOpt = Annotated[
+    int, typer.Option("--loss-max-tokens", help="Truncate loss records to N tokens.", rich_help_panel=_T)
+]
+NSamplesOpt = Annotated[int, typer.Option("--n-samples", help="Samples per prompt.", rich_help_panel=_T)]
+TemperatureOpt = Annotated[
+    float, typer.Option("--temperature", help="Sampling temperature (0 = greedy).", rich_help_panel=_T)
+]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Sampling seed.", rich_help_panel=_T)]
+MaxNewTokensOpt = Annotated[
+    int | None,
+    typer.Option("--max-new-tokens", help="Default: 256 boolq/mmlu_hs, 512 gsm8k.", rich_help_panel=_T),
+]
+SelectionSeedOpt = Annotated[
+    int, typer.Option("--selection-seed", help="Seed of the prompt subset.", rich_help_panel=_T)
+]
+LimitOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--limit",
+        help="Prompts per task (per subject for mmlu_hs); default 64/128/64.",
+        rich_help_panel=_T,
+    ),
+]
+NumFewshotOpt = Annotated[
+    int,
+    typer.Option(
+        "--num-fewshot",
+        help="Few-shot examples per prompt from the train split (the paper's text: 5 for BoolQ); default 0, as the authors' code.",
+        rich_help_panel=_T,
+    ),
+]
+CotOpt = Annotated[
+    bool,
+    typer.Option(
+        "--cot",
+        help="Ask BoolQ and MMLU-HS for step-by-step reasoning (GSM8K always asks).",
+        rich_help_panel=_T,
+    ),
+]
+LmEvalIncludeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--lm-eval-include",
+        help="Folder of local lm-eval task YAMLs for lm_eval:<task>.",
+        rich_help_panel=_T,
+    ),
+]
+ChatTemplateOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--chat-template", help="Jinja chat template file overriding the model's.", rich_help_panel=_T
+    ),
+]
+BackendOpt = Annotated[
+    str,
+    typer.Option(
+        "--backend",
+        help="auto (vllm if usable, else transformers), vllm or transformers.",
+        rich_help_panel=_E,
+    ),
+]
+DtypeOpt = Annotated[
+    str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.", rich_help_panel=_E)
+]
+TensorParallelSizeOpt = Annotated[int, typer.Option("--tensor-parallel-size", rich_help_panel=_E)]
+DataParallelSizeOpt = Annotated[int, typer.Option("--data-parallel-size", rich_help_panel=_E)]
+GpuMemoryUtilizationOpt = Annotated[float, typer.Option("--gpu-memory-utilization", rich_help_panel=_E)]
+MaxModelLenOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-model-len", help="Default: min(2048, the model's max positions).", rich_help_panel=_E
+    ),
+]
+EnforceEagerOpt = Annotated[
+    bool, typer.Option("--enforce-eager", help="No CUDA graphs (always on for CPU).", rich_help_panel=_E)
+]
+BatchSizeOpt = Annotated[
+    int,
+    typer.Option(
+        "--batch-size",
+        help="Prompts per transformers generate call (changes its samples).",
+        rich_help_panel=_E,
+    ),
+]
+VerifySwapOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verify-swap",
+        help="vLLM: check each swapped checkpoint's probe logprobs against a fresh engine on it.",
+        rich_help_panel=_E,
+    ),
+]
+LogSamplesOpt = Annotated[
+    bool,
+    typer.Option("--log-samples", help="Write every prompt, response, answer and gold to samples.jsonl."),
+]
+ForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Re-evaluate (checkpoint, task) pairs already in results.jsonl, replacing their records (also when made with another setup).",
+    ),
+]
+
+
+def eval_settings(flags: dict):
+    """(EvalConfig, EngineOptions) from a command's flags (its locals: the names above)."""
+    from pathlib import Path
+
+    from bema_cli import cli  # the global --debug flag
+    from bema_cli.eval.backends.base import EngineOptions
+    from bema_cli.eval.chat import read_template
+    from bema_cli.eval.evaluate import EvalConfig
+    from bema_cli.eval.tasks import parse_tasks
+
+    f, out = flags, flags["out"]
+    names = parse_tasks(f["tasks"])
+    for path, name in ((f["loss_data"], "loss"), (f["loss_train_data"], "train_loss")):
+        if path is not None and name not in names:
+            names.append(name)
+    config = EvalConfig(
+        tasks=names, out=out, data_dir=f["data_dir"], loss_data=f["loss_data"], loss_train_data=f["loss_train_data"],
+        loss_samples=f["loss_samples"], loss_max_tokens=f["loss_max_tokens"], n_samples=f["n_samples"],
+        temperature=f["temperature"], seed=f["seed"], max_new_tokens=f["max_new_tokens"],
+        selection_seed=f["selection_seed"], limit=f["limit"], backend=f["backend"], log_samples=f["log_samples"],
+        force=f["force"], chat_template_file=f["chat_template"], num_fewshot=f["num_fewshot"], cot=f["cot"],
+        lm_eval_include=f["lm_eval_include"],
+    )  # fmt: skip
+    engine = EngineOptions(
+        dtype=f["dtype"], tensor_parallel_size=f["tensor_parallel_size"], data_parallel_size=f["data_parallel_size"],
+        gpu_memory_utilization=f["gpu_memory_utilization"], max_model_len=f["max_model_len"],
+        enforce_eager=f["enforce_eager"], batch_size=f["batch_size"],
+        chat_template=read_template(f["chat_template"]) if f["chat_template"] else None,
+        log_file=str(Path(out) / "vllm.log") if out else None, debug=cli._debug,
+        verify_swap=f.get("verify_swap", False),
+    )  # fmt: skip
+    return config, engine

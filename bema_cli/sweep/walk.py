@@ -1,0 +1,167 @@
+"""The step-major walk of `bema sweep`: every state of a grid over the whole model, advanced one
+checkpoint at a time, and each config's weights produced tensor by tensor when asked.
+
+`bema stabilize` walks tensor-major (a unit of rows through every step, then the next unit),
+which suits writing files. A sweep evaluates between steps, so it walks step-major: the model
+is ONE unit (plan.py's Piece offsets into flat buffers), each checkpoint is read once into
+theta_s, every distinct state advances (recurrence.py's Stabilizer and Window, the same code
+and the same planned events as stabilize), and `weights(run)` computes a config's estimate one
+tensor at a time, cast to the dtype the disk path would write, so an engine loads exactly the
+bytes `bema stabilize` + `bema eval` would have loaded. Nothing is written.
+
+Memory: theta0, theta_s and every distinct state (a window: its K-1 ring slices), each one
+model in the accumulation dtype (`state_bytes`), plus one tensor of scratch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+from bema_cli.errors import InputError
+from bema_cli.io.reader import open_checkpoint
+from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
+from bema_cli.recurrence import STATE_TENSORS, WINDOW_METHODS, Window
+from bema_cli.stabilize import state
+from bema_cli.stabilize.plan import Options, Plan
+from bema_cli.stabilize.prepare import drop_tied_head, prepare
+from bema_cli.stabilize.unit import BUFFERED, Workspace, _check_finite, _load, _read_raw
+
+WHOLE_MODEL = 1 << 62  # --max-memory for the plan: one work unit holds every tensor
+
+
+def sweep_options(opts: Options) -> Options:
+    """stabilize's Options as a sweep plans them: one unit, no state, nothing written."""
+    return replace(opts, max_memory=WHOLE_MODEL, no_state=True, final_only=False, steps=None, dry_run=False)
+
+
+def plan_sweep(opts: Options) -> Plan:
+    return prepare(sweep_options(opts))
+
+
+def state_buffers(plan: Plan) -> int:
+    """Model-sized accumulation buffers the walk holds: theta0, theta_s, one per distinct state
+    tensor (a window: its K-1 ring slices)."""
+    return 2 + sum(t.ring if t.window else len(STATE_TENSORS[t.method]) for t in plan.tracks)
+
+
+def state_bytes(plan: Plan, accum_dtype: str) -> int:
+    """What the walk holds in memory (the estimate `bema sweep` checks before reading anything)."""
+    numel = sum(t.numel for t in plan.out_tensors if t.dtype in FLOATING)
+    return state_buffers(plan) * numel * DTYPES[TAG_OF[accum_dtype]][1]
+
+
+class Walker:
+    """The grid's states over the whole model (see the module docstring). Used in one process: the
+    caller's (transformers) or a vLLM worker's (the weights load where the states live)."""
+
+    def __init__(self, opts: Options):
+        self.opts = sweep_options(opts)
+        self.plan = plan = prepare(self.opts)
+        self.unit = [p for u in plan.units for p in u]
+        if len(plan.units) > 1:  # cannot happen with WHOLE_MODEL; said plainly if it ever does
+            raise InputError(f"{opts.checkpoint_dir}: the model did not fit one work unit")
+        self.ws = ws = Workspace.for_plan(plan, self.opts)
+        self.size = size = max((p.hi for p in self.unit), default=0)
+        self.scratch = ws.scratch(self.unit)
+        self.check = not self.opts.allow_nonfinite
+        self.theta0 = ws.view("theta0", size)
+
+        def load_theta0(reader, unit, flat):
+            _load(reader, unit, flat, self.scratch)
+            if self.check:
+                _check_finite(reader.index, unit, flat, 0, size)
+
+        state.read_theta0(plan, self.unit, self.theta0, load_theta0)
+        self.stabs = state.start_unit(
+            plan, self.unit, self.theta0, lambda key: ws.view(key, size), self.scratch
+        )
+        self.theta = ws.view("theta", size)
+        self.track_of = {r.name: i for i, t in enumerate(plan.tracks) for r in t.runs}
+        self.out_dtypes = {t.name: t.dtype for t in plan.out_tensors}
+        self.step: int | None = None
+        self.raw: dict = {}
+        self._rings: list = []
+
+    def runs_at(self, step: int) -> list[str]:
+        """The configs with an output at `step` (a --phi cadence skips some steps, as on disk)."""
+        return [r.name for r in self.plan.runs if r.events[step].action != "skip"]
+
+    def advance(self, step: int) -> None:
+        """Read checkpoint `step` into theta_s and move every state that takes it (rings wait for
+        `finish`: a window's merge at this step still needs its oldest member)."""
+        import torch
+
+        self.finish()
+        index = self.plan.indexes.get(step)
+        if index is None:  # a step every config skips (--phi): read for vanilla alone
+            folder = next(c.path for c in self.plan.checkpoints if c.step == step)
+            index = open_checkpoint(folder, like=set(self.plan.base_index.tensors))
+            drop_tied_head(index, self.plan.base_index)
+        with index.open() as reader:
+            self.raw = _read_raw(reader, self.unit)
+            _load(reader, self.unit, self.theta, self.scratch)
+        if self.check:
+            _check_finite(index, self.unit, self.theta, 0, self.size)
+        self.step = step
+        if step not in self.plan.indexes:
+            return
+        tau = self.plan.runs[0].schedule.tau
+        with torch.no_grad():
+            if step <= tau:
+                self.theta0.copy_(self.theta)  # burn-in: theta0 = theta_s
+            for track, stab in zip(self.plan.tracks, self.stabs, strict=True):
+                if not track.advances(step):
+                    continue
+                event = track.runs[0].events[step]
+                if isinstance(stab, Window):
+                    self._rings.append((stab, event))
+                else:
+                    stab.advance(event, self.theta0 if event.action == "burnin" else self.theta)
+
+    def finish(self) -> None:
+        """The rings take theta_s (after every estimate of the step)."""
+        for ring, event in self._rings:
+            ring.advance(event, self.theta)
+        self._rings = []
+
+    def weights(self, run: str | None, dtype=None) -> Iterator[tuple[str, object]]:
+        """(name, tensor) of config `run` at the current step (None: theta_s itself, i.e. vanilla),
+        each cast to its output dtype (what stabilize writes), then to `dtype` when given (an
+        engine's). Fresh tensors: a loader may keep them."""
+        import torch
+
+        if self.step is None:
+            raise RuntimeError("Walker.weights before any step")
+        by_name = {r.name: r for r in self.plan.runs}
+        if run is not None and run not in by_name:
+            raise KeyError(run)
+        found = by_name.get(run)
+        event = found.events[self.step] if found else None
+        method = found.schedule.method if found else "vanilla"
+        stab = self.stabs[self.track_of[run]] if found else None
+        out = self.ws.view("out", max((p.hi - p.lo for p in self.unit), default=0))
+        with torch.no_grad():
+            for p in self.unit:
+                name, shape = p.info.name, p.info.shape
+                if name in self.raw:
+                    yield name, self.raw[name].clone().view(shape)
+                    continue
+                th, n = self.theta[p.lo : p.hi], p.hi - p.lo
+                if stab is None:
+                    result = th
+                elif method in WINDOW_METHODS:
+                    result = stab.view(p.lo, p.hi).estimate(event, th, found.schedule, out=out[:n])
+                else:
+                    part = stab.view(p.lo, p.hi)
+                    drift = (
+                        torch.sub(th, self.theta0[p.lo : p.hi])
+                        if method == "bema" and event.action == "update"
+                        else None
+                    )
+                    buffer = out[:n] if method in BUFFERED else None
+                    result = part.estimate(event, th, drift=drift, out=buffer, method=method)
+                tensor = result.to(getattr(torch, DTYPES[self.out_dtypes[name]][0]), copy=True)
+                if dtype is not None and tensor.dtype != dtype:
+                    tensor = tensor.to(dtype)
+                yield name, tensor.view(shape)

@@ -137,7 +137,7 @@ def prepare(opts: Options) -> Plan:
         indexes = {c.step: open_checkpoint(c.path, like=set(base_index.tensors)) for c in reading}
     for index in indexes.values():
         drop_tied_head(index, base_index)
-        _check_same(index, base_index, "base model", opts.cast_base)
+        check_same(index, base_index, "base model", opts.cast_base)
     if not opts.out_dtype:
         _check_one_dtype(indexes)
     out_tag = TAG_OF[opts.out_dtype] if opts.out_dtype else None
@@ -177,7 +177,7 @@ def drop_tied_head(index: ModelIndex, base: ModelIndex) -> None:
         base.tensors.pop(TIED_HEAD, None)
 
 
-def _check_same(index: ModelIndex, base: ModelIndex, what: str, cast_base: bool = False) -> None:
+def check_same(index: ModelIndex, base: ModelIndex, what: str, cast_base: bool = False) -> None:
     """Keys, shapes and dtypes of a checkpoint must match theta0's; errors name the tensor.
 
     With `cast_base`, a floating theta0 tensor may have another floating dtype: it is read

@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bema_cli import __version__, output
-from bema_cli.errors import UsageError
+from bema_cli.cluster import ExecutorOptions, import_ray
+from bema_cli.errors import InputError, UsageError
 from bema_cli.eval import resume
 from bema_cli.eval.backends.base import EngineOptions, make_backend
 from bema_cli.eval.evaluate import EvalConfig, Evaluation, Job, evaluate_task, validate
@@ -30,10 +31,12 @@ from bema_cli.eval.tasks import LOSS_TASKS
 from bema_cli.io.commit import check_apart
 from bema_cli.io.fingerprint import fingerprint, weight_files
 from bema_cli.io.safetensors import DTYPES, FLOATING
+from bema_cli.io.watch import SETTLE_FLOOR, Watcher, hold_files, release, wait_for
+from bema_cli.signals import Terminated
 from bema_cli.stabilize import meta
 from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.unit import torch_device
-from bema_cli.sweep.walk import plan_sweep, state_bytes, sweep_options
+from bema_cli.sweep.walk import extend_plan, plan_sweep, state_bytes, sweep_options
 
 SWEEP_SCHEME = "sweep:"  # model_path of a config's record: evaluated from memory, never on disk
 CPU_KV_DEFAULT_GIB = 4  # vLLM-CPU's KV cache when VLLM_CPU_KVCACHE_SPACE is unset
@@ -109,10 +112,14 @@ def targets(plan: Plan, opts: Options, steps: list[int], folder_of: dict[int, Pa
     return out
 
 
-def fingerprints(plan: Plan, at: list[Target]) -> dict[Path, str]:
+def input_prints(folders: dict[int, Path]) -> dict[int, list[dict]]:
+    """Each checkpoint's sampled file fingerprint (taken while it is on disk: --follow's may go)."""
+    return {step: fingerprint(weight_files(folder)) for step, folder in folders.items()}
+
+
+def fingerprints(plan: Plan, at: list[Target], inputs: dict[int, list[dict]]) -> dict[Path, str]:
     """Resume keys' `weights`: the files' own fingerprint for vanilla and theta0 (as `bema eval`
     takes it), and for a config a digest of its stabilizer, its step and every input up to it."""
-    inputs = {c.step: fingerprint(weight_files(c.path)) for c in plan.checkpoints}
     base = fingerprint(weight_files(plan.base_index.folder))
     out = {}
     for t in at:
@@ -175,42 +182,71 @@ def sweep(
     config: EvalConfig,
     engine: EngineOptions,
     sweep_opts: SweepOptions,
-    executor=None,
+    executor: ExecutorOptions | None = None,
     follow: dict | None = None,
     validated=None,
 ) -> dict:
-    """Run one sweep; returns the --json document (records, memory, timings)."""
+    """Run one sweep (batch, or --follow with `follow` = its poll settings); returns the --json document."""
     t0 = time.perf_counter()
     validate(config, engine)
+    executor = executor or ExecutorOptions()
     if config.out is None:
         raise UsageError("--out: name the results folder")
-    plan = plan_sweep(stab)
+    if follow is not None and executor.executor != "local":
+        raise UsageError("--follow runs one engine beside the trainer: drop --executor ray")
+    if executor.executor == "ray":
+        import_ray()
     stab = sweep_options(stab)
-    if plan.lora_rank is not None:
+    if stab.lora_output != "merged":
         raise UsageError("--lora-output adapter: a sweep evaluates merged models only")
+    if follow is not None:
+        return Follow(stab, config, engine, sweep_opts, follow, validated).run(t0)
+    plan = plan_sweep(stab)
     folder_of = {c.step: c.path for c in plan.checkpoints}
     steps = at_steps(sweep_opts.at, sorted(folder_of))
+    _check_inputs(config, folder_of, plan, steps)
+    if validated is not None:
+        validated()
+    evaluation = Evaluation(config, engine, executor)
+    doc = _memory_doc(plan, stab, config, engine, evaluation, sweep_opts)
+    at = targets(plan, stab, steps, folder_of)
+    jobs = evaluation.plan(at, fingerprints(plan, at, input_prints(folder_of)))
+    if not jobs:
+        output.log(f"up to date: every (config, step, task) is in {evaluation.results.path}")
+    elif executor.executor == "ray":
+        from bema_cli.sweep.ray_split import run_split
+
+        doc.update(run_split(plan, stab, evaluation, jobs, folder_of, executor))
+    else:
+        walk = Walk(evaluation.backend_name, engine, stab, plan, folder_of, jobs)
+        try:
+            walk.run(jobs, evaluation.write)
+        finally:
+            walk.close()
+        doc.update(walk.summary())
+    return _finish(doc, evaluation, at, t0)
+
+
+def _check_inputs(config: EvalConfig, folder_of: dict, plan: Plan, steps: list[int]) -> None:
     check_apart(
-        Path(config.out).expanduser(), list(folder_of.values()) + [plan.base_index.folder], may_contain=True
+        Path(config.out).expanduser(), [*folder_of.values(), plan.base_index.folder], may_contain=True
     )
     for step in steps:
         if step:
             check_model_dir(folder_of[step])  # tokenizer and config files come from the checkpoint
-    if validated is not None:
-        validated()
-    evaluation = Evaluation(config, engine)
+
+
+def _memory_doc(plan, stab, config, engine, evaluation, sweep_opts) -> dict:
+    """The estimate, checked against the limit before anything is read; the start of the --json document."""
     estimate = memory_estimate(plan, stab, config, engine, evaluation.backend_name)
     limit = sweep_opts.memory_limit or available_memory()
     check_memory(estimate, limit, stab.checkpoint_dir, len(plan.runs))
-    at = targets(plan, stab, steps, folder_of)
-    jobs = evaluation.plan(at, fingerprints(plan, at))
-    doc = {"runs": [r.name for r in plan.runs], "steps": steps, "evaluated": 0,
-           "memory": {"estimate": estimate["total"], "parts": estimate["parts"], "limit": limit},
-           "backend": evaluation.backend_name, "engine_starts": 0, "written_weight_bytes": 0}  # fmt: skip
-    if jobs:
-        doc.update(_run(plan, stab, evaluation, jobs, folder_of))
-    else:
-        output.log(f"up to date: every (config, step, task) is in {evaluation.results.path}")
+    return {"runs": [r.name for r in plan.runs], "evaluated": 0,
+            "memory": {"estimate": estimate["total"], "parts": estimate["parts"], "limit": limit},
+            "backend": evaluation.backend_name, "engine_starts": 0, "written_weight_bytes": 0}  # fmt: skip
+
+
+def _finish(doc: dict, evaluation: Evaluation, at: list[Target], t0: float) -> dict:
     keys = {(str(t.path), r, n) for t in at for r, _ in t.record_runs() for n in evaluation.inputs}
     doc["records"] = [r for r in evaluation.results.records if (r["model_path"], r["run"], r["task"]) in keys]
     doc["memory"]["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -218,46 +254,191 @@ def sweep(
     return doc
 
 
-def _run(plan: Plan, stab: Options, evaluation: Evaluation, jobs: list[Job], folder_of: dict) -> dict:
-    """The walk: one engine, every checkpoint up to the last pending step read once, in order."""
-    base_jobs = [j for j in jobs if j.target.is_base]
-    by_step: dict[int, list[Job]] = {}
-    for job in jobs:
-        if not job.target.is_base:
-            by_step.setdefault(job.target.step, []).append(job)
-    last = max(by_step, default=0)
-    walk = sorted({s for s in plan.read_steps if s <= last} | set(by_step))
-    device = torch_device(stab.device)
-    stab = replace(stab, device=device.type, base=str(plan.base_index.folder))
-    first = folder_of[min(by_step)] if by_step else plan.base_index.folder
-    backend = make_backend(evaluation.backend_name, evaluation.engine)
-    evaluated, timing = 0, {"evaluate_s": 0.0}
-    try:
-        backend.open_sweep(stab, first)
-        for job in base_jobs:  # theta0: the base folder itself, loaded as `bema eval --base` loads it
-            evaluated += _evaluate(
-                backend, evaluation, job, timing, load=lambda j=job: backend.load(j.target.path)
-            )
+class Walk:
+    """One engine holding the walker's states; checkpoints walked in order, each job evaluated at its
+    step (a Ray actor runs one too: sweep/ray_split.py)."""
+
+    def __init__(self, backend_name: str, engine: EngineOptions, stab: Options, plan: Plan, folder_of: dict,
+                 jobs: list[Job], held: dict | None = None):  # fmt: skip
+        self.plan, self.folder_of, self.base_folder = plan, folder_of, plan.base_index.folder
+        device = torch_device(stab.device)
+        stab = replace(stab, device=device.type, base=str(self.base_folder))
+        steps = [j.target.step for j in jobs if not j.target.is_base]
+        first = folder_of[min(steps)] if steps else folder_of[min(folder_of)]
+        self.backend = make_backend(backend_name, engine)
+        self.walked, self.evaluated, self.evaluate_s = [], 0, 0.0
+        self.backend.open_sweep(stab, first, held)
+
+    def run(self, jobs: list[Job], write, between=None) -> None:
+        """Evaluate `jobs`: theta0's first (the base folder, loaded as `bema eval --base` does), then
+        each step's, walking every checkpoint up to the last one a job needs."""
+        by_step: dict[int, list[Job]] = {}
+        for job in jobs:
+            if job.target.is_base:
+                self._evaluate(job, write, lambda j=job: self.backend.load(j.target.path))
+            else:
+                by_step.setdefault(job.target.step, []).append(job)
+        last = max(by_step, default=-1)
+        done = self.walked[-1] if self.walked else -1
+        steps = sorted({s for s in self.plan.read_steps if done < s <= last} | set(by_step))
         with output.progress("steps") as bar:
-            task = bar.add_task("sweeping (checkpoints walked)", total=len(walk))
-            for step in walk:
-                backend.sweep_advance(step)
+            task = bar.add_task("sweeping (checkpoints walked)", total=len(steps))
+            for step in steps:
+                self.backend.sweep_advance(step)
+                self.walked.append(step)
                 for job in by_step.get(step, []):
                     run = None if job.target.run == "vanilla" else job.target.run
-                    load = lambda r=run, s=step: backend.sweep_load(r, folder_of[s])  # noqa: E731
-                    evaluated += _evaluate(backend, evaluation, job, timing, load)
-                backend.sweep_finish()
+                    self._evaluate(
+                        job, write, lambda r=run, s=step: self.backend.sweep_load(r, self._folder(s))
+                    )
+                    if between is not None:
+                        between()
+                self.backend.sweep_finish()
                 bar.advance(task)
-    finally:
-        backend.close()
-    return {"evaluated": evaluated, "engine_starts": 1, "walked_steps": walk, **timing}
+
+    def _folder(self, step: int) -> Path:
+        """Tokenizer and config files: the checkpoint's own, or (rotated away: --follow) the base's."""
+        folder = self.folder_of[step]
+        return folder if (folder / "config.json").is_file() else self.base_folder
+
+    def _evaluate(self, job: Job, write, load) -> None:
+        load()
+        for item in job.tasks:
+            t = time.perf_counter()
+            records, samples = evaluate_task(self.backend, job, item)
+            self.evaluate_s += time.perf_counter() - t
+            write(records, samples)
+            self.evaluated += 1
+
+    def summary(self) -> dict:
+        return {"evaluated": self.evaluated, "engine_starts": 1, "walked_steps": self.walked,
+                "evaluate_s": self.evaluate_s}  # fmt: skip
+
+    def close(self) -> None:
+        self.backend.close()
 
 
-def _evaluate(backend, evaluation: Evaluation, job: Job, timing: dict, load) -> int:
-    load()
-    for item in job.tasks:
-        t = time.perf_counter()
-        records, samples = evaluate_task(backend, job, item)
-        timing["evaluate_s"] += time.perf_counter() - t
-        evaluation.write(records, samples)
-    return len(job.tasks)
+class Follow:
+    """--follow: evaluate each checkpoint of a live run as it lands, in one engine, nothing written.
+
+    Each complete checkpoint (io/watch.Watcher, as stabilize --follow) has its files held open at
+    once and is added to the walk (Walker.extend), also between two evaluations, so a trainer's
+    save_total_limit rotating it away before its turn does not lose it. Ctrl-C keeps every record written.
+    """
+
+    def __init__(self, stab, config, engine, sweep_opts, follow: dict, validated):
+        if sweep_opts.at == "last":
+            raise UsageError("--at last: a followed run has no last step yet; use all, every:N or a list")
+        self.stab, self.config, self.engine, self.sweep_opts = stab, config, engine, sweep_opts
+        self.poll, self.until = follow["poll"], follow["until_step"]
+        self.idle_timeout, self.validated = follow["idle_timeout"], validated
+        settle = follow["settle"]
+        self.watcher = Watcher(
+            Path(stab.checkpoint_dir).expanduser(),
+            settle=max(SETTLE_FLOOR, 2 * self.poll) if settle is None else settle,
+        )
+        self.plan = self.walk = self.evaluation = None
+        self.folder_of: dict[int, Path] = {}
+        self.inputs: dict[int, list[dict]] = {}
+        self.queued: list[int] = []
+        self.seen_through = -1
+        self.fds: list[int] = []
+        self.targets: list[Target] = []
+        self.doc: dict = {}
+
+    def look(self) -> bool:
+        """One poll: hold and add every checkpoint that became complete; True when one did."""
+        new = {s: p for s, p in self.watcher.complete().items() if s not in self.folder_of}
+        if self.folder_of:
+            new = {s: p for s, p in new.items() if s > max(self.folder_of)}
+        if not new:
+            return False
+        files = [f for folder in new.values() for f in weight_files(folder)]
+        try:
+            mapping, fds = hold_files(files)
+        except FileNotFoundError as exc:
+            raise InputError(f"{exc.filename}: disappeared before it could be read") from None
+        self.fds += fds
+        held = {str(k): str(v).replace("/proc/self/", f"/proc/{os.getpid()}/") for k, v in mapping.items()}
+        self.inputs.update(input_prints(new))
+        if self.plan is None:
+            self._start(new, held)
+        else:
+            extend_plan(self.plan, {s: str(p) for s, p in new.items()}, self.stab.cast_base)
+            self.walk.backend.sweep_extend({s: str(p) for s, p in new.items()}, held)
+        self.folder_of.update(new)
+        self.queued += sorted(new)
+        return True
+
+    def _start(self, new: dict, held: dict) -> None:
+        self.plan = plan_sweep(replace(self.stab, ready_steps=sorted(new)))
+        _check_inputs(self.config, new, self.plan, [])
+        if self.validated is not None:
+            self.validated()
+        self.evaluation = Evaluation(self.config, self.engine)
+        self.doc = _memory_doc(
+            self.plan, self.stab, self.config, self.engine, self.evaluation, self.sweep_opts
+        )
+        stab = replace(self.stab, ready_steps=sorted(new))
+        output.log(f"following {self.watcher.run_dir} (poll every {self.poll:g} s)")
+        self.walk = Walk(self.evaluation.backend_name, self.engine, stab, self.plan, dict(new), [], held)
+        self.walk.folder_of = self.folder_of
+
+    def _chosen(self, steps: list[int]) -> list[int]:
+        text = self.sweep_opts.at.strip()
+        if text == "all":
+            return steps
+        if text.startswith("every:"):
+            return [s for s in steps if s in at_steps(text, steps + [0])]
+        return [
+            s for s in steps if s in at_steps(text, sorted(set(steps) | {int(x) for x in text.split(",")}))
+        ]
+
+    def run(self, t0: float) -> dict:
+        idle_since = time.monotonic()
+        try:
+            while True:
+                if not self.queued:
+                    if (
+                        self.until is not None
+                        and self.walk
+                        and self.walk.walked
+                        and self.walk.walked[-1] >= self.until
+                    ):
+                        output.log(f"step {self.walk.walked[-1]} evaluated (--until-step {self.until}): done")
+                        break
+                    left = (
+                        None
+                        if self.idle_timeout is None
+                        else self.idle_timeout - (time.monotonic() - idle_since)
+                    )
+                    if not wait_for(self.look, self.poll, None if left is None else max(left, 0.0)):
+                        output.log(f"no new checkpoint for {self.idle_timeout:g} s (--idle-timeout): done")
+                        break
+                steps, self.queued = self.queued, []
+                chosen = self._chosen(steps)
+                at = targets(self.plan, self.stab, chosen, self.folder_of) if chosen else []
+                self.targets += at
+                jobs = self.evaluation.plan(at, fingerprints(self.plan, at, self.inputs)) if at else []
+                self.walk.run(jobs, self.evaluation.write, between=self.look)
+                self._advance_to(steps[-1])  # steps no --at step chose still move the averages
+                self.seen_through = steps[-1]
+                idle_since = time.monotonic()
+        except (KeyboardInterrupt, Terminated):
+            output.log(f"stopped; {self.config.out}/results.jsonl keeps every finished evaluation")
+            raise
+        finally:
+            if self.walk is not None:
+                self.walk.close()
+            release(self.fds)
+        if self.walk is None:
+            return {"runs": [], "evaluated": 0, "records": [], "engine_starts": 0, "written_weight_bytes": 0,
+                    "memory": {}, "seconds": time.perf_counter() - t0}  # fmt: skip
+        self.doc.update(self.walk.summary())
+        return _finish(self.doc, self.evaluation, self.targets, t0)
+
+    def _advance_to(self, step: int) -> None:
+        for s in [s for s in self.plan.read_steps if s <= step and s not in self.walk.walked]:
+            self.walk.backend.sweep_advance(s)
+            self.walk.walked.append(s)
+            self.walk.backend.sweep_finish()

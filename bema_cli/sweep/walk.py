@@ -17,14 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 from bema_cli.errors import InputError
-from bema_cli.io.reader import open_checkpoint
+from bema_cli.io.checkpoints import Checkpoint
+from bema_cli.io.reader import ModelIndex, open_checkpoint
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
 from bema_cli.recurrence import STATE_TENSORS, WINDOW_METHODS, Window
 from bema_cli.stabilize import state
 from bema_cli.stabilize.plan import Options, Plan
-from bema_cli.stabilize.prepare import drop_tied_head, prepare
+from bema_cli.stabilize.prepare import check_same, drop_tied_head, prepare
 from bema_cli.stabilize.unit import BUFFERED, Workspace, _check_finite, _load, _read_raw
 
 WHOLE_MODEL = 1 << 62  # --max-memory for the plan: one work unit holds every tensor
@@ -35,8 +37,45 @@ def sweep_options(opts: Options) -> Options:
     return replace(opts, max_memory=WHOLE_MODEL, no_state=True, final_only=False, steps=None, dry_run=False)
 
 
-def plan_sweep(opts: Options) -> Plan:
-    return prepare(sweep_options(opts))
+def plan_sweep(opts: Options, held: dict[str, str] | None = None) -> Plan:
+    plan = prepare(sweep_options(opts))
+    for index in plan.indexes.values():
+        _reach(index, held)
+    return plan
+
+
+def _reach(index: ModelIndex, held: dict[str, str] | None) -> None:
+    """Read `index`'s files through the paths `held` maps them to: --follow keeps each landed
+    checkpoint's files open (/proc/<pid>/fd/N), so one the trainer rotates away is still read whole."""
+    if held:
+        index.tensors = {
+            n: replace(t, file=Path(held.get(str(t.file), t.file))) for n, t in index.tensors.items()
+        }
+
+
+def extend_plan(
+    plan: Plan, folders: dict[int, str], cast_base: bool, held: dict[str, str] | None = None
+) -> None:
+    """--follow: add checkpoints that landed since the plan was made. Events are planned again over
+    every step so far; a new step never changes an earlier one's (incremental stabilize relies on it)."""
+    like = set(plan.base_index.tensors)
+    for step, folder in sorted(folders.items()):
+        if step <= max((c.step for c in plan.checkpoints), default=-1):
+            raise InputError(
+                f"{folder}: step {step} landed after a later step was read; a sweep walks steps in order"
+            )
+        index = open_checkpoint(Path(folder), like=like)
+        drop_tied_head(index, plan.base_index)
+        check_same(index, plan.base_index, "base model", cast_base)
+        _reach(index, held)
+        plan.checkpoints.append(Checkpoint(step, Path(folder)))
+        plan.indexes[step] = index
+    steps = [c.step for c in plan.checkpoints]
+    for run in plan.runs:
+        run.events = {e.step: e for e in run.schedule.plan(steps)}
+    for track in plan.tracks:
+        track.last = steps[-1]
+    plan.read_steps = [s for s in steps if any(r.events[s].action != "skip" for r in plan.runs)]
 
 
 def state_buffers(plan: Plan) -> int:
@@ -55,9 +94,9 @@ class Walker:
     """The grid's states over the whole model (see the module docstring). Used in one process: the
     caller's (transformers) or a vLLM worker's (the weights load where the states live)."""
 
-    def __init__(self, opts: Options):
+    def __init__(self, opts: Options, held: dict[str, str] | None = None):
         self.opts = sweep_options(opts)
-        self.plan = plan = prepare(self.opts)
+        self.plan = plan = plan_sweep(self.opts, held)
         self.unit = [p for u in plan.units for p in u]
         if len(plan.units) > 1:  # cannot happen with WHOLE_MODEL; said plainly if it ever does
             raise InputError(f"{opts.checkpoint_dir}: the model did not fit one work unit")
@@ -83,9 +122,8 @@ class Walker:
         self.raw: dict = {}
         self._rings: list = []
 
-    def runs_at(self, step: int) -> list[str]:
-        """The configs with an output at `step` (a --phi cadence skips some steps, as on disk)."""
-        return [r.name for r in self.plan.runs if r.events[step].action != "skip"]
+    def extend(self, folders: dict[int, str], held: dict[str, str] | None = None) -> None:
+        extend_plan(self.plan, folders, self.opts.cast_base, held)
 
     def advance(self, step: int) -> None:
         """Read checkpoint `step` into theta_s and move every state that takes it (rings wait for

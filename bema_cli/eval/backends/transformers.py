@@ -90,11 +90,14 @@ class TransformersBackend:
 
     # `bema sweep`: the grid's states live in this process (sweep/walk.py); each config's weights
     # are copied into the one live model, no file written
-    def open_sweep(self, opts, folder: Path) -> None:
+    def open_sweep(self, opts, folder: Path, held: dict | None = None) -> None:
         from bema_cli.sweep.walk import Walker
 
         self.load(folder)  # the architecture (and first tokenizer) from a checkpoint of the run
-        self.walker = Walker(opts)
+        self.walker = Walker(opts, held)
+
+    def sweep_extend(self, folders: dict, held: dict | None = None) -> None:
+        self.walker.extend(folders, held)
 
     def sweep_advance(self, step: int) -> None:
         self.walker.advance(step)

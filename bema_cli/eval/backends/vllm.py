@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from bema_cli import output
-from bema_cli.errors import BackendError
+from bema_cli.errors import BackendError, BemaError
 from bema_cli.eval import chat
 from bema_cli.eval.backends import vllm_swap
 from bema_cli.eval.backends.base import EngineOptions, Sampling, resolve_dtype
@@ -42,6 +42,7 @@ class VllmBackend:
         self.max_model_len = options.max_model_len or MAX_MODEL_LEN
         self._hf_model = None  # transformers copy of the current checkpoint, for `loss`
         self.swapped: list[tuple[Path, dict]] = []  # --verify-swap: (checkpoint, its probe after the swap)
+        self.sweeping, self.sweep_run = False, None  # `bema sweep`: the loaded weights are this config's
 
     def engine_kwargs(self, path: Path) -> dict:
         """The LLM(...) arguments of an engine on `path` (the shared one, or a fresh one to verify a swap)."""
@@ -87,7 +88,7 @@ class VllmBackend:
         config = read_json(checkpoint / "config.json")
         self.tokenizer, self.template_source = chat.load_tokenizer(checkpoint, self.options.chat_template)
         self.stop_ids = chat.stop_token_ids(self.tokenizer, checkpoint)
-        self._hf_model = None
+        self._hf_model, self.sweeping = None, False
         if self.llm is None:
             self._start(checkpoint, config)
             self.engine_path, self.engine_arch = checkpoint, architecture(config)
@@ -136,10 +137,12 @@ class VllmBackend:
 
     # `bema sweep`: the states live in the engine's worker (vllm_swap.WeightSwapExtension), where
     # the weights load; only step numbers and config names cross to it
-    def open_sweep(self, opts, folder: Path) -> None:
+    def open_sweep(self, opts, folder: Path, held: dict | None = None) -> None:
         self.load(folder)  # the engine starts on a checkpoint of the run (its architecture)
-        self._rpc("bema_sweep_open", opts)
-        self.sweep_run: str | None = None
+        self._rpc("bema_sweep_open", opts, held)
+
+    def sweep_extend(self, folders: dict, held: dict | None = None) -> None:
+        self._rpc("bema_sweep_extend", folders, held)
 
     def sweep_advance(self, step: int) -> None:
         self._rpc("bema_sweep_advance", step)
@@ -156,12 +159,12 @@ class VllmBackend:
         tied = bool(read_json(folder / "config.json").get("tie_word_embeddings", False))
         self._rpc("bema_sweep_load", run, tied)
         self.llm.reset_prefix_cache()
-        self.sweep_run = run
+        self.sweep_run, self.sweeping = run, True
 
     def _rpc(self, method: str, *args):
         try:
             return self.llm.collective_rpc(method, args=args)[0]
-        except BackendError:
+        except BemaError:
             raise
         except Exception as exc:
             raise BackendError(f"vLLM engine: {method} failed ({cause(exc)})") from exc
@@ -203,7 +206,7 @@ class VllmBackend:
         from bema_cli.eval.backends.transformers import load_hf_model
         from bema_cli.eval.tasks import loss as loss_task
 
-        if getattr(self, "sweep_run", False) is not False:  # a sweep: computed where its states are
+        if self.sweeping:  # a sweep's config: computed where its states are
             pad = self.tokenizer.pad_token_id or 0
             return self._rpc("bema_sweep_loss", self.sweep_run, str(self.path), self.dtype, sequences, pad)
         if self._hf_model is None:

@@ -59,11 +59,17 @@ from bema_cli.options import (
 
 
 def sweep(
-    checkpoint_dir: Annotated[str, typer.Argument(help="Training output folder (checkpoint-N, step_N, ... folders).")],
-    out: Annotated[str, typer.Option("--out", "-o", help="Results folder (results.jsonl; no weights are written).")],
+    checkpoint_dir: Annotated[
+        str, typer.Argument(help="Training output folder (checkpoint-N, step_N, ... folders).")
+    ],
+    out: Annotated[
+        str, typer.Option("--out", "-o", help="Results folder (results.jsonl; no weights are written).")
+    ],
     base: Annotated[
         str | None,
-        typer.Option("--base", help="theta0: a model folder or Hub repo id (default: as bema stabilize infers it)."),
+        typer.Option(
+            "--base", help="theta0: a model folder or Hub repo id (default: as bema stabilize infers it)."
+        ),
     ] = None,
     at: Annotated[
         str,
@@ -109,29 +115,43 @@ def sweep(
     force: ForceOpt = False,
     max_memory: Annotated[
         str | None,
-        typer.Option("--max-memory", help="Memory the sweep may hold, states and engine (default: what is available)."),
+        typer.Option(
+            "--max-memory", help="Memory the sweep may hold, states and engine (default: what is available)."
+        ),
     ] = None,
     device: Annotated[
         str, typer.Option("--device", help="Where the states live: auto (the GPU when present), cpu or cuda.")
     ] = "auto",
     accum_dtype: Annotated[str, typer.Option("--accum-dtype", help="float32 or float64 states.")] = "float32",
     out_dtype: Annotated[
-        str | None, typer.Option("--out-dtype", help="The dtype the configs are cast to (default: the inputs').")
+        str | None,
+        typer.Option("--out-dtype", help="The dtype the configs are cast to (default: the inputs')."),
     ] = None,
-    allow_nonfinite: Annotated[bool, typer.Option("--allow-nonfinite", help="Do not stop on NaN/Inf in inputs.")] = False,
+    allow_nonfinite: Annotated[
+        bool, typer.Option("--allow-nonfinite", help="Do not stop on NaN/Inf in inputs.")
+    ] = False,
     cast_base: Annotated[
         bool, typer.Option("--cast-base", help="Accept a base of another float dtype than the checkpoints.")
     ] = False,
     follow: Annotated[
-        bool, typer.Option("--follow", help="Keep watching CHECKPOINT_DIR; evaluate each new checkpoint as it lands.")
+        bool,
+        typer.Option(
+            "--follow", help="Keep watching CHECKPOINT_DIR; evaluate each new checkpoint as it lands."
+        ),
     ] = False,
-    until_step: Annotated[int | None, typer.Option("--until-step", help="--follow: stop after this step.")] = None,
+    until_step: Annotated[
+        int | None, typer.Option("--until-step", help="--follow: stop after this step.")
+    ] = None,
     idle_timeout: Annotated[
-        float | None, typer.Option("--idle-timeout", help="--follow: stop after this many seconds with nothing new.")
+        float | None,
+        typer.Option("--idle-timeout", help="--follow: stop after this many seconds with nothing new."),
     ] = None,
     poll: Annotated[float, typer.Option("--poll", help="--follow: seconds between looks.")] = 2.0,
     settle: Annotated[
-        float | None, typer.Option("--settle", help="--follow: seconds a checkpoint must hold still (no trainer_state.json).")
+        float | None,
+        typer.Option(
+            "--settle", help="--follow: seconds a checkpoint must hold still (no trainer_state.json)."
+        ),
     ] = None,
     executor: ExecutorOpt = "local",
     workers: WorkersOpt = 1,

@@ -16,6 +16,8 @@ import hashlib
 import json
 import os
 import resource
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,6 +30,7 @@ from bema_cli.eval.backends.base import EngineOptions, make_backend
 from bema_cli.eval.evaluate import EvalConfig, Evaluation, Job, evaluate_task, validate
 from bema_cli.eval.targets import STABILIZER_KEYS, VANILLA, Target, check_model_dir
 from bema_cli.eval.tasks import LOSS_TASKS
+from bema_cli.io.checkpoints import copy_aux_files
 from bema_cli.io.commit import check_apart
 from bema_cli.io.fingerprint import fingerprint, weight_files
 from bema_cli.io.safetensors import DTYPES, FLOATING
@@ -117,7 +120,9 @@ def input_prints(folders: dict[int, Path]) -> dict[int, list[dict]]:
     return {step: fingerprint(weight_files(folder)) for step, folder in folders.items()}
 
 
-def fingerprints(plan: Plan, at: list[Target], inputs: dict[int, list[dict]]) -> dict[Path, str]:
+def fingerprints(
+    plan: Plan, at: list[Target], inputs: dict[int, list[dict]], known: dict[Path, str] | None = None
+) -> dict[Path, str]:
     """Resume keys' `weights`: the files' own fingerprint for vanilla and theta0 (as `bema eval`
     takes it), and for a config a digest of its stabilizer, its step and every input up to it."""
     base = fingerprint(weight_files(plan.base_index.folder))
@@ -128,7 +133,7 @@ def fingerprints(plan: Plan, at: list[Target], inputs: dict[int, list[dict]]) ->
                    "inputs": [inputs[s] for s in sorted(inputs) if s <= t.step]}  # fmt: skip
             out[t.path] = "sweep:" + hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
         else:
-            out[t.path] = resume.weights_fingerprint(t.path)
+            out[t.path] = (known or {}).get(t.path) or resume.weights_fingerprint(t.path)
     return out
 
 
@@ -259,15 +264,19 @@ class Walk:
     step (a Ray actor runs one too: sweep/ray_split.py)."""
 
     def __init__(self, backend_name: str, engine: EngineOptions, stab: Options, plan: Plan, folder_of: dict,
-                 jobs: list[Job], held: dict | None = None):  # fmt: skip
+                 jobs: list[Job], aux_of: dict | None = None):  # fmt: skip
         self.plan, self.folder_of, self.base_folder = plan, folder_of, plan.base_index.folder
         device = torch_device(stab.device)
         stab = replace(stab, device=device.type, base=str(self.base_folder))
         steps = [j.target.step for j in jobs if not j.target.is_base]
-        first = folder_of[min(steps)] if steps else folder_of[min(folder_of)]
+        # the engine starts on a checkpoint (its dtype is the disk path's); --follow: the newest, the
+        # one least likely to be rotated away while the engine starts
+        start = min(steps) if steps else max(folder_of)
+        first = (aux_of or {}).get(start, folder_of[start])
         self.backend = make_backend(backend_name, engine)
         self.walked, self.evaluated, self.evaluate_s = [], 0, 0.0
-        self.backend.open_sweep(stab, first, held)
+        self.aux_of = aux_of if aux_of is not None else {}  # --follow: step -> a copy of its small files
+        self.backend.open_sweep(plan, stab, first)
 
     def run(self, jobs: list[Job], write, between=None) -> None:
         """Evaluate `jobs`: theta0's first (the base folder, loaded as `bema eval --base` does), then
@@ -297,9 +306,8 @@ class Walk:
                 bar.advance(task)
 
     def _folder(self, step: int) -> Path:
-        """Tokenizer and config files: the checkpoint's own, or (rotated away: --follow) the base's."""
-        folder = self.folder_of[step]
-        return folder if (folder / "config.json").is_file() else self.base_folder
+        """Where the tokenizer and config files of `step` are: the checkpoint (--follow: their copy)."""
+        return self.aux_of.get(step, self.folder_of[step])
 
     def _evaluate(self, job: Job, write, load) -> None:
         load()
@@ -344,6 +352,9 @@ class Follow:
         self.seen_through = -1
         self.fds: list[int] = []
         self.targets: list[Target] = []
+        self.known: dict[Path, str] = {}  # vanilla's weights fingerprint, taken as it landed
+        self.aux_of: dict[int, Path] = {}
+        self.aux = Path(tempfile.mkdtemp(prefix="bema-sweep-"))  # config/tokenizer copies (bytes, no weights)
         self.doc: dict = {}
 
     def look(self) -> bool:
@@ -361,17 +372,22 @@ class Follow:
         self.fds += fds
         held = {str(k): str(v).replace("/proc/self/", f"/proc/{os.getpid()}/") for k, v in mapping.items()}
         self.inputs.update(input_prints(new))
+        for step, folder in new.items():  # read now: the trainer may delete the folder before its turn
+            self.known[folder] = resume.weights_fingerprint(folder)
+            (self.aux / f"checkpoint-{step}").mkdir()
+            copy_aux_files(self.aux / f"checkpoint-{step}", [folder])
+            self.aux_of[step] = self.aux / f"checkpoint-{step}"
         if self.plan is None:
             self._start(new, held)
         else:
-            extend_plan(self.plan, {s: str(p) for s, p in new.items()}, self.stab.cast_base)
-            self.walk.backend.sweep_extend({s: str(p) for s, p in new.items()}, held)
+            extend_plan(self.plan, {s: str(p) for s, p in new.items()}, self.stab.cast_base, held)
+            self.walk.backend.sweep_extend(self.plan)
         self.folder_of.update(new)
         self.queued += sorted(new)
         return True
 
     def _start(self, new: dict, held: dict) -> None:
-        self.plan = plan_sweep(replace(self.stab, ready_steps=sorted(new)))
+        self.plan = plan_sweep(replace(self.stab, ready_steps=sorted(new)), held)
         _check_inputs(self.config, new, self.plan, [])
         if self.validated is not None:
             self.validated()
@@ -381,7 +397,9 @@ class Follow:
         )
         stab = replace(self.stab, ready_steps=sorted(new))
         output.log(f"following {self.watcher.run_dir} (poll every {self.poll:g} s)")
-        self.walk = Walk(self.evaluation.backend_name, self.engine, stab, self.plan, dict(new), [], held)
+        self.walk = Walk(
+            self.evaluation.backend_name, self.engine, stab, self.plan, dict(new), [], self.aux_of
+        )
         self.walk.folder_of = self.folder_of
 
     def _chosen(self, steps: list[int]) -> list[int]:
@@ -419,7 +437,8 @@ class Follow:
                 chosen = self._chosen(steps)
                 at = targets(self.plan, self.stab, chosen, self.folder_of) if chosen else []
                 self.targets += at
-                jobs = self.evaluation.plan(at, fingerprints(self.plan, at, self.inputs)) if at else []
+                prints = fingerprints(self.plan, at, self.inputs, self.known)
+                jobs = self.evaluation.plan(at, prints) if at else []
                 self.walk.run(jobs, self.evaluation.write, between=self.look)
                 self._advance_to(steps[-1])  # steps no --at step chose still move the averages
                 self.seen_through = steps[-1]
@@ -431,6 +450,7 @@ class Follow:
             if self.walk is not None:
                 self.walk.close()
             release(self.fds)
+            shutil.rmtree(self.aux, ignore_errors=True)
         if self.walk is None:
             return {"runs": [], "evaluated": 0, "records": [], "engine_starts": 0, "written_weight_bytes": 0,
                     "memory": {}, "seconds": time.perf_counter() - t0}  # fmt: skip

@@ -94,9 +94,9 @@ class Walker:
     """The grid's states over the whole model (see the module docstring). Used in one process: the
     caller's (transformers) or a vLLM worker's (the weights load where the states live)."""
 
-    def __init__(self, opts: Options, held: dict[str, str] | None = None):
+    def __init__(self, plan: Plan, opts: Options):
         self.opts = sweep_options(opts)
-        self.plan = plan = plan_sweep(self.opts, held)
+        self.plan = plan  # plan_sweep's (the driver's: a worker gets a copy, headers only)
         self.unit = [p for u in plan.units for p in u]
         if len(plan.units) > 1:  # cannot happen with WHOLE_MODEL; said plainly if it ever does
             raise InputError(f"{opts.checkpoint_dir}: the model did not fit one work unit")
@@ -122,8 +122,9 @@ class Walker:
         self.raw: dict = {}
         self._rings: list = []
 
-    def extend(self, folders: dict[int, str], held: dict[str, str] | None = None) -> None:
-        extend_plan(self.plan, folders, self.opts.cast_base, held)
+    def extend(self, plan: Plan) -> None:
+        """--follow: the driver's plan, extended by `extend_plan` with the checkpoints that landed."""
+        self.plan = plan
 
     def advance(self, step: int) -> None:
         """Read checkpoint `step` into theta_s and move every state that takes it (rings wait for
@@ -165,7 +166,7 @@ class Walker:
 
     def weights(self, run: str | None, dtype=None) -> Iterator[tuple[str, object]]:
         """(name, tensor) of config `run` at the current step (None: theta_s itself, i.e. vanilla),
-        each cast to its output dtype (what stabilize writes), then to `dtype` when given (an
+        each cast to its output dtype (what stabilize writes; vanilla: the checkpoint's), then to `dtype` when given (an
         engine's). Fresh tensors: a loader may keep them."""
         import torch
 
@@ -199,7 +200,8 @@ class Walker:
                     )
                     buffer = out[:n] if method in BUFFERED else None
                     result = part.estimate(event, th, drift=drift, out=buffer, method=method)
-                tensor = result.to(getattr(torch, DTYPES[self.out_dtypes[name]][0]), copy=True)
+                tag = self.out_dtypes[name] if found else p.info.dtype  # vanilla: the checkpoint as saved
+                tensor = result.to(getattr(torch, DTYPES[tag][0]), copy=True)
                 if dtype is not None and tensor.dtype != dtype:
                     tensor = tensor.to(dtype)
                 yield name, tensor.view(shape)

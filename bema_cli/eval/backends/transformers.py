@@ -90,14 +90,29 @@ class TransformersBackend:
 
     # `bema sweep`: the grid's states live in this process (sweep/walk.py); each config's weights
     # are copied into the one live model, no file written
-    def open_sweep(self, opts, folder: Path, held: dict | None = None) -> None:
+    def open_sweep(self, plan, opts, folder: Path) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
         from bema_cli.sweep.walk import Walker
 
-        self.load(folder)  # the architecture (and first tokenizer) from a checkpoint of the run
-        self.walker = Walker(opts, held)
+        # the architecture from the folder's config, no weights read: every config's come from the walker
+        self.tokenizer, self.template_source = chat.load_tokenizer(folder, self.options.chat_template)
+        self.stop_ids = chat.stop_token_ids(self.tokenizer, folder)
+        dtype = getattr(torch, resolve_dtype(self.options.dtype, folder))
+        try:
+            config = AutoConfig.from_pretrained(str(folder))
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except Exception as exc:
+            raise BackendError(
+                f"{folder}: transformers cannot build the model ({str(exc).splitlines()[0]})"
+            ) from None
+        self.model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+        self.dtype, self.path = dtype_name(self.model.dtype), Path(folder)
+        self.walker = Walker(plan, opts)
 
-    def sweep_extend(self, folders: dict, held: dict | None = None) -> None:
-        self.walker.extend(folders, held)
+    def sweep_extend(self, plan) -> None:
+        self.walker.extend(plan)
 
     def sweep_advance(self, step: int) -> None:
         self.walker.advance(step)

@@ -44,7 +44,7 @@ class VllmBackend:
         self.swapped: list[tuple[Path, dict]] = []  # --verify-swap: (checkpoint, its probe after the swap)
         self.sweeping, self.sweep_run = False, None  # `bema sweep`: the loaded weights are this config's
 
-    def engine_kwargs(self, path: Path) -> dict:
+    def engine_kwargs(self, path: Path, dummy: bool = False) -> dict:
         """The LLM(...) arguments of an engine on `path` (the shared one, or a fresh one to verify a swap)."""
         from vllm.platforms import current_platform
 
@@ -56,6 +56,8 @@ class VllmBackend:
             enforce_eager=self.options.enforce_eager or current_platform.is_cpu(),  # no graphs on CPU
             worker_extension_cls=f"{vllm_swap.__name__}.WeightSwapExtension", use_tqdm_on_load=output.progress_enabled(),
         )  # fmt: skip
+        if dummy:  # `bema sweep`: no weight file is read at start, every config's weights are streamed in
+            kwargs["load_format"] = "dummy"
         if self.options.data_parallel_size > 1:
             kwargs["data_parallel_size"] = self.options.data_parallel_size
         if current_platform.is_cpu():
@@ -66,11 +68,11 @@ class VllmBackend:
             kwargs["max_num_batched_tokens"] = max(self.max_model_len, 8192)
         return kwargs
 
-    def _start(self, path: Path, config: dict) -> None:
+    def _start(self, path: Path, config: dict, dummy: bool = False) -> None:
         from vllm import LLM
 
         self.max_model_len = self.options.max_model_len or default_max_model_len(config)
-        kwargs = self.engine_kwargs(path)
+        kwargs = self.engine_kwargs(path, dummy)
         where = (
             f" (vLLM's log: {self.options.log_file})"
             if self.options.log_file and not self.options.debug
@@ -137,12 +139,17 @@ class VllmBackend:
 
     # `bema sweep`: the states live in the engine's worker (vllm_swap.WeightSwapExtension), where
     # the weights load; only step numbers and config names cross to it
-    def open_sweep(self, opts, folder: Path, held: dict | None = None) -> None:
-        self.load(folder)  # the engine starts on a checkpoint of the run (its architecture)
-        self._rpc("bema_sweep_open", opts, held)
+    def open_sweep(self, plan, opts, folder: Path) -> None:
+        folder = Path(folder)
+        config = read_json(folder / "config.json")
+        self.tokenizer, self.template_source = chat.load_tokenizer(folder, self.options.chat_template)
+        self.stop_ids = chat.stop_token_ids(self.tokenizer, folder)
+        self._start(folder, config, dummy=True)  # the architecture of the run, weights from the walker
+        self.engine_path, self.engine_arch, self.path = folder, architecture(config), folder
+        self._rpc("bema_sweep_open", plan, opts)
 
-    def sweep_extend(self, folders: dict, held: dict | None = None) -> None:
-        self._rpc("bema_sweep_extend", folders, held)
+    def sweep_extend(self, plan) -> None:
+        self._rpc("bema_sweep_extend", plan)
 
     def sweep_advance(self, step: int) -> None:
         self._rpc("bema_sweep_advance", step)

@@ -89,14 +89,14 @@ class WeightSwapExtension:
 
     # `bema sweep`: the grid's states live here, where the weights load (sweep/walk.py); only a
     # step number or a config name crosses the process boundary, never a tensor
-    def bema_sweep_open(self, opts, held) -> int:
+    def bema_sweep_open(self, plan, opts) -> int:
         from bema_cli.sweep.walk import Walker
 
-        self._bema_walker, self._bema_loss_model = Walker(opts, held), None
+        self._bema_walker, self._bema_loss_model = Walker(plan, opts), None
         return self._bema_walker.size
 
-    def bema_sweep_extend(self, folders, held) -> bool:
-        self._bema_walker.extend(folders, held)
+    def bema_sweep_extend(self, plan) -> bool:
+        self._bema_walker.extend(plan)
         return True
 
     def bema_sweep_advance(self, step: int) -> bool:

@@ -1,0 +1,251 @@
+"""`bema sweep`: a grid evaluated from memory equals `bema stabilize` + `bema eval`, on both backends.
+
+The trajectory is a real tiny Qwen2 model with noise added step by step (4 fp32 checkpoints),
+so every config's weights differ. Equality is checked record by record (every field except
+the ones that name the model by its path or time: model_path, resume_key.weights, created,
+eval_id, seconds) and sample by sample (sampled generations, 2 per prompt, seeded), and the
+walker's weights tensor by tensor against the files `bema stabilize` writes (bitwise: the
+sweep runs the same recurrence code on the same bytes; stabilize itself is held against a
+float64 reference in test_stabilize/test_windows).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import one_line_error, run_bema, vllm_available
+from test_eval import read_jsonl, write_data
+
+STEPS = (10, 20, 30, 40)
+GRID = ["--method", "bema,ema,lawa,wsm", "--window", "2", "--schedule", "minus-sqrt"]
+PROTOCOL = ["--tasks", "gsm8k,loss", "--n-samples", "2", "--max-new-tokens", "8", "--limit", "3",
+            "--dtype", "float32", "--log-samples"]  # fmt: skip
+VOLATILE = ("model_path", "created", "eval_id", "seconds")
+
+
+def make_run(base: Path, run: Path, steps=STEPS, scale: float = 0.02) -> None:
+    """Checkpoints of a noisy walk away from `base` (each step adds scale * N(0, 1) to every weight)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(base / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    for step in steps:
+        weights = {k: v + scale * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+        folder = run / f"checkpoint-{step}"
+        shutil.copytree(base, folder)
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def world(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    make_run(tiny_model_dir, root / "run")
+    data = write_data(root / "data")
+    common = ["--data-dir", data, "--loss-data", data / "heldout.jsonl", *PROTOCOL]
+    return {"root": root, "run": root / "run", "base": tiny_model_dir, "common": common}
+
+
+def disk_path(world, backend: str, out: Path, steps: str = "20,40") -> None:
+    r = run_bema("stabilize", world["run"], "--base", world["base"], "--out", out / "stab", *GRID, "--steps", steps)
+    assert r.returncode == 0, r.stderr
+    ckpts = [world["run"] / f"checkpoint-{s}" for s in steps.split(",")]
+    r = run_bema("eval", out / "stab", *ckpts, "--base", world["base"], "--backend", backend,
+                 "--out", out / "results", *world["common"])  # fmt: skip
+    assert r.returncode == 0, r.stderr
+
+
+def sweep(world, backend: str, out: Path, *extra, at: str = "0,20,40"):
+    return run_bema("sweep", world["run"], "--base", world["base"], "--out", out, *GRID, "--at", at,
+                    "--backend", backend, *world["common"], *extra)  # fmt: skip
+
+
+def keyed(out: Path) -> dict:
+    rows = read_jsonl(out / "results.jsonl")
+    table = {(r["run"], r["step"], r["task"]): r for r in rows}
+    assert len(table) == len(rows)
+    return table
+
+
+def samples(out: Path) -> dict:
+    return {(s["run"] or "base", s["step"], s["task"], s["doc_id"]): s["responses"]
+            for s in read_jsonl(out / "samples.jsonl")}  # fmt: skip
+
+
+def same_as_disk(disk: Path, swept: Path) -> None:
+    a, b = keyed(disk), keyed(swept)
+    assert sorted(a) == sorted(b) and len(a) == 5 * 3 * 2  # (vanilla + 4 configs) x (0, 20, 40) x 2 tasks
+    for key in a:
+        x, y = dict(a[key]), dict(b[key])
+        wx, wy = x.pop("resume_key").pop("weights"), y.pop("resume_key").pop("weights")
+        for field in VOLATILE:
+            x.pop(field), y.pop(field)
+        assert x == y, key  # metrics, per-item scores, stabilizer, protocol, seeds, dtype, backend
+        if key[0] == "vanilla" or key[1] == 0:  # the same files on both paths: the same fingerprint
+            assert wx == wy
+        else:
+            assert b[key]["model_path"] == f"sweep:{key[0]}/checkpoint-{key[1]}" and wy.startswith("sweep:")
+    # held-out loss exactly equal (tolerance 0: the same bytes through the same forward pass)
+    assert a["bema-k0.5-e0.2", 40, "loss"]["metrics"]["loss"] == b["bema-k0.5-e0.2", 40, "loss"]["metrics"]["loss"]
+    sa, sb = samples(disk), samples(swept)
+    assert sa == sb  # sampled generations, seeded: identical text
+    # ... and not vacuously: the configs' weights differ, so do their samples and losses
+    assert any(sb["vanilla", 40, "gsm8k", d] != sb["bema-k0.5-e0.2", 40, "gsm8k", d] for d in ("0", "1", "2", "3", "4", "5")
+               if ("vanilla", 40, "gsm8k", d) in sb)  # fmt: skip
+    losses = {b[r, 40, "loss"]["metrics"]["loss"] for r in ("vanilla", "bema-k0.5-e0.2", "ema-k0.5", "lawa-w2")}
+    assert len(losses) == 4
+    # nothing but records (and logs) in the sweep's folder: no weight file was ever written
+    assert sorted(p.name for p in swept.iterdir()) <= ["libraries.log", "results.jsonl", "samples.jsonl", "vllm.log"]
+
+
+def test_walker_weights_equal_stabilize_outputs_bitwise(world, tmp_path):
+    """Every config at every step, with a --phi cadence and a cast output dtype, tensor for tensor."""
+    from safetensors.torch import load_file
+
+    from bema_cli.stabilize import Options, grid
+    from bema_cli.sweep.walk import Walker, plan_sweep
+
+    flags = ["--method", "bema,ema,dema,ouema,lawa,wsm,swa,power", "--window", "3", "--phi", "20",
+             "--out-dtype", "bfloat16"]  # fmt: skip
+    r = run_bema("stabilize", world["run"], "--base", world["base"], "--out", tmp_path / "stab", *flags)
+    assert r.returncode == 0, r.stderr
+    schedules = grid(["bema", "ema", "dema", "ouema", "lawa", "wsm", "swa", "power"], windows=[3], phi=20)
+    opts = Options(str(world["run"]), schedules, str(tmp_path / "none"), base=str(world["base"]), out_dtype="bfloat16")
+    walker = Walker(plan_sweep(opts), opts)
+    compared = 0
+    for step in STEPS:
+        walker.advance(step)
+        for run in walker.plan.runs:
+            folder = tmp_path / "stab" / run.name / f"checkpoint-{step}"
+            if run.events[step].action == "skip":
+                assert not folder.exists()
+                continue
+            disk = load_file(str(folder / "model.safetensors"))
+            mine = dict(walker.weights(run.name))
+            assert sorted(mine) == sorted(disk)
+            for name, tensor in disk.items():
+                assert mine[name].dtype == tensor.dtype and bool((mine[name] == tensor).all()), (run.name, step, name)
+            compared += 1
+        vanilla = dict(walker.weights(None))
+        raw = load_file(str(world["run"] / f"checkpoint-{step}" / "model.safetensors"))
+        assert all(bool((vanilla[n].float() == raw[n]).all()) for n in raw)
+        walker.finish()
+    assert compared == 8 * 2  # phi 20: steps 20 and 40 for each of the 8 configs
+
+
+def test_sweep_equals_disk_path_on_transformers(world, tmp_path):
+    disk_path(world, "transformers", tmp_path / "disk")
+    r = sweep(world, "transformers", tmp_path / "sweep", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["engine_starts"] == 1 and doc["written_weight_bytes"] == 0 and doc["walked_steps"] == [10, 20, 30, 40]
+    assert doc["memory"]["peak_rss"] > 0 and doc["memory"]["estimate"] >= doc["memory"]["parts"]["states"] > 0
+    same_as_disk(tmp_path / "disk" / "results", tmp_path / "sweep")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vllm is not importable")
+def test_sweep_equals_disk_path_on_vllm(world, tmp_path):
+    disk_path(world, "vllm", tmp_path / "disk")
+    r = sweep(world, "vllm", tmp_path / "sweep")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("starting vLLM engine") == 1
+    same_as_disk(tmp_path / "disk" / "results", tmp_path / "sweep")
+
+
+def test_a_killed_sweep_resumes_with_only_the_missing_evaluations(world, tmp_path):
+    out = tmp_path / "sweep"
+    first = sweep(world, "transformers", out, "--json", at="20")
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["evaluated"] == 5 * 2
+    lines = (out / "results.jsonl").read_text().splitlines(keepends=True)
+    (out / "results.jsonl").write_text("".join(lines[:-3]))  # killed before its last 3 evaluations
+    second = sweep(world, "transformers", out, "--json", at="20,40")
+    assert second.returncode == 0, second.stderr
+    assert json.loads(second.stdout)["evaluated"] == 3 + 5 * 2
+    whole = sweep(world, "transformers", tmp_path / "whole", at="20,40")
+    assert whole.returncode == 0, whole.stderr
+    a, b = keyed(out), keyed(tmp_path / "whole")
+    assert sorted(a) == sorted(b) and all(a[k]["metrics"] == b[k]["metrics"] for k in a)
+    again = sweep(world, "transformers", out, at="20,40")
+    assert again.returncode == 0 and "up to date" in again.stderr
+
+
+def test_grid_from_a_config_file_is_the_same_sweep(world, tmp_path):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("methods:\n  bema: {kappa: [0.5], eta: [0.2]}\n  ema: {kappa: [0.5]}\n"
+                    "  lawa: {window: [2]}\n  wsm: {window: [2], schedule: [minus-sqrt]}\n")  # fmt: skip
+    r = run_bema("sweep", world["run"], "--base", world["base"], "--out", tmp_path / "cfg", "--config", grid,
+                 "--at", "40", "--backend", "transformers", "--tasks", "loss",
+                 "--loss-data", world["root"] / "data" / "heldout.jsonl", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["runs"] == ["bema-k0.5-e0.2", "ema-k0.5", "lawa-w2", "wsm-minus_sqrt-w2"]
+
+
+def test_bad_input_is_one_line(world, tmp_path):
+    loss = ["--tasks", "loss", "--loss-data", world["root"] / "data" / "heldout.jsonl", "--backend", "transformers"]
+    base = ["sweep", world["run"], "--base", world["base"], "--out", tmp_path / "o"]
+    line = one_line_error(run_bema(*base, "--at", "25", *loss), 2)
+    assert "--at: no checkpoint at step 25 (found 10, 20, 30, 40; 0 is theta0)" in line
+    line = one_line_error(run_bema(*base, "--max-memory", "64MB", *GRID, *loss), 2)
+    assert "needs an estimated" in line and "states" in line and "bema stabilize then bema eval" in line
+    line = one_line_error(run_bema(*base, "--follow", "--at", "last", *loss), 2)
+    assert "--at last" in line
+    assert not (tmp_path / "o" / "results.jsonl").exists()
+
+
+def test_follow_evaluates_each_checkpoint_of_a_rotating_run(world, tmp_path):
+    """A "trainer" copies the checkpoints in one by one (trainer_state.json marks each complete) and
+    keeps only the newest 2, as save_total_limit does; the followed sweep's records equal a batch
+    sweep's over the whole trajectory, none lost to the rotation."""
+    live = tmp_path / "live"
+    live.mkdir()
+
+    def trainer():
+        for step in STEPS:
+            folder = live / f"checkpoint-{step}"
+            shutil.copytree(world["run"] / f"checkpoint-{step}", tmp_path / "tmp")
+            (tmp_path / "tmp" / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+            os.rename(tmp_path / "tmp", folder)
+            for old in sorted(live.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:
+                shutil.rmtree(old)
+            time.sleep(0.5)
+
+    loss = ["--tasks", "loss", "--loss-data", world["root"] / "data" / "heldout.jsonl", "--backend", "transformers"]
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    r = run_bema("sweep", live, "--base", world["base"], "--out", tmp_path / "f", *GRID, *loss,
+                 "--follow", "--poll", "0.2", "--until-step", "40", "--idle-timeout", "60")  # fmt: skip
+    thread.join()
+    assert r.returncode == 0, r.stderr
+    batch = run_bema("sweep", world["run"], "--base", world["base"], "--out", tmp_path / "b", *GRID, *loss)
+    assert batch.returncode == 0, batch.stderr
+    a, b = keyed(tmp_path / "f"), keyed(tmp_path / "b")
+    assert sorted(a) == sorted(b) and len(a) == 5 * 4
+    assert all(a[k]["metrics"] == b[k]["metrics"] for k in a)
+
+
+@pytest.mark.slow
+def test_ray_actors_split_the_grid_and_match_local(world, tmp_path):
+    ray = pytest.importorskip("ray")
+    loss = ["--tasks", "loss", "--loss-data", world["root"] / "data" / "heldout.jsonl", "--backend", "transformers"]
+    ctx = ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20)
+    try:
+        env = {"RAY_ADDRESS": ctx.address_info["gcs_address"]}
+        r = run_bema("sweep", world["run"], "--base", world["base"], "--out", tmp_path / "ray", *GRID, *loss,
+                     "--executor", "ray", "--workers", "2", "--json", env=env)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["engine_starts"] == 2
+    finally:
+        ray.shutdown()
+    local = run_bema("sweep", world["run"], "--base", world["base"], "--out", tmp_path / "local", *GRID, *loss)
+    assert local.returncode == 0, local.stderr
+    a, b = keyed(tmp_path / "ray"), keyed(tmp_path / "local")
+    assert sorted(a) == sorted(b) and all(a[k]["metrics"] == b[k]["metrics"] for k in a)

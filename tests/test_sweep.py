@@ -251,3 +251,25 @@ def test_ray_actors_split_the_grid_and_match_local(world, tmp_path):
     assert local.returncode == 0, local.stderr
     a, b = keyed(tmp_path / "ray"), keyed(tmp_path / "local")
     assert sorted(a) == sorted(b) and all(a[k]["metrics"] == b[k]["metrics"] for k in a)
+
+
+def test_select_names_and_writes_a_swept_winner(world, tmp_path):
+    """`bema select` on sweep records: the winner is said to live in memory, and --write rebuilds it from
+    the run (the vanilla record at its step names the checkpoint) bitwise as `bema stabilize` writes it."""
+    from safetensors.torch import load_file
+
+    loss = ["--tasks", "loss", "--loss-data", world["root"] / "data" / "heldout.jsonl", "--backend", "transformers"]
+    r = run_bema("sweep", world["run"], "--base", world["base"], "--out", tmp_path / "s", *GRID, *loss, "--at", "40")
+    assert r.returncode == 0, r.stderr
+    r = run_bema("select", tmp_path / "s", "--metric", "loss", "--write", tmp_path / "ship", "--json")
+    assert r.returncode == 0, r.stderr
+    winner = json.loads(r.stdout)["winner"]
+    assert winner["path"].startswith("sweep:") and winner["run"] != "vanilla"  # the EMA's loss is lowest here
+    text = run_bema("select", tmp_path / "s", "--metric", "loss")
+    assert "evaluated in memory by bema sweep" in text.stdout
+    ref = tmp_path / "ref"
+    r = run_bema("stabilize", world["run"], "--base", world["base"], "--out", ref, *GRID, "--steps", "40")
+    assert r.returncode == 0, r.stderr
+    written = next((tmp_path / "ship").rglob("model.safetensors"))
+    a, b = load_file(str(written)), load_file(str(ref / winner["run"] / "checkpoint-40" / "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(bool((a[k] == b[k]).all()) for k in a)

@@ -10,6 +10,7 @@ import typer
 
 from bema_cli import output
 from bema_cli.errors import InputError
+from bema_cli.eval.targets import SWEEP_SCHEME
 from bema_cli.options import JsonOpt, SeedOpt
 
 
@@ -71,7 +72,14 @@ def write_winner(doc: dict, records: list[dict], out: Path) -> dict:
     path = Path(winner["path"] or "")
     stab = dict(winner.get("stabilizer") or {"method": "vanilla"})
     bema_json = path / "bema.json"
-    if bema_json.is_file():
+    if str(winner["path"] or "").startswith(SWEEP_SCHEME):  # evaluated by `bema sweep`, never on disk
+        raw = [r for r in records if r.get("run") == "vanilla" and r.get("step") == winner["step"]]
+        if not raw:
+            raise InputError(
+                f"{winner['path']}: no vanilla record at step {winner['step']} names the checkpoint it came from"
+            )
+        source, base = Path(raw[-1]["model_path"]), stab.get("theta0_source")
+    elif bema_json.is_file():
         record = json.loads(bema_json.read_text())
         source = Path(record["source_checkpoint"])
         base = record.get("theta0_source")
@@ -146,4 +154,6 @@ def _print(doc: dict) -> None:
     output.print_table(table)
     w = doc["winner"]
     where = f" ({w['path']})" if w["path"] and Path(w["path"]).is_dir() else ""
+    if str(w["path"] or "").startswith(SWEEP_SCHEME):
+        where = " (evaluated in memory by bema sweep: --write OUT writes it)"
     output.stdout.print(f"winner: {w['run']} at step {w['step']}{where}", highlight=False)

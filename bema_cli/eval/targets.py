@@ -30,6 +30,7 @@ STABILIZER_KEYS = (
     "window", "schedule", "swa_start", "sigma_rel", "power_gamma", "accum_dtype", "out_dtype", "theta0_source",
 )  # fmt: skip
 VANILLA = {"method": "vanilla"}
+SWEEP_SCHEME = "sweep:"  # model_path of a `bema sweep` config's record: evaluated in memory, never on disk
 
 
 @dataclass

@@ -28,7 +28,7 @@ from bema_cli.errors import InputError, UsageError
 from bema_cli.eval import resume
 from bema_cli.eval.backends.base import EngineOptions, make_backend
 from bema_cli.eval.evaluate import EvalConfig, Evaluation, Job, evaluate_task, validate
-from bema_cli.eval.targets import STABILIZER_KEYS, VANILLA, Target, check_model_dir
+from bema_cli.eval.targets import STABILIZER_KEYS, SWEEP_SCHEME, VANILLA, Target, check_model_dir
 from bema_cli.eval.tasks import LOSS_TASKS
 from bema_cli.io.checkpoints import copy_aux_files
 from bema_cli.io.commit import check_apart
@@ -41,7 +41,6 @@ from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.unit import torch_device
 from bema_cli.sweep.walk import extend_plan, plan_sweep, state_bytes, sweep_options
 
-SWEEP_SCHEME = "sweep:"  # model_path of a config's record: evaluated from memory, never on disk
 CPU_KV_DEFAULT_GIB = 4  # vLLM-CPU's KV cache when VLLM_CPU_KVCACHE_SPACE is unset
 RUNTIME_BYTES = 1 << 30  # Python, torch, tokenizers and the engine's code: measured ~0.8-1 GB RSS
 

@@ -255,6 +255,7 @@ def _finish(doc: dict, evaluation: Evaluation, at: list[Target], t0: float) -> d
     doc["records"] = [r for r in evaluation.results.records if (r["model_path"], r["run"], r["task"]) in keys]
     doc["memory"]["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     doc["bema_version"], doc["seconds"] = __version__, time.perf_counter() - t0
+    doc["finished_at"] = time.time()  # the engine's teardown at exit comes after (the benchmark separates it)
     return doc
 
 
@@ -276,6 +277,7 @@ class Walk:
         self.walked, self.evaluated, self.evaluate_s = [], 0, 0.0
         self.aux_of = aux_of if aux_of is not None else {}  # --follow: step -> a copy of its small files
         self.backend.open_sweep(plan, stab, first)
+        self.engine_ready_at = time.time()  # the one-time start-up ends here (the benchmark separates it)
 
     def run(self, jobs: list[Job], write, between=None) -> None:
         """Evaluate `jobs`: theta0's first (the base folder, loaded as `bema eval --base` does), then
@@ -319,6 +321,7 @@ class Walk:
 
     def summary(self) -> dict:
         return {"evaluated": self.evaluated, "engine_starts": 1, "walked_steps": self.walked,
+                "engine_ready_at": self.engine_ready_at,
                 "evaluate_s": self.evaluate_s}  # fmt: skip
 
     def close(self) -> None:

@@ -96,7 +96,9 @@ def test_flags_in_the_flag_tables_exist():
     text = README.read_text()
     section = text[text.index("## Commands and their main flags") :]
     section = section[: section.index("\n## ", 1)]
-    helps = "".join(help_text(sub) for sub in ("stabilize", "eval", "rescore", "report", "simulate", "demo"))
+    helps = "".join(
+        help_text(sub) for sub in ("stabilize", "eval", "sweep", "rescore", "report", "simulate", "demo")
+    )
     helps += help_text(None)
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", section))
     assert len(flags) > 30
@@ -144,6 +146,10 @@ def test_cpu_commands_run_on_a_quick_demo(tmp_path):
     assert (tmp_path / "demo" / "grid-results" / "results.jsonl").is_file()
     assert (tmp_path / "demo" / "simulate.png").stat().st_size > 1000
     assert list((tmp_path / "demo" / "ship").glob("*/checkpoint-*/README.md"))  # select --write's card
+    # the sweep -> select -> push loop: records only, then the winner alone written, with its card
+    assert (tmp_path / "demo" / "sweep" / "results.jsonl").is_file()
+    assert not list((tmp_path / "demo" / "sweep").rglob("*.safetensors"))
+    assert list((tmp_path / "demo" / "sweep-ship").glob("*/checkpoint-*/README.md"))
 
 
 @pytest.mark.slow

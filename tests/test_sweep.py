@@ -53,7 +53,9 @@ def world(tiny_model_dir, tmp_path_factory):
 
 
 def disk_path(world, backend: str, out: Path, steps: str = "20,40") -> None:
-    r = run_bema("stabilize", world["run"], "--base", world["base"], "--out", out / "stab", *GRID, "--steps", steps)
+    r = run_bema(
+        "stabilize", world["run"], "--base", world["base"], "--out", out / "stab", *GRID, "--steps", steps
+    )
     assert r.returncode == 0, r.stderr
     ckpts = [world["run"] / f"checkpoint-{s}" for s in steps.split(",")]
     r = run_bema("eval", out / "stab", *ckpts, "--base", world["base"], "--backend", backend,
@@ -92,16 +94,26 @@ def same_as_disk(disk: Path, swept: Path) -> None:
         else:
             assert b[key]["model_path"] == f"sweep:{key[0]}/checkpoint-{key[1]}" and wy.startswith("sweep:")
     # held-out loss exactly equal (tolerance 0: the same bytes through the same forward pass)
-    assert a["bema-k0.5-e0.2", 40, "loss"]["metrics"]["loss"] == b["bema-k0.5-e0.2", 40, "loss"]["metrics"]["loss"]
+    assert (
+        a["bema-k0.5-e0.2", 40, "loss"]["metrics"]["loss"]
+        == b["bema-k0.5-e0.2", 40, "loss"]["metrics"]["loss"]
+    )
     sa, sb = samples(disk), samples(swept)
     assert sa == sb  # sampled generations, seeded: identical text
     # ... and not vacuously: the configs' weights differ, so do their samples and losses
     assert any(sb["vanilla", 40, "gsm8k", d] != sb["bema-k0.5-e0.2", 40, "gsm8k", d] for d in ("0", "1", "2", "3", "4", "5")
                if ("vanilla", 40, "gsm8k", d) in sb)  # fmt: skip
-    losses = {b[r, 40, "loss"]["metrics"]["loss"] for r in ("vanilla", "bema-k0.5-e0.2", "ema-k0.5", "lawa-w2")}
+    losses = {
+        b[r, 40, "loss"]["metrics"]["loss"] for r in ("vanilla", "bema-k0.5-e0.2", "ema-k0.5", "lawa-w2")
+    }
     assert len(losses) == 4
     # nothing but records (and logs) in the sweep's folder: no weight file was ever written
-    assert sorted(p.name for p in swept.iterdir()) <= ["libraries.log", "results.jsonl", "samples.jsonl", "vllm.log"]
+    assert sorted(p.name for p in swept.iterdir()) <= [
+        "libraries.log",
+        "results.jsonl",
+        "samples.jsonl",
+        "vllm.log",
+    ]
 
 
 @pytest.mark.parametrize("phi, out_dtype", [(None, None), (20, "bfloat16")])
@@ -118,7 +130,9 @@ def test_walker_weights_equal_stabilize_outputs_bitwise(world, tmp_path, phi, ou
     r = run_bema("stabilize", world["run"], "--base", world["base"], "--out", tmp_path / "stab", *flags)
     assert r.returncode == 0, r.stderr
     schedules = grid(["bema", "ema", "dema", "ouema", "lawa", "wsm", "swa", "power"], windows=[3], phi=phi)
-    opts = Options(str(world["run"]), schedules, str(tmp_path / "none"), base=str(world["base"]), out_dtype=out_dtype)
+    opts = Options(
+        str(world["run"]), schedules, str(tmp_path / "none"), base=str(world["base"]), out_dtype=out_dtype
+    )
     walker = Walker(plan_sweep(opts), opts)
     compared = 0
     for step in STEPS:
@@ -132,7 +146,11 @@ def test_walker_weights_equal_stabilize_outputs_bitwise(world, tmp_path, phi, ou
             mine = dict(walker.weights(run.name))
             assert sorted(mine) == sorted(disk)
             for name, tensor in disk.items():
-                assert mine[name].dtype == tensor.dtype and bool((mine[name] == tensor).all()), (run.name, step, name)
+                assert mine[name].dtype == tensor.dtype and bool((mine[name] == tensor).all()), (
+                    run.name,
+                    step,
+                    name,
+                )
             compared += 1
         vanilla = dict(walker.weights(None))
         raw = load_file(str(world["run"] / f"checkpoint-{step}" / "model.safetensors"))
@@ -146,7 +164,11 @@ def test_sweep_equals_disk_path_on_transformers(world, tmp_path):
     r = sweep(world, "transformers", tmp_path / "sweep", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert doc["engine_starts"] == 1 and doc["written_weight_bytes"] == 0 and doc["walked_steps"] == [10, 20, 30, 40]
+    assert (
+        doc["engine_starts"] == 1
+        and doc["written_weight_bytes"] == 0
+        and doc["walked_steps"] == [10, 20, 30, 40]
+    )
     assert doc["memory"]["peak_rss"] > 0 and doc["memory"]["estimate"] >= doc["memory"]["parts"]["states"] > 0
     same_as_disk(tmp_path / "disk" / "results", tmp_path / "sweep")
 
@@ -192,7 +214,14 @@ def test_grid_from_a_config_file_is_the_same_sweep(world, tmp_path):
 
 
 def test_bad_input_is_one_line(world, tmp_path):
-    loss = ["--tasks", "loss", "--loss-data", world["root"] / "data" / "heldout.jsonl", "--backend", "transformers"]
+    loss = [
+        "--tasks",
+        "loss",
+        "--loss-data",
+        world["root"] / "data" / "heldout.jsonl",
+        "--backend",
+        "transformers",
+    ]
     base = ["sweep", world["run"], "--base", world["base"], "--out", tmp_path / "o"]
     line = one_line_error(run_bema(*base, "--at", "25", *loss), 2)
     assert "--at: no checkpoint at step 25 (found 10, 20, 30, 40; 0 is theta0)" in line
@@ -220,7 +249,14 @@ def test_follow_evaluates_each_checkpoint_of_a_rotating_run(world, tmp_path):
                 shutil.rmtree(old)
             time.sleep(0.5)
 
-    loss = ["--tasks", "loss", "--loss-data", world["root"] / "data" / "heldout.jsonl", "--backend", "transformers"]
+    loss = [
+        "--tasks",
+        "loss",
+        "--loss-data",
+        world["root"] / "data" / "heldout.jsonl",
+        "--backend",
+        "transformers",
+    ]
     thread = threading.Thread(target=trainer)
     thread.start()
     r = run_bema("sweep", live, "--base", world["base"], "--out", tmp_path / "f", *GRID, *loss,
@@ -237,7 +273,14 @@ def test_follow_evaluates_each_checkpoint_of_a_rotating_run(world, tmp_path):
 @pytest.mark.slow
 def test_ray_actors_split_the_grid_and_match_local(world, tmp_path):
     ray = pytest.importorskip("ray")
-    loss = ["--tasks", "loss", "--loss-data", world["root"] / "data" / "heldout.jsonl", "--backend", "transformers"]
+    loss = [
+        "--tasks",
+        "loss",
+        "--loss-data",
+        world["root"] / "data" / "heldout.jsonl",
+        "--backend",
+        "transformers",
+    ]
     ctx = ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20)
     try:
         env = {"RAY_ADDRESS": ctx.address_info["gcs_address"]}
@@ -247,7 +290,9 @@ def test_ray_actors_split_the_grid_and_match_local(world, tmp_path):
         assert json.loads(r.stdout)["engine_starts"] == 2
     finally:
         ray.shutdown()
-    local = run_bema("sweep", world["run"], "--base", world["base"], "--out", tmp_path / "local", *GRID, *loss)
+    local = run_bema(
+        "sweep", world["run"], "--base", world["base"], "--out", tmp_path / "local", *GRID, *loss
+    )
     assert local.returncode == 0, local.stderr
     a, b = keyed(tmp_path / "ray"), keyed(tmp_path / "local")
     assert sorted(a) == sorted(b) and all(a[k]["metrics"] == b[k]["metrics"] for k in a)
@@ -258,8 +303,17 @@ def test_select_names_and_writes_a_swept_winner(world, tmp_path):
     the run (the vanilla record at its step names the checkpoint) bitwise as `bema stabilize` writes it."""
     from safetensors.torch import load_file
 
-    loss = ["--tasks", "loss", "--loss-data", world["root"] / "data" / "heldout.jsonl", "--backend", "transformers"]
-    r = run_bema("sweep", world["run"], "--base", world["base"], "--out", tmp_path / "s", *GRID, *loss, "--at", "40")
+    loss = [
+        "--tasks",
+        "loss",
+        "--loss-data",
+        world["root"] / "data" / "heldout.jsonl",
+        "--backend",
+        "transformers",
+    ]
+    r = run_bema(
+        "sweep", world["run"], "--base", world["base"], "--out", tmp_path / "s", *GRID, *loss, "--at", "40"
+    )
     assert r.returncode == 0, r.stderr
     r = run_bema("select", tmp_path / "s", "--metric", "loss", "--write", tmp_path / "ship", "--json")
     assert r.returncode == 0, r.stderr
@@ -271,5 +325,8 @@ def test_select_names_and_writes_a_swept_winner(world, tmp_path):
     r = run_bema("stabilize", world["run"], "--base", world["base"], "--out", ref, *GRID, "--steps", "40")
     assert r.returncode == 0, r.stderr
     written = next((tmp_path / "ship").rglob("model.safetensors"))
-    a, b = load_file(str(written)), load_file(str(ref / winner["run"] / "checkpoint-40" / "model.safetensors"))
+    a, b = (
+        load_file(str(written)),
+        load_file(str(ref / winner["run"] / "checkpoint-40" / "model.safetensors")),
+    )
     assert sorted(a) == sorted(b) and all(bool((a[k] == b[k]).all()) for k in a)

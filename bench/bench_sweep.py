@@ -124,7 +124,7 @@ def one_pair(world: dict, root: Path, at: list[int], protocol: list, i: int) -> 
         "sweep_s": sweep.seconds, "disk_s": stab.seconds + ev.seconds, "stabilize_s": stab.seconds, "eval_s": ev.seconds,
         "sweep_in": sweep_in, "disk_in": disk_in, "sweep_out": sweep.seconds - sweep_in,
         "disk_out": stab.seconds + ev.seconds - disk_in, "fixed": fixed, "max_rss": sweep.max_rss,
-        "estimate": doc["memory"]["estimate"], "parts": doc["memory"]["parts"],
+        "estimate": doc["memory"]["estimate"], "parts": doc["memory"]["parts"], "walk_s": doc["walk_s"],
         "starts": {"sweep": sweep.stderr.count("starting vLLM engine") or doc["engine_starts"],
                    "disk": ev.stderr.count("starting vLLM engine") or 1},
         "written": {"sweep": weight_bytes(root / f"sweep{i}"), "disk": weight_bytes(root / f"stab{i}")},
@@ -171,6 +171,8 @@ def main(argv=None) -> None:
             ("  outside, start-up/exit excluded", f"{med['sweep_out'] - med['fixed']:.1f} s / "
              f"{med['disk_out'] - med['fixed']:.1f} s -> {variable:.2f} (start-up + exit {med['fixed']:.1f} s)",
              f"<= {OUTSIDE_TARGET}", "PASS" if variable <= OUTSIDE_TARGET else "FAIL"),
+            ("resume cost: the walk alone", f"{statistics.median(p['walk_s'] for p in pairs):.2f} s for "
+             f"{args.checkpoints} checkpoints (reads + state updates)", "-", "-"),
             ("engine starts", f"sweep {starts['sweep']}, disk path {starts['disk']}", "sweep 1",
              "PASS" if all(p["starts"]["sweep"] == 1 for p in pairs) else "FAIL"),
             ("peak RSS vs estimate", f"{rss / MiB:.0f} MiB vs {estimate / MiB:.0f} MiB ({rss / estimate:.2f})",

@@ -33,7 +33,7 @@ from bema_cli.eval.tasks import LOSS_TASKS
 from bema_cli.io.checkpoints import copy_aux_files
 from bema_cli.io.commit import check_apart
 from bema_cli.io.fingerprint import fingerprint, weight_files
-from bema_cli.io.safetensors import DTYPES, FLOATING
+from bema_cli.io.safetensors import FLOATING
 from bema_cli.io.watch import SETTLE_FLOOR, Watcher, hold_files, release, wait_for
 from bema_cli.signals import Terminated
 from bema_cli.stabilize import meta
@@ -136,23 +136,48 @@ def fingerprints(
     return out
 
 
+ENGINE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def memory_estimate(
-    plan: Plan, opts: Options, config: EvalConfig, engine: EngineOptions, backend: str
+    plan: Plan, opts: Options, config: EvalConfig, engine: EngineOptions, backend: str, gpu: bool = False
 ) -> dict:
-    """Peak bytes the sweep will hold, by part, decided before anything is read."""
+    """Peak bytes the sweep will hold in host memory, by part, decided before anything is read.
+    On a GPU machine the engine (weights, KV cache, the loss model) lives in GPU memory, and so
+    do the states when `states_device` put them there: those are left out of the host total."""
     numel = sum(t.numel for t in plan.out_tensors if t.dtype in FLOATING)
     engine_dtype = engine.dtype if engine.dtype != "auto" else meta.out_dtype_name(plan, opts)
-    model = (
-        numel
-        * DTYPES.get({"float32": "F32", "bfloat16": "BF16", "float16": "F16"}.get(engine_dtype, "F32"))[1]
+    model = numel * ENGINE_BYTES.get(engine_dtype, 4)
+    parts = {"states": state_bytes(plan, opts.accum_dtype), "runtime": RUNTIME_BYTES}
+    # a swap's per-tensor copies, a checkpoint's file pages as read, the loss model's load: measured
+    # up to ~1.7 models over states + engine (docs/performance.md)
+    parts["transients"] = 2 * numel * 4
+    if not gpu:
+        parts["engine_weights"] = model
+        if backend == "vllm" and any(t in LOSS_TASKS for t in config.tasks):
+            parts["loss_model"] = model  # a transformers copy beside the engine, as `bema eval` has
+        if backend == "vllm":
+            kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+            parts["kv_cache"] = int(float(kv or CPU_KV_DEFAULT_GIB) * 2**30)
+    host = {k: v for k, v in parts.items() if not (k == "states" and opts.device == "cuda")}
+    return {"parts": parts, "total": sum(host.values()), "model_bytes": model}
+
+
+def states_device(requested: str, states: int, model: int, engine: EngineOptions, backend: str) -> str:
+    """Where the states live: --device, or (auto) the GPU when they fit beside the engine's share
+    of it (vLLM takes --gpu-memory-utilization of the whole GPU; transformers the model), else host RAM."""
+    device = torch_device(requested).type
+    if requested != "auto" or device != "cuda":
+        return device
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    engine_share = engine.gpu_memory_utilization * total if backend == "vllm" else 2 * model
+    fits = states * 1.1 <= free - engine_share
+    output.log(
+        f"sweep states: {_gb(states)} in {'GPU' if fits else 'host'} memory ({_gb(free)} of the GPU free)"
     )
-    parts = {"states": state_bytes(plan, opts.accum_dtype), "engine_weights": model, "runtime": RUNTIME_BYTES}
-    if backend == "vllm" and any(t in LOSS_TASKS for t in config.tasks):
-        parts["loss_model"] = model  # a transformers copy beside the engine, as `bema eval` has
-    if backend == "vllm":
-        kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
-        parts["kv_cache"] = int(float(kv or CPU_KV_DEFAULT_GIB) * 2**30)
-    return {"parts": parts, "total": sum(parts.values())}
+    return "cuda" if fits else "cpu"
 
 
 def available_memory() -> int:
@@ -212,7 +237,7 @@ def sweep(
     if validated is not None:
         validated()
     evaluation = Evaluation(config, engine, executor)
-    doc = _memory_doc(plan, stab, config, engine, evaluation, sweep_opts)
+    doc, stab = _memory_doc(plan, stab, config, engine, evaluation, sweep_opts)
     at = targets(plan, stab, steps, folder_of)
     jobs = evaluation.plan(at, fingerprints(plan, at, input_prints(folder_of)))
     if not jobs:
@@ -240,14 +265,22 @@ def _check_inputs(config: EvalConfig, folder_of: dict, plan: Plan, steps: list[i
             check_model_dir(folder_of[step])  # tokenizer and config files come from the checkpoint
 
 
-def _memory_doc(plan, stab, config, engine, evaluation, sweep_opts) -> dict:
-    """The estimate, checked against the limit before anything is read; the start of the --json document."""
-    estimate = memory_estimate(plan, stab, config, engine, evaluation.backend_name)
+def _memory_doc(plan, stab, config, engine, evaluation, sweep_opts) -> tuple[dict, Options]:
+    """Where the states live and the host-memory estimate, checked against the limit before anything
+    is read: the start of the --json document, and `stab` with its device decided."""
+    backend = evaluation.backend_name
+    gpu = torch_device("auto").type == "cuda"  # the engine's device
+    estimate = memory_estimate(plan, stab, config, engine, backend, gpu)
+    device = states_device(stab.device, estimate["parts"]["states"], estimate["model_bytes"], engine, backend)
+    stab = replace(stab, device=device)
+    estimate = memory_estimate(plan, stab, config, engine, backend, gpu)
     limit = sweep_opts.memory_limit or available_memory()
     check_memory(estimate, limit, stab.checkpoint_dir, len(plan.runs))
-    return {"runs": [r.name for r in plan.runs], "evaluated": 0,
-            "memory": {"estimate": estimate["total"], "parts": estimate["parts"], "limit": limit},
-            "backend": evaluation.backend_name, "engine_starts": 0, "written_weight_bytes": 0}  # fmt: skip
+    doc = {"runs": [r.name for r in plan.runs], "evaluated": 0,
+           "memory": {"estimate": estimate["total"], "parts": estimate["parts"], "limit": limit,
+                      "states_device": device},
+           "backend": backend, "engine_starts": 0, "written_weight_bytes": 0}  # fmt: skip
+    return doc, stab
 
 
 def _finish(doc: dict, evaluation: Evaluation, at: list[Target], t0: float) -> dict:
@@ -274,7 +307,7 @@ class Walk:
         start = min(steps) if steps else max(folder_of)
         first = (aux_of or {}).get(start, folder_of[start])
         self.backend = make_backend(backend_name, engine)
-        self.walked, self.evaluated, self.evaluate_s = [], 0, 0.0
+        self.walked, self.evaluated, self.evaluate_s, self.walk_s = [], 0, 0.0, 0.0
         self.aux_of = aux_of if aux_of is not None else {}  # --follow: step -> a copy of its small files
         self.backend.open_sweep(plan, stab, first)
         self.engine_ready_at = time.time()  # the one-time start-up ends here (the benchmark separates it)
@@ -294,7 +327,9 @@ class Walk:
         with output.progress("steps") as bar:
             task = bar.add_task("sweeping (checkpoints walked)", total=len(steps))
             for step in steps:
+                t = time.perf_counter()
                 self.backend.sweep_advance(step)
+                self.walk_s += time.perf_counter() - t
                 self.walked.append(step)
                 for job in by_step.get(step, []):
                     run = None if job.target.run == "vanilla" else job.target.run
@@ -303,7 +338,9 @@ class Walk:
                     )
                     if between is not None:
                         between()
+                t = time.perf_counter()
                 self.backend.sweep_finish()
+                self.walk_s += time.perf_counter() - t
                 bar.advance(task)
 
     def _folder(self, step: int) -> Path:
@@ -321,7 +358,7 @@ class Walk:
 
     def summary(self) -> dict:
         return {"evaluated": self.evaluated, "engine_starts": 1, "walked_steps": self.walked,
-                "engine_ready_at": self.engine_ready_at,
+                "engine_ready_at": self.engine_ready_at, "walk_s": self.walk_s,
                 "evaluate_s": self.evaluate_s}  # fmt: skip
 
     def close(self) -> None:
@@ -394,7 +431,7 @@ class Follow:
         if self.validated is not None:
             self.validated()
         self.evaluation = Evaluation(self.config, self.engine)
-        self.doc = _memory_doc(
+        self.doc, self.stab = _memory_doc(
             self.plan, self.stab, self.config, self.engine, self.evaluation, self.sweep_opts
         )
         stab = replace(self.stab, ready_steps=sorted(new))

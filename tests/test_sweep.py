@@ -63,9 +63,9 @@ def disk_path(world, backend: str, out: Path, steps: str = "20,40") -> None:
     assert r.returncode == 0, r.stderr
 
 
-def sweep(world, backend: str, out: Path, *extra, at: str = "0,20,40"):
+def sweep(world, backend: str, out: Path, *extra, at: str = "0,20,40", env: dict | None = None):
     return run_bema("sweep", world["run"], "--base", world["base"], "--out", out, *GRID, "--at", at,
-                    "--backend", backend, *world["common"], *extra)  # fmt: skip
+                    "--backend", backend, *world["common"], *extra, env=env)  # fmt: skip
 
 
 def keyed(out: Path) -> dict:
@@ -176,9 +176,12 @@ def test_sweep_equals_disk_path_on_transformers(world, tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_available(), reason="vllm is not importable")
-def test_sweep_equals_disk_path_on_vllm(world, tmp_path):
+@pytest.mark.parametrize("engine_process", ["0", "1"], ids=["engine-in-process", "engine-core-process"])
+def test_sweep_equals_disk_path_on_vllm(world, tmp_path, engine_process):
+    """Also with vLLM's engine core in its own process (the layout on a GPU): the states live in the
+    worker there, and only the plan (once, as bytes), step numbers and config names cross to it."""
     disk_path(world, "vllm", tmp_path / "disk")
-    r = sweep(world, "vllm", tmp_path / "sweep")
+    r = sweep(world, "vllm", tmp_path / "sweep", env={"VLLM_ENABLE_V1_MULTIPROCESSING": engine_process})
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("starting vLLM engine") == 1
     same_as_disk(tmp_path / "disk" / "results", tmp_path / "sweep")

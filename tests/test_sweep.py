@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import one_line_error, run_bema, vllm_available
+from conftest import BEMA, one_line_error, run_bema, vllm_available
 from test_eval import read_jsonl, write_data
 
 STEPS = (10, 20, 30, 40)
@@ -246,11 +247,13 @@ def test_follow_evaluates_each_checkpoint_of_a_rotating_run(world, tmp_path):
         for step in STEPS:
             folder = live / f"checkpoint-{step}"
             shutil.copytree(world["run"] / f"checkpoint-{step}", tmp_path / "tmp")
-            (tmp_path / "tmp" / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+            (tmp_path / "tmp" / "trainer_state.json").write_text(
+                json.dumps({"global_step": step, "save_steps": 10})
+            )
             os.rename(tmp_path / "tmp", folder)
             for old in sorted(live.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:
                 shutil.rmtree(old)
-            time.sleep(0.5)
+            time.sleep(0.3)  # far shorter than the engine's start: checkpoints rotate away before their turn
 
     loss = [
         "--tasks",
@@ -333,3 +336,41 @@ def test_select_names_and_writes_a_swept_winner(world, tmp_path):
         load_file(str(ref / winner["run"] / "checkpoint-40" / "model.safetensors")),
     )
     assert sorted(a) == sorted(b) and all(bool((a[k] == b[k]).all()) for k in a)
+
+
+def test_follow_refuses_a_checkpoint_it_never_saw(world, tmp_path):
+    """The trainer's cadence (save_steps 10) says step 20 was saved; the sweep saw 10, then 30: the
+    average would silently skip a step, so it stops naming it (exit 3), with step 10's records kept."""
+    live = tmp_path / "live"
+
+    def save(step: int) -> None:
+        shutil.copytree(world["run"] / f"checkpoint-{step}", tmp_path / "tmp")
+        (tmp_path / "tmp" / "trainer_state.json").write_text(
+            json.dumps({"global_step": step, "save_steps": 10})
+        )
+        os.rename(tmp_path / "tmp", live / f"checkpoint-{step}")
+
+    live.mkdir()
+    save(10)
+    loss = [
+        "--tasks",
+        "loss",
+        "--loss-data",
+        world["root"] / "data" / "heldout.jsonl",
+        "--backend",
+        "transformers",
+    ]
+    proc = subprocess.Popen([str(BEMA), "sweep", live, "--base", world["base"], "--out", tmp_path / "f", "--method",
+                             "ema", *loss, "--follow", "--poll", "0.2", "--idle-timeout", "120"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    results = tmp_path / "f" / "results.jsonl"
+    deadline = time.monotonic() + 120
+    while (
+        not (results.is_file() and len(results.read_text().splitlines()) == 2) and time.monotonic() < deadline
+    ):
+        time.sleep(0.2)
+    save(30)  # 20 never appears (rotated away between two polls)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    assert "checkpoint step(s) 20 missing from the run (cadence: save_steps 10" in err
+    assert {(r["run"], r["step"]) for r in read_jsonl(results)} == {("vanilla", 10), ("ema-k0.5", 10)}

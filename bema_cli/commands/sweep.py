@@ -130,6 +130,12 @@ def sweep(
     allow_nonfinite: Annotated[
         bool, typer.Option("--allow-nonfinite", help="Do not stop on NaN/Inf in inputs.")
     ] = False,
+    allow_gaps: Annotated[
+        bool,
+        typer.Option(
+            "--allow-gaps", help="Go on when checkpoints the run's cadence says were saved are gone."
+        ),
+    ] = False,
     cast_base: Annotated[
         bool, typer.Option("--cast-base", help="Accept a base of another float dtype than the checkpoints.")
     ] = False,
@@ -180,7 +186,7 @@ def sweep(
     opts = Options(
         checkpoint_dir=checkpoint_dir, schedules=schedules_from_flags(flags), out=str(Path(out) / ".sweep"),
         base=base, device=device, accum_dtype=accum_dtype, out_dtype=out_dtype, allow_nonfinite=allow_nonfinite,
-        cast_base=cast_base,
+        cast_base=cast_base, allow_gaps=allow_gaps,
     )  # fmt: skip
     if not follow and (until_step is not None or idle_timeout is not None):
         from bema_cli.errors import UsageError
@@ -212,7 +218,7 @@ def sweep(
 PANELS = {
     "Stabilizer (the grid: comma lists)": ["method", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min", "preset",
                                            "window", "schedule", "swa_start", "sigma_rel", "power_gamma", "config"],
-    "Follow a live run": ["follow", "until_step", "idle_timeout", "poll", "settle"],
+    "Follow a live run": ["follow", "until_step", "idle_timeout", "poll", "settle", "allow_gaps"],
     "Resources and scale-out": ["max_memory", "device", "accum_dtype", "out_dtype", "executor", "workers",
                                 "ray_address"],
 }  # fmt: skip

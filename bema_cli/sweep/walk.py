@@ -53,21 +53,25 @@ def _reach(index: ModelIndex, held: dict[str, str] | None) -> None:
         }
 
 
-def extend_plan(
-    plan: Plan, folders: dict[int, str], cast_base: bool, held: dict[str, str] | None = None
-) -> None:
+def check_landed(
+    plan: Plan, index: ModelIndex, cast_base: bool, held: dict[str, str] | None = None
+) -> ModelIndex:
+    """--follow: a checkpoint that landed (its index read as it landed), checked against theta0 and
+    read through its held files."""
+    drop_tied_head(index, plan.base_index)
+    check_same(index, plan.base_index, "base model", cast_base)
+    _reach(index, held)
+    return index
+
+
+def add_landed(plan: Plan, landed: list[tuple[int, Path, ModelIndex]]) -> None:
     """--follow: add checkpoints that landed since the plan was made. Events are planned again over
     every step so far; a new step never changes an earlier one's (incremental stabilize relies on it)."""
-    like = set(plan.base_index.tensors)
-    for step, folder in sorted(folders.items()):
+    for step, folder, index in sorted(landed, key=lambda x: x[0]):
         if step <= max((c.step for c in plan.checkpoints), default=-1):
             raise InputError(
                 f"{folder}: step {step} landed after a later step was read; a sweep walks steps in order"
             )
-        index = open_checkpoint(Path(folder), like=like)
-        drop_tied_head(index, plan.base_index)
-        check_same(index, plan.base_index, "base model", cast_base)
-        _reach(index, held)
         plan.checkpoints.append(Checkpoint(step, Path(folder)))
         plan.indexes[step] = index
     steps = [c.step for c in plan.checkpoints]

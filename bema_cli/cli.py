@@ -64,6 +64,7 @@ def _root(
     _debug = _debug or debug
     output.set_quiet(quiet)
     output.set_verbose(verbose or _debug)
+    output.set_debug(_debug)
 
 
 PANELS = {"stabilize": stabilize.PANELS, "sweep": sweep.PANELS}  # option panels of commands that declare them

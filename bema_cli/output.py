@@ -73,6 +73,18 @@ def verbose() -> bool:
     return _verbose
 
 
+_debug = False  # `bema --debug`: tracebacks, and the engine's own log on stderr (cli.py sets it)
+
+
+def set_debug(debug: bool) -> None:
+    global _debug
+    _debug = debug
+
+
+def debug() -> bool:
+    return _debug
+
+
 def send_library_output(path: str | Path | None) -> None:
     """From now on, what libraries write to file descriptor 2 (C++ warnings, Python warnings, prints,
     their loggers, a nanobind leak report at exit) goes to `path` (appended; None: nowhere), while

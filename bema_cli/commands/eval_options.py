@@ -149,7 +149,7 @@ def eval_settings(flags: dict):
     """(EvalConfig, EngineOptions) from a command's flags (its locals: the names above)."""
     from pathlib import Path
 
-    from bema_cli import cli  # the global --debug flag
+    from bema_cli import output
     from bema_cli.eval.backends.base import EngineOptions
     from bema_cli.eval.chat import read_template
     from bema_cli.eval.evaluate import EvalConfig
@@ -173,7 +173,7 @@ def eval_settings(flags: dict):
         gpu_memory_utilization=f["gpu_memory_utilization"], max_model_len=f["max_model_len"],
         enforce_eager=f["enforce_eager"], batch_size=f["batch_size"],
         chat_template=read_template(f["chat_template"]) if f["chat_template"] else None,
-        log_file=str(Path(out) / "vllm.log") if out else None, debug=cli._debug,
+        log_file=str(Path(out) / "vllm.log") if out else None, debug=output.debug(),
         verify_swap=f.get("verify_swap", False),
     )  # fmt: skip
     return config, engine

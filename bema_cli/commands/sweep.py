@@ -177,8 +177,8 @@ def sweep(
     from bema_cli.eval.evaluate import LIBRARY_LOG
     from bema_cli.eval.results import records_table
     from bema_cli.stabilize import Options
-    from bema_cli.sweep.run import SweepOptions
     from bema_cli.sweep.run import sweep as run
+    from bema_cli.sweep.session import SweepOptions
 
     flags = {**locals(), "verify_swap": False, "tensor_parallel_size": 1, "data_parallel_size": 1,
              "enforce_eager": False}  # fmt: skip

@@ -22,7 +22,7 @@ from bema_cli.io.reader import open_checkpoint
 from bema_cli.io.watch import SETTLE_FLOOR, Watcher, hold_files, release, wait_for
 from bema_cli.signals import Terminated
 from bema_cli.stabilize import gaps
-from bema_cli.sweep.run import (
+from bema_cli.sweep.session import (
     Walk,
     at_steps,
     check_inputs,

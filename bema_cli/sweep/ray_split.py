@@ -28,7 +28,7 @@ class SweepActor:
         self.backend_name, self.engine = backend_name, engine
 
     def run(self, stab: Options, jobs: list, folder_of: dict) -> tuple[list, dict]:
-        from bema_cli.sweep.run import Walk
+        from bema_cli.sweep.session import Walk
         from bema_cli.sweep.walk import plan_sweep
 
         results: list = []

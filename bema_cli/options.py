@@ -164,3 +164,38 @@ GridConfigOpt = Annotated[
         help="A YAML grid: `methods:` mapping each method to its own parameter lists (docs/math.md); replaces --method and the grid flags.",
     ),
 ]
+
+# stabilize and sweep: reading the run
+AccumDtypeOpt = Annotated[str, typer.Option("--accum-dtype", help="float32 or float64 accumulators.")]
+AllowNonfiniteOpt = Annotated[
+    bool, typer.Option("--allow-nonfinite", help="Do not stop on NaN/Inf in inputs.")
+]
+AllowGapsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-gaps",
+        help="Go on when checkpoints the run's cadence (trainer_state.json save_steps, or the state's history) says were saved are gone.",
+    ),
+]
+UntilStepOpt = Annotated[
+    int | None, typer.Option("--until-step", help="--follow: stop once this step is processed.")
+]
+IdleTimeoutOpt = Annotated[
+    float | None,
+    typer.Option("--idle-timeout", help="--follow: stop after this many seconds without a new checkpoint."),
+]
+PollOpt = Annotated[float, typer.Option("--poll", help="--follow: seconds between looks at CHECKPOINT_DIR.")]
+SettleOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--settle",
+        help="--follow, runs without trainer_state.json: seconds a checkpoint's content must hold still (default max(5, 2 x --poll)).",
+    ),
+]
+CastBaseOpt = Annotated[
+    bool,
+    typer.Option(
+        "--cast-base",
+        help="Accept a base of another float dtype than the checkpoints (e.g. bf16 Hub base, fp32 fine-tune).",
+    ),
+]

@@ -69,6 +69,25 @@ def sweep(world, backend: str, out: Path, *extra, at: str = "0,20,40", env: dict
                     "--backend", backend, *world["common"], *extra, env=env)  # fmt: skip
 
 
+def loss_only(world) -> list:
+    return [
+        "--tasks",
+        "loss",
+        "--loss-data",
+        world["root"] / "data" / "heldout.jsonl",
+        "--backend",
+        "transformers",
+    ]
+
+
+def save_live(world, live: Path, scratch: Path, step: int) -> None:
+    """A "trainer" saves checkpoint `step` into `live`: written aside, trainer_state.json (save_steps 10)
+    last, then renamed into place, as the HF Trainer's checkpoints appear."""
+    shutil.copytree(world["run"] / f"checkpoint-{step}", scratch)
+    (scratch / "trainer_state.json").write_text(json.dumps({"global_step": step, "save_steps": 10}))
+    os.rename(scratch, live / f"checkpoint-{step}")
+
+
 def keyed(out: Path) -> dict:
     rows = read_jsonl(out / "results.jsonl")
     table = {(r["run"], r["step"], r["task"]): r for r in rows}
@@ -218,14 +237,7 @@ def test_grid_from_a_config_file_is_the_same_sweep(world, tmp_path):
 
 
 def test_bad_input_is_one_line(world, tmp_path):
-    loss = [
-        "--tasks",
-        "loss",
-        "--loss-data",
-        world["root"] / "data" / "heldout.jsonl",
-        "--backend",
-        "transformers",
-    ]
+    loss = loss_only(world)
     base = ["sweep", world["run"], "--base", world["base"], "--out", tmp_path / "o"]
     line = one_line_error(run_bema(*base, "--at", "25", *loss), 2)
     assert "--at: no checkpoint at step 25 (found 10, 20, 30, 40; 0 is theta0)" in line
@@ -245,24 +257,12 @@ def test_follow_evaluates_each_checkpoint_of_a_rotating_run(world, tmp_path):
 
     def trainer():
         for step in STEPS:
-            folder = live / f"checkpoint-{step}"
-            shutil.copytree(world["run"] / f"checkpoint-{step}", tmp_path / "tmp")
-            (tmp_path / "tmp" / "trainer_state.json").write_text(
-                json.dumps({"global_step": step, "save_steps": 10})
-            )
-            os.rename(tmp_path / "tmp", folder)
+            save_live(world, live, tmp_path / "tmp", step)
             for old in sorted(live.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:
                 shutil.rmtree(old)
             time.sleep(0.3)  # far shorter than the engine's start: checkpoints rotate away before their turn
 
-    loss = [
-        "--tasks",
-        "loss",
-        "--loss-data",
-        world["root"] / "data" / "heldout.jsonl",
-        "--backend",
-        "transformers",
-    ]
+    loss = loss_only(world)
     thread = threading.Thread(target=trainer)
     thread.start()
     r = run_bema("sweep", live, "--base", world["base"], "--out", tmp_path / "f", *GRID, *loss,
@@ -279,14 +279,7 @@ def test_follow_evaluates_each_checkpoint_of_a_rotating_run(world, tmp_path):
 @pytest.mark.slow
 def test_ray_actors_split_the_grid_and_match_local(world, tmp_path):
     ray = pytest.importorskip("ray")
-    loss = [
-        "--tasks",
-        "loss",
-        "--loss-data",
-        world["root"] / "data" / "heldout.jsonl",
-        "--backend",
-        "transformers",
-    ]
+    loss = loss_only(world)
     ctx = ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20)
     try:
         env = {"RAY_ADDRESS": ctx.address_info["gcs_address"]}
@@ -309,14 +302,7 @@ def test_select_names_and_writes_a_swept_winner(world, tmp_path):
     the run (the vanilla record at its step names the checkpoint) bitwise as `bema stabilize` writes it."""
     from safetensors.torch import load_file
 
-    loss = [
-        "--tasks",
-        "loss",
-        "--loss-data",
-        world["root"] / "data" / "heldout.jsonl",
-        "--backend",
-        "transformers",
-    ]
+    loss = loss_only(world)
     r = run_bema(
         "sweep", world["run"], "--base", world["base"], "--out", tmp_path / "s", *GRID, *loss, "--at", "40"
     )
@@ -343,23 +329,9 @@ def test_follow_refuses_a_checkpoint_it_never_saw(world, tmp_path):
     average would silently skip a step, so it stops naming it (exit 3), with step 10's records kept."""
     live = tmp_path / "live"
 
-    def save(step: int) -> None:
-        shutil.copytree(world["run"] / f"checkpoint-{step}", tmp_path / "tmp")
-        (tmp_path / "tmp" / "trainer_state.json").write_text(
-            json.dumps({"global_step": step, "save_steps": 10})
-        )
-        os.rename(tmp_path / "tmp", live / f"checkpoint-{step}")
-
     live.mkdir()
-    save(10)
-    loss = [
-        "--tasks",
-        "loss",
-        "--loss-data",
-        world["root"] / "data" / "heldout.jsonl",
-        "--backend",
-        "transformers",
-    ]
+    save_live(world, live, tmp_path / "tmp", 10)
+    loss = loss_only(world)
     proc = subprocess.Popen([str(BEMA), "sweep", live, "--base", world["base"], "--out", tmp_path / "f", "--method",
                              "ema", *loss, "--follow", "--poll", "0.2", "--idle-timeout", "120"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -369,7 +341,7 @@ def test_follow_refuses_a_checkpoint_it_never_saw(world, tmp_path):
         not (results.is_file() and len(results.read_text().splitlines()) == 2) and time.monotonic() < deadline
     ):
         time.sleep(0.2)
-    save(30)  # 20 never appears (rotated away between two polls)
+    save_live(world, live, tmp_path / "tmp", 30)  # 20 never appears (rotated away between two polls)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 3, err
     assert "checkpoint step(s) 20 missing from the run (cadence: save_steps 10" in err

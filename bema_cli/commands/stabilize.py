@@ -12,25 +12,33 @@ import typer
 from bema_cli import output
 from bema_cli.errors import UsageError
 from bema_cli.options import (
+    AccumDtypeOpt,
+    AllowGapsOpt,
+    AllowNonfiniteOpt,
     BetaMinOpt,
+    CastBaseOpt,
     EtaOpt,
     ExecutorOpt,
     GammaOpt,
     GridConfigOpt,
+    IdleTimeoutOpt,
     JsonOpt,
     KappaOpt,
     MethodOpt,
     OutDirOpt,
     OverwriteOpt,
     PhiOpt,
+    PollOpt,
     PowerGammaOpt,
     PresetOpt,
     RayAddressOpt,
     RhoOpt,
     ScheduleOpt,
+    SettleOpt,
     SigmaRelOpt,
     SwaStartOpt,
     TauOpt,
+    UntilStepOpt,
     WindowOpt,
     WorkersOpt,
     check_seconds,
@@ -81,9 +89,7 @@ def stabilize(
     device: Annotated[
         str, typer.Option("--device", help="auto (cuda when available), cpu or cuda.")
     ] = "auto",
-    accum_dtype: Annotated[
-        str, typer.Option("--accum-dtype", help="float32 or float64 accumulators.")
-    ] = "float32",
+    accum_dtype: AccumDtypeOpt = "float32",
     out_dtype: Annotated[
         str | None,
         typer.Option("--out-dtype", help="float32, bfloat16, float16 (default: each tensor's input dtype)."),
@@ -100,16 +106,8 @@ def stabilize(
     ] = False,
     json_out: JsonOpt = False,
     overwrite: OverwriteOpt = False,
-    allow_nonfinite: Annotated[
-        bool, typer.Option("--allow-nonfinite", help="Do not stop on NaN/Inf in inputs.")
-    ] = False,
-    allow_gaps: Annotated[
-        bool,
-        typer.Option(
-            "--allow-gaps",
-            help="Go on when checkpoints the run's cadence (trainer_state.json save_steps, or the state's history) says were saved are gone.",
-        ),
-    ] = False,
+    allow_nonfinite: AllowNonfiniteOpt = False,
+    allow_gaps: AllowGapsOpt = False,
     lora_output: Annotated[
         str,
         typer.Option(
@@ -157,32 +155,11 @@ def stabilize(
             help="Keep watching CHECKPOINT_DIR and process each new checkpoint once it is complete.",
         ),
     ] = False,
-    until_step: Annotated[
-        int | None, typer.Option("--until-step", help="--follow: stop once this step is processed.")
-    ] = None,
-    idle_timeout: Annotated[
-        float | None,
-        typer.Option(
-            "--idle-timeout", help="--follow: stop after this many seconds without a new checkpoint."
-        ),
-    ] = None,
-    poll: Annotated[
-        float, typer.Option("--poll", help="--follow: seconds between looks at CHECKPOINT_DIR.")
-    ] = 2.0,
-    settle: Annotated[
-        float | None,
-        typer.Option(
-            "--settle",
-            help="--follow, runs without trainer_state.json: seconds a checkpoint's content must hold still (default max(5, 2 x --poll)).",
-        ),
-    ] = None,
-    cast_base: Annotated[
-        bool,
-        typer.Option(
-            "--cast-base",
-            help="Accept a base of another float dtype than the checkpoints (e.g. bf16 Hub base, fp32 fine-tune).",
-        ),
-    ] = False,
+    until_step: UntilStepOpt = None,
+    idle_timeout: IdleTimeoutOpt = None,
+    poll: PollOpt = 2.0,
+    settle: SettleOpt = None,
+    cast_base: CastBaseOpt = False,
     executor: ExecutorOpt = "local",
     workers: WorkersOpt = 1,
     ray_address: RayAddressOpt = None,

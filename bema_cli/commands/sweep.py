@@ -34,23 +34,31 @@ from bema_cli.commands.eval_options import (
     eval_settings,
 )
 from bema_cli.options import (
+    AccumDtypeOpt,
+    AllowGapsOpt,
+    AllowNonfiniteOpt,
     BetaMinOpt,
+    CastBaseOpt,
     EtaOpt,
     ExecutorOpt,
     GammaOpt,
     GridConfigOpt,
+    IdleTimeoutOpt,
     JsonOpt,
     KappaOpt,
     MethodOpt,
     PhiOpt,
+    PollOpt,
     PowerGammaOpt,
     PresetOpt,
     RayAddressOpt,
     RhoOpt,
     ScheduleOpt,
+    SettleOpt,
     SigmaRelOpt,
     SwaStartOpt,
     TauOpt,
+    UntilStepOpt,
     WindowOpt,
     WorkersOpt,
     check_seconds,
@@ -122,43 +130,24 @@ def sweep(
     device: Annotated[
         str, typer.Option("--device", help="Where the states live: auto (the GPU when present), cpu or cuda.")
     ] = "auto",
-    accum_dtype: Annotated[str, typer.Option("--accum-dtype", help="float32 or float64 states.")] = "float32",
+    accum_dtype: AccumDtypeOpt = "float32",
     out_dtype: Annotated[
         str | None,
         typer.Option("--out-dtype", help="The dtype the configs are cast to (default: the inputs')."),
     ] = None,
-    allow_nonfinite: Annotated[
-        bool, typer.Option("--allow-nonfinite", help="Do not stop on NaN/Inf in inputs.")
-    ] = False,
-    allow_gaps: Annotated[
-        bool,
-        typer.Option(
-            "--allow-gaps", help="Go on when checkpoints the run's cadence says were saved are gone."
-        ),
-    ] = False,
-    cast_base: Annotated[
-        bool, typer.Option("--cast-base", help="Accept a base of another float dtype than the checkpoints.")
-    ] = False,
+    allow_nonfinite: AllowNonfiniteOpt = False,
+    allow_gaps: AllowGapsOpt = False,
+    cast_base: CastBaseOpt = False,
     follow: Annotated[
         bool,
         typer.Option(
             "--follow", help="Keep watching CHECKPOINT_DIR; evaluate each new checkpoint as it lands."
         ),
     ] = False,
-    until_step: Annotated[
-        int | None, typer.Option("--until-step", help="--follow: stop after this step.")
-    ] = None,
-    idle_timeout: Annotated[
-        float | None,
-        typer.Option("--idle-timeout", help="--follow: stop after this many seconds with nothing new."),
-    ] = None,
-    poll: Annotated[float, typer.Option("--poll", help="--follow: seconds between looks.")] = 2.0,
-    settle: Annotated[
-        float | None,
-        typer.Option(
-            "--settle", help="--follow: seconds a checkpoint must hold still (no trainer_state.json)."
-        ),
-    ] = None,
+    until_step: UntilStepOpt = None,
+    idle_timeout: IdleTimeoutOpt = None,
+    poll: PollOpt = 2.0,
+    settle: SettleOpt = None,
     executor: ExecutorOpt = "local",
     workers: WorkersOpt = 1,
     ray_address: RayAddressOpt = None,

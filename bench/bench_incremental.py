@@ -108,10 +108,13 @@ def bench_follow(traj: Trajectory, work: Path, args) -> dict:
         text=True,
     )
     lines: list[tuple[float, str]] = []
+    errors: list[str] = []
     reader = threading.Thread(
         target=lambda: lines.extend((time.monotonic(), x) for x in proc.stdout), daemon=True
     )
     reader.start()
+    err_reader = threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True)
+    err_reader.start()
     try:
         time.sleep(args.settle)  # imports done, first (empty) round done: now it only polls
         c0, t0 = cpu_seconds(proc.pid), time.monotonic()
@@ -130,11 +133,17 @@ def bench_follow(traj: Trajectory, work: Path, args) -> dict:
         while not lines and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.01)
         latency = lines[0][0] - complete if lines else float("nan")
+        # the follower logs each round's own processing time ("processed step(s) 1000 in 3.21 s") just
+        # after its output line: wait for it before stopping the follower
+        while time.monotonic() < deadline and not any(
+            x.startswith(f"processed step(s) {step}") for x in errors
+        ):
+            time.sleep(0.01)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    # the follower logs each round's own processing time ("processed step(s) 1000 in 3.21 s")
-    rounds = [line for line in proc.stderr.read().splitlines() if line.startswith("processed step(s)")]
+    err_reader.join(timeout=10)
+    rounds = [line.strip() for line in errors if line.startswith("processed step(s)")]
     processing = float(rounds[-1].rsplit(" in ", 1)[1].split()[0]) if rounds else float("nan")
     return {
         "idle_cpu": idle_cpu,

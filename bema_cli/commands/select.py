@@ -87,6 +87,7 @@ def write_winner(doc: dict, records: list[dict], out: Path) -> dict:
         source = path
         base = next((r.get("model_path") for r in records if r.get("is_base")), None)
         stab = {"method": "vanilla"}
+        base = base or "first"  # vanilla is theta_s itself: theta0 only has to exist (no base evaluated)
     if not source.is_dir():
         raise InputError(f"{source}: the winner's source checkpoint is gone; --write needs it (and its run)")
     names = {"schedule": "merge_schedule"}

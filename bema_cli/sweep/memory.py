@@ -34,8 +34,8 @@ def memory_estimate(
     model = numel * ENGINE_BYTES.get(engine_dtype, 4)
     parts = {"states": state_bytes(plan, opts.accum_dtype), "runtime": RUNTIME_BYTES}
     # a swap's per-tensor copies, a checkpoint's file pages as read, the loss model's load: measured
-    # up to ~1.7 models over states + engine (docs/performance.md)
-    parts["transients"] = 2 * numel * 4
+    # up to ~2 fp32 models over states + engine (docs/performance.md); 3 keep a margin
+    parts["transients"] = 3 * numel * 4
     if not gpu:
         parts["engine_weights"] = model
         if backend == "vllm" and any(t in LOSS_TASKS for t in config.tasks):

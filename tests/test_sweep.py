@@ -245,6 +245,8 @@ def test_bad_input_is_one_line(world, tmp_path):
     assert "needs an estimated" in line and "states" in line and "bema stabilize then bema eval" in line
     line = one_line_error(run_bema(*base, "--follow", "--at", "last", *loss), 2)
     assert "--at last" in line
+    line = one_line_error(run_bema(*base, "--follow", "--at", "20,x", *loss), 2)
+    assert "--at: all, last, every:N or a comma list of steps, got '20,x'" in line
     assert not (tmp_path / "o" / "results.jsonl").exists()
 
 

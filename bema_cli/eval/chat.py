@@ -52,6 +52,13 @@ def load_tokenizer(path: str | Path, chat_template: str | None = None):
     return tokenizer, source
 
 
+def load_chat(path: str | Path, chat_template: str | None = None):
+    """(tokenizer, template_source, stop_ids) of a model folder: what every backend keeps of it
+    besides the weights."""
+    tokenizer, source = load_tokenizer(path, chat_template)
+    return tokenizer, source, stop_token_ids(tokenizer, path)
+
+
 def read_template(path: str | Path) -> str:
     try:
         return Path(path).read_text()

@@ -73,22 +73,27 @@ def actors_per_node(node_cpus: float, cpus_per_actor: float, workers: int) -> in
     return max(1, min(workers, int(node_cpus / cpus_per_actor + 1e-9)))
 
 
+def engine_env(ray, res: dict, engines: int, backend_name: str) -> dict[str, str]:
+    """The environment engine actors share (VLLM_*, HF_*, TOKENIZERS_*), with each CPU vLLM engine's
+    KV cache sized for the engines that fit on one node (a GPU engine has its GPU(s) alone)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
+    if backend_name == "vllm" and not res["num_gpus"]:
+        _, largest = cluster_cpus(ray)
+        node = max((n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")), default=0)
+        sized = cpu_kv_cache_env(node, actors_per_node(largest, res["num_cpus"], engines), env)
+        if sized:
+            output.log(f"each engine's KV cache: {sized[KV_ENV]} GiB ({KV_ENV}; set it to choose another)")
+        env.update(sized)
+    return env
+
+
 def run_pool(evaluation, jobs: list, executor: ExecutorOptions) -> None:
     """Run `jobs` (one per checkpoint) on a pool of engine actors; the driver writes every record."""
     if not jobs:
         return
     with ray_session(executor) as ray:
         res = actor_resources(ray, executor.workers, evaluation.engine)
-        env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
-        if evaluation.backend_name == "vllm" and not res["num_gpus"]:  # a GPU engine has its GPU(s) alone
-            _, largest = cluster_cpus(ray)
-            node = max((n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")), default=0)
-            sized = cpu_kv_cache_env(node, actors_per_node(largest, res["num_cpus"], executor.workers), env)
-            if sized:
-                output.log(
-                    f"each engine's KV cache: {sized[KV_ENV]} GiB ({KV_ENV}; set it to choose another)"
-                )
-            env.update(sized)
+        env = engine_env(ray, res, executor.workers, evaluation.backend_name)
         actor_class = ray.remote(EngineActor)
         opts = {**res, "max_restarts": 0, "runtime_env": runtime_env(env)}
 

@@ -205,6 +205,27 @@ def unit_bytes(unit: list[Piece]) -> int:
     return sum(p.info.row_bytes * (p.stop - p.start) for p in unit)
 
 
+def step_updates(plan: Plan, stabs: list, step: int) -> tuple[list, list]:
+    """The (state, event) updates of `step`, one per distinct state that takes it: the recurrences
+    (applied before the outputs) and the windows' rings (after them: a full window's merge still
+    reads its oldest slice, which the ring's update overwrites)."""
+    updates = [
+        (stab, track.runs[0].events[step])
+        for track, stab in zip(plan.tracks, stabs, strict=True)
+        if track.advances(step)
+    ]
+    rings = [(stab, event) for stab, event in updates if isinstance(stab, Window)]
+    return [(stab, event) for stab, event in updates if not isinstance(stab, Window)], rings
+
+
+def run_estimate(part, run, event, theta, drift=None, out=None):
+    """One run's output at `event` from its state `part` (a Stabilizer or Window view) and theta_s;
+    `drift` = theta_s - theta0 (bema), `out` storage for methods that compute a new tensor (BUFFERED)."""
+    if run.schedule.method in WINDOW_METHODS:
+        return part.estimate(event, theta, run.schedule, out=out)
+    return part.estimate(event, theta, drift=drift, out=out, method=run.schedule.method)
+
+
 def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs, ws: Workspace | None = None):
     """One work unit, start to end: read its slices of theta0 and of every checkpoint, run the
     recurrences, write its bytes at their final offsets in the pre-created `outputs`.
@@ -246,14 +267,7 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
     track_of = {r.name: i for i, t in enumerate(plan.tracks) for r in t.runs}
     for step in plan.read_steps:
         index = plan.indexes[step]
-        advancing = [
-            (stab, track.runs[0].events[step])
-            for track, stab in zip(plan.tracks, stabs, strict=True)  # one update per distinct state
-            if track.advances(step)
-        ]
-        # a window's ring takes theta_s after the outputs: a full window's merge reads its oldest slice
-        after = [(stab, event) for stab, event in advancing if isinstance(stab, Window)]
-        advancing = [(stab, event) for stab, event in advancing if not isinstance(stab, Window)]
+        advancing, after = step_updates(plan, stabs, step)
         writing = [(run, outputs[run.name, step]) for run in plan.runs if (run.name, step) in outputs]
         with index.open() as reader, ExitStack() as held:
             raw = _read_raw(reader, unit)
@@ -288,10 +302,7 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
                         if method in BUFFERED:  # computed straight into a write buffer when it can
                             out = wb.buffer(ws.acc, hi - lo) if direct else ws.view("out", hi - lo)
                         part = stabs[track_of[run.name]].view(lo, hi)
-                        if method in WINDOW_METHODS:
-                            result = part.estimate(event, th, run.schedule, out=out)
-                        else:
-                            result = part.estimate(event, th, drift=drift, out=out, method=method)
+                        result = run_estimate(part, run, event, th, drift, out)
                         _emit(wb, writer, parts, lo, result, out_dtypes)
                         if out is not None and result is not out and direct:
                             wb.release(out)  # a burn-in step returned theta_s instead

@@ -24,12 +24,13 @@ from bema_cli.signals import Terminated
 from bema_cli.stabilize import gaps
 from bema_cli.sweep.session import (
     Walk,
-    at_steps,
+    at_chosen,
     check_inputs,
     fingerprints,
     finish_doc,
     input_prints,
     memory_doc,
+    parse_at,
     targets,
 )
 from bema_cli.sweep.walk import add_landed, check_landed, plan_sweep
@@ -119,7 +120,8 @@ class Follow:
     Ctrl-C keeps every record written; the same command resumes."""
 
     def __init__(self, stab, config, engine, sweep_opts, follow: dict, validated):
-        if sweep_opts.at == "last":
+        self.at = parse_at(sweep_opts.at)  # a bad --at is refused before anything starts
+        if self.at[0] == "last":
             raise UsageError("--at last: a followed run has no last step yet; use all, every:N or a list")
         self.stab, self.config, self.engine, self.sweep_opts = stab, config, engine, sweep_opts
         self.poll, self.until = follow["poll"], follow["until_step"]
@@ -186,14 +188,7 @@ class Follow:
         return True
 
     def _chosen(self, steps: list[int]) -> list[int]:
-        text = self.sweep_opts.at.strip()
-        if text == "all":
-            return steps
-        if text.startswith("every:"):
-            return [s for s in steps if s in at_steps(text, steps + [0])]
-        return [
-            s for s in steps if s in at_steps(text, sorted(set(steps) | {int(x) for x in text.split(",")}))
-        ]
+        return [s for s in steps if at_chosen(*self.at, s)]
 
     def _wait(self, left: float | None) -> bool:
         if self.plan is None:

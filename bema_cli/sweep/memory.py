@@ -26,9 +26,9 @@ ENGINE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def memory_estimate(
     plan: Plan, opts: Options, config: EvalConfig, engine: EngineOptions, backend: str, gpu: bool = False
 ) -> dict:
-    """Peak bytes the sweep will hold in host memory, by part, decided before anything is read.
-    On a GPU machine the engine (weights, KV cache, the loss model) lives in GPU memory, and so
-    do the states when `states_device` put them there: those are left out of the host total."""
+    """Peak bytes the sweep will hold, by part, decided before anything is read. On a GPU machine
+    the engine (weights, KV cache, the loss model) lives in GPU memory and is left out; so are the
+    states in `host_total` when `states_device` puts them there."""
     numel = sum(t.numel for t in plan.out_tensors if t.dtype in FLOATING)
     engine_dtype = engine.dtype if engine.dtype != "auto" else meta.out_dtype_name(plan, opts)
     model = numel * ENGINE_BYTES.get(engine_dtype, 4)
@@ -43,8 +43,12 @@ def memory_estimate(
         if backend == "vllm":
             kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
             parts["kv_cache"] = int(float(kv or CPU_KV_DEFAULT_GIB) * 2**30)
-    host = {k: v for k, v in parts.items() if not (k == "states" and opts.device == "cuda")}
-    return {"parts": parts, "total": sum(host.values()), "model_bytes": model}
+    return {"parts": parts, "model_bytes": model}
+
+
+def host_total(parts: dict, states_on: str) -> int:
+    """The host-memory part of an estimate: all of it but states kept on the GPU."""
+    return sum(v for k, v in parts.items() if not (k == "states" and states_on == "cuda"))
 
 
 def states_device(requested: str, states: int, model: int, engine: EngineOptions, backend: str) -> str:

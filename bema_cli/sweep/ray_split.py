@@ -8,12 +8,11 @@ Only the driver writes results.jsonl, as each actor's records arrive.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 from bema_cli import output
 from bema_cli.cluster import ExecutorOptions, ray_session, runtime_env, task_error
-from bema_cli.eval.ray_pool import ENV_PREFIXES, KV_ENV, actor_resources, actors_per_node, cpu_kv_cache_env
+from bema_cli.eval.ray_pool import actor_resources, engine_env
 from bema_cli.stabilize.plan import Options, Plan
 
 
@@ -61,12 +60,7 @@ def run_split(
     evaluated, starts = 0, 0
     with ray_session(executor) as ray:
         res = actor_resources(ray, len(work), evaluation.engine)
-        env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
-        if evaluation.backend_name == "vllm" and not res["num_gpus"]:
-            node = max((n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")), default=0)
-            largest = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")), default=1)
-            env.update(cpu_kv_cache_env(node, actors_per_node(largest, res["num_cpus"], len(work)), env))
-            output.log(f"each engine's KV cache: {env.get(KV_ENV)} GiB ({KV_ENV})")
+        env = engine_env(ray, res, len(work), evaluation.backend_name)
         actor_class = ray.remote(SweepActor)
         opts = {**res, "max_restarts": 0, "runtime_env": runtime_env(env)}
         actors = [

@@ -22,7 +22,7 @@ from bema_cli.io.fingerprint import fingerprint, weight_files
 from bema_cli.stabilize import meta
 from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.unit import torch_device
-from bema_cli.sweep.memory import available_memory, check_memory, memory_estimate, states_device
+from bema_cli.sweep.memory import available_memory, check_memory, host_total, memory_estimate, states_device
 
 
 @dataclass
@@ -31,34 +31,43 @@ class SweepOptions:
     memory_limit: int | None = None  # bytes the sweep may hold; None: MemAvailable
 
 
+def parse_at(text: str) -> tuple[str, int | frozenset | None]:
+    """--at as (kind, value): ("all", None), ("last", None), ("every", N) or ("list", steps)."""
+    text = text.strip()
+    if text in ("all", "last"):
+        return text, None
+    if text.startswith("every:"):
+        n = text.removeprefix("every:")
+        if not n.isdigit() or int(n) < 1:
+            raise UsageError(f"--at: every:N needs a whole number N >= 1, got {text!r}")
+        return "every", int(n)
+    try:
+        return "list", frozenset(int(part) for part in text.split(","))
+    except ValueError:
+        raise UsageError(f"--at: all, last, every:N or a comma list of steps, got {text!r}") from None
+
+
+def at_chosen(kind: str, value, step: int) -> bool:
+    """Whether a step that landed is evaluated (--follow, where no step is the last yet)."""
+    return kind == "all" or (kind == "every" and step % value == 0) or (kind == "list" and step in value)
+
+
 def at_steps(text: str, steps: list[int]) -> list[int]:
     """The steps --at names, among the run's checkpoint steps (0: theta0, the base)."""
-    text = text.strip()
-    if text == "all":
-        return list(steps)
-    if text == "last":
+    kind, value = parse_at(text)
+    if kind == "last":
         return steps[-1:]
-    if text.startswith("every:"):
-        try:
-            n = int(text.removeprefix("every:"))
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise UsageError(f"--at: every:N needs a whole number N >= 1, got {text!r}")
-        chosen = [s for s in steps if s % n == 0]
-        if not chosen:
-            raise UsageError(f"--at {text}: no checkpoint step is a multiple of {n} (found {_list(steps)})")
-        return chosen
-    chosen = []
-    for part in text.split(","):
-        try:
-            step = int(part)
-        except ValueError:
-            raise UsageError(f"--at: all, last, every:N or a comma list of steps, got {text!r}") from None
-        if step != 0 and step not in steps:
-            raise UsageError(f"--at: no checkpoint at step {step} (found {_list(steps)}; 0 is theta0)")
-        chosen.append(step)
-    return sorted(set(chosen))
+    if kind == "list":
+        for step in sorted(value):
+            if step != 0 and step not in steps:
+                raise UsageError(f"--at: no checkpoint at step {step} (found {_list(steps)}; 0 is theta0)")
+        return sorted(value)
+    chosen = [s for s in steps if at_chosen(kind, value, s)]
+    if not chosen:
+        raise UsageError(
+            f"--at {text.strip()}: no checkpoint step is a multiple of {value} (found {_list(steps)})"
+        )
+    return chosen
 
 
 def _list(steps: list[int]) -> str:
@@ -133,7 +142,7 @@ def memory_doc(plan, stab, config, engine, evaluation, sweep_opts) -> tuple[dict
     estimate = memory_estimate(plan, stab, config, engine, backend, gpu)
     device = states_device(stab.device, estimate["parts"]["states"], estimate["model_bytes"], engine, backend)
     stab = replace(stab, device=device)
-    estimate = memory_estimate(plan, stab, config, engine, backend, gpu)
+    estimate["total"] = host_total(estimate["parts"], device)
     limit = sweep_opts.memory_limit or available_memory()
     check_memory(estimate, limit, stab.checkpoint_dir, len(plan.runs))
     doc = {"runs": [r.name for r in plan.runs], "evaluated": 0,
@@ -159,8 +168,7 @@ class Walk:
     def __init__(self, backend_name: str, engine: EngineOptions, stab: Options, plan: Plan, folder_of: dict,
                  jobs: list[Job], aux_of: dict | None = None):  # fmt: skip
         self.plan, self.folder_of, self.base_folder = plan, folder_of, plan.base_index.folder
-        device = torch_device(stab.device)
-        stab = replace(stab, device=device.type, base=str(self.base_folder))
+        stab = replace(stab, base=str(self.base_folder))  # its device is decided (memory_doc)
         steps = [j.target.step for j in jobs if not j.target.is_base]
         # the engine starts on a checkpoint (its dtype is the disk path's); --follow: the newest, the
         # one least likely to be rotated away while the engine starts

@@ -23,11 +23,19 @@ from bema_cli.errors import InputError
 from bema_cli.io.checkpoints import Checkpoint
 from bema_cli.io.reader import ModelIndex, open_checkpoint
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
-from bema_cli.recurrence import STATE_TENSORS, WINDOW_METHODS, Window
+from bema_cli.recurrence import STATE_TENSORS
 from bema_cli.stabilize import state
 from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.prepare import check_same, drop_tied_head, prepare
-from bema_cli.stabilize.unit import BUFFERED, Workspace, _check_finite, _load, _read_raw
+from bema_cli.stabilize.unit import (
+    BUFFERED,
+    Workspace,
+    _check_finite,
+    _load,
+    _read_raw,
+    run_estimate,
+    step_updates,
+)
 
 WHOLE_MODEL = 1 << 62  # --max-memory for the plan: one work unit holds every tensor
 
@@ -99,7 +107,7 @@ class Walker:
     caller's (transformers) or a vLLM worker's (the weights load where the states live)."""
 
     def __init__(self, plan: Plan, opts: Options):
-        self.opts = sweep_options(opts)
+        self.opts = opts
         self.plan = plan  # plan_sweep's (the driver's: a worker gets a copy, headers only)
         self.unit = [p for u in plan.units for p in u]
         if len(plan.units) > 1:  # cannot happen with WHOLE_MODEL; said plainly if it ever does
@@ -127,7 +135,7 @@ class Walker:
         self._rings: list = []
 
     def extend(self, plan: Plan) -> None:
-        """--follow: the driver's plan, extended by `extend_plan` with the checkpoints that landed."""
+        """--follow: the driver's plan, extended by `add_landed` with the checkpoints that landed."""
         self.plan = plan
 
     def advance(self, step: int) -> None:
@@ -149,18 +157,12 @@ class Walker:
         self.step = step
         if step not in self.plan.indexes:
             return
-        tau = self.plan.runs[0].schedule.tau
+        updates, self._rings = step_updates(self.plan, self.stabs, step)
         with torch.no_grad():
-            if step <= tau:
+            if step <= self.plan.runs[0].schedule.tau:
                 self.theta0.copy_(self.theta)  # burn-in: theta0 = theta_s
-            for track, stab in zip(self.plan.tracks, self.stabs, strict=True):
-                if not track.advances(step):
-                    continue
-                event = track.runs[0].events[step]
-                if isinstance(stab, Window):
-                    self._rings.append((stab, event))
-                else:
-                    stab.advance(event, self.theta0 if event.action == "burnin" else self.theta)
+            for stab, event in updates:
+                stab.advance(event, self.theta0 if event.action == "burnin" else self.theta)
 
     def finish(self) -> None:
         """The rings take theta_s (after every estimate of the step)."""
@@ -170,8 +172,8 @@ class Walker:
 
     def weights(self, run: str | None, dtype=None) -> Iterator[tuple[str, object]]:
         """(name, tensor) of config `run` at the current step (None: theta_s itself, i.e. vanilla),
-        each cast to its output dtype (what stabilize writes; vanilla: the checkpoint's), then to `dtype` when given (an
-        engine's). Fresh tensors: a loader may keep them."""
+        each cast to its output dtype (what stabilize writes; vanilla: the checkpoint's), then to
+        `dtype` when given (an engine's). Fresh tensors: a loader may keep them."""
         import torch
 
         if self.step is None:
@@ -193,17 +195,11 @@ class Walker:
                 th, n = self.theta[p.lo : p.hi], p.hi - p.lo
                 if stab is None:
                     result = th
-                elif method in WINDOW_METHODS:
-                    result = stab.view(p.lo, p.hi).estimate(event, th, found.schedule, out=out[:n])
                 else:
-                    part = stab.view(p.lo, p.hi)
-                    drift = (
-                        torch.sub(th, self.theta0[p.lo : p.hi])
-                        if method == "bema" and event.action == "update"
-                        else None
-                    )
+                    bema = method == "bema" and event.action == "update"
+                    drift = torch.sub(th, self.theta0[p.lo : p.hi]) if bema else None
                     buffer = out[:n] if method in BUFFERED else None
-                    result = part.estimate(event, th, drift=drift, out=buffer, method=method)
+                    result = run_estimate(stab.view(p.lo, p.hi), found, event, th, drift, buffer)
                 tag = self.out_dtypes[name] if found else p.info.dtype  # vanilla: the checkpoint as saved
                 tensor = result.to(getattr(torch, DTYPES[tag][0]), copy=True)
                 if dtype is not None and tensor.dtype != dtype:

@@ -46,6 +46,22 @@ def load_hf_model(path: str | Path, dtype: str = "auto", device: str | None = No
     return model.to(device).eval()
 
 
+def empty_model(folder: str | Path, dtype: str):
+    """A model of `folder`'s architecture (its config.json) in `dtype`, in eval mode, its weights not
+    read: `bema sweep` fills them from its states (load_weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    except Exception as exc:
+        raise BackendError(
+            f"{folder}: transformers cannot build the model ({str(exc).splitlines()[0]})"
+        ) from None
+    return model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+
+
 def load_weights(model, weights, where) -> None:
     """Copy (name, tensor) pairs into a live model's parameters in place (`param.copy_` casts to the
     model's dtype, as from_pretrained does): `bema sweep` swaps configs without writing files.
@@ -81,33 +97,23 @@ class TransformersBackend:
         self.walker = None
 
     def load(self, checkpoint: Path) -> None:
-        self.tokenizer, self.template_source = chat.load_tokenizer(checkpoint, self.options.chat_template)
+        self.tokenizer, self.template_source, self.stop_ids = chat.load_chat(
+            checkpoint, self.options.chat_template
+        )
         self.model = None  # free the previous checkpoint first
         self.model = load_hf_model(checkpoint, resolve_dtype(self.options.dtype, checkpoint))
         self.dtype = dtype_name(self.model.dtype)
-        self.stop_ids = chat.stop_token_ids(self.tokenizer, checkpoint)
         self.path = Path(checkpoint)
 
     # `bema sweep`: the grid's states live in this process (sweep/walk.py); each config's weights
     # are copied into the one live model, no file written
     def open_sweep(self, plan, opts, folder: Path) -> None:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         from bema_cli.sweep.walk import Walker
 
-        # the architecture from the folder's config, no weights read: every config's come from the walker
-        self.tokenizer, self.template_source = chat.load_tokenizer(folder, self.options.chat_template)
-        self.stop_ids = chat.stop_token_ids(self.tokenizer, folder)
-        dtype = getattr(torch, resolve_dtype(self.options.dtype, folder))
-        try:
-            config = AutoConfig.from_pretrained(str(folder))
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        except Exception as exc:
-            raise BackendError(
-                f"{folder}: transformers cannot build the model ({str(exc).splitlines()[0]})"
-            ) from None
-        self.model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+        self.tokenizer, self.template_source, self.stop_ids = chat.load_chat(
+            folder, self.options.chat_template
+        )
+        self.model = empty_model(folder, resolve_dtype(self.options.dtype, folder))
         self.dtype, self.path = dtype_name(self.model.dtype), Path(folder)
         self.walker = Walker(plan, opts)
 
@@ -123,8 +129,9 @@ class TransformersBackend:
     def sweep_load(self, run: str | None, folder: Path) -> None:
         """Config `run` (None: theta_s) at the walker's step; tokenizer files from `folder`."""
         if Path(folder) != self.path:
-            self.tokenizer, self.template_source = chat.load_tokenizer(folder, self.options.chat_template)
-            self.stop_ids = chat.stop_token_ids(self.tokenizer, folder)
+            self.tokenizer, self.template_source, self.stop_ids = chat.load_chat(
+                folder, self.options.chat_template
+            )
             self.path = Path(folder)
         load_weights(self.model, self.walker.weights(run, self.model.dtype), folder)
 

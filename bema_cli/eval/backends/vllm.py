@@ -89,8 +89,9 @@ class VllmBackend:
     def load(self, checkpoint: Path) -> None:
         checkpoint = Path(checkpoint)
         config = read_json(checkpoint / "config.json")
-        self.tokenizer, self.template_source = chat.load_tokenizer(checkpoint, self.options.chat_template)
-        self.stop_ids = chat.stop_token_ids(self.tokenizer, checkpoint)
+        self.tokenizer, self.template_source, self.stop_ids = chat.load_chat(
+            checkpoint, self.options.chat_template
+        )
         self._hf_model, self.sweeping = None, False
         if self.llm is None:
             self._start(checkpoint, config)
@@ -143,8 +144,9 @@ class VllmBackend:
     def open_sweep(self, plan, opts, folder: Path) -> None:
         folder = Path(folder)
         config = read_json(folder / "config.json")
-        self.tokenizer, self.template_source = chat.load_tokenizer(folder, self.options.chat_template)
-        self.stop_ids = chat.stop_token_ids(self.tokenizer, folder)
+        self.tokenizer, self.template_source, self.stop_ids = chat.load_chat(
+            folder, self.options.chat_template
+        )
         self._start(folder, config, dummy=True)  # the architecture of the run, weights from the walker
         self.engine_path, self.engine_arch, self.path = folder, architecture(config), folder
         # the plan (headers only) crosses as bytes: vLLM's RPC encodes plain data only (no pickle
@@ -163,8 +165,9 @@ class VllmBackend:
     def sweep_load(self, run: str | None, folder: Path) -> None:
         folder = Path(folder)
         if folder != self.path:
-            self.tokenizer, self.template_source = chat.load_tokenizer(folder, self.options.chat_template)
-            self.stop_ids = chat.stop_token_ids(self.tokenizer, folder)
+            self.tokenizer, self.template_source, self.stop_ids = chat.load_chat(
+                folder, self.options.chat_template
+            )
             self.path = folder
         tied = bool(read_json(folder / "config.json").get("tie_word_embeddings", False))
         self._rpc("bema_sweep_load", run, tied)

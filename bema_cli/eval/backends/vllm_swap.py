@@ -119,11 +119,11 @@ class WeightSwapExtension:
     def bema_sweep_loss(self, run: str | None, folder: str, dtype: str, sequences, pad_id: int) -> list:
         """Losses of config `run` from a transformers model beside the engine (as `bema eval`'s
         vllm backend computes them), its weights streamed from the states held here."""
-        from bema_cli.eval.backends.transformers import load_hf_model, load_weights
+        from bema_cli.eval.backends.transformers import empty_model, load_weights
         from bema_cli.eval.tasks import loss as loss_task
 
-        if self._bema_loss_model is None:
-            self._bema_loss_model = load_hf_model(folder, dtype)
+        if self._bema_loss_model is None:  # built from config.json: `folder` may hold no weights (--follow)
+            self._bema_loss_model = empty_model(folder, dtype)
         model = self._bema_loss_model
         load_weights(model, self._bema_walker.weights(run, model.dtype), folder)
         return [list(pair) for pair in loss_task.record_losses(model, sequences, pad_id=pad_id)]

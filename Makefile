@@ -8,7 +8,6 @@ PIP    := $(PY) -m pip
 BEMA   := $(VENV)/bin/bema
 PYTEST := $(PY) -m pytest
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
-export VLLM_CPU_KVCACHE_SPACE ?= 1
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 

@@ -138,10 +138,24 @@ def command():
     return built
 
 
+GLOBAL_FLAGS = ("--debug", "--quiet", "-q", "--verbose", "-v")  # no command has a flag of these names
+
+
+def hoist_global_flags(args: list[str]) -> list[str]:
+    """`bema stabilize ... --debug` as `bema --debug stabilize ...`: the global flags (which take no
+    value) are accepted after the subcommand too, up to a `--`."""
+    end = args.index("--") if "--" in args else len(args)
+    command = next((i for i, a in enumerate(args[:end]) if not a.startswith("-")), end)
+    moved = [a for a in args[command:end] if a in GLOBAL_FLAGS]
+    kept = [a for a in args[command:end] if a not in GLOBAL_FLAGS]
+    return args[:command] + moved + kept + args[end:]
+
+
 def main() -> None:
     """Console-script entry point: run the app, turn failures into one line + exit code (docs: README)."""
     signals.install()
     atexit.register(_skip_final_collection)
+    sys.argv[1:] = hoist_global_flags(sys.argv[1:])
     if not sys.argv[1:]:  # bare `bema`: the usage goes to stderr (stdout is for data), exit 2
         with contextlib.redirect_stdout(sys.stderr):
             command()(["--help"], standalone_mode=False, prog_name="bema")

@@ -15,7 +15,6 @@ BEMA = Path(sys.executable).with_name("bema")
 # Never reach the Hub from tests; keep vLLM in-process and small on CPU.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

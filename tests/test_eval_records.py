@@ -47,15 +47,13 @@ def test_records_carry_the_resume_key(first):
         "seeds",
         "backend",
         "dtype",
-        "batch_size",
         "max_model_len",
         "weights",
     }
     assert key["protocol"]["prompt_version"] == 1 and key["protocol"]["num_fewshot"] == 0
-    assert (key["backend"], key["dtype"], key["batch_size"], key["chat_template"]) == (
+    assert (key["backend"], key["dtype"], key["chat_template"]) == (
         "transformers",
         "auto:checkpoint",
-        8,
         "model",
     )
     assert gsm8k["dtype"] == "float32"  # auto: the checkpoint's own dtype, recorded as run
@@ -70,7 +68,6 @@ def test_records_carry_the_resume_key(first):
         ({"temperature": 0.5}, {}, "protocol.temperature 1.0 -> 0.5"),
         ({"cot": True}, {}, "protocol.cot False -> True"),
         ({"max_new_tokens": 5}, {}, "protocol.max_new_tokens 4 -> 5"),
-        ({}, {"batch_size": 1}, "batch_size 8 -> 1"),
         ({}, {"dtype": "bfloat16"}, "dtype auto:checkpoint -> bfloat16"),
         ({"backend": "vllm"}, {}, "backend transformers -> vllm"),
     ],
@@ -83,6 +80,29 @@ def test_a_differing_rerun_is_refused_naming_the_difference(first, changes, engi
     message = str(err.value)
     assert named in message and "--force" in message and "\n" not in message, message
     assert results.read_bytes() == before  # nothing written
+
+
+def test_the_batch_size_changes_no_sample_and_resumes(first, tmp_path):
+    """A prompt's samples come from its own seed (base.prompt_seed), whatever batch it runs in: the
+    samples are identical at batch sizes 8, 5 and 3, so a re-run with another size resumes. A record
+    of an older bema, whose key still holds a batch size, resumes too."""
+    assert again(first, EngineOptions(batch_size=5)) == first["records"]  # nothing redone, nothing refused
+    responses = {}
+    for size in (8, 5, 3):
+        config = evaluate.EvalConfig(
+            **{**first["config"].__dict__, "out": str(tmp_path / f"b{size}"), "limit": 6}
+        )
+        evaluate.run_eval([str(first["model"])], None, config, EngineOptions(batch_size=size))
+        lines = read_jsonl(tmp_path / f"b{size}" / "samples.jsonl")
+        responses[size] = {x["doc_id"]: x["responses"] for x in lines}
+    assert len(responses[8]) == 6 and len({tuple(v) for v in responses[8].values()}) > 1
+    assert responses[8] == responses[5] == responses[3]
+    results = tmp_path / "b8" / "results.jsonl"
+    old = [{**r, "resume_key": {**r["resume_key"], "batch_size": 8}} for r in read_jsonl(results)]
+    results.write_text("".join(json.dumps(r) + "\n" for r in old))
+    config = evaluate.EvalConfig(**{**first["config"].__dict__, "out": str(tmp_path / "b8"), "limit": 6})
+    again_records = evaluate.run_eval([str(first["model"])], None, config, EngineOptions(batch_size=3))
+    assert [r["eval_id"] for r in again_records] == [r["eval_id"] for r in old]  # resumed, not redone
 
 
 def test_chat_template_and_weights_are_in_the_key(first, tmp_path):

@@ -201,10 +201,17 @@ def test_sweep_equals_disk_path_on_vllm(world, tmp_path, engine_process):
     """Also with vLLM's engine core in its own process (the layout on a GPU): the states live in the
     worker there, and only the plan (once, as bytes), step numbers and config names cross to it."""
     disk_path(world, "vllm", tmp_path / "disk")
-    r = sweep(world, "vllm", tmp_path / "sweep", env={"VLLM_ENABLE_V1_MULTIPROCESSING": engine_process})
+    r = sweep(
+        world, "vllm", tmp_path / "sweep", "--json", env={"VLLM_ENABLE_V1_MULTIPROCESSING": engine_process}
+    )
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("starting vLLM engine") == 1
     same_as_disk(tmp_path / "disk" / "results", tmp_path / "sweep")
+    memory = json.loads(r.stdout)["memory"]
+    if engine_process == "1":  # the peak counts the engine core's process (torch, vLLM, the model: > 200 MB)
+        assert memory["peak_rss"] > memory["peak_rss_bema"] + 200 * 2**20, memory
+    else:
+        assert memory["peak_rss"] >= memory["peak_rss_bema"]
 
 
 def test_a_killed_sweep_resumes_with_only_the_missing_evaluations(world, tmp_path):
@@ -217,6 +224,7 @@ def test_a_killed_sweep_resumes_with_only_the_missing_evaluations(world, tmp_pat
     second = sweep(world, "transformers", out, "--json", at="20,40")
     assert second.returncode == 0, second.stderr
     assert json.loads(second.stdout)["evaluated"] == 3 + 5 * 2
+    assert f"resuming: 7 of 20 evaluations already in {out / 'results.jsonl'}" in second.stderr
     whole = sweep(world, "transformers", tmp_path / "whole", at="20,40")
     assert whole.returncode == 0, whole.stderr
     a, b = keyed(out), keyed(tmp_path / "whole")

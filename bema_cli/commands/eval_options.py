@@ -120,7 +120,7 @@ BatchSizeOpt = Annotated[
     int,
     typer.Option(
         "--batch-size",
-        help="Prompts per transformers generate call (changes its samples).",
+        help="Prompts per transformers generate call (a prompt's samples do not depend on it).",
         rich_help_panel=_E,
     ),
 ]

@@ -139,7 +139,6 @@ def bema_cli(args: list[str], display: str | None = None) -> None:
     """Run `bema ARGS` as a real subprocess of this Python, showing the command first."""
     output.stderr.print(f"$ bema {display or shlex.join(args)}", style="bold", highlight=False, markup=False)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")  # everything the demo needs is local
     # the child's tables are the demo's log: its stdout joins our stderr, keeping stdout for the summary
     proc = subprocess.run([sys.executable, "-m", "bema_cli.cli", *args], env=env, stdout=sys.stderr)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from bema_cli.eval.backends.base import (
     prompt_seed,
     vllm_usable,
 )
+from bema_cli.eval.backends.vllm_engine import EngineStartError
 from bema_cli.eval.chat import render
 from bema_cli.eval.results import ResultsFile, SamplesLog, read_jsonl
 from bema_cli.eval.targets import Target, base_target, check_model_dir, expand_inputs
@@ -41,6 +42,7 @@ from bema_cli.eval.tasks import common as scoring
 from bema_cli.eval.tasks import loss as loss_task
 from bema_cli.io.commit import check_apart
 
+PER_MESSAGE_TOKENS = 16  # a chat template's role markers around each message
 LIBRARY_LOG = "libraries.log"  # OUT/libraries.log: what the libraries print on stderr (shown with -v)
 
 
@@ -161,6 +163,7 @@ class Evaluation:
         self.config, self.engine = config, engine
         self.executor = executor or ExecutorOptions()  # where the jobs run: here, or a Ray engine pool
         self.inputs = self._prepare()  # data files first: a missing one is reported before vLLM is imported
+        self.engine = replace(engine, workload=self._workload())
         self.backend_name = self._resolve_backend()
         for name, item in self.inputs.items():
             item.resume_key.update(self._engine_key(name))
@@ -180,6 +183,48 @@ class Evaluation:
         if name == "vllm" and self.executor.executor == "local":
             import_vllm()  # a missing vLLM is reported before any model is loaded
         return name
+
+    def _workload(self) -> tuple[tuple[int, int], ...] | None:
+        """Each generation task's one generate call, as (sequences, prompt + new tokens at most): what
+        vLLM's KV cache needs to hold all of it at once. A prompt's characters bound its tokens (a
+        byte-level BPE token covers at least one character of English text); lm-eval's calls are unknown."""
+        c, calls = self.config, []
+        for name, item in self.inputs.items():
+            if is_lm_eval(name):
+                return None
+            if name in LOSS_TASKS or not item.docs:
+                continue
+            task = get_task(name)
+            prompt = max(
+                sum(len(m["content"]) + PER_MESSAGE_TOKENS for m in scoring.build_messages(
+                    task, d, item.shots.get(d.get("subject", ""), []), c.cot))
+                for d in item.docs
+            )  # fmt: skip
+            samples = 1 if c.temperature == 0 else c.n_samples
+            calls.append((len(item.docs) * samples, prompt + (c.max_new_tokens or task.MAX_NEW_TOKENS)))
+        return tuple(calls)
+
+    def fall_back(self, exc: EngineStartError) -> None:
+        """--backend auto, when vLLM cannot start: go on with transformers, saying why once; any other
+        --backend: the failure stands."""
+        if self.config.backend != "auto" or self.backend_name != "vllm":
+            raise exc
+        output.log(f"vLLM could not start ({exc.root}); --backend auto goes on with transformers{exc.where}")
+        self.backend_name = "transformers"
+        for name, item in self.inputs.items():
+            item.resume_key.update(self._engine_key(name))
+
+    def start(self, start: Callable):
+        """A backend on which `start(backend)` (loading the first model: the engine's start) succeeded;
+        with --backend auto, transformers when vLLM cannot start."""
+        try:
+            backend = make_backend(self.backend_name, self.engine)
+            start(backend)
+        except EngineStartError as exc:
+            self.fall_back(exc)
+            backend = make_backend(self.backend_name, self.engine)
+            start(backend)
+        return backend
 
     def _prepare(self) -> dict[str, TaskInput]:
         c, inputs = self.config, {}
@@ -235,7 +280,13 @@ class Evaluation:
             "backend": "transformers" if name in LOSS_TASKS else self.backend_name,
             # "auto" means the checkpoint's own dtype on every backend (base.resolve_dtype)
             "dtype": "auto:checkpoint" if self.engine.dtype == "auto" else self.engine.dtype,
-            "batch_size": self.engine.batch_size if self.backend_name == "transformers" else None,
+            # bema's own tasks seed each prompt's samples apart from its batch (base.prompt_seed), so the
+            # batch size changes nothing there; lm-eval batches (and pads) its requests itself
+            **(
+                {"batch_size": self.engine.batch_size}
+                if is_lm_eval(name) and self.backend_name == "transformers"
+                else {}
+            ),  # fmt: skip
             # vLLM refuses prompts longer than its max_model_len (None: min(2048, positions))
             "max_model_len": self.engine.max_model_len
             if self.backend_name == "vllm" and name not in LOSS_TASKS
@@ -296,8 +347,8 @@ class Evaluation:
         backend = None
         try:
             for job in jobs:
-                if backend is None:
-                    backend = make_backend(self.backend_name, self.engine)
+                if backend is None:  # the engine starts on the first job's model
+                    backend = self.start(lambda b, j=job: b.load(j.target.path))
                 for records, samples in run_job(backend, job):
                     self.write(records, samples)
             if self.engine.verify_swap and backend is not None and hasattr(backend, "verify_swaps"):
@@ -370,7 +421,7 @@ def evaluate_task(backend, job: Job, item: TaskInput) -> tuple[list[dict], list[
          "run": run, "step": target.step, **({"label": target.label} if target.step is None else {}),
          "stabilizer": stabilizer, "task": name, "metrics": metrics, **extra, "n_prompts": n_prompts,
          "n_samples": n_samples, "backend": backend.name, "dtype": backend.dtype,
-         "batch_size": item.resume_key["batch_size"], "seeds": record_seeds,
+         "batch_size": backend.options.batch_size if backend.name == "transformers" else None, "seeds": record_seeds,
          "protocol": {**item.protocol, "chat_template": template},
          "resume_key": {**item.resume_key, "weights": job.fingerprint}, "seconds": seconds,
          "is_base": target.is_base}

@@ -3,7 +3,7 @@
 A record in results.jsonl is reused on a re-run only when its `resume_key` equals the key
 the re-run would write: the whole task protocol (prompt version, shots, CoT, subset, sampling,
 token limits, data files and their content), the seeds, the chat template, the backend, the
-requested dtype, the batch size where it changes samples, and the model folder's fingerprint.
+requested dtype, the batch size for lm-eval tasks on transformers, and the model folder's fingerprint.
 Anything else is refused with the differences named (see `differences`).
 """
 
@@ -86,8 +86,12 @@ def differences(old: dict | None, new: dict) -> list[str]:
     return [
         f"{k} {_short(a.get(k))} -> {_short(b.get(k))}"
         for k in sorted(a.keys() | b.keys())
-        if a.get(k) != b.get(k)
+        if a.get(k) != b.get(k) and not (k in RETIRED and k not in b)
     ]
+
+
+# fields older keys held that no longer change results: a record carrying them still resumes
+RETIRED = {"batch_size"}  # bema's own tasks: samples do not depend on the batch (base.prompt_seed)
 
 
 def _short(value) -> str:

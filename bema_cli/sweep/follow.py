@@ -171,8 +171,8 @@ class Follow:
         )
         self.landed.like = set(self.plan.base_index.tensors)
         output.log(f"following {self.landed.watcher.run_dir} (poll every {self.poll:g} s)")
-        self.walk = Walk(self.evaluation.backend_name, self.engine, replace(self.stab, ready_steps=steps),
-                         self.plan, self.folder_of, [], self.aux_of)  # fmt: skip
+        self.walk = Walk(self.evaluation.backend_name, self.evaluation.engine, replace(self.stab, ready_steps=steps),
+                         self.plan, self.folder_of, [], self.aux_of, starter=self.evaluation.start)  # fmt: skip
         return True
 
     def _extend(self, timeout: float | None = 0) -> bool:

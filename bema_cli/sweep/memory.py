@@ -8,15 +8,18 @@ from pathlib import Path
 from bema_cli import output
 from bema_cli.errors import UsageError
 from bema_cli.eval.backends.base import EngineOptions
+from bema_cli.eval.backends.vllm import default_max_model_len
+from bema_cli.eval.backends.vllm_engine import KV_ENV, cpu_kv_cache
 from bema_cli.eval.evaluate import EvalConfig
 from bema_cli.eval.tasks import LOSS_TASKS
+from bema_cli.io.checkpoints import read_json
 from bema_cli.io.safetensors import FLOATING
+from bema_cli.machine import available_memory
 from bema_cli.stabilize import meta
 from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.unit import torch_device
 from bema_cli.sweep.walk import state_bytes
 
-CPU_KV_DEFAULT_GIB = 4  # vLLM-CPU's KV cache when VLLM_CPU_KVCACHE_SPACE is unset
 RUNTIME_BYTES = 1 << 30  # Python, torch, tokenizers and the engine's code: measured ~0.8-1 GB RSS
 
 
@@ -40,9 +43,12 @@ def memory_estimate(
         parts["engine_weights"] = model
         if backend == "vllm" and any(t in LOSS_TASKS for t in config.tasks):
             parts["loss_model"] = model  # a transformers copy beside the engine, as `bema eval` has
-        if backend == "vllm":
-            kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
-            parts["kv_cache"] = int(float(kv or CPU_KV_DEFAULT_GIB) * 2**30)
+        if backend == "vllm":  # the size the engine will be given (vllm_engine.kv_cache_kwargs)
+            kv = os.environ.get(KV_ENV, "").strip()
+            config = read_json(plan.base_index.folder / "config.json")  # the run's architecture
+            max_len = engine.max_model_len or default_max_model_len(config)
+            parts["kv_cache"] = int(kv) * 2**30 if kv else cpu_kv_cache(
+                config, engine_dtype, engine.workload, max_len, available_memory())[0]  # fmt: skip
     return {"parts": parts, "model_bytes": model}
 
 
@@ -66,17 +72,6 @@ def states_device(requested: str, states: int, model: int, engine: EngineOptions
         f"sweep states: {gb(states)} in {'GPU' if fits else 'host'} memory ({gb(free)} of the GPU free)"
     )
     return "cuda" if fits else "cpu"
-
-
-def available_memory() -> int:
-    """MemAvailable from /proc/meminfo (what can be used without swapping), else physical memory."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def gb(n: int) -> str:

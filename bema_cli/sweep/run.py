@@ -19,6 +19,7 @@ from bema_cli.cluster import ExecutorOptions, import_ray
 from bema_cli.errors import UsageError
 from bema_cli.eval.backends.base import EngineOptions
 from bema_cli.eval.evaluate import EvalConfig, Evaluation, validate
+from bema_cli.machine import PeakRss
 from bema_cli.stabilize.plan import Options
 from bema_cli.sweep.follow import Follow
 from bema_cli.sweep.ray_split import run_split
@@ -29,6 +30,7 @@ from bema_cli.sweep.session import (
     check_inputs,
     fingerprints,
     finish_doc,
+    say_resumed,
     input_prints,
     memory_doc,
     targets,
@@ -47,7 +49,15 @@ def sweep(
     follow: dict | None = None,
     validated=None,
 ) -> dict:
-    """Run one sweep (batch, or --follow with `follow` = its poll settings); returns the --json document."""
+    """Run one sweep (batch, or --follow with `follow` = its poll settings); returns the --json document,
+    whose memory.peak_rss counts the engine's own processes too (vLLM's engine core runs apart)."""
+    with PeakRss() as peak:
+        doc = _sweep(stab, config, engine, sweep_opts, executor, follow, validated)
+    doc["memory"]["peak_rss"] = peak.peak()
+    return doc
+
+
+def _sweep(stab, config, engine, sweep_opts, executor, follow, validated) -> dict:
     t0 = time.perf_counter()
     validate(config, engine)
     executor = executor or ExecutorOptions()
@@ -72,15 +82,18 @@ def sweep(
     doc, stab = memory_doc(plan, stab, config, engine, evaluation, sweep_opts)
     at = targets(plan, stab, steps, folder_of)
     jobs = evaluation.plan(at, fingerprints(plan, at, input_prints(folder_of)))
+    say_resumed(evaluation, at, jobs)
     if not jobs:
         output.log(f"up to date: every (config, step, task) is in {evaluation.results.path}")
     elif executor.executor == "ray":
         doc.update(run_split(plan, stab, evaluation, jobs, folder_of, executor))
     else:
-        walk = Walk(evaluation.backend_name, engine, stab, plan, folder_of, jobs)
+        walk = Walk(
+            evaluation.backend_name, evaluation.engine, stab, plan, folder_of, jobs, starter=evaluation.start
+        )
         try:
             walk.run(jobs, evaluation.write)
         finally:
             walk.close()
-        doc.update(walk.summary())
+        doc.update(walk.summary(), backend=evaluation.backend_name)
     return finish_doc(doc, evaluation, at, t0)

@@ -22,7 +22,8 @@ from bema_cli.io.fingerprint import fingerprint, weight_files
 from bema_cli.stabilize import meta
 from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.unit import torch_device
-from bema_cli.sweep.memory import available_memory, check_memory, host_total, memory_estimate, states_device
+from bema_cli.machine import available_memory
+from bema_cli.sweep.memory import check_memory, host_total, memory_estimate, states_device
 
 
 @dataclass
@@ -139,6 +140,7 @@ def memory_doc(plan, stab, config, engine, evaluation, sweep_opts) -> tuple[dict
     is read: the start of the --json document, and `stab` with its device decided."""
     backend = evaluation.backend_name
     gpu = torch_device("auto").type == "cuda"  # the engine's device
+    engine = evaluation.engine  # with its workload (the KV cache's size)
     estimate = memory_estimate(plan, stab, config, engine, backend, gpu)
     device = states_device(stab.device, estimate["parts"]["states"], estimate["model_bytes"], engine, backend)
     stab = replace(stab, device=device)
@@ -152,10 +154,20 @@ def memory_doc(plan, stab, config, engine, evaluation, sweep_opts) -> tuple[dict
     return doc, stab
 
 
+def say_resumed(evaluation: Evaluation, at: list[Target], jobs: list[Job]) -> None:
+    """A resumed sweep says how much of it was already done (the walk from theta0 comes again)."""
+    total = len(at) * len(evaluation.inputs)
+    done = total - sum(len(job.tasks) for job in jobs)
+    if jobs and done:
+        output.log(f"resuming: {done} of {total} evaluations already in {evaluation.results.path}")
+
+
 def finish_doc(doc: dict, evaluation: Evaluation, at: list[Target], t0: float) -> dict:
     keys = {(str(t.path), r, n) for t in at for r, _ in t.record_runs() for n in evaluation.inputs}
     doc["records"] = [r for r in evaluation.results.records if (r["model_path"], r["run"], r["task"]) in keys]
-    doc["memory"]["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    doc["memory"]["peak_rss_bema"] = (
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )  # this process alone
     doc["bema_version"], doc["seconds"] = __version__, time.perf_counter() - t0
     doc["finished_at"] = time.time()  # the engine's teardown at exit comes after (the benchmark separates it)
     return doc
@@ -166,7 +178,8 @@ class Walk:
     step (a Ray actor runs one too: sweep/ray_split.py)."""
 
     def __init__(self, backend_name: str, engine: EngineOptions, stab: Options, plan: Plan, folder_of: dict,
-                 jobs: list[Job], aux_of: dict | None = None):  # fmt: skip
+                 jobs: list[Job], aux_of: dict | None = None, starter=None):  # fmt: skip
+        """`starter`: Evaluation.start (--backend auto falls back to transformers when vLLM cannot start)."""
         self.plan, self.folder_of, self.base_folder = plan, folder_of, plan.base_index.folder
         stab = replace(stab, base=str(self.base_folder))  # its device is decided (memory_doc)
         steps = [j.target.step for j in jobs if not j.target.is_base]
@@ -174,10 +187,13 @@ class Walk:
         # one least likely to be rotated away while the engine starts
         start = min(steps) if steps else max(folder_of)
         first = (aux_of or {}).get(start, folder_of[start])
-        self.backend = make_backend(backend_name, engine)
         self.walked, self.evaluated, self.evaluate_s, self.walk_s = [], 0, 0.0, 0.0
         self.aux_of = aux_of if aux_of is not None else {}  # --follow: step -> a copy of its small files
-        self.backend.open_sweep(plan, stab, first)
+        if starter is None:
+            self.backend = make_backend(backend_name, engine)
+            self.backend.open_sweep(plan, stab, first)
+        else:
+            self.backend = starter(lambda backend: backend.open_sweep(plan, stab, first))
         self.engine_ready_at = time.time()  # the one-time start-up ends here (the benchmark separates it)
 
     def run(self, jobs: list[Job], write, between=None) -> None:

@@ -64,6 +64,9 @@ class EngineOptions:
     log_file: str | None = None  # vLLM's own log lines go here (OUT/vllm.log) ...
     debug: bool = False  # ... or, with --debug, to stderr
     verify_swap: bool = False  # vLLM: compare each swapped checkpoint with a fresh engine on it
+    # the largest generate calls, as (sequences, prompt + new tokens at most): sizes vLLM's KV cache on
+    # CPU (vllm_engine.py); None: unknown (lm-eval's calls), a default
+    workload: tuple[tuple[int, int], ...] | None = None
 
 
 class Backend(Protocol):

@@ -14,7 +14,7 @@ from pathlib import Path
 from bema_cli import output
 from bema_cli.errors import BackendError, BemaError
 from bema_cli.eval import chat
-from bema_cli.eval.backends import vllm_swap
+from bema_cli.eval.backends import vllm_engine, vllm_swap
 from bema_cli.eval.backends.base import EngineOptions, Sampling, resolve_dtype
 from bema_cli.eval.backends.vllm_swap import WeightSwapExtension, checkpoint_weights  # noqa: F401 (public)
 from bema_cli.io.checkpoints import read_json
@@ -71,19 +71,21 @@ class VllmBackend:
 
     def _start(self, path: Path, config: dict, dummy: bool = False) -> None:
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         self.max_model_len = self.options.max_model_len or default_max_model_len(config)
         kwargs = self.engine_kwargs(path, dummy)
-        where = (
-            f" (vLLM's log: {self.options.log_file})"
-            if self.options.log_file and not self.options.debug
-            else ""
-        )
-        output.log(f"starting vLLM engine on {path}{where}")
+        log_file = self.options.log_file if not self.options.debug else None
+        where = f" (vLLM's log: {log_file})" if log_file else ""
+        output.log(f"starting vLLM engine on {path}{where}; on CPU this can take a minute")
+        if current_platform.is_cpu():
+            kwargs.update(vllm_engine.kv_cache_kwargs(
+                config, kwargs["dtype"], self.options.workload, self.max_model_len, output.log))  # fmt: skip
+        offset = vllm_engine.log_size(log_file)
         try:
             self.llm = LLM(**kwargs)
         except Exception as exc:
-            raise BackendError(f"{path}: vLLM could not start ({type(exc).__name__}: {cause(exc)})") from exc
+            raise vllm_engine.start_failure(path, exc, log_file, offset, cause) from exc
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
 
     def load(self, checkpoint: Path) -> None:

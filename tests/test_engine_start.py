@@ -1,0 +1,152 @@
+"""vLLM must start, or say why: a KV cache sized to the run on CPU (not vLLM's 70% of RAM), the root
+cause of a failed start read back from vLLM's log, --backend auto falling back to transformers,
+and a peak RSS that counts the engine's own processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import one_line_error, run_bema, vllm_available
+from test_eval import read_jsonl, write_data
+
+from bema_cli.eval.backends import vllm_engine
+from bema_cli.machine import PeakRss, tree_rss
+
+QWEN25_05B = {  # the published Qwen2.5-0.5B dimensions (config.json)
+    "hidden_size": 896, "num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24,
+}  # fmt: skip
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def test_kv_bytes_per_token_counts_keys_and_values_of_every_layer():
+    # 24 layers x (K and V) x 2 KV heads x head_dim 64 (896 / 14) x 2 bytes (bf16)
+    assert vllm_engine.kv_bytes_per_token(QWEN25_05B, "bfloat16") == 24 * 2 * 2 * 64 * 2 == 12288
+    explicit = {**QWEN25_05B, "head_dim": 128}
+    assert vllm_engine.kv_bytes_per_token(explicit, "float32") == 24 * 2 * 2 * 128 * 4
+    mha = {"hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2}  # no GQA field: KV = heads
+    assert vllm_engine.kv_bytes_per_token(mha, "float32") == 2 * 2 * 2 * 32 * 4
+
+
+def test_cpu_kv_cache_is_the_workload_with_a_floor_and_a_cap():
+    per = 12288
+    # 4 prompts x 50 samples x (200 prompt + 512 new) tokens: every sequence resident at once
+    size, why = vllm_engine.cpu_kv_cache(QWEN25_05B, "bfloat16", ((200, 712),), 2048, 64 * GiB)
+    assert size == int(200 * 712 * per * 1.1) and "142,400 tokens" in why
+    # the largest call counts, and a sequence is at most max_model_len tokens
+    size, _ = vllm_engine.cpu_kv_cache(QWEN25_05B, "bfloat16", ((10, 5000), (3, 100)), 2048, 64 * GiB)
+    assert size == int(10 * 2048 * per * 1.1)
+    # tiny work: the floor (at least one whole sequence, and KV_FLOOR)
+    size, _ = vllm_engine.cpu_kv_cache(QWEN25_05B, "bfloat16", ((1, 10),), 2048, 64 * GiB)
+    assert size == max(vllm_engine.KV_FLOOR, int(2048 * per * 1.1))
+    # the paper's protocol (128 prompts x 50 samples) would want ~80 GB: capped to a quarter of what is free
+    size, why = vllm_engine.cpu_kv_cache(QWEN25_05B, "bfloat16", ((6400, 812),), 2048, 16 * GiB)
+    assert size == 4 * GiB and "capped at 25%" in why
+    # unknown calls (lm-eval): UNKNOWN_SEQUENCES full-length sequences
+    size, _ = vllm_engine.cpu_kv_cache(QWEN25_05B, "bfloat16", None, 1024, 64 * GiB)
+    assert size == int(vllm_engine.UNKNOWN_SEQUENCES * 1024 * per * 1.1)
+
+
+LOG = """INFO 2026-11-26 04:18:01 vllm.config: something
+ERROR 2026-11-26 04:18:05 vllm.v1.executor: WorkerProc failed to start.
+Traceback (most recent call last):
+  File "cpu_worker.py", line 221, in determine_available_memory
+    raise ValueError(
+ValueError: Available memory on node 0 (6.92/8.59 GiB) is less than requested memory for kv (40.0 GiB).
+RuntimeError: Worker failed with error 'Available memory ...', please check the stack trace above for the root cause
+"""
+
+
+def test_root_cause_is_the_first_exception_logged_since_the_start(tmp_path):
+    log = tmp_path / "vllm.log"
+    earlier = "KeyError: 'an older run in the same log'\n"
+    log.write_text(earlier + LOG)
+    wrapper = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+    root = vllm_engine.root_cause(str(log), len(earlier), wrapper, str)
+    assert root.startswith("ValueError: Available memory on node 0") and "40.0 GiB" in root
+    assert "memory" in vllm_engine.fix_for(root) and "--backend transformers" in vllm_engine.fix_for(root)
+    # nothing logged (an in-process engine raising at once): the exception's own text
+    assert vllm_engine.root_cause(str(log), log.stat().st_size, ValueError("bad"), str) == "ValueError: bad"
+    assert vllm_engine.root_cause(None, 0, ValueError("bad"), str) == "ValueError: bad"
+
+
+def test_peak_rss_counts_child_processes():
+    """A child holding ~300 MB is in the tree's RSS, and in PeakRss while it lives."""
+    hold = "b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); print('ok', flush=True); import time; time.sleep(30)"
+    with PeakRss(every=0.05) as peak:
+        child = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "ok"
+            mine = tree_rss(os.getpid())
+            alone = _own_rss()
+            assert mine - alone > 280 * MiB, (mine, alone)
+            time.sleep(0.3)
+        finally:
+            child.kill()
+            child.wait()
+    assert peak.peak() - alone > 280 * MiB
+
+
+def _own_rss() -> int:
+    for line in open(f"/proc/{os.getpid()}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def needs_vllm(test):
+    """A real vLLM engine on CPU (slow: an engine start each)."""
+    skip = pytest.mark.skipif(not vllm_available(), reason="vllm is not importable")
+    return pytest.mark.slow(pytest.mark.vllm(skip(test)))
+
+
+SMALL = ["--tasks", "gsm8k", "--limit", "2", "--n-samples", "2", "--max-new-tokens", "8"]
+# the user's own shell: vLLM's engine core in its own process (its default), no KV setting of ours
+USER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": ""}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("engine") / "data")
+
+
+@needs_vllm
+def test_a_users_own_eval_gets_a_kv_cache_sized_to_the_run(tiny_model_dir, data, tmp_path):
+    env = {**os.environ, **USER_ENV}
+    env.pop("VLLM_CPU_KVCACHE_SPACE")
+    out = tmp_path / "out"
+    r = run_bema(
+        "eval", tiny_model_dir, "--data-dir", data, "--backend", "vllm", "--out", out, *SMALL, env=env
+    )
+    assert r.returncode == 0, r.stderr
+    said = next(line for line in r.stderr.splitlines() if line.startswith("vLLM KV cache:"))
+    assert "64 MiB reserved on CPU" in said, said  # the floor: 2 prompts x 2 samples of a tiny model
+    assert "this can take a minute" in r.stderr
+    # the engine (in its own process) used that size, not 70% of the machine's RAM
+    log = (out / "vllm.log").read_text()
+    assert "Explicitly set (0.06/" in log or "Explicitly set (0.0625/" in log, log[-2000:]
+    assert {x["backend"] for x in read_jsonl(out / "results.jsonl")} == {"vllm"}
+
+
+@needs_vllm
+def test_a_failed_start_names_the_root_cause_and_auto_falls_back(tiny_model_dir, data, tmp_path):
+    too_much = {**USER_ENV, "VLLM_CPU_KVCACHE_SPACE": "100000"}  # 100 TB: the worker refuses it
+    out = tmp_path / "vllm"
+    r = run_bema("eval", tiny_model_dir, "--data-dir", data, "--backend", "vllm", "--out", out, *SMALL,
+                 "-q", env=too_much)  # fmt: skip
+    line = one_line_error(r, 5)
+    assert "vLLM could not start (ValueError: Available memory" in line, line
+    assert "See root cause above" not in line and f"vLLM's log: {out / 'vllm.log'}" in line
+    assert "lower VLLM_CPU_KVCACHE_SPACE" in line and "--backend transformers" in line
+    auto = tmp_path / "auto"
+    r = run_bema("eval", tiny_model_dir, "--data-dir", data, "--out", auto, *SMALL, "--json", env=too_much)
+    assert r.returncode == 0, r.stderr
+    fell = [x for x in r.stderr.splitlines() if "--backend auto goes on with transformers" in x]
+    assert len(fell) == 1 and "ValueError: Available memory" in fell[0], r.stderr
+    records = json.loads(r.stdout)
+    assert records and {x["backend"] for x in records} == {"transformers"}
+    assert {x["resume_key"]["backend"] for x in records} == {"transformers"}

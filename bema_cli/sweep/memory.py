@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from bema_cli import output
 from bema_cli.errors import UsageError

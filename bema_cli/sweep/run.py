@@ -30,9 +30,9 @@ from bema_cli.sweep.session import (
     check_inputs,
     fingerprints,
     finish_doc,
-    say_resumed,
     input_prints,
     memory_doc,
+    say_resumed,
     targets,
 )
 from bema_cli.sweep.walk import plan_sweep, sweep_options

@@ -19,10 +19,10 @@ from bema_cli.eval.evaluate import EvalConfig, Evaluation, Job, evaluate_task
 from bema_cli.eval.targets import STABILIZER_KEYS, SWEEP_SCHEME, VANILLA, Target, check_model_dir
 from bema_cli.io.commit import check_apart
 from bema_cli.io.fingerprint import fingerprint, weight_files
+from bema_cli.machine import available_memory
 from bema_cli.stabilize import meta
 from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.unit import torch_device
-from bema_cli.machine import available_memory
 from bema_cli.sweep.memory import check_memory, host_total, memory_estimate, states_device
 
 

@@ -3,17 +3,22 @@
 The calls are the ones a user would make by hand (`HfApi.create_repo`, `HfApi.upload_folder`),
 with the token from the usual places (`HF_TOKEN`, `hf auth login`'s cache). Every failure a user
 can cause is one line with its own exit code (errors.py): not a bema output (3), no or a refused
-token (6), a repo of another type under that name (7), the Hub unreachable (8).
+token (6), a repo of another type under that name (7), the Hub unreachable, silent past
+--timeout after --retries, or failing (8); a bad --repo-id is a usage error (2).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bema_cli.errors import HubAuthError, HubNetworkError, HubRepoError, InputError
+from bema_cli import output
+from bema_cli.errors import HubAuthError, HubNetworkError, HubRepoError, InputError, UsageError
 
+CONNECT_TIMEOUT = 10.0  # seconds to open a connection; --timeout bounds each wait for an answer
 HIDDEN = (".bema-", ".cache", ".git")  # never uploaded: bema's own state and lock files, caches
 
 
@@ -34,11 +39,18 @@ def checkpoint_folder(path: Path) -> Path:
 
 
 def upload_list(folder: Path) -> list[tuple[str, int]]:
-    """(path in the repo, bytes) of every file that would be uploaded, sorted."""
+    """(path in the repo, bytes) of every file that would be uploaded, sorted. A symbolic link is
+    refused, as `bema stabilize` refuses one in its inputs: the client would upload its target."""
     files = []
     for p in sorted(folder.rglob("*")):
         rel = p.relative_to(folder)
-        if p.is_file() and not any(part.startswith(HIDDEN) for part in rel.parts):
+        if any(part.startswith(HIDDEN) for part in rel.parts):
+            continue
+        if p.is_symlink():
+            raise InputError(
+                f"{p}: a symbolic link (to {os.readlink(p)}); push uploads real files only: copy its target in"
+            )
+        if p.is_file():
             files.append((rel.as_posix(), p.stat().st_size))
     if not any(name.endswith((".safetensors", ".bin")) for name, _ in files):
         raise InputError(f"{folder}: no weight files to push")
@@ -53,6 +65,8 @@ def push(
     commit_message: str | None = None,
     dry_run: bool = False,
     endpoint: str | None = None,
+    timeout: float = 60.0,
+    retries: int = 3,
 ) -> dict:
     """Create the model repo if needed and upload the checkpoint folder in one commit; the --json document."""
     folder = checkpoint_folder(path)
@@ -66,11 +80,10 @@ def push(
         "bytes": sum(size for _, size in files),
         "dry_run": dry_run,
     }
-    if "/" not in repo_id or repo_id.count("/") != 1 or not all(repo_id.split("/")):
-        raise InputError(f"--repo-id: {repo_id!r} is not ORG/NAME")
+    check_repo_id(repo_id)
     if dry_run:
         return doc
-    from huggingface_hub import HfApi, get_token
+    from huggingface_hub import HfApi, get_session, get_token
 
     token = get_token()
     if not token:
@@ -78,44 +91,112 @@ def push(
             "no Hugging Face token: set HF_TOKEN or run `hf auth login` (--dry-run needs none)"
         )
     api = HfApi(endpoint=endpoint, token=token)
+    _bound_waits(get_session(), timeout)
+    from huggingface_hub.utils import disable_progress_bars, logging
+
+    if not output.progress_enabled():  # the client's upload bars: on a terminal only, as bema's own
+        disable_progress_bars()
+    if not output.verbose():  # its own retry warnings: with -v (bema says the outcome in one line)
+        logging.set_verbosity_error()
     message = commit_message or f"bema: {folder.parent.name} at {folder.name}"
-    with _hub_errors(repo_id):
-        if not api.repo_exists(repo_id, repo_type="model"):
-            for other in ("dataset", "space"):
-                if api.repo_exists(repo_id, repo_type=other):
-                    raise HubRepoError(
-                        f"--repo-id {repo_id}: a {other} repo on the Hub, not a model; choose another name"
-                    )
-        url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
-        if revision and revision != "main":
-            api.create_branch(repo_id, branch=revision, repo_type="model", exist_ok=True)
-        commit = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=folder,
-            repo_type="model",
-            revision=revision,
-            commit_message=message,
-            ignore_patterns=[f"{h}*" for h in HIDDEN] + [f"**/{h}*" for h in HIDDEN],
-        )
+    hub = endpoint or api.endpoint
+
+    def call(what: str, fn, *args, **kwargs):
+        with _hub_errors(repo_id, hub, what):
+            return _retry(lambda: fn(*args, **kwargs), retries)
+
+    if not call("repo info", api.repo_exists, repo_id, repo_type="model"):
+        for other in ("dataset", "space"):
+            if call("repo info", api.repo_exists, repo_id, repo_type=other):
+                raise HubRepoError(
+                    f"--repo-id {repo_id}: a {other} repo on the Hub, not a model; choose another name"
+                )
+    url = call("create repo", api.create_repo, repo_id, repo_type="model", private=private, exist_ok=True)
+    if revision and revision != "main":
+        call("create branch", api.create_branch, repo_id, branch=revision, repo_type="model", exist_ok=True)
+    commit = call(
+        "upload",
+        api.upload_folder,
+        repo_id=repo_id,
+        folder_path=folder,
+        repo_type="model",
+        revision=revision,
+        commit_message=message,
+        ignore_patterns=[f"{h}*" for h in HIDDEN] + [f"**/{h}*" for h in HIDDEN],
+    )
     doc.update(url=str(url), commit_url=commit.commit_url, commit_oid=commit.oid, commit_message=message)
     return doc
 
 
+def check_repo_id(repo_id: str) -> None:
+    """ORG/NAME with the Hub's own rules (huggingface_hub's validate_repo_id), before any request."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise UsageError(f"--repo-id: {repo_id!r} is not ORG/NAME")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "not a valid repo id"
+        raise UsageError(f"--repo-id: {repo_id!r} is not a valid Hub repo id ({first})") from None
+
+
+def _bound_waits(session, timeout: float) -> None:
+    """Every request of the client's shared session waits at most `timeout` s for an answer: it
+    passes timeout=None (no limit) on some calls, so a request hook sets the limit on each request."""
+    limits = {"connect": min(timeout, CONNECT_TIMEOUT), "read": timeout, "write": timeout, "pool": timeout}
+
+    def bound(request) -> None:
+        given = request.extensions.get("timeout") or {}
+        request.extensions = {**request.extensions,
+                              "timeout": {k: given.get(k) or v for k, v in limits.items()}}  # fmt: skip
+
+    hooks = session.event_hooks
+    if not any(getattr(h, "__name__", "") == "bound" for h in hooks.get("request", [])):
+        session.event_hooks = {**hooks, "request": [*hooks.get("request", []), bound]}
+
+
+def _retry(fn, retries: int):
+    """`fn()`, tried again after 1, 2, 4, ... s while the Hub does not answer (the client retries
+    some calls itself too); its last failure raised."""
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except _transport_errors():
+            if attempt == retries:
+                raise
+            time.sleep(min(2**attempt, 30))
+
+
 @contextmanager
-def _hub_errors(repo_id: str) -> Iterator[None]:
-    """Turn the client's exceptions into bema's one-line errors (the server's message kept)."""
+def _hub_errors(repo_id: str, endpoint: str, what: str) -> Iterator[None]:
+    """Turn the client's exceptions into bema's one-line errors (the server's message kept): no
+    answer or a server failure (5xx, a reply that is not the Hub's) exit 8 naming the endpoint."""
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
         yield
     except _transport_errors() as exc:
-        raise HubNetworkError(f"the Hub is unreachable ({type(exc).__name__}: {exc})") from None
+        raise HubNetworkError(
+            f"the Hub at {endpoint} is unreachable or did not answer ({what}: {type(exc).__name__}: {exc or 'timed out'})"
+        ) from None
     except HfHubHTTPError as exc:
         status = exc.response.status_code if exc.response is not None else None
-        server = (exc.server_message or str(exc)).splitlines()[0]
+        server = ((exc.server_message or str(exc)).strip().splitlines() or [""])[0]
         if status in (401, 403):
             raise HubAuthError(f"the Hub refused the token for {repo_id} ({status}: {server})") from None
+        if status is not None and status >= 500:
+            raise HubNetworkError(f"the Hub at {endpoint} failed ({what}: {status} {server})") from None
         raise HubRepoError(f"--repo-id {repo_id}: the Hub answered {status} ({server})") from None
+    except (
+        ValueError,
+        RuntimeError,
+    ) as exc:  # JSONDecodeError is a ValueError; an upload's failure a RuntimeError
+        text = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise HubNetworkError(
+            f"the Hub at {endpoint} gave an answer the client could not use ({what}: {type(exc).__name__}: {text})"
+        ) from None
 
 
 def _transport_errors() -> tuple[type, ...]:

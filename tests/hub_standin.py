@@ -38,6 +38,11 @@ class HubStandIn:
         self.repos: dict[str, Repo] = {}
         self.lfs: dict[str, bytes] = {}  # oid -> bytes uploaded by PUT
         self.calls: list[str] = []  # "METHOD path" of every request, in order
+        # a fault for requests whose "METHOD path" starts with `prefix`: ("hang", prefix) accepts and
+        # never answers (until the stand-in stops), ("status", prefix, code) answers that status,
+        # ("text", prefix) answers 200 with a body that is not JSON
+        self.fault: tuple | None = None
+        self.released = threading.Event()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -47,6 +52,7 @@ class HubStandIn:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.released.set()  # hung handlers end
         self.server.shutdown()
         self.server.server_close()
 
@@ -70,6 +76,26 @@ class HubStandIn:
             def _body(self) -> bytes:
                 return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
+            def _faulty(self, method: str) -> bool:
+                """Apply `hub.fault` to this request; True when it was answered (or left hanging)."""
+                fault = hub.fault
+                if fault is None or not f"{method} {self.path}".startswith(fault[1]):
+                    return False
+                if fault[0] == "hang":
+                    hub.released.wait(120)  # bounded: the stand-in stops, or two minutes pass
+                    self.close_connection = True
+                elif fault[0] == "status":
+                    self._body()
+                    self._send(fault[2], {"error": f"stand-in fault {fault[2]}"})
+                else:
+                    data = b"<html>not json</html>"
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/html")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                return True
+
             def _authorized(self) -> bool:
                 if self.headers.get("authorization") == f"Bearer {TOKEN}":
                     return True
@@ -78,6 +104,8 @@ class HubStandIn:
 
             def do_GET(self):
                 hub.calls.append(f"GET {self.path}")
+                if self._faulty("GET"):
+                    return
                 m = re.fullmatch(
                     r"/api/(models|datasets|spaces)/([^/]+/[^/?]+)(?:/revision/[^?]+)?(\?.*)?", self.path
                 )
@@ -94,6 +122,8 @@ class HubStandIn:
 
             def do_PUT(self):
                 hub.calls.append(f"PUT {self.path}")
+                if self._faulty("PUT"):
+                    return
                 m = re.fullmatch(r"/lfs-upload/([0-9a-f]{64})", self.path)
                 data = self._body()
                 if not m or hashlib.sha256(data).hexdigest() != m.group(1):
@@ -103,6 +133,8 @@ class HubStandIn:
 
             def do_POST(self):
                 hub.calls.append(f"POST {self.path}")
+                if self._faulty("POST"):
+                    return
                 path = self.path.split("?")[0]
                 body = self._body()
                 if path == "/api/validate-yaml":  # the client checks README.md's metadata before a commit

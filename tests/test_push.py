@@ -9,6 +9,7 @@ a subprocess, `HfApi` pointed at the stand-in by HF_ENDPOINT, the token from HF_
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 
 import pytest
@@ -99,6 +100,65 @@ def test_failures_are_one_line_with_distinct_exit_codes(checkpoint, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     line = one_line_error(
-        run_bema("push", checkpoint, "--repo-id", "org/m", env=hub_env(f"http://127.0.0.1:{port}")), 8
+        run_bema(
+            "push",
+            checkpoint,
+            "--repo-id",
+            "org/m",
+            "--retries",
+            "0",
+            env=hub_env(f"http://127.0.0.1:{port}"),
+        ),
+        8,
     )
     assert "unreachable" in line
+
+
+FAST = ["--timeout", "1", "--retries", "1"]
+
+
+@pytest.mark.parametrize(
+    "fault, where",
+    [
+        (("hang", "GET /api/models/"), "repo info"),  # accepts the connection, never answers
+        (("hang", "POST /api/models/org/m/commit/"), "upload"),
+        # the large file: the client's own 5 retries with backoff, then one of bema's (~1 min)
+        pytest.param(("hang", "PUT /lfs-upload/"), "upload", marks=pytest.mark.slow),
+        (("text", "GET /api/models/"), "repo info"),  # a 200 that is not JSON
+        (("status", "PUT /lfs-upload/", 500), "upload"),  # the large file's upload fails
+    ],
+    ids=["hang-info", "hang-commit", "hang-lfs", "not-json", "lfs-500"],
+)
+def test_a_hub_that_hangs_or_fails_is_one_line_exit_8(checkpoint, fault, where):
+    """A Hub that never answers ends in bounded time (--timeout per answer, --retries with backoff)."""
+    with HubStandIn() as hub:
+        hub.fault = fault
+        proc = run_bema("push", checkpoint, "--repo-id", "org/m", *FAST, env=hub_env(hub.url), timeout=180)
+        line = one_line_error(proc, 8)
+        assert f"the Hub at {hub.url}" in line and f"({where}:" in line, line
+        if fault[0] == "hang":
+            assert sum(c.startswith(fault[1]) for c in hub.calls) >= 2  # tried again before giving up
+
+
+def test_a_bad_repo_id_is_a_usage_error_before_any_request(checkpoint):
+    with HubStandIn() as hub:
+        for bad in ("org/m?x=1", "org/m m", "org/-m-", "justname"):
+            line = one_line_error(run_bema("push", checkpoint, "--repo-id", bad, env=hub_env(hub.url)), 2)
+            assert "--repo-id" in line and repr(bad) in line, line
+        assert hub.calls == []
+
+
+def test_a_symbolic_link_in_the_folder_is_refused_before_anything_is_sent(checkpoint, tmp_path):
+    folder = tmp_path / "linked"
+    shutil.copytree(checkpoint, folder)
+    secret = tmp_path / "outside.json"
+    secret.write_text('{"secret": 1}')
+    (folder / "tokenizer.json").unlink(missing_ok=True)
+    (folder / "tokenizer.json").symlink_to(secret)
+    with HubStandIn() as hub:
+        for extra in ([], ["--dry-run"]):
+            line = one_line_error(
+                run_bema("push", folder, "--repo-id", "org/m", *extra, env=hub_env(hub.url)), 3
+            )
+            assert f"{folder / 'tokenizer.json'}: a symbolic link" in line, line
+        assert hub.calls == [] and not hub.repos

@@ -26,15 +26,26 @@ def push(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="List what would be uploaded and its size; contact nobody.")
     ] = False,
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="Seconds to wait for each answer from the Hub.")
+    ] = 60.0,
+    retries: Annotated[
+        int, typer.Option("--retries", help="Tries again (after 1, 2, 4... s) when the Hub does not answer.")
+    ] = 3,
     json: JsonOpt = False,
 ) -> None:
     """Upload a stabilized checkpoint (weights, config, tokenizer, bema.json, model card) to the Hub.
 
-    Uses huggingface_hub (HfApi.create_repo, HfApi.upload_folder) with the token from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hub. Exit codes: 3 not a bema output, 6 no or refused token, 7 the name is another kind of repo (or the Hub refused it), 8 the Hub is unreachable.
+    Uses huggingface_hub (HfApi.create_repo, HfApi.upload_folder) with the token from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hub. Exit codes: 3 not a bema output, 6 no or refused token, 2 a bad --repo-id, 7 the name is another kind of repo (or the Hub refused it), 8 the Hub is unreachable, silent past --timeout after --retries, or failing.
     """
+    from bema_cli.errors import UsageError
     from bema_cli.push import push as run
 
-    doc = run(Path(folder), repo_id, private, revision, commit_message, dry_run)
+    if not timeout > 0 or retries < 0:
+        raise UsageError(f"--timeout must be > 0 and --retries >= 0, got {timeout} and {retries}")
+    doc = run(
+        Path(folder), repo_id, private, revision, commit_message, dry_run, timeout=timeout, retries=retries
+    )
     if json:
         output.print_json(doc)
         return

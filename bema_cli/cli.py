@@ -19,7 +19,7 @@ import typer
 import typer._click.exceptions as click  # typer's own copy of click's exception classes
 
 from bema_cli import __version__, output, signals
-from bema_cli.commands import demo, evaluate, push, report, select, simulate, stabilize, sweep
+from bema_cli.commands import demo, env, evaluate, push, report, select, simulate, stabilize, sweep
 from bema_cli.errors import BemaError
 
 app = typer.Typer(
@@ -77,6 +77,7 @@ app.command("report")(report.report)
 app.command("select")(select.select)
 app.command("push")(push.push)
 app.command("demo")(demo.demo)
+app.command("env")(env.env)
 
 
 _KINDS = {"int_parsing": "an integer", "float_parsing": "a number", "bool_parsing": "true or false"}
@@ -98,6 +99,7 @@ def _usage_line(exc: click.UsageError) -> str:
         message = (
             f"{first.get('input')!r} is not {kind}" if kind else f"{first.get('input')!r}: {first.get('msg')}"
         )
+    hint = OTHER_TOOLS_FLAGS.get(getattr(exc, "option_name", None) or "")
     if isinstance(exc, click.MissingParameter) and exc.param is not None:
         message = f"missing {exc.param.param_type_name} {_flag(exc.param)}"
     elif not isinstance(exc, click.BadParameter):
@@ -110,7 +112,16 @@ def _usage_line(exc: click.UsageError) -> str:
     if command == "bema":  # some parse errors carry the group's context: name the subcommand if one was given
         given = [a for a in sys.argv[1:] if a in {c.name for c in app.registered_commands}]
         command = f"bema {given[0]}" if given else command
+    if hint:
+        message += f" ({hint})"
     return f"{message} (see {command} --help)"
+
+
+# flags of the tools a user comes from (the HF Trainer's --output_dir, lm-eval's --output_path)
+OTHER_TOOLS_FLAGS = {
+    flag: "bema's flag for the output folder is --out"
+    for flag in ("--output_dir", "--output-dir", "--output_path", "--output-path")
+}
 
 
 def _skip_final_collection() -> None:
@@ -151,11 +162,23 @@ def hoist_global_flags(args: list[str]) -> list[str]:
     return args[:command] + moved + kept + args[end:]
 
 
+def _closed_pipe_is_sigpipe() -> None:
+    """rich ends the process with exit 1 when stdout's reader goes away (`bema --help | head`, typer's
+    help is printed by rich): raise BrokenPipeError instead, which main turns into 141, as for data."""
+    import rich.console
+
+    def closed(self) -> None:
+        raise BrokenPipeError
+
+    rich.console.Console.on_broken_pipe = closed
+
+
 def main() -> None:
     """Console-script entry point: run the app, turn failures into one line + exit code (docs: README)."""
     signals.install()
     atexit.register(_skip_final_collection)
     sys.argv[1:] = hoist_global_flags(sys.argv[1:])
+    _closed_pipe_is_sigpipe()
     if not sys.argv[1:]:  # bare `bema`: the usage goes to stderr (stdout is for data), exit 2
         with contextlib.redirect_stdout(sys.stderr):
             command()(["--help"], standalone_mode=False, prog_name="bema")
@@ -167,8 +190,7 @@ def main() -> None:
     except click.UsageError as exc:
         if _debug:
             traceback.print_exc()
-        output.error(_usage_line(exc))
-        sys.exit(exc.exit_code)
+        _fail(_usage_line(exc), exc.exit_code)
     except typer.Abort:
         output.error("aborted")
         sys.exit(1)
@@ -186,16 +208,27 @@ def main() -> None:
         if signals.received() is not None:  # the signal's exception surfaced as another type
             _exit_interrupted(signals.received())
         if isinstance(exc, BemaError):
-            output.error(str(exc))
-            sys.exit(exc.exit_code)
+            _fail(str(exc), exc.exit_code)
         if isinstance(exc, OSError):  # unwritable output, full disk, ...: still one line
             where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-            output.error(f"{exc.strerror or exc}{where}")
-            sys.exit(1)
+            _fail(f"{exc.strerror or exc}{where}", 1)
         # a bug: say so briefly, keep the traceback behind --debug
-        output.error(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)")
-        sys.exit(70)
+        _fail(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", 70)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _fail(message: str, code: int) -> None:
+    """The one error line on stderr, and under --json also one JSON document on stdout, so a
+    pipeline into `jq` sees the failure (and its exit code) instead of an empty input."""
+    output.error(message)
+    if "--json" in sys.argv[1:]:
+        import json
+
+        try:
+            print(json.dumps({"error": message, "exit_code": code}), flush=True)
+        except (BrokenPipeError, OSError):
+            pass
+    sys.exit(code)
 
 
 def _exit_interrupted(signum: int) -> None:

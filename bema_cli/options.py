@@ -85,13 +85,18 @@ PresetOpt = Annotated[
 ]
 
 
+def _items(text: str, flag: str) -> list[str]:
+    """The comma list's items; an empty one ('0.2,,0.5', a trailing comma) is a typo, never skipped."""
+    parts = [p.strip() for p in text.split(",")]
+    if text.strip() and not all(parts):
+        raise UsageError(f"{flag}: an empty item in {text!r}")
+    return [p for p in parts if p]
+
+
 def parse_float_list(text: str, flag: str) -> list[float]:
     """'0.2,0.5,inf' -> [0.2, 0.5, inf]; a clear UsageError naming the flag otherwise."""
     values = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
+    for part in _items(text, flag):
         try:
             values.append(float(part))
         except ValueError:
@@ -103,7 +108,9 @@ def parse_float_list(text: str, flag: str) -> list[float]:
 
 def parse_int_list(text: str, flag: str) -> list[int]:
     try:
-        values = [int(p) for p in text.split(",") if p.strip()]
+        values = [int(p) for p in _items(text, flag) if p.isascii()]  # int() takes '²' and '١'
+        if len(values) != len(_items(text, flag)):
+            raise ValueError
     except ValueError:
         raise UsageError(f"{flag}: expected comma-separated integers, got {text!r}") from None
     if not values:
@@ -125,8 +132,8 @@ def check_seconds(value: float | None, flag: str, zero_ok: bool = False) -> None
         raise UsageError(f"{flag}: must be a finite number of seconds {bound}, got {value}")
 
 
-def parse_str_list(text: str) -> list[str]:
-    return [p.strip() for p in text.split(",") if p.strip()]
+def parse_str_list(text: str, flag: str = "a list") -> list[str]:
+    return _items(text, flag)
 
 
 # Decimal (GB) and binary (GiB) units, as HF's --max-shard-size and memory limits are written.

@@ -261,7 +261,8 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
     return (lo + hi) / 2
 
 
-# -- window merges (Megatron-LM tools/checkpoint/weighted_merge.py) ------------------------------
+# -- window merges (Megatron-LM tools/checkpoint/weighted_merge.py: linear, minus-sqrt; cosine is
+#    bema's, the same rule with WSM's cosine decay shape) ------------------------------------------
 _DECAY = {
     "linear": lambda x: 1.0 - x,  # uniform weights: LAWA
     "minus-sqrt": lambda x: 1.0 - math.sqrt(x),  # WSM's best (arXiv 2507.17634)

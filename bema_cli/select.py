@@ -37,6 +37,11 @@ class Metric:
 
 def parse_metric(text: str) -> Metric:
     """'loss' | '<task>' | '<task>:strict' | '<task>:flexible' (flexible by default, as report plots)."""
+    if text.startswith("lm_eval:"):
+        raise UsageError(
+            f"--metric {text}: lm-eval records hold lm-eval's aggregate metrics only, no per-item scores, "
+            "and select's paired intervals need them; select on a bema task or loss"
+        )
     task, _, scoring = text.partition(":")
     if not task:
         raise UsageError("--metric: name a task (loss, gsm8k, boolq, mmlu_hs[:strict|:flexible])")
@@ -111,10 +116,7 @@ def select(
     with paired bootstrap intervals; ties with the best; the winner."""
     import numpy as np
 
-    if resamples < 100:
-        raise UsageError(f"--resamples: at least 100, got {resamples}")
-    if holdout is not None and not 0 < holdout < 1:
-        raise UsageError(f"--holdout: a fraction of the items in (0, 1), got {holdout}")
+    check_flags(at, holdout, resamples)
     mine = [r for r in records if r["task"] == metric.task and r.get("step") is not None]
     if not mine:
         tasks = sorted({str(r["task"]) for r in records})
@@ -200,6 +202,16 @@ def select(
             k: winner[k] for k in ("run", "step", "value", "interval", "vs_vanilla", "path", "stabilizer")
         },
     }
+
+
+def check_flags(at: str, holdout: float | None, resamples: int) -> None:
+    """The flags alone, checked before any results file is read."""
+    if resamples < 100:
+        raise UsageError(f"--resamples: at least 100, got {resamples}")
+    if holdout is not None and not 0 < holdout < 1:
+        raise UsageError(f"--holdout: a fraction of the items in (0, 1), got {holdout}")
+    if at not in ("last", "all"):
+        _step(at)
 
 
 def _step(text: str) -> int:

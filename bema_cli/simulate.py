@@ -24,16 +24,19 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where the simulation runs: a bad flag is refused before torch loads
+    import torch
 
 import numpy as np
-import torch
 
 from bema_cli import __version__
 from bema_cli.errors import UsageError
 from bema_cli.recurrence import METHODS, WINDOW_METHODS, Schedule, Stabilizer, Window
 
 ESTIMATORS = (*METHODS, "mle")
-DTYPE = torch.float64
+DTYPE = "float64"  # torch's dtype of every tensor here
 # Memory a run needs, for the up-front check (measured on CPython 3.12 / torch float64):
 STATE_TENSORS = 6  # (trials, dim) tensors besides the estimators': theta0, theta, running sum, temporaries
 TENSORS_PER_ESTIMATOR = 6  # its Stabilizer's running averages (up to 4), the held output, a temporary
@@ -205,10 +208,16 @@ def walk(
     Yielded tensors may alias running state: use them before the next iteration.
     A step the schedule skips (--phi) keeps that estimator's last output.
     """
+    import torch
+
     dim = eig.size
     steps = list(range(1, st.steps + 1))
-    a = torch.as_tensor(eig, dtype=DTYPE)  # (dim,) the diagonal of A
-    theta0 = torch.as_tensor(start_point(st.distance, dim), dtype=DTYPE).expand(trials, dim).clone()
+    a = torch.as_tensor(eig, dtype=getattr(torch, DTYPE))  # (dim,) the diagonal of A
+    theta0 = (
+        torch.as_tensor(start_point(st.distance, dim), dtype=getattr(torch, DTYPE))
+        .expand(trials, dim)
+        .clone()
+    )
     stabilized = [m for m in st.methods if m != "mle"]
     schedules = {m: st.schedule(m) for m in stabilized}
     plans = {m: schedules[m].plan(steps) for m in stabilized}
@@ -225,7 +234,9 @@ def walk(
     block = max(1, NOISE_BLOCK // (trials * dim))
     for k in steps:
         if (k - 1) % block == 0:
-            noise = torch.randn((min(block, st.steps - k + 1), trials, dim), generator=gen, dtype=DTYPE)
+            noise = torch.randn(
+                (min(block, st.steps - k + 1), trials, dim), generator=gen, dtype=getattr(torch, DTYPE)
+            )
         if running_sum is not None:
             running_sum += theta
         theta = theta - st.lr * (a * theta + st.sigma * noise[(k - 1) % block])
@@ -247,6 +258,8 @@ def walk(
 def one_thread() -> Iterator[None]:
     """Run torch single-threaded, then restore: each op here touches ~1e4-1e5 numbers, so OpenMP fork/join
     costs more than it saves, and on shared cores it collapses (2000 x 20 trials: 0.3 s -> 12 s measured)."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -269,6 +282,8 @@ def theory(st: SimSettings, eig: np.ndarray, steps: list[int]) -> dict[str, list
 
 def simulate(st: SimSettings) -> dict:
     """Monte-Carlo mean and standard error of |estimate - mu|^2 per estimator and recorded step."""
+    import torch
+
     st = st.validated()
     eig = parse_spectrum(st.spectrum, st.dim)
     steps = recorded_steps(st.steps, st.record_every)
@@ -288,6 +303,8 @@ def simulate(st: SimSettings) -> dict:
 
 def trajectory_2d(st: SimSettings, methods: tuple[str, ...] = ("vanilla", "ema", "bema")) -> dict:
     """One 2-D trajectory (A's smallest and largest eigenvalue): every estimator's path, Fig. 1a style."""
+    import torch
+
     st = replace(st.validated(), methods=methods)
     full = parse_spectrum(st.spectrum, st.dim)
     eig = np.array([full.min(), full.max()])

@@ -14,7 +14,7 @@ TasksOpt = Annotated[
     str,
     typer.Option(
         "--tasks",
-        help="Comma list of boolq,gsm8k,mmlu_hs,loss,train_loss, then lm_eval:<task>[,<task>...] (lm-evaluation-harness tasks or groups).",
+        help="Comma list of boolq,gsm8k,mmlu_hs,loss,train_loss, then lm_eval:<task>[,<task>...] (lm-evaluation-harness tasks or groups); `list` prints them.",
     ),
 ]
 OutOpt = Annotated[

@@ -88,6 +88,16 @@ def evaluate(
     from bema_cli.eval.evaluate import LIBRARY_LOG, run_eval
     from bema_cli.eval.results import records_table
 
+    if tasks.strip() == "list":
+        from bema_cli.eval.tasks import task_list
+
+        rows = task_list()
+        if json_:
+            output.print_json(rows)
+        else:
+            for row in rows:
+                output.stdout.print(f"{row['task']:<16} {row['description']}", highlight=False, markup=False)
+        return
     if out is None:  # ten minutes of evaluation must never end in nothing kept
         out = DEFAULT_OUT
         output.log(f"results go to ./{DEFAULT_OUT}/ (the default; --out DIR chooses)")

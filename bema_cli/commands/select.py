@@ -48,6 +48,7 @@ def select(
     from bema_cli import select as sel
 
     parsed = sel.parse_metric(metric)
+    sel.check_flags(at, holdout, resamples)  # instantly, before the results are read
     _, records = report.load(inputs)
     doc = sel.select(records, parsed, at, holdout, resamples, seed)
     if write:

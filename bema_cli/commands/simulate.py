@@ -88,7 +88,7 @@ def simulate(
         distance=distance,
         seed=seed,
         record_every=record_every,
-        methods=tuple(parse_str_list(methods)),
+        methods=tuple(parse_str_list(methods, "--methods")),
         kappa=kappa,
         eta=eta,
         gamma=gamma,

@@ -245,6 +245,14 @@ def stabilize(
         _print_summary(doc)
 
 
+def _size(n: int) -> str:
+    """2147483648 -> '2 GiB', as people write a size (and --max-memory reads it back)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
 def schedules_from_flags(f: dict) -> list:
     """The grid (stabilize and sweep alike): --config FILE, or --method and the parameter lists."""
     from bema_cli.stabilize import grid
@@ -264,11 +272,11 @@ def schedules_from_flags(f: dict) -> list:
         return parse(f[key], flag) if f[key] is not None else None
 
     return grid(
-        parse_str_list(f["method"] or "bema"),
+        parse_str_list(f["method"] or "bema", "--method"),
         numbers("kappa", "--kappa", parse_float_list),
         numbers("eta", "--eta", parse_float_list),
         windows=numbers("window", "--window", parse_int_list),
-        schedules=parse_str_list(f["schedule"]) if f["schedule"] is not None else None,
+        schedules=parse_str_list(f["schedule"], "--schedule") if f["schedule"] is not None else None,
         swa_starts=numbers("swa_start", "--swa-start", parse_int_list),
         sigma_rels=numbers("sigma_rel", "--sigma-rel", parse_float_list),
         power_gammas=numbers("power_gamma", "--power-gamma", parse_float_list),
@@ -336,7 +344,7 @@ def _print_plan(doc: dict) -> None:
     output.stdout.print(f"{len(doc['outputs'])} outputs; shards of each: {shards}")
     output.stdout.print(
         f"would read {_gb(doc['read_bytes'])} and write {_gb(doc['written_bytes'])} "
-        f"in {plan['work_units']} work units (--max-memory {plan['max_memory']} bytes)"
+        f"in {plan['work_units']} work units (--max-memory {_size(plan['max_memory'])})"
     )
 
 

@@ -167,8 +167,9 @@ def sweep(
     from bema_cli.eval.results import records_table
     from bema_cli.stabilize import Options
     from bema_cli.sweep.run import sweep as run
-    from bema_cli.sweep.session import SweepOptions
+    from bema_cli.sweep.session import SweepOptions, parse_at
 
+    parse_at(at)  # instantly, before any input is read
     flags = {**locals(), "verify_swap": False, "tensor_parallel_size": 1, "data_parallel_size": 1,
              "enforce_eager": False}  # fmt: skip
     evaluation, engine = eval_settings(flags)

@@ -123,6 +123,11 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
     asked, opts = opts, resolve_state(opts)
     plan = prepare(opts)
     check_apart(out, _inputs(plan, opts.checkpoint_dir))
+    if opts.no_state and not opts.overwrite and not opts.dry_run and _already_written(out, plan, opts):
+        last = max((c.step for c in plan.checkpoints), default=None)  # a finished --final-only call again
+        return {"outputs": [], "read_bytes": 0, "written_bytes": 0, "state_bytes": 0,
+                "executor": {"executor": executor.executor, "workers": executor.workers},
+                "up_to_date": True, "last_step": last, "seconds": time.perf_counter() - t0}  # fmt: skip
     try:
         _check_out(out, plan.runs, opts.overwrite, _restarted(plan, opts))
     except OutputError as exc:
@@ -187,6 +192,38 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
     doc["outputs"] = [o for o in doc["outputs"] if (o["run"], o["step"]) in keep]
     doc["seconds"] = time.perf_counter() - t0
     return doc
+
+
+def _already_written(out: Path, plan, opts: Options) -> bool:
+    """A call without a state (--final-only) whose every output is on disk, as this call would write
+    it: the same checkpoints, each bema.json the record this call writes, and written after its
+    source checkpoint's files last changed. Re-running a finished command is then "up to date"."""
+    import json
+
+    out_dtype = meta.out_dtype_name(plan, opts)
+    source_of = {c.step: c.path for c in plan.checkpoints}
+    for run in plan.runs:
+        folder = out / run.name
+        if not folder.is_dir() or {p.name for p in folder.glob("checkpoint-*")} != {
+            f"checkpoint-{s}" for s in run.out_steps
+        }:
+            return False
+        for step in run.out_steps:
+            record = folder / f"checkpoint-{step}" / "bema.json"
+            try:
+                have = json.loads(record.read_text())
+                newest = max(p.stat().st_mtime for p in Path(source_of[step]).iterdir())
+                fresh = record.stat().st_mtime >= newest
+            except (OSError, ValueError, KeyError):
+                return False
+            want = json.loads(
+                output.to_json(meta.record(run, step, source_of[step], plan.base_source, opts, out_dtype))
+            )
+            if not fresh or {k: v for k, v in have.items() if k != "bema_version"} != {
+                k: v for k, v in want.items() if k != "bema_version"
+            }:
+                return False
+    return bool(plan.runs)
 
 
 def reconcile(out: Path) -> None:

@@ -227,6 +227,9 @@ def grid(
             if kappa == 0
             else f"--kappa {kappa:g} > 1: the betas sum to a finite total, so the EMA never forgets theta0"
         )
+    check_grid_size(
+        grid_size(methods, kappas, etas, windows, schedules, swa_starts, sigma_rels, power_gammas)
+    )
     powers = [{"sigma_rel": x} for x in sigma_rels or ()] + [{"power_gamma": g} for g in power_gammas or ()]
     own = {  # the runs of each method that is not of the EMA family
         "lawa": [{"window": k} for k in windows or [None]],
@@ -256,6 +259,26 @@ def grid(
     return list(out.values())
 
 
+GRID_LIMIT = 4096  # configs in one grid: a sweep holds each one's state, stabilize writes each one
+
+
+def grid_size(methods, kappas=None, etas=None, windows=None, schedules=None, swa_starts=None,
+              sigma_rels=None, power_gammas=None) -> int:  # fmt: skip
+    """How many configs `grid` would build (before duplicates merge), counted without building them."""
+
+    def n(values) -> int:
+        return len(values) if values else 1
+
+    own = {"lawa": n(windows), "wsm": n(windows) * n(schedules), "swa": n(swa_starts),
+           "power": max(1, len(sigma_rels or ()) + len(power_gammas or ()))}  # fmt: skip
+    return sum(own.get(m, n(kappas) * n(etas)) for m in methods)
+
+
+def check_grid_size(count: int, where: str = "the grid") -> None:
+    if count > GRID_LIMIT:
+        raise UsageError(f"{where}: {count:,} configs, over the limit of {GRID_LIMIT:,}; split the grid")
+
+
 # --config FILE: each method with its own parameter lists (mergekit-style), keys as on the command line
 CONFIG_KEYS = {
     **{m: ("kappa", "eta") for m in ("bema", "ouema")},
@@ -283,18 +306,26 @@ def grid_from_config(path: str, **common) -> list[Schedule]:
     from bema_cli.errors import InputError
 
     try:
-        doc = yaml.safe_load(Path(path).expanduser().read_text())
+        doc = yaml.load(Path(path).expanduser().read_text(), Loader=_strict_loader(yaml))  # noqa: S506 (a SafeLoader)
     except OSError as exc:
         raise InputError(f"{path}: cannot read the grid config ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
         raise InputError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    except RecursionError:
+        raise InputError(f"{path}: nested too deeply for a grid config") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("methods"), dict) or not doc["methods"]:
         raise InputError(f"{path}: expected a mapping with a non-empty 'methods:' mapping")
     unknown = sorted(set(doc) - {"methods", *CONFIG_COMMON})
     if unknown:
         raise InputError(f"{path}: unknown key {unknown[0]!r} (allowed: methods, {', '.join(CONFIG_COMMON)})")
-    common = {**common, **{k: doc[k] for k in CONFIG_COMMON if k in doc}}
+    common = {**common, **{k: _config_value(path, k, doc[k]) for k in CONFIG_COMMON if k in doc}}
     out: dict[str, Schedule] = {}
+    sizes = []
+    for method, params in doc["methods"].items():
+        if isinstance(params, dict):  # counted before anything is built
+            counts = [len(v) if isinstance(v, list) else 1 for v in params.values()]
+            sizes.append(math.prod(counts) if method != "power" else max(1, sum(counts)))
+    check_grid_size(sum(sizes), path)
     for method, params in doc["methods"].items():
         if method not in CONFIG_KEYS:
             raise InputError(f"{path}: unknown method {method!r} (choose from {', '.join(CONFIG_KEYS)})")
@@ -314,31 +345,60 @@ def grid_from_config(path: str, **common) -> list[Schedule]:
             for k, v in params.items()
         }
         kappas, etas = lists.pop("kappas", None), lists.pop("etas", None)
-        for s in grid([method], kappas, etas, **lists, **common):
+        try:  # the flags' own range checks, said of the file
+            built = grid([method], kappas, etas, **lists, **common)
+        except UsageError as exc:
+            raise InputError(f"{path}: methods.{method}: {str(exc).lstrip('-')}") from None
+        for s in built:
             out.setdefault(run_name(s), s)
     return list(out.values())
 
 
+def _strict_loader(yaml):
+    """yaml's SafeLoader, refusing a key given twice in one mapping (PyYAML keeps the last silently,
+    which drops a grid member)."""
+
+    class Strict(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"duplicate key {key!r} (line {key_node.start_mark.line + 1})",
+                        key_node.start_mark,
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return Strict
+
+
+WHOLE_KEYS = ("window", "swa_start", "tau", "phi")  # the flags that take whole numbers
+
+
 def _config_value(path: str, where: str, value):
-    """A YAML value as the flag would parse it: windows and steps whole numbers, schedules names, the
-    rest numbers ('inf' and .inf alike)."""
+    """A YAML value as the flag would parse it: windows, steps, tau and phi whole numbers, schedule
+    and preset names, the rest numbers ('inf' and .inf alike); its range is checked as the flag's."""
     from bema_cli.errors import InputError
 
-    key = where.rsplit(".", 1)[1]
-    if key == "schedule":
+    key = where.rsplit(".", 1)[-1]
+    if key in ("schedule", "preset"):
         if not isinstance(value, str):
-            raise InputError(f"{path}: {where}: a schedule name, got {value!r}")
+            raise InputError(f"{path}: {where}: a {key} name, got {value!r}")
         return value
     try:
         if isinstance(value, bool):
             raise ValueError
-        if key in ("window", "swa_start"):
+        if key in WHOLE_KEYS:
             if isinstance(value, float) or int(value) != float(value):
                 raise ValueError
             return int(value)
         return float(value)
     except (TypeError, ValueError):
-        kind = "a whole number" if key in ("window", "swa_start") else "a number"
+        kind = "a whole number" if key in WHOLE_KEYS else "a number"
         raise InputError(f"{path}: {where}: {kind}, got {value!r}") from None
 
 

@@ -36,7 +36,15 @@ from bema_cli.io.fingerprint import changed, fingerprint, fingerprint_if_present
 from bema_cli.io.reader import read_into
 from bema_cli.io.safetensors import FLOATING, TAG_OF, ModelIndex, TensorInfo
 from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
-from bema_cli.recurrence import STATE_TENSORS, Schedule, Stabilizer, Window, run_name, state_key
+from bema_cli.recurrence import (
+    STATE_TENSORS,
+    WINDOW_METHODS,
+    Schedule,
+    Stabilizer,
+    Window,
+    run_name,
+    state_key,
+)
 from bema_cli.stabilize import gaps, state_doc
 from bema_cli.stabilize.plan import Options, Piece, Plan, Resume, Run, Track
 
@@ -94,6 +102,30 @@ def check_run(name: str, stored: dict, schedule: Schedule, opts: Options, where:
             )
 
 
+def check_folder(name: str, run: dict, schedule: Schedule, stored: dict, where: Path) -> None:
+    """A run continues from the state folder bema named for it: its name is a digest of the run's
+    state key, the steps consumed up to its last step and theta0 (`tracks`), so a folder swapped
+    with another run's, or copied from another history, is refused without any key."""
+    folder = run.get("state")
+    if folder is None:
+        return
+    key = state_key(schedule)
+    consumed = [int(x["step"]) for x in stored["steps"] if int(x["step"]) <= int(run["last_step"])]
+    source = stored["theta0"]["source"]
+    if schedule.method in WINDOW_METHODS:  # one ring serves every window of a cadence: its family only
+        if not folder.startswith(f"{key[0]}-"):
+            raise InputError(
+                f"{where}: run {name} names the state folder {folder!r}, which is not a window ring "
+                "(swapped with another run's); pass --restart to recompute from scratch"
+            )
+        return
+    if folder != f"{key[0]}-{_digest(key, consumed, source)}":
+        raise InputError(
+            f"{where}: run {name} names the state folder {folder!r}, which bema did not compute for it "
+            "(swapped with another run's, or from another history); pass --restart to recompute from scratch"
+        )
+
+
 def resume(opts: Options, out: Path, checkpoints: list[Checkpoint], base_source: str, base_files) -> Resume:
     """Check this call against OUT's state and say where each run of the grid starts.
 
@@ -123,6 +155,7 @@ def resume(opts: Options, out: Path, checkpoints: list[Checkpoint], base_source:
         name = run_name(s)
         if name in runs and not restart:
             check_run(name, runs[name], s, opts, out / STATE_DIR)
+            check_folder(name, runs[name], s, stored, out / STATE_DIR / STATE_FILE)
             starts[name] = int(runs[name]["last_step"])
     steps = sorted({int(s["step"]) for s in stored["steps"]} | set(present))
     burnin = stored["theta0"].get("burnin") or {}

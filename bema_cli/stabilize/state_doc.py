@@ -73,10 +73,14 @@ def _check(doc, checked: tuple[str, ...]) -> None:
         _field(s, "step", int, f"steps[{i}]")
         _field(s, "path", str, f"steps[{i}]")
         _fingerprints(_field(s, "files", list, f"steps[{i}]"), f"steps[{i}]")
+    history = {s["step"] for s in doc["steps"]}
     for i, r in enumerate(_field(doc, "runs", list, "state")):
         where = f"runs[{i}]"
         _plain_name(_field(r, "run", str, where), f"{where}.run")
-        _field(r, "last_step", int, where)
+        last = _field(r, "last_step", int, where)
+        if last not in history:  # a run ends at a step the history holds (the seal aside: no key needed)
+            ends = f"ends at {max(history)}" if history else "is empty"
+            raise _Bad(f"{where}.last_step {last} is not a step of the history (which {ends})")
         if r.get("state") is not None:
             _plain_name(r["state"], f"{where}.state")
         outputs = _field(r, "outputs", list, where)
@@ -107,7 +111,8 @@ def seal(doc: dict) -> str:
     checksums included: state.json names what bema deletes and continues from, so any edit of
     the right type but the wrong content (a last_step, a swapped state folder, a removed checksum,
     a delete entry) is caught here, in one place no key can switch off. It guards against edits
-    and accidents, not a forger who recomputes it (xxh3 is not keyed)."""
+    and accidents, not a forger who recomputes it (xxh3 is not keyed): beside it stand the checks
+    that need no key (`_check`'s last_step in the history, state.check_folder's folder names)."""
     import json
 
     import xxhash

@@ -39,13 +39,13 @@ def parse_at(text: str) -> tuple[str, int | frozenset | None]:
         return text, None
     if text.startswith("every:"):
         n = text.removeprefix("every:")
-        if not n.isdigit() or int(n) < 1:
+        if not (n.isascii() and n.isdigit()) or int(n) < 1:  # int() takes '²' too
             raise UsageError(f"--at: every:N needs a whole number N >= 1, got {text!r}")
         return "every", int(n)
-    try:
-        return "list", frozenset(int(part) for part in text.split(","))
-    except ValueError:
-        raise UsageError(f"--at: all, last, every:N or a comma list of steps, got {text!r}") from None
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isascii() and p.isdigit() for p in parts):  # no empty item, no '²' (int() takes it)
+        raise UsageError(f"--at: all, last, every:N or a comma list of steps, got {text!r}")
+    return "list", frozenset(int(p) for p in parts)
 
 
 def at_chosen(kind: str, value, step: int) -> bool:

@@ -19,6 +19,21 @@ def is_lm_eval(name: str) -> bool:
     return name.startswith(LM_EVAL_PREFIX)
 
 
+def task_list() -> list[dict]:
+    """`bema eval --tasks list`: each task's name and the first line of its module's docstring."""
+    rows = []
+    for name in TASKS:
+        doc = (get_task(name).__doc__ or "").strip().splitlines()
+        line = doc[0] if doc else ""
+        if name == "train_loss":
+            line = "Train loss: the same as loss, on --loss-train-data (a check on memorisation)."
+        elif name == "loss":
+            line = "Held-out loss: mean next-token NLL on --loss-data (jsonl of {messages} or {text})."
+        rows.append({"task": name, "description": line})
+    rows.append({"task": f"{LM_EVAL_PREFIX}<task>", "description": "any lm-evaluation-harness task or group"})
+    return rows
+
+
 def get_task(name: str) -> ModuleType:
     """The task module for `name` (e.g. bema_cli.eval.tasks.gsm8k); loss tasks share tasks/loss.py."""
     if name not in TASKS:
@@ -35,7 +50,7 @@ def parse_tasks(text: str) -> list[str]:
     names, lm_eval = [], False
     for part in (p.strip() for p in text.split(",")):
         if not part:
-            continue
+            raise UsageError(f"--tasks: an empty item in {text!r}")
         lm_eval = lm_eval or is_lm_eval(part)
         names.append(part if is_lm_eval(part) or not lm_eval else LM_EVAL_PREFIX + part)
     return names

@@ -164,10 +164,10 @@ class Evaluation:
         self.executor = executor or ExecutorOptions()  # where the jobs run: here, or a Ray engine pool
         self.inputs = self._prepare()  # data files first: a missing one is reported before vLLM is imported
         self.engine = replace(engine, workload=self._workload())
+        self.results = ResultsFile(config.out)
         self.backend_name = self._resolve_backend()
         for name, item in self.inputs.items():
             item.resume_key.update(self._engine_key(name))
-        self.results = ResultsFile(config.out)
         self.samples = SamplesLog(config.out, config.log_samples)
 
     def _resolve_backend(self) -> str:
@@ -178,6 +178,12 @@ class Evaluation:
             route_vllm_logs(self.engine.log_file, self.engine.debug or output.verbose())
         if name == "auto" and all(t in LOSS_TASKS for t in self.config.tasks):
             return "transformers"  # losses are transformers forward passes: no engine needed
+        engines = {(r.get("resume_key") or {}).get("backend") for r in self.results.records
+                   if r.get("task") in self.inputs and r.get("task") not in LOSS_TASKS}  # fmt: skip
+        if name == "auto" and len(engines) == 1 and engines <= set(BACKENDS):
+            (name,) = engines  # as the records already here were made (an earlier fallback): they resume
+            output.log(f"--backend auto: {name}, as the records already in {self.results.path} were made")
+            return name
         if name == "auto":
             return "vllm" if vllm_usable() else "transformers"
         if name == "vllm" and self.executor.executor == "local":

@@ -45,16 +45,45 @@ def hub_base_model(theta0_source: str, theta0_dir: Path | None = None) -> str | 
     return name if isinstance(name, str) and REPO_ID.match(name) and not Path(name).exists() else None
 
 
+PATH_KEYS = ("source_checkpoint", "theta0_source")
+CARD_PATHS = ("short", "full")
+
+
+def shown_path(value: str, paths: str = "short") -> str:
+    """A path as a card shows it: a Hub id as it is; a local path as its last two parts
+    (run/checkpoint-40), never the absolute path a push would publish, unless `paths` is "full"."""
+    if paths == "full" or (REPO_ID.match(value) and not Path(value).exists()):
+        return value
+    parts = Path(value).parts
+    return "/".join(parts[-2:]) if len(parts) >= 2 else value
+
+
+def _cell(value) -> str:
+    """A table cell that cannot break the table: `|` escaped, a backtick shown as an entity."""
+    text = str(value).replace("|", "\\|")
+    return f"`{text}`" if "`" not in text else text.replace("`", "&#96;")
+
+
 def card(
-    record: dict, base_model: str | None, adapter: bool = False, evaluation: list[dict] | None = None
+    record: dict,
+    base_model: str | None,
+    adapter: bool = False,
+    evaluation: list[dict] | None = None,
+    paths: str = "short",
+    selected: bool = False,
 ) -> str:
     """README.md text for one output folder described by its bema.json `record`.
 
     `evaluation`: model-index results, each {"task", "dataset", "metric", "value"} with optional
-    "interval" ([lo, hi], a 95% paired-bootstrap interval) and "vs" (what it is a difference to)."""
+    "interval" ([lo, hi], a 95% paired-bootstrap interval) and "vs" (what it is a difference to).
+    `paths`: "short" (folder names, the default) or "full" (absolute local paths). `selected`: chosen
+    by `bema select`/`bema ship` (a vanilla one is the raw checkpoint, not an average)."""
     from huggingface_hub import EvalResult, ModelCardData
 
     method = record.get("method", "vanilla")
+    record = {
+        k: shown_path(v, paths) if k in PATH_KEYS and isinstance(v, str) else v for k, v in record.items()
+    }
     results = [
         EvalResult(
             task_type="text-generation",
@@ -75,6 +104,20 @@ def card(
         eval_results=results or None,
     )
     params = {k: v for k, v in record.items() if k not in PROVENANCE and k not in ("method",) and _plain(v)}
+    load = f"Load it like any {'PEFT adapter' if adapter else 'transformers model'}; `bema.json` beside it holds the same record as JSON."
+    if method == "vanilla":  # the raw checkpoint: no averaging, so no averaging parameters
+        params = {}
+        what = (
+            f"The raw checkpoint at step {record.get('step')}"
+            + (", selected by bema: no average of the run beat it beyond its interval" if selected else "")
+            + f", written by bema {record.get('bema_version', '')}. {load}"
+        )
+    else:
+        what = (
+            f"{METHOD_NAMES.get(method, method)} of a fine-tuning run's checkpoints, written by bema "
+            f"{record.get('bema_version', '')}: the weights at training step {record.get('step')}, averaged "
+            f"as below. {load}"
+        )
     lines = [
         "---",
         data.to_yaml(),
@@ -82,19 +125,15 @@ def card(
         "",
         f"# {record.get('run', 'bema output')} at step {record.get('step')}",
         "",
-        f"{METHOD_NAMES.get(method, method)} of a fine-tuning run's checkpoints, written by "
-        f"[bema](https://pypi.org/project/bema-cli/) {record.get('bema_version', '')}: the weights "
-        f"at training step {record.get('step')}, averaged as below. Load it like any "
-        f"{'PEFT adapter' if adapter else 'transformers model'}; `bema.json` beside it holds the same "
-        "record as JSON.",
+        what,
         "",
         "## Provenance",
         "",
         "| | |",
         "|---|---|",
-        f"| method | `{method}` |",
-        *[f"| {k} | `{v}` |" for k, v in params.items()],
-        *[f"| {k.replace('_', ' ')} | `{record[k]}` |" for k in PROVENANCE if k in record],
+        f"| method | {_cell(method)} |",
+        *[f"| {k} | {_cell(v)} |" for k, v in params.items()],
+        *[f"| {k.replace('_', ' ')} | {_cell(record[k])} |" for k in PROVENANCE if k in record],
         "",
     ]
     if evaluation:
@@ -102,14 +141,14 @@ def card(
         for e in evaluation:
             lo_hi = f"{e['interval'][0]:.4g} to {e['interval'][1]:.4g}" if e.get("interval") else ""
             lines.append(
-                f"| {e['dataset']} | {e['metric']} | {e['value']:.4g} | {lo_hi} | {e.get('vs', '')} |"
+                f"| {_cell(e['dataset'])} | {_cell(e['metric'])} | {e['value']:.4g} | {lo_hi} | {e.get('vs', '')} |"
             )
         lines.append("")
     lines += [
         "## Citation",
         "",
         f'The averaging follows Block & Zhang, "EMA Without the Lag: Bias-Corrected Iterate Averaging '
-        f"Schemes\" ({PAPER}); the window methods' sources are in bema's docs/math.md.",
+        f'Schemes" ({PAPER}).',
         "",
         "```bibtex",
         CITATION,

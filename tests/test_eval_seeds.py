@@ -137,6 +137,9 @@ def test_stderr_holds_bemas_own_lines_unless_verbose(tiny_model_dir, tmp_path, v
         assert any(word in r.stderr for word in noise), r.stderr
     else:
         lines = r.stderr.splitlines()
-        assert lines[0].startswith("starting vLLM engine on") and lines[1].startswith("boolq: "), r.stderr
-        assert len(lines) == 2 and not any(word in r.stderr for word in noise), r.stderr
+        assert lines[0].startswith("starting vLLM engine on") and lines[1].startswith("vLLM KV cache: "), (
+            r.stderr
+        )
+        assert lines[2].startswith("boolq: "), r.stderr
+        assert len(lines) == 3 and not any(word in r.stderr for word in noise), r.stderr
         assert any(word in (out / "libraries.log").read_text() for word in noise)

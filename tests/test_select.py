@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 
 import numpy as np
 import pytest
 from conftest import one_line_error, run_bema
 
+from bema_cli.decide.select import Metric, parse_metric, select, split
 from bema_cli.errors import InputError, UsageError
-from bema_cli.select import Metric, parse_metric, select, split
 
 GSM = Metric("gsm8k", "flexible", True)
 PROTOCOL = {"task": "gsm8k", "limit": 60}
@@ -65,6 +66,8 @@ def test_intervals_cover_the_true_difference_about_95_percent_of_the_time():
 
 
 def test_ties_and_the_winner():
+    """The best on the pick items, then the stated tie rule among those tied with it: vanilla, then
+    the simplest config, then the later step. The winner is the first row."""
     rng = np.random.default_rng(2)
     v = rng.uniform(0, 1, 80)
     records = [
@@ -75,12 +78,87 @@ def test_ties_and_the_winner():
     ]
     doc = select(records, GSM, seed=3)
     rows = {c["run"]: c for c in doc["candidates"]}
-    assert doc["winner"]["run"] == max(rows, key=lambda r: rows[r]["value"])
-    assert rows[doc["winner"]["run"]]["tied_with_best"]
+    best = max(rows, key=lambda r: rows[r]["picked_value"])
+    assert best == "best" and rows["best"]["tied_with_best"] and rows["vanilla"]["tied_with_best"]
     assert not rows["bad"]["tied_with_best"] and rows["bad"]["vs_best"]["high"] < 0
-    tied = [r for r in rows if rows[r]["tied_with_best"]]
-    assert {"close", "best"} <= set(tied) | {doc["winner"]["run"]}
-    assert [c["run"] for c in doc["candidates"]][-1] == "bad"  # ranked best first
+    assert doc["winner"]["run"] == "vanilla"  # tied with the best: vanilla is preferred
+    assert doc["candidates"][0]["run"] == "vanilla" and doc["candidates"][-1]["run"] == "bad"
+    assert doc["verdict"].startswith("ship vanilla at step 10") and "tie_rule" in doc
+    # vanilla clearly worse: among the tied averages the simplest (ema before wsm) wins
+    noise = rng.normal(0.0, 0.05, 80)
+    records = [
+        record("vanilla", 10, v - 0.3),
+        record("wsm-minus_sqrt-w4", 10, v + 0.011),
+        record("ema-k0.5", 10, v + 0.010 + noise - noise.mean()),  # 0.001 worse on average, within noise
+    ]
+    doc = select(records, GSM, seed=3)
+    rows = {c["run"]: c for c in doc["candidates"]}
+    assert max(rows, key=lambda r: rows[r]["picked_value"]) == "wsm-minus_sqrt-w4"
+    assert rows["ema-k0.5"]["tied_with_best"] and doc["winner"]["run"] == "ema-k0.5"
+    assert doc["candidates"][0]["run"] == "ema-k0.5" and doc["winner"]["tied_with"] == ["wsm-minus_sqrt-w4"]
+    assert doc["verdict"].startswith("ship ema-k0.5 at step 10: gsm8k:flexible ")
+    assert "vs vanilla" in doc["verdict"] and "tied with wsm-minus_sqrt-w4" in doc["verdict"]
+    # everything identical: vanilla, whatever the order the records came in
+    same = [record(name, 10, v) for name in ("wsm-minus_sqrt-w8", "lawa-w4", "vanilla", "bema-k0.5-e0.2")]
+    assert select(same, GSM)["winner"]["run"] == select(same[::-1], GSM)["winner"]["run"] == "vanilla"
+
+
+def test_at_all_ties_go_to_the_later_step():
+    v = np.linspace(0.1, 0.9, 40)
+    records = [record("vanilla", 10, v), record("vanilla", 20, v), record("ema-k0.5", 20, v)]
+    doc = select(records, GSM, at="all")
+    assert (doc["winner"]["run"], doc["winner"]["step"]) == ("vanilla", 20)
+
+
+def test_last_is_the_last_step_every_config_has_and_missing_configs_are_named():
+    """An interrupted sweep: only vanilla reached step 120. `last` is the last step every config has;
+    a step where some are missing is refused (named) unless --allow-missing."""
+    v = np.linspace(0.1, 0.9, 40)
+    records = [record(run, step, v + (0.05 if run != "vanilla" else 0)) for step in (40, 80)
+               for run in ("vanilla", "ema-k0.5", "bema-k0.5-e0.2")] + [record("vanilla", 120, v)]  # fmt: skip
+    doc = select(records, GSM)
+    assert doc["winner"]["step"] == 80 and {c["step"] for c in doc["candidates"]} == {80}
+    with pytest.raises(
+        InputError,
+        match=r"step 120 has no gsm8k:flexible record of 2 config\(s\).*bema-k0.5-e0.2, ema-k0.5.*--allow-missing",
+    ):
+        select(records, GSM, at="120")
+    doc = select(records, GSM, at="120", allow_missing=True)
+    assert doc["missing"] == ["bema-k0.5-e0.2", "ema-k0.5"] and doc["winner"]["run"] == "vanilla"
+
+
+@pytest.mark.parametrize(
+    "items, needle",
+    [
+        ({"flexible": [float("nan")] + [0.5] * 9}, "item 0's flexible score is nan"),
+        ({"flexible": [float("-inf")] + [0.5] * 9}, "item 0's flexible score is -inf"),
+        ({"flexible": ["0.5"] * 10}, "item 0's flexible score '0.5' is not a number"),
+        ({"flexible": [0.5] * 9}, "items.flexible holds 9 scores for 10 ids"),
+        ({"flexible": "0.5"}, "items.flexible holds str scores for 10 ids"),
+        ({"ids": []}, "items.ids is not a non-empty list"),
+    ],
+)
+def test_non_finite_or_malformed_item_scores_are_errors_never_winners(items, needle):
+    good = record("ema-k0.5", 5, [0.4] * 10)
+    bad = record("vanilla", 5, [0.5] * 10)
+    bad["items"] = {**bad["items"], **items}
+    with pytest.raises(InputError, match=re.escape(needle)):
+        select([good, bad], GSM)
+
+
+def test_mcnemar_is_exact_for_yes_no_items():
+    """b = 9 items only A got right, c = 1 only B: p = 2 * P(X <= 1), X ~ Bin(10, 1/2) = 22/1024."""
+    a = [1] * 9 + [0] + [1] * 20 + [0] * 10
+    b = [0] * 9 + [1] + [1] * 20 + [0] * 10
+    doc = select([record("vanilla", 1, b), record("ema-k0.5", 1, a)], GSM)
+    row = next(c for c in doc["candidates"] if c["run"] == "ema-k0.5")
+    assert row["vs_vanilla"]["mcnemar_p"] == pytest.approx(22 / 1024, rel=1e-12)
+    assert (
+        "mcnemar_p"
+        not in select([record("vanilla", 1, [0.5] * 40), record("e", 1, [0.25] * 40)], GSM)["candidates"][1][
+            "vs_vanilla"
+        ]
+    )  # fractions of samples: no McNemar
 
 
 def test_holdout_picks_on_one_part_and_reports_on_the_rest():
@@ -189,11 +267,21 @@ def test_select_end_to_end_and_write_the_winner(evaluated_run, tmp_path):
         assert (
             run_bema("stabilize", root / "run", "--base", root / "base", "--out", ref, *flags).returncode == 0
         )
-        got = out / written["run"] / "checkpoint-20" / "model.safetensors"
+        got = out / "model.safetensors"  # DIR itself is the model folder
         assert got.read_bytes() == (ref / written["run"] / "checkpoint-20" / "model.safetensors").read_bytes()
+    assert written["path"] == str(out) and not list(tmp_path.glob(".bema-tmp-*"))
     from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM
 
-    parsed = ModelCard.load(out / written["run"] / "checkpoint-20" / "README.md")
+    AutoModelForCausalLM.from_pretrained(out)  # from_pretrained(DIR) finds the weights
+    text = (out / "README.md").read_text()
+    assert str(root) not in text and "checkpoint-20" in text  # folder names, not absolute paths
+    line = one_line_error(run_bema("select", root / "results", "--metric", "loss", "--write", out), 4)
+    assert "already exists" in line
+    full = tmp_path / "full"
+    proc = run_bema("select", root / "results", "--metric", "loss", "--write", full, "--card-paths", "full")
+    assert proc.returncode == 0 and str(root / "run" / "checkpoint-20") in (full / "README.md").read_text()
+    parsed = ModelCard.load(out / "README.md")
     (result,) = parsed.data.eval_results
     assert result.metric_type == "loss" and result.metric_value == pytest.approx(doc["winner"]["value"])
     lo, hi = doc["winner"]["interval"]

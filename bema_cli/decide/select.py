@@ -13,6 +13,7 @@ Picking the best on the items it is then reported on is optimistic (the winner's
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 from bema_cli.errors import InputError, UsageError
@@ -68,6 +69,8 @@ def _value(items: dict, metric: Metric, idx=None):
 
 
 def _items(record: dict, metric: Metric, where: str) -> dict:
+    """A record's per-item scores, checked whole: ids, and for each needed key a list of finite
+    numbers as long as the ids; a NaN or infinity is an error naming the item, never a winner."""
     items = record.get("items")
     needed = ("nll", "tokens") if metric.key == "loss" else (metric.key,)
     if not isinstance(items, dict) or any(k not in items for k in ("ids", *needed)):
@@ -75,8 +78,23 @@ def _items(record: dict, metric: Metric, where: str) -> dict:
             f"{where}: no per-item scores (records of bema < 0.5, or an lm_eval task); "
             "re-run bema eval (it resumes nothing for them: pass a new --out)"
         )
-    if any(v is None for k in needed for v in items[k]):
-        raise InputError(f"{where}: an item without a score")
+    ids = items["ids"]
+    if not isinstance(ids, list) or not ids:
+        raise InputError(f"{where}: items.ids is not a non-empty list")
+    for key in needed:
+        values = items[key]
+        if not isinstance(values, list) or len(values) != len(ids):
+            n = len(values) if isinstance(values, list) else type(values).__name__
+            raise InputError(f"{where}: items.{key} holds {n} scores for {len(ids)} ids")
+        for i, v in zip(ids, values, strict=True):
+            if v is None:
+                raise InputError(f"{where}: item {i!r} has no {key} score")
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise InputError(f"{where}: item {i!r}'s {key} score {v!r} is not a number")
+            if not math.isfinite(v):
+                raise InputError(
+                    f"{where}: item {i!r}'s {key} score is {v} (a non-finite score is never compared)"
+                )
     return items
 
 
@@ -111,6 +129,7 @@ def select(
     holdout: float | None = None,
     resamples: int = RESAMPLES,
     seed: int = 0,
+    allow_missing: bool = False,
 ) -> dict:
     """Rank (run, step) candidates on `metric`; differences to the best and to vanilla (same step)
     with paired bootstrap intervals; ties with the best; the winner."""
@@ -121,15 +140,35 @@ def select(
     if not mine:
         tasks = sorted({str(r["task"]) for r in records})
         raise InputError(f"--metric {metric.name}: no record holds it (tasks here: {', '.join(tasks)})")
-    steps = sorted({r["step"] for r in mine if not r.get("is_base")})
+    runs_at: dict[int, set] = {}
+    for r in mine:
+        if not r.get("is_base"):
+            runs_at.setdefault(r["step"], set()).add(r["run"])
+    every = set().union(*runs_at.values()) if runs_at else set()
     if at == "all":
         chosen = [r for r in mine if not r.get("is_base")]
     else:
-        want = steps[-1] if at == "last" and steps else _step(at)
+        if at == "last":  # the last step every config has a record at (an interrupted sweep's is not)
+            common = [s for s in sorted(runs_at) if runs_at[s] == every]
+            if not common:
+                raise InputError(
+                    f"--metric {metric.name}: no step has a record of every config ({', '.join(sorted(every))}); "
+                    "--at STEP picks one (with --allow-missing)"
+                )
+            want = common[-1]
+        else:
+            want = _step(at)
         chosen = [r for r in mine if r["step"] == want and (want == 0 or not r.get("is_base"))]
         if not chosen:
             have = ", ".join(map(str, sorted({r["step"] for r in mine})))
             raise UsageError(f"--at {at}: no {metric.name} record at step {want} (steps: {have})")
+        missing = sorted(every - runs_at.get(want, set())) if want else []
+        if missing and not allow_missing:
+            raise InputError(
+                f"--at {at}: step {want} has no {metric.name} record of {len(missing)} config(s) evaluated "
+                f"elsewhere ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): an interrupted "
+                "run? finish it (it resumes), or pass --allow-missing to select among the others"
+            )
     latest: dict[tuple, dict] = {}
     for r in chosen:  # a re-evaluated (run, step): its newest record
         latest[(r["run"], r["step"])] = r
@@ -147,39 +186,47 @@ def select(
     pick = np.array(sorted(positions[i] for i in pick_ids))
     report = np.array(sorted(positions[i] for i in report_ids))
     sign = 1.0 if metric.higher_is_better else -1.0
-    picked = {key: float(_value(it, metric, pick[None, :])[0]) for key, it in items.items()}
-    best = max(picked, key=lambda k: (sign * picked[k], -k[1], k[0]))  # ties: the earlier step, then name
     rng = np.random.default_rng(seed)
-    draws = report[rng.integers(0, len(report), size=(resamples, len(report)))]
-    boot = {key: _value(it, metric, draws) for key, it in items.items()}
     alpha = (1 - LEVEL) / 2
 
-    def diff(a: tuple, b: tuple) -> dict:
-        d = boot[a] - boot[b]
-        point = float(
-            _value(items[a], metric, report[None, :])[0] - _value(items[b], metric, report[None, :])[0]
-        )
-        lo, hi = (float(x) for x in np.quantile(d, [alpha, 1 - alpha]))
-        return {"value": point, "low": lo, "high": hi}
+    def paired(side):
+        """Each key's value on `side` and its bootstrap values (one shared draw of items per resample)."""
+        draws = side[rng.integers(0, len(side), size=(resamples, len(side)))]
+        point = {key: float(_value(it, metric, side[None, :])[0]) for key, it in items.items()}
+        return point, {key: _value(it, metric, draws) for key, it in items.items()}
 
+    def diff(point, boot, a: tuple, b: tuple, side) -> dict:
+        lo, hi = (float(x) for x in np.quantile(boot[a] - boot[b], [alpha, 1 - alpha]))
+        out = {"value": point[a] - point[b], "low": lo, "high": hi}
+        p = mcnemar(items[a], items[b], metric, side)
+        return out if p is None else {**out, "mcnemar_p": p}
+
+    picked, pick_boot = paired(pick)
+    best = max(picked, key=lambda k: (sign * picked[k], -simplicity(k[0]), k[1], k[0]))
+    tied = [k for k in picked if k == best or _contains_zero(diff(picked, pick_boot, k, best, pick))]
+    winner_key = min(tied, key=lambda k: (simplicity(k[0]), -k[1], k[0]))  # TIE_RULE
+    values, boot = paired(report)
     rows = []
     for key, r in latest.items():
         vanilla = ("vanilla", key[1])
         row = {
             "run": key[0],
             "step": key[1],
-            "value": float(_value(items[key], metric, report[None, :])[0]),
+            "value": values[key],
             "interval": [float(x) for x in np.quantile(boot[key], [alpha, 1 - alpha])],  # its own value's
-            "vs_best": diff(key, best),
-            "vs_vanilla": diff(key, vanilla) if vanilla in items and key != vanilla else None,
+            "vs_best": diff(values, boot, key, winner_key, report),
+            "vs_vanilla": diff(values, boot, key, vanilla, report)
+            if vanilla in items and key != vanilla
+            else None,
             "path": r.get("model_path"),
             "stabilizer": r.get("stabilizer"),
+            "picked_value": picked[key],
         }
-        row["tied_with_best"] = key == best or row["vs_best"]["low"] <= 0 <= row["vs_best"]["high"]
+        row["tied_with_best"] = key in tied
         rows.append(row)
-    rows.sort(key=lambda x: (-sign * x["value"], x["step"], x["run"]))
-    winner = next(x for x in rows if (x["run"], x["step"]) == best)
-    return {
+    rows.sort(key=lambda x: ((x["run"], x["step"]) != winner_key, -sign * x["value"], -x["step"], x["run"]))
+    winner = rows[0]
+    doc = {
         "metric": metric.name,
         "task": metric.task,
         "higher_is_better": metric.higher_is_better,
@@ -188,6 +235,8 @@ def select(
         "seed": seed,
         "level": LEVEL,
         "items": len(ids),
+        "tie_rule": TIE_RULE,
+        "missing": [] if at == "all" else sorted(every - {k[0] for k in latest}),
         "selection": {
             "holdout": holdout,
             "picked_on": len(pick_ids),
@@ -202,6 +251,95 @@ def select(
             k: winner[k] for k in ("run", "step", "value", "interval", "vs_vanilla", "path", "stabilizer")
         },
     }
+    doc["winner"]["tied_with"] = [f"{r['run']}" for r in rows[1:] if r["tied_with_best"]]
+    doc["verdict"] = verdict(doc)
+    return doc
+
+
+# The tie rule: among the candidates tied with the best on the pick items (the paired interval of
+# their difference contains 0), prefer vanilla, then the simplest config, then the later step.
+TIE_RULE = "among configs tied with the best on the pick items: vanilla, then the simplest config, then the later step"
+SIMPLICITY = {
+    "vanilla": 0,
+    "ema": 1,
+    "swa": 1,
+    "lawa": 1,
+    "bema": 2,
+    "wsm": 2,
+    "power": 2,
+    "dema": 3,
+    "ouema": 3,
+}
+FITTED = 4  # a fitted average (soup, simplex): more parameters fitted than any fixed config
+
+
+def simplicity(run: str) -> int:
+    """0 for vanilla, larger for configs with more moving parts (the run name's method prefix)."""
+    return SIMPLICITY.get(run.split("-", 1)[0], FITTED)
+
+
+def _contains_zero(d: dict) -> bool:
+    return d["low"] <= 0 <= d["high"]
+
+
+def mcnemar(a: dict, b: dict, metric: Metric, side) -> float | None:
+    """Exact McNemar p-value (two-sided binomial on the discordant items) for yes/no item scores
+    (each item 0 or 1: one greedy sample), beside the bootstrap; None for any other metric."""
+    if metric.key == "loss":
+        return None
+    import numpy as np
+
+    x, y = np.asarray(a[metric.key], float)[side], np.asarray(b[metric.key], float)[side]
+    if not (np.isin(x, (0.0, 1.0)).all() and np.isin(y, (0.0, 1.0)).all()):
+        return None
+    only_a, only_b = int(((x == 1) & (y == 0)).sum()), int(((x == 0) & (y == 1)).sum())
+    n, k = only_a + only_b, min(only_a, only_b)
+    # symmetric at 1/2: both tails are sum_{i <= k} C(n, i) / 2^n
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+
+
+def fmt_value(v: float) -> str:
+    return f"{v:.4g}"
+
+
+def fmt_diff(d: dict | None) -> str:
+    """The one number format: a difference, then its interval: -0.024 [-0.031, -0.017]."""
+    if d is None:
+        return ""
+    p = f", McNemar p={d['mcnemar_p']:.3g}" if "mcnemar_p" in d else ""
+    return f"{d['value']:+.4g} [{d['low']:+.4g}, {d['high']:+.4g}]{p}"
+
+
+def verdict(doc: dict) -> str:
+    """The decision in one sentence: what to ship, its value, and against vanilla at the same step."""
+    w = doc["winner"]
+    name = doc["metric"] if doc["metric"] != "loss" else "held-out loss"
+    where = f"{w['run']} at step {w['step']}"
+    if w["run"] == "vanilla":
+        beaten = [c for c in doc["candidates"] if c["vs_vanilla"] and _better(c["vs_vanilla"], doc)]
+        why = "no average beats it beyond its interval" if not beaten else "the simplest of the tied"
+        return f"ship vanilla at step {w['step']}: {name} {fmt_value(w['value'])}; {why}"
+    vs = w["vs_vanilla"]
+    vanilla = f" vs vanilla {fmt_value(w['value'] - vs['value'])} ({fmt_diff(vs)})" if vs else ""
+    tied = f"; tied with {', '.join(w['tied_with'])}" if w.get("tied_with") else ""
+    weak = (
+        ""
+        if not vs or _better(vs, doc)
+        else "; not beyond its interval against vanilla (ship writes vanilla)"
+    )
+    return f"ship {where}: {name} {fmt_value(w['value'])}{vanilla}{tied}{weak}"
+
+
+def beats_vanilla(doc: dict) -> bool:
+    """Whether the winner is an average that beats vanilla at its step beyond the interval of the
+    difference on the report items: only then does `bema ship` write an average."""
+    w = doc["winner"]
+    return w["run"] != "vanilla" and w["vs_vanilla"] is not None and _better(w["vs_vanilla"], doc)
+
+
+def _better(d: dict, doc: dict) -> bool:
+    """The difference's whole interval is on the good side of 0."""
+    return d["low"] > 0 if doc["higher_is_better"] else d["high"] < 0
 
 
 def check_flags(at: str, holdout: float | None, resamples: int) -> None:
@@ -224,7 +362,4 @@ def _step(text: str) -> int:
     return step
 
 
-def fmt_interval(d: dict | None) -> str:
-    if d is None:
-        return ""
-    return f"{d['value']:+.4g} [{d['low']:+.4g}, {d['high']:+.4g}]"
+fmt_interval = fmt_diff

@@ -1,0 +1,140 @@
+"""Writing the chosen model as DIR itself: weights, config, tokenizer, bema.json and a card, so
+`from_pretrained(DIR)`, `vllm serve DIR` and `hf upload DIR` find the weights at the top.
+
+The folder is built beside DIR (a hidden `.bema-tmp-*` sibling) and renamed into place at the end:
+DIR appears whole or not at all. The weights come from the streaming stabilize engine (bitwise what
+`bema stabilize --steps STEP` writes for that config) or, for a fitted average, from fit.py's
+streaming linear combination.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from bema_cli import card, output
+from bema_cli.errors import InputError, OutputError
+from bema_cli.eval.targets import SWEEP_SCHEME
+
+WORK = ".bema-ship"  # ship's records inside the model folder it wrote (push never uploads .bema-*)
+
+
+def staging(out: Path, what: str) -> Path:
+    """A fresh hidden folder beside `out` (same file system: the final rename is atomic)."""
+    tmp = out.parent / f".bema-tmp-{what}-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def check_target(out: Path, overwrite: bool) -> None:
+    """DIR must be new, or (with --overwrite) a model folder bema wrote; nothing else is replaced."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a directory")
+    if not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise OutputError(f"{out}: already exists (use --overwrite to replace it, or choose another folder)")
+    if not (out / "bema.json").is_file():
+        raise OutputError(f"{out}: exists and is not a model folder bema wrote (no bema.json); not replaced")
+
+
+def place(folder: Path, out: Path, overwrite: bool) -> None:
+    """Rename the finished `folder` to `out`; an old `out` (checked by check_target) goes only after."""
+    check_target(out, overwrite)
+    old = None
+    if out.exists():
+        old = out.parent / f".bema-tmp-old-{out.name}-{os.getpid()}"
+        out.rename(old)
+    folder.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def source_of(winner: dict, records: list[dict]) -> tuple[Path, str | None, dict]:
+    """(the checkpoint the winner's step came from, theta0's source, its stabilizer settings)."""
+    path = Path(winner["path"] or "")
+    stab = dict(winner.get("stabilizer") or {"method": "vanilla"})
+    if str(winner["path"] or "").startswith(SWEEP_SCHEME):  # evaluated by `bema sweep`, never on disk
+        raw = [r for r in records if r.get("run") == "vanilla" and r.get("step") == winner["step"]]
+        if not raw:
+            raise InputError(
+                f"{winner['path']}: no vanilla record at step {winner['step']} names the checkpoint it came from"
+            )
+        source, base = Path(raw[-1]["model_path"]), stab.get("theta0_source")
+    elif (path / "bema.json").is_file():
+        record = json.loads((path / "bema.json").read_text())
+        source, base = Path(record["source_checkpoint"]), record.get("theta0_source")
+    else:  # a vanilla checkpoint of the run itself; theta0 is the evaluated base, when there was one
+        source, stab = path, {"method": "vanilla"}
+        base = next((r.get("model_path") for r in records if r.get("is_base")), None)
+    if stab.get("method") == "vanilla":
+        base = base or "first"  # vanilla is theta_s itself: theta0 only has to exist
+    if not source.is_dir():
+        raise InputError(
+            f"{source}: the winner's source checkpoint is gone; writing it needs it (and its run)"
+        )
+    return source, base, stab
+
+
+def _number(value):
+    return float(value) if value in ("inf", "-inf") else value
+
+
+def stabilized(winner: dict, records: list[dict], tmp: Path) -> Path:
+    """The winner at its step written by the streaming stabilize engine under `tmp`; its folder."""
+    from bema_cli.recurrence import Schedule
+    from bema_cli.stabilize import Options, stabilize
+
+    source, base, stab = source_of(winner, records)
+    names = {"schedule": "merge_schedule"}
+    keys = ("method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min", "window",
+            "schedule", "swa_start", "sigma_rel", "power_gamma")  # fmt: skip
+    params = {names.get(k, k): _number(stab[k]) for k in keys if stab.get(k) is not None}
+    if params.get("sigma_rel") is not None:
+        params.pop("power_gamma", None)  # derived from sigma_rel, as on the command line
+    opts = Options(
+        checkpoint_dir=str(source.parent), schedules=[Schedule(**params).resolved()], out=str(tmp / "out"),
+        base=base, steps=[winner["step"]], accum_dtype=stab.get("accum_dtype", "float32"), no_state=True,
+    )  # fmt: skip
+    result = stabilize(opts)
+    (written,) = [o for o in result["outputs"] if o["step"] == winner["step"]]
+    return Path(written["path"])
+
+
+def evaluation_rows(doc: dict, value: float, interval, versus: dict | None) -> list[dict]:
+    from bema_cli.decide.select import fmt_diff
+
+    return [{"dataset": doc["task"], "metric": doc["metric"], "value": value, "interval": interval,
+             "vs": f"vs vanilla {fmt_diff(versus)}" if versus else ""}]  # fmt: skip
+
+
+def write_card(folder: Path, doc: dict, evaluation: list[dict], paths: str) -> None:
+    record = json.loads((folder / "bema.json").read_text())
+    base_model = card.hub_base_model(record["theta0_source"], None)
+    text = card.card(record, base_model, evaluation=evaluation, paths=paths, selected=True)
+    (folder / "README.md").write_text(text)
+
+
+def write_winner(
+    doc: dict, records: list[dict], out: Path, paths: str = "short", overwrite: bool = False, keep=None
+) -> dict:
+    """The winner of a `select` document written as `out` itself, with its card; `keep(folder)` is
+    called before the final rename (ship moves its records into the folder there)."""
+    check_target(out, overwrite)
+    tmp = staging(out, "write")
+    try:
+        folder = stabilized(doc["winner"], records, tmp)
+        w = doc["winner"]
+        write_card(folder, doc, evaluation_rows(doc, w["value"], w["interval"], w["vs_vanilla"]), paths)
+        if keep is not None:
+            keep(folder)
+        place(folder, out, overwrite)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    output.log(f"wrote {out} ({doc['winner']['run']} at step {doc['winner']['step']}) with its model card")
+    return {"path": str(out), "run": doc["winner"]["run"], "step": doc["winner"]["step"]}

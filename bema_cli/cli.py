@@ -19,7 +19,7 @@ import typer
 import typer._click.exceptions as click  # typer's own copy of click's exception classes
 
 from bema_cli import __version__, output, signals
-from bema_cli.commands import demo, env, evaluate, push, report, select, simulate, stabilize, sweep
+from bema_cli.commands import demo, env, evaluate, push, report, select, ship, simulate, stabilize, sweep
 from bema_cli.errors import BemaError
 
 app = typer.Typer(
@@ -75,6 +75,7 @@ app.command("sweep")(sweep.sweep)
 app.command("rescore")(evaluate.rescore)
 app.command("report")(report.report)
 app.command("select")(select.select)
+app.command("ship")(ship.ship)
 app.command("push")(push.push)
 app.command("demo")(demo.demo)
 app.command("env")(env.env)

@@ -363,3 +363,70 @@ def _step(text: str) -> int:
 
 
 fmt_interval = fmt_diff
+
+
+# -- one record against another (bema ship's fitted averages, evaluated apart from the menu) ---------
+def _sides(record: dict, metric: Metric, holdout: float | None, seed: int):
+    import numpy as np
+
+    items = _items(record, metric, record.get("_where", record.get("model_path", "a record")))
+    ids = list(items["ids"])
+    pick_ids, report_ids = (set(ids), set(ids)) if holdout is None else split(ids, holdout, seed)
+    pos = {i: n for n, i in enumerate(ids)}
+    return (
+        items,
+        ids,
+        np.array(sorted(pos[i] for i in pick_ids)),
+        np.array(sorted(pos[i] for i in report_ids)),
+    )
+
+
+def pick_value(record: dict, metric: Metric, holdout: float | None, seed: int) -> float:
+    """The record's metric on the pick items (what a fit may look at)."""
+    items, _, pick, _ = _sides(record, metric, holdout, seed)
+    return float(_value(items, metric, pick[None, :])[0])
+
+
+def report_value(record: dict, metric: Metric, holdout: float | None, seed: int) -> float:
+    items, _, _, report = _sides(record, metric, holdout, seed)
+    return float(_value(items, metric, report[None, :])[0])
+
+
+def report_interval(
+    record: dict, metric: Metric, holdout: float | None, seed: int, resamples: int = RESAMPLES
+):
+    """The record's own 95% bootstrap interval on the report items."""
+    import numpy as np
+
+    items, _, _, report = _sides(record, metric, holdout, seed)
+    draws = report[np.random.default_rng(seed).integers(0, len(report), size=(resamples, len(report)))]
+    alpha = (1 - LEVEL) / 2
+    return [float(x) for x in np.quantile(_value(items, metric, draws), [alpha, 1 - alpha])]
+
+
+def versus(
+    a: dict, b: dict, metric: Metric, holdout: float | None, seed: int, resamples: int = RESAMPLES
+) -> dict:
+    """a - b on the report items: the point difference, its paired bootstrap interval, McNemar."""
+    import numpy as np
+
+    _check_same_protocol([{**a, "_where": a.get("model_path")}, {**b, "_where": b.get("model_path")}])
+    ia, ids, _, report = _sides(a, metric, holdout, seed)
+    ib = _items(b, metric, b.get("model_path", "a record"))
+    if list(ib["ids"]) != ids:
+        raise InputError(
+            f"{b.get('model_path')}: scored on other items than {a.get('model_path')} (ids differ)"
+        )
+    draws = report[np.random.default_rng(seed).integers(0, len(report), size=(resamples, len(report)))]
+    d = _value(ia, metric, draws) - _value(ib, metric, draws)
+    alpha = (1 - LEVEL) / 2
+    lo, hi = (float(x) for x in np.quantile(d, [alpha, 1 - alpha]))
+    point = float(_value(ia, metric, report[None, :])[0] - _value(ib, metric, report[None, :])[0])
+    out = {"value": point, "low": lo, "high": hi}
+    p = mcnemar(ia, ib, metric, report)
+    return out if p is None else {**out, "mcnemar_p": p}
+
+
+def is_better(d: dict, metric: Metric) -> bool:
+    """The whole interval of a difference is on the good side of 0."""
+    return d["low"] > 0 if metric.higher_is_better else d["high"] < 0

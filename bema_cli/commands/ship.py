@@ -1,0 +1,171 @@
+"""`bema ship`: a run folder in, the model folder to ship out (bema_cli/decide/ship.py)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from bema_cli import output
+from bema_cli.commands.eval_options import (
+    BackendOpt,
+    BatchSizeOpt,
+    ChatTemplateOpt,
+    CotOpt,
+    DataDirOpt,
+    DtypeOpt,
+    GpuMemoryUtilizationOpt,
+    LimitOpt,
+    LossDataOpt,
+    LossMaxTokensOpt,
+    LossSamplesOpt,
+    MaxModelLenOpt,
+    MaxNewTokensOpt,
+    NSamplesOpt,
+    NumFewshotOpt,
+    SeedOpt,
+    SelectionSeedOpt,
+    TasksOpt,
+    TemperatureOpt,
+    eval_settings,
+)
+from bema_cli.commands.select import CardPathsOpt, HoldoutOpt
+from bema_cli.options import (
+    AccumDtypeOpt,
+    BetaMinOpt,
+    EtaOpt,
+    GammaOpt,
+    GridConfigOpt,
+    JsonOpt,
+    KappaOpt,
+    MethodOpt,
+    PhiOpt,
+    PowerGammaOpt,
+    PresetOpt,
+    RhoOpt,
+    ScheduleOpt,
+    SigmaRelOpt,
+    SwaStartOpt,
+    TauOpt,
+    WindowOpt,
+    parse_size,
+    parse_str_list,
+)
+
+
+def ship(
+    checkpoint_dir: Annotated[str, typer.Argument(help="Training output folder (checkpoint-N folders).")],
+    out: Annotated[
+        str, typer.Option("--out", "-o", help="The model folder to write (weights, config, tokenizer, card).")
+    ],
+    base: Annotated[str | None, typer.Option("--base", help="theta0: a model folder or Hub repo id.")] = None,
+    at: Annotated[
+        str, typer.Option("--at", help="The step to judge: last (the last saved) or a step.")
+    ] = "last",
+    metric: Annotated[
+        str | None,
+        typer.Option(
+            "--metric", help="Default: loss with --loss-data, else the first task (gsm8k:strict, ...)."
+        ),
+    ] = None,
+    holdout: HoldoutOpt = 0.5,
+    fit: Annotated[
+        str,
+        typer.Option(
+            "--fit", help="Fitted averages after the menu: soup,simplex (simplex: loss only), or none."
+        ),
+    ] = "soup,simplex",
+    resamples: Annotated[int, typer.Option("--resamples", help="Paired bootstrap resamples.")] = 2000,
+    select_seed: Annotated[
+        int, typer.Option("--select-seed", help="Seed of the pick/report split and the bootstrap.")
+    ] = 0,
+    method: MethodOpt = None,
+    kappa: KappaOpt = None,
+    eta: EtaOpt = None,
+    window: WindowOpt = None,
+    schedule: ScheduleOpt = None,
+    swa_start: SwaStartOpt = None,
+    sigma_rel: SigmaRelOpt = None,
+    power_gamma: PowerGammaOpt = None,
+    config: GridConfigOpt = None,
+    gamma: GammaOpt = 1.0,
+    rho: RhoOpt = 10.0,
+    tau: TauOpt = 0,
+    phi: PhiOpt = None,
+    beta_min: BetaMinOpt = None,
+    preset: PresetOpt = "paper",
+    tasks: TasksOpt = "gsm8k",
+    data_dir: DataDirOpt = None,
+    loss_data: LossDataOpt = None,
+    loss_samples: LossSamplesOpt = 200,
+    loss_max_tokens: LossMaxTokensOpt = 1024,
+    n_samples: NSamplesOpt = 50,
+    temperature: TemperatureOpt = 1.0,
+    seed: SeedOpt = 13337,
+    max_new_tokens: MaxNewTokensOpt = None,
+    selection_seed: SelectionSeedOpt = 37371,
+    limit: LimitOpt = None,
+    num_fewshot: NumFewshotOpt = 0,
+    cot: CotOpt = False,
+    chat_template: ChatTemplateOpt = None,
+    backend: BackendOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.7,
+    max_model_len: MaxModelLenOpt = None,
+    batch_size: BatchSizeOpt = 8,
+    max_memory: Annotated[str | None, typer.Option("--max-memory", help="Memory the sweep may hold.")] = None,
+    accum_dtype: AccumDtypeOpt = "float32",
+    card_paths: CardPathsOpt = "short",
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Decide again and replace the model folder bema wrote at --out."),
+    ] = False,
+    push: Annotated[
+        str | None, typer.Option("--push", help="Then upload it to this Hub model repo (ORG/NAME).")
+    ] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Judge the run's averages in memory, pick with intervals, fit an average, and write the one to ship.
+
+    The menu (default: vanilla, EMA, BEMA at eta 0.2 and 0.5, LAWA and WSM over 4 and 8 checkpoints) is judged at the last saved step in one engine; the pick is made on --holdout of the items and every number reported on the rest. An average is written only if it beats vanilla beyond its 95% interval; else the raw checkpoint is, and the verdict says so. Ties go to vanilla, then the simplest config, then the later step.
+    """
+    from pathlib import Path
+
+    from bema_cli.card import CARD_PATHS
+    from bema_cli.commands.stabilize import schedules_from_flags
+    from bema_cli.decide.push import check_repo_id
+    from bema_cli.decide.ship import DEFAULT_GRID, ShipOptions, check
+    from bema_cli.decide.ship import ship as run
+    from bema_cli.errors import UsageError
+    from bema_cli.eval.evaluate import LIBRARY_LOG
+    from bema_cli.stabilize import Options, grid
+    from bema_cli.sweep.session import SweepOptions, parse_at
+
+    parse_at(at)
+    if card_paths not in CARD_PATHS:
+        raise UsageError(f"--card-paths: choose {' or '.join(CARD_PATHS)}, got {card_paths!r}")
+    if push:
+        check_repo_id(push)
+    fits = () if fit.strip() == "none" else tuple(parse_str_list(fit, "--fit"))
+    flags = {**locals(), "out": str(Path(out).parent / f".{Path(out).name}.bema-ship" / "sweep"),
+             "loss_train_data": None, "lm_eval_include": None, "log_samples": False, "force": False,
+             "verify_swap": False, "tensor_parallel_size": 1, "data_parallel_size": 1, "enforce_eager": False}  # fmt: skip
+    evaluation, engine = eval_settings(flags)
+    ship_opts = ShipOptions(
+        Path(out), metric, holdout, at, fits, resamples, select_seed, card_paths, overwrite, push
+    )
+    check(ship_opts, evaluation)
+    given = [method, kappa, eta, window, schedule, swa_start, sigma_rel, power_gamma, config]
+    common = {"preset": preset, "gamma": gamma, "rho": rho, "tau": tau, "phi": phi, "beta_min": beta_min}
+    schedules = (
+        schedules_from_flags(flags) if any(v is not None for v in given) else grid(**DEFAULT_GRID, **common)
+    )
+    opts = Options(checkpoint_dir=checkpoint_dir, schedules=schedules, out=flags["out"], base=base,
+                   accum_dtype=accum_dtype)  # fmt: skip
+    limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
+    doc = run(opts, evaluation, engine, ship_opts, SweepOptions(at=at, memory_limit=limit),
+              validated=lambda: output.send_library_output(Path(flags["out"]) / LIBRARY_LOG))  # fmt: skip
+    if json_:
+        output.print_json(doc)
+    else:
+        output.stdout.print(doc["verdict"], highlight=False, markup=False)

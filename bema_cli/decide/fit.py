@@ -1,0 +1,173 @@
+"""Fitted averages: weights of an average fitted on the pick items, reported on the others.
+
+Every average bema computes is linear in the iterates: at step S it is a coefficient vector c over
+(theta0, theta_s1, ..., theta_sN), sum c = 1. `coefficients` gets each menu config's vector from
+the real stabilize engine, run in float64 on a basis trajectory (theta0 = e_0, theta_sj = e_j): the
+same recurrences, no second implementation. A fitted average is such a vector too, so it streams
+like every method: `combine` writes sum_j c_j theta_j tensor by tensor through the sharded writer,
+and bema.json records the coefficients.
+
+Two fits, both only ever evaluated on the pick items:
+- greedy soup (Wortsman et al. 2022, "Model soups", Algorithm 1): ingredients sorted by their pick
+  score; add each to the soup (uniform weights over the kept ones) and keep it only if the soup's
+  pick score improves;
+- simplex weights over the last K checkpoints minimising held-out loss: coordinate search on
+  softmax logits (start uniform = LAWA; try +-step on each logit, halve the step when nothing
+  improves), a fixed budget of evaluations. Derivative-free, deterministic, a handful of calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from bema_cli import __version__
+from bema_cli.errors import InputError
+
+THETA0 = 0  # the basis index of theta0; checkpoint j (in step order) is j + 1
+SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")  # fmt: skip
+SIMPLEX_BUDGET = 12  # evaluations of the simplex search after its uniform start
+SIMPLEX_STEP = 1.0  # the first step on a softmax logit (a factor e on that checkpoint's weight)
+
+
+def coefficients(schedules: list, steps: list[int], at: int, work: Path) -> dict[str, list[float]]:
+    """{run name: c} with c[0] theta0's coefficient and c[j] the j-th checkpoint's (steps in order),
+    computed by `bema stabilize` itself on a basis trajectory in `work`."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from bema_cli.recurrence import run_name
+    from bema_cli.stabilize import Options, stabilize
+
+    n = len(steps) + 1
+    shutil.rmtree(work, ignore_errors=True)
+    config = json.dumps({"model_type": "basis", "dtype": "float64"})
+    for j, folder in enumerate([work / "base", *(work / "run" / f"checkpoint-{s}" for s in steps)]):
+        folder.mkdir(parents=True)
+        save_file({"c": torch.eye(n, dtype=torch.float64)[j].contiguous()}, folder / "model.safetensors")
+        (folder / "config.json").write_text(config)
+    opts = Options(checkpoint_dir=str(work / "run"), schedules=schedules, out=str(work / "out"),
+                   base=str(work / "base"), steps=[at], accum_dtype="float64", no_state=True)  # fmt: skip
+    stabilize(opts)
+    out = {}
+    for s in schedules:
+        folder = work / "out" / run_name(s) / f"checkpoint-{at}"
+        out[run_name(s)] = load_file(folder / "model.safetensors")["c"].tolist()
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def combine(terms: list[tuple[Path, float]], template: Path, out: Path, record: dict) -> Path:
+    """sum_j c_j theta_j (`terms`: (model folder, c_j)) written to `out` tensor by tensor in float64,
+    cast to the template checkpoint's dtypes; its small files (config, tokenizer) and `record` as
+    bema.json beside the weights. Non-floating tensors are the template's."""
+    import torch
+
+    from bema_cli.io.reader import open_checkpoint
+    from bema_cli.io.safetensors import DTYPES, FLOATING
+    from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
+
+    like = open_checkpoint(template)
+    indexes = [(open_checkpoint(folder), c) for folder, c in terms if c != 0]
+    for index, _ in indexes:
+        if set(index.tensors) != set(like.tensors):
+            extra = sorted(set(index.tensors) ^ set(like.tensors))[:1]
+            raise InputError(f"{index.folder}: tensors differ from {template}'s (e.g. {extra[0]!r})")
+    tensors = list(like.tensors.values())
+    writer = ShardedWriter(out, plan_shards(tensors, 5 * 10**9), {"format": "pt"}).open()
+    readers = [index.open() for index, _ in indexes]
+    template_reader = like.open()
+    for reader in (*readers, template_reader):
+        reader.__enter__()
+    try:
+        with writer.held():
+            for info in tensors:
+                rows = info.shape[0] if info.shape else 1
+                if info.dtype not in FLOATING:
+                    value = template_reader.read(info.name, 0, rows)
+                else:
+                    value = torch.zeros(info.shape, dtype=torch.float64)
+                    for reader, (_, c) in zip(readers, indexes, strict=True):
+                        value.add_(reader.read(info.name, 0, rows).reshape(info.shape).double(), alpha=c)
+                    value = value.to(getattr(torch, DTYPES[info.dtype][0]))
+                writer.write(info.name, 0, tensor_bytes(value))
+        writer.close()
+    finally:
+        for reader in (*readers, template_reader):
+            reader.__exit__(None, None, None)
+    for name in SMALL_FILES:
+        if (template / name).is_file():
+            shutil.copy2(template / name, out / name)
+    (out / "bema.json").write_text(json.dumps(record, indent=2) + "\n")
+    return out
+
+
+def fitted_record(name: str, method: str, step: int, c: list[float], folders: list[Path], base_source: str,
+                  template: Path, **extra) -> dict:  # fmt: skip
+    """bema.json of a fitted average: its coefficients over (theta0, each checkpoint) by folder."""
+    return {
+        "bema_version": __version__, "run": name, "method": method, "step": step,
+        "coefficients": {"theta0": c[0], **{str(f): w for f, w in zip(folders, c[1:], strict=True) if w}},
+        "source_checkpoint": str(template), "theta0_source": base_source, "accum_dtype": "float64",
+        "out_dtype": "input", **extra,
+    }  # fmt: skip
+
+
+def digest(c: list[float]) -> str:
+    return hashlib.sha256(json.dumps([round(x, 12) for x in c]).encode()).hexdigest()[:10]
+
+
+def greedy_soup(
+    ingredients: list[tuple[str, list[float], float]], score: Callable[[list[float]], float], sign: float
+) -> tuple[list[str], list[float], float]:
+    """Wortsman et al.'s greedy soup: `ingredients` (name, coefficient vector, pick score); `score(c)`
+    evaluates a soup on the pick items; `sign` +1 when higher is better. Returns the kept names,
+    the soup's coefficients (the mean of the kept vectors) and its pick score."""
+    order = sorted(ingredients, key=lambda x: -sign * x[2])
+    kept, best = [order[0]], order[0][2]
+    for name, c, _ in order[1:]:
+        trial = [*kept, (name, c, 0.0)]
+        value = score(_mean([x[1] for x in trial]))
+        if sign * value > sign * best:
+            kept, best = trial, value
+    return [x[0] for x in kept], _mean([x[1] for x in kept]), best
+
+
+def _mean(vectors: list[list[float]]) -> list[float]:
+    return [sum(col) / len(vectors) for col in zip(*vectors, strict=True)]
+
+
+def simplex_fit(k: int, n: int, score: Callable[[list[float]], float]) -> tuple[list[float], float, int]:
+    """Weights on the simplex over the last `k` of n-1 checkpoints (basis indices n-k..n-1) that
+    minimise `score` (held-out loss on the pick items): coordinate search on softmax logits from the
+    uniform start. Returns (c over the whole basis, its score, evaluations made)."""
+    logits, step, calls = [0.0] * k, SIMPLEX_STEP, 0
+
+    def vector(z: list[float]) -> list[float]:
+        top = max(z)
+        w = [math.exp(x - top) for x in z]
+        total = sum(w)
+        return [0.0] * (n - k) + [x / total for x in w]
+
+    best = score(vector(logits))
+    while calls < SIMPLEX_BUDGET and step > 1e-3:
+        improved = False
+        for i in range(k):
+            for move in (step, -step):
+                if calls >= SIMPLEX_BUDGET:
+                    break
+                trial = logits.copy()
+                trial[i] += move
+                value = score(vector(trial))
+                calls += 1
+                if value < best:
+                    logits, best, improved = trial, value, True
+                    break
+        if not improved:
+            step /= 2
+    return vector(logits), best, calls + 1

@@ -1,0 +1,320 @@
+"""`bema ship`: from a run folder to the model folder to ship, in one command.
+
+It composes the parts that exist and adds no statistics of its own:
+1. `bema sweep` judges a search space (DEFAULT_GRID, or the grid flags) in memory, in one engine, at
+   the last saved step (or --at);
+2. `bema select` picks on one part of the items (--holdout) and reports on the other, with the tie
+   rule (vanilla, then the simplest, then the later step);
+3. fitted averages (fit.py: greedy soup, then simplex weights on held-out loss), fitted on the pick
+   items; one is shipped only if it beats the menu's pick on the report items, beyond the interval;
+4. an average is written only if it beats vanilla beyond its interval on the report items; else the
+   raw checkpoint is, and the verdict says that no average beats vanilla;
+5. DIR is written as the model folder (write.py), and pushed with `--push` (push.py).
+
+Records live in `.DIR.bema-ship/` beside DIR while it runs (a killed ship resumes there, evaluating
+nothing twice), then move into DIR/.bema-ship/ with the decision (ship.json).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from bema_cli import output
+from bema_cli.decide import fit, select
+from bema_cli.decide.write import (
+    WORK,
+    check_target,
+    evaluation_rows,
+    place,
+    staging,
+    write_card,
+    write_winner,
+)
+from bema_cli.errors import UsageError
+from bema_cli.eval.evaluate import EvalConfig, Evaluation, run_job
+from bema_cli.eval.results import read_jsonl
+from bema_cli.eval.targets import expand_inputs
+
+# The default search space (docs/math.md, "Which average when"): EMA and BEMA at the language-model
+# defaults (kappa 0.5; eta 0.2, the paper's, and 0.5, a stronger correction), LAWA and WSM windows
+# of 4 and 8 checkpoints. Vanilla is always a candidate.
+DEFAULT_GRID = {"methods": ["ema", "bema", "lawa", "wsm"], "kappas": [0.5], "etas": [0.2, 0.5],
+                "windows": [4, 8], "schedules": ["minus-sqrt"]}  # fmt: skip
+FITS = ("soup", "simplex")
+SOUP_CHECKPOINTS = 4  # the last saved checkpoints that join the menu as soup ingredients
+SIMPLEX_K = 4  # the simplex weights span the last K checkpoints
+
+
+@dataclass
+class ShipOptions:
+    out: Path
+    metric: str | None = None  # None: loss with --loss-data, else the first task
+    holdout: float = 0.5
+    at: str = "last"
+    fits: tuple[str, ...] = FITS
+    resamples: int = select.RESAMPLES
+    seed: int = 0
+    card_paths: str = "short"
+    overwrite: bool = False
+    push: str | None = None
+
+
+def default_metric(config: EvalConfig) -> str:
+    if config.loss_data is not None or "loss" in config.tasks:
+        return "loss"
+    first = next(t for t in config.tasks if t not in ("loss", "train_loss"))
+    return first
+
+
+def check(ship_opts: ShipOptions, config: EvalConfig) -> select.Metric:
+    """The flags alone, before anything is read."""
+    if not 0 < ship_opts.holdout < 1:
+        raise UsageError(f"--holdout: a fraction of the items in (0, 1), got {ship_opts.holdout}")
+    bad = sorted(set(ship_opts.fits) - set(FITS))
+    if bad:
+        raise UsageError(f"--fit: unknown fit {bad[0]!r} (choose from {', '.join(FITS)}, or none)")
+    metric = select.parse_metric(ship_opts.metric or default_metric(config))
+    if metric.task not in config.tasks and not (metric.task == "loss" and config.loss_data):
+        raise UsageError(f"--metric {metric.name}: not among the evaluated tasks ({', '.join(config.tasks)})")
+    select.check_flags("last", ship_opts.holdout, ship_opts.resamples)
+    return metric
+
+
+def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, validated=None) -> dict:
+    """The whole loop; returns the --json document (the verdict, the decision and how it was made)."""
+    from bema_cli.sweep.run import sweep
+
+    metric = check(ship_opts, config)
+    out = Path(ship_opts.out).expanduser()
+    if (out / WORK / "ship.json").is_file() and not ship_opts.overwrite:
+        doc = json.loads((out / WORK / "ship.json").read_text())
+        output.log(
+            f"up to date: {out} holds the shipped model (--overwrite decides again, reusing the records)"
+        )
+        return {**doc, "up_to_date": True}
+    check_target(out, ship_opts.overwrite)
+    work = out.parent / f".{out.name}.bema-ship"
+    if ship_opts.overwrite and (out / WORK).is_dir() and not work.exists():
+        shutil.copytree(out / WORK, work)  # decide again from the records already made
+    work.mkdir(parents=True, exist_ok=True)
+    swept = sweep(stab, replace(config, out=str(work / "sweep")), engine, replace(sweep_opts, at=ship_opts.at),
+                  validated=validated)  # fmt: skip
+    records = _records(work / "sweep" / "results.jsonl")
+    chosen = select.select(records, metric, "last", ship_opts.holdout, ship_opts.resamples, ship_opts.seed)
+    step = chosen["winner"]["step"]
+    doc = {"metric": metric.name, "step": step, "select": chosen, "tie_rule": select.TIE_RULE,
+           "holdout": ship_opts.holdout, "sweep": {k: swept[k] for k in ("runs", "evaluated", "backend")}}  # fmt: skip
+    fitted = None
+    if ship_opts.fits and len(swept["records"]):
+        fitted = _fit(stab, config, engine, ship_opts, metric, chosen, records, work)
+        doc["fitted"] = fitted["doc"]
+    decision, why = _decide(chosen, fitted, metric, ship_opts, records)
+    doc["decision"], doc["verdict"] = decision, why
+    doc["written"] = _write(decision, chosen, fitted, records, out, ship_opts, doc, work)
+    if ship_opts.push:
+        from bema_cli.decide.push import push
+
+        doc["pushed"] = push(out, ship_opts.push)
+    return doc
+
+
+def _records(path: Path) -> list[dict]:
+    return [{**r, "_where": f"{path} ({r.get('run')}@{r.get('step')})"} for r in read_jsonl(path)]
+
+
+def _fit(stab, config, engine, ship_opts, metric, chosen, records, work) -> dict:
+    """Greedy soup over the menu at the chosen step and the last checkpoints, then (loss) simplex
+    weights over the last K checkpoints; each candidate written (fit.combine) and evaluated on disk
+    with `bema eval`'s own code in one engine, scored on the pick items only."""
+    from bema_cli.stabilize.prepare import prepare
+    from bema_cli.sweep.walk import sweep_options
+
+    plan = prepare(sweep_options(stab))
+    step = chosen["winner"]["step"]
+    folders = [c.path for c in plan.checkpoints if c.step <= step]
+    steps = [c.step for c in plan.checkpoints if c.step <= step]
+    menu = fit.coefficients(stab.schedules, steps, step, work / "basis")
+    n = len(steps) + 1
+    basis = [plan.base_index.folder, *folders]
+    evaluation = Evaluation(replace(config, out=str(work / "fit"), log_samples=False), engine)
+    backend, scores, made = None, {}, []
+
+    def score(c: list[float], name: str, method: str, **extra) -> float:
+        nonlocal backend
+        key = fit.digest(c)
+        if key in scores:
+            return scores[key][0]
+        folder = work / "fit" / "models" / f"{name}-{key}"
+        if not (folder / "bema.json").is_file():
+            tmp = staging(folder, "fit")
+            record = fit.fitted_record(f"{name}-{key}", method, step, c, folders, plan.base_source,
+                                       folders[-1], **extra)  # fmt: skip
+            fit.combine([(basis[j], w) for j, w in enumerate(c)], folders[-1], tmp / "m", record)
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            (tmp / "m").rename(folder)
+            shutil.rmtree(tmp, ignore_errors=True)
+        target = expand_inputs([str(folder)])
+        if backend is None:
+            backend = evaluation.start(lambda b: b.load(folder))
+        for job in evaluation.plan(target):
+            for recs, samples in run_job(backend, job):
+                evaluation.write(recs, samples)
+        where = str(target[0].path)
+        rec = [
+            r for r in evaluation.results.records if r["model_path"] == where and r["task"] == metric.task
+        ][-1]
+        value = select.pick_value(rec, metric, ship_opts.holdout, ship_opts.seed)
+        scores[key] = (value, folder, rec)
+        made.append({"run": rec["run"], "pick_value": value})
+        return value
+
+    sign = 1.0 if metric.higher_is_better else -1.0
+    picked = {c["run"]: c["picked_value"] for c in chosen["candidates"] if c["step"] == step}
+    ingredients = [(run, menu[run], picked[run]) for run in menu if run in picked]
+    ingredients.append(("vanilla", [0.0] * (n - 1) + [1.0], picked["vanilla"]))
+    for j in range(max(1, n - SOUP_CHECKPOINTS), n - 1):  # earlier saved checkpoints, scored from disk
+        e = [0.0] * n
+        e[j] = 1.0
+        ingredients.append(
+            (f"checkpoint-{steps[j - 1]}", e, score(e, f"checkpoint-{steps[j - 1]}", "vanilla"))
+        )
+    try:
+        result = {"candidates": made}
+        best = None
+        if "soup" in ship_opts.fits:
+            names, c, value = fit.greedy_soup(ingredients, lambda c: score(c, "soup", "soup"), sign)
+            if len(names) > 1:  # a soup of one ingredient is that ingredient
+                score(c, "soup", "soup", ingredients=names)
+                best = ("soup", c, value)
+            result["soup"] = {"ingredients": names, "pick_value": value}
+        if "simplex" in ship_opts.fits and metric.key == "loss" and n > 2:
+            k = min(SIMPLEX_K, n - 1)
+            c, value, calls = fit.simplex_fit(k, n, lambda c: score(c, "simplex", f"simplex-k{k}"))
+            result["simplex"] = {
+                "k": k,
+                "evaluations": calls,
+                "pick_value": value,
+                "search": "coordinate search on softmax logits",
+            }
+            if best is None or sign * value > sign * best[2]:
+                best = ("simplex", c, value)
+    finally:
+        if backend is not None:
+            backend.close()
+    out = {"doc": result, "best": None}
+    if best is not None:
+        value, folder, rec = scores[fit.digest(best[1])]
+        out["best"] = {"kind": best[0], "coefficients": best[1], "folder": folder, "record": rec}
+        result["best"] = {"kind": best[0], "run": rec["run"], "pick_value": value}
+    return out
+
+
+def _decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[dict]) -> tuple[dict, str]:
+    """What is shipped, and the one-line verdict. Menu: the select winner if it beats vanilla beyond
+    its interval on the report items, else vanilla. A fitted average replaces it only if it beats it
+    (and vanilla) beyond the interval on the report items."""
+    w = chosen["winner"]
+    vanilla_row = next(c for c in chosen["candidates"] if c["run"] == "vanilla" and c["step"] == w["step"])
+    menu = w if select.beats_vanilla(chosen) else vanilla_row
+    name = metric.name if metric.name != "loss" else "held-out loss"
+    fmt_v, fmt_d = select.fmt_value, select.fmt_diff
+    if fitted and fitted.get("best"):
+        rec = fitted["best"]["record"]
+        menu_rec = _record_of(records, menu, metric)
+        vanilla_rec = _record_of(records, vanilla_row, metric)
+        vs_menu = select.versus(rec, menu_rec, metric, ship_opts.holdout, ship_opts.seed, ship_opts.resamples)
+        vs_vanilla = select.versus(
+            rec, vanilla_rec, metric, ship_opts.holdout, ship_opts.seed, ship_opts.resamples
+        )
+        fitted["doc"]["best"].update(vs_menu=vs_menu, vs_vanilla=vs_vanilla)
+        if select.is_better(vs_menu, metric) and select.is_better(vs_vanilla, metric):
+            value = vs_vanilla["value"] + select.report_value(
+                vanilla_rec, metric, ship_opts.holdout, ship_opts.seed
+            )
+            return (
+                {
+                    "run": rec["run"],
+                    "step": w["step"],
+                    "kind": "fitted",
+                    "value": value,
+                    "vs_vanilla": vs_vanilla,
+                },
+                f"ship {rec['run']} at step {w['step']}: {name} {fmt_v(value)} vs vanilla "
+                f"{fmt_v(value - vs_vanilla['value'])} ({fmt_d(vs_vanilla)}); it beats {menu['run']} "
+                f"({fmt_d(vs_menu)}), the best of the menu",
+            )
+    if menu is vanilla_row:
+        best = w if w["run"] != "vanilla" else None
+        best = best or min(
+            (c for c in chosen["candidates"] if c["run"] != "vanilla" and c["vs_vanilla"]),
+            key=lambda c: (-1 if metric.higher_is_better else 1) * c["value"], default=None,
+        )  # fmt: skip
+        closest = f" (the best, {best['run']}: {fmt_d(best['vs_vanilla'])})" if best else ""
+        return (
+            {"run": "vanilla", "step": w["step"], "kind": "vanilla", "value": vanilla_row["value"]},
+            f"ship vanilla at step {w['step']}: {name} {fmt_v(vanilla_row['value'])}; no average beats "
+            f"vanilla beyond its interval{closest}",
+        )
+    return (
+        {
+            "run": menu["run"],
+            "step": w["step"],
+            "kind": "menu",
+            "value": menu["value"],
+            "vs_vanilla": menu["vs_vanilla"],
+        },
+        chosen["verdict"],
+    )
+
+
+def _record_of(records: list[dict], row: dict, metric) -> dict:
+    """The newest record of a select row (run, step) on the metric's task."""
+    return [r for r in records if (r["run"], r["step"], r["task"]) == (row["run"], row["step"], metric.task)][
+        -1
+    ]
+
+
+def _write(decision, chosen, fitted, records, out: Path, ship_opts, doc, work) -> dict:
+    """DIR as the model folder: the menu's pick or vanilla through the streaming stabilize engine,
+    a fitted average through fit.combine; the records and ship.json go inside (DIR/.bema-ship)."""
+
+    def keep(folder: Path) -> None:
+        (work / "ship.json").write_text(output.to_json(_public(doc)) + "\n")
+        shutil.move(str(work), str(folder / WORK))
+
+    if decision["kind"] != "fitted":
+        row = next(
+            c for c in chosen["candidates"] if (c["run"], c["step"]) == (decision["run"], decision["step"])
+        )
+        one = {
+            **chosen,
+            "winner": {
+                k: row[k] for k in ("run", "step", "value", "interval", "vs_vanilla", "path", "stabilizer")
+            },
+        }
+        return write_winner(one, records, out, ship_opts.card_paths, ship_opts.overwrite, keep=keep)
+    best = fitted["best"]
+    tmp = staging(out, "ship")
+    try:
+        folder = tmp / "model"
+        shutil.copytree(best["folder"], folder)
+        rec = best["record"]
+        lo_hi = select.report_interval(
+            rec, select.parse_metric(chosen["metric"]), ship_opts.holdout, ship_opts.seed
+        )
+        write_card(folder, chosen, evaluation_rows(chosen, decision["value"], lo_hi, decision["vs_vanilla"]),
+                   ship_opts.card_paths)  # fmt: skip
+        keep(folder)
+        place(folder, out, ship_opts.overwrite)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    output.log(f"wrote {out} ({decision['run']} at step {decision['step']}) with its model card")
+    return {"path": str(out), "run": decision["run"], "step": decision["step"]}
+
+
+def _public(doc: dict) -> dict:
+    """The --json document (and ship.json): plain data only (the fitted record's folder as text)."""
+    return json.loads(output.to_json(doc))

@@ -69,6 +69,7 @@ bench: install install-vllm
 	$(PY) bench/bench_windows.py
 	$(PY) bench/bench_sweep.py
 	$(PY) bench/bench_sweep.py --model medium --repeats 2
+	$(PY) bench/bench_ship.py
 
 bench-quick: install install-vllm
 	$(PY) bench/bench_stabilize.py --quick
@@ -77,6 +78,7 @@ bench-quick: install install-vllm
 	$(PY) bench/bench_incremental.py --quick
 	$(PY) bench/bench_windows.py --quick
 	$(PY) bench/bench_sweep.py --quick
+	$(PY) bench/bench_ship.py --repeats 1 --backend transformers
 
 lint: install
 	$(PY) -m ruff check bema_cli tests bench

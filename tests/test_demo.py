@@ -115,10 +115,13 @@ def test_quick_demo_end_to_end(tmp_path):
     assert runs["lawa-w8"]["outputs"][-1]["members"] == 4
     assert runs["lawa-w8"]["outputs"][-1]["member_steps"] == [10, 20, 30, 40]
 
-    # select: the winner on held-out loss, written with its model card (picked on half the records)
-    shipped = list((out / "ship").glob("*/checkpoint-40/README.md"))
-    assert len(shipped) == 1, shipped
-    assert "loss" in shipped[0].read_text() and "$ bema select" in result.stderr
+    # ship: the model folder to ship, decided on held-out loss (picked on half the records), with its card
+    shipped = json.loads((out / "ship" / ".bema-ship" / "ship.json").read_text())
+    assert shipped["decision"]["step"] == 40 and shipped["verdict"].startswith("ship ")
+    assert (out / "ship" / "model.safetensors").is_file() and "loss" in (
+        out / "ship" / "README.md"
+    ).read_text()
+    assert "$ bema ship" in result.stderr
 
     # results: every (run, step, task), base as step 0 of each run
     records = [json.loads(line) for line in (out / "results" / "results.jsonl").read_text().splitlines()]
@@ -175,7 +178,7 @@ def test_an_interrupted_demo_keeps_its_finished_stages_and_a_rerun_continues(tmp
 
     from conftest import BEMA
 
-    stages = ["data", "base", "finetune", "stabilize", "eval", "report", "select"]
+    stages = ["data", "base", "finetune", "stabilize", "eval", "report", "ship"]
     folders = {"data": "data", "base": "base", "finetune": "sft"}
     out = tmp_path / "demo"
     proc = subprocess.Popen([str(BEMA), "demo", "--quick", "--out", str(out)], stdout=subprocess.PIPE,

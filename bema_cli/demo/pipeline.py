@@ -159,9 +159,15 @@ def stabilize_args(out: Path, cfg: DemoConfig) -> list[str]:
     ]  # fmt: skip
 
 
-def select_args(out: Path) -> list[str]:
-    """Pick on half of the held-out loss records, report on the other half (no winner's curse)."""
-    return ["select", str(out / "results"), "--metric", "loss", "--holdout", "0.5", "--write", str(out / "ship")]
+def ship_args(out: Path, cfg: DemoConfig, backend: str) -> list[str]:
+    """The one command a user runs: judge the menu in memory at the last step, pick on half of the
+    held-out loss records and report on the other half, fit a soup and simplex weights, write
+    the model folder to ship (an average only if it beats vanilla beyond its interval)."""
+    return [
+        "ship", str(out / "sft"), "--base", str(out / "base"), "--out", str(out / "ship"), "--tasks", "loss",
+        "--loss-data", str(out / "data" / "heldout.jsonl"), "--loss-samples", str(3 * cfg.test_per_task),
+        "--holdout", "0.5", "--backend", backend, "--overwrite",
+    ]  # fmt: skip
 
 
 def eval_args(out: Path, cfg: DemoConfig, backend: str) -> list[str]:
@@ -430,10 +436,9 @@ def _stages(out: Path, cfg: DemoConfig, backend: str, quick: bool, marker: dict,
     stage("report", "6/7 report: tables and curves")
     bema_cli(["report", str(out / "results"), "--plot", str(out / "curves.png")])
     done("report")
-    stage("select", "7/7 select: the config to ship, against vanilla with intervals, written with its card")
-    shutil.rmtree(out / "ship", ignore_errors=True)  # select writes it anew from the current results
-    bema_cli(select_args(out))
-    done("select")
+    stage("ship", "7/7 ship: the model to ship, decided with intervals (menu, then fitted averages), with its card")
+    bema_cli(ship_args(out, cfg, backend))
+    done("ship")
     ends = [*list(timings.values())[1:], time.perf_counter()]
     seconds = {name: round(end - start, 1) for (name, start), end in zip(timings.items(), ends, strict=True)}
     summary = summarize(read_jsonl(out / "results" / "results.jsonl"))

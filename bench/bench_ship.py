@@ -1,0 +1,93 @@
+"""Benchmark `bema ship` against the same decision made by hand (`bema sweep` + `bema select --write`).
+
+The demo's model shape (2 layers x 128 hidden) is trained to an optimum on held-out chats; the run
+is 8 checkpoints of that optimum plus fresh noise (tests/ship_runs.py: averaging helps, so an
+average is the right answer). Both paths judge the same menu (decide/ship.py's DEFAULT_GRID) at the
+last step on held-out loss with --holdout 0.5, as real `bema` processes, back to back:
+
+1. the winner: ship's decision (--fit none: the menu only) against select --write's;
+2. wall time, ship / by hand, median of --repeats pairs (target <= 1.1);
+3. ship with its fitted stage (soup, simplex): its wall and what it shipped, for the record.
+
+    .venv/bin/python bench/bench_ship.py [--repeats 3] [--backend auto|vllm|transformers] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from ship_runs import heldout, noisy_run, optimum  # noqa: E402
+
+BEMA = Path(sys.executable).with_name("bema")
+MENU = ["--method", "ema,bema,lawa,wsm", "--kappa", "0.5", "--eta", "0.2,0.5", "--window", "4,8",
+        "--schedule", "minus-sqrt"]  # fmt: skip
+TARGET = 1.1
+
+
+def timed(*args) -> tuple[float, subprocess.CompletedProcess]:
+    t = time.perf_counter()
+    r = subprocess.run([str(BEMA), *map(str, args)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"bema {args[0]} failed ({r.returncode}): {r.stderr[-2000:]}")
+    return time.perf_counter() - t, r
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--backend", default="auto", choices=["auto", "vllm", "transformers"])
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    from bema_cli.demo.tinymodel import make_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="bema-bench-ship-"))
+    try:
+        base = make_tiny_model(root / "base", seed=0, hidden_size=128, num_heads=4, intermediate_size=384)
+        data = heldout(root / "heldout.jsonl")
+        run = noisy_run(base, optimum(base, data, root / "star"), root / "run")
+        common = ["--base", base, "--tasks", "loss", "--loss-data", data, "--backend", a.backend]
+        ratios, rows = [], []
+        for i in range(a.repeats):
+            t_ship, r = timed("ship", run, "--out", root / f"ship{i}", *common, "--fit", "none", "--json")
+            shipped = json.loads(r.stdout)["decision"]["run"]
+            t_sweep, _ = timed("sweep", run, "--out", root / f"sweep{i}", *common, *MENU, "--at", "last")
+            t_select, r = timed("select", root / f"sweep{i}", "--metric", "loss", "--holdout", "0.5",
+                                "--write", root / f"hand{i}", "--json")  # fmt: skip
+            by_hand = json.loads(r.stdout)["winner"]["run"]
+            ratios.append(t_ship / (t_sweep + t_select))
+            rows.append({"ship_s": t_ship, "sweep_s": t_sweep, "select_write_s": t_select,
+                         "ship_winner": shipped, "by_hand_winner": by_hand})  # fmt: skip
+            print(
+                f"pair {i}: ship {t_ship:.1f} s ({shipped}) vs sweep {t_sweep:.1f} s + select --write "
+                f"{t_select:.1f} s ({by_hand})",
+                file=sys.stderr,
+            )
+        t_fit, r = timed("ship", run, "--out", root / "fitted", *common, "--json")
+        fitted = json.loads(r.stdout)
+        doc = {"pairs": rows, "ratio_median": statistics.median(ratios), "target": TARGET,
+               "same_winner": all(x["ship_winner"] == x["by_hand_winner"] for x in rows),
+               "with_fits": {"seconds": t_fit, "verdict": fitted["verdict"]}}  # fmt: skip
+        lines = [
+            f"same winner as sweep + select --write: {'PASS' if doc['same_winner'] else 'FAIL'} ({rows[0]['ship_winner']})",
+            f"wall, ship / by hand (median of {a.repeats}): {doc['ratio_median']:.2f} (target <= {TARGET}: "
+            f"{'PASS' if doc['ratio_median'] <= TARGET else 'FAIL'})",
+            f"ship with soup + simplex: {t_fit:.1f} s; {fitted['verdict']}",
+        ]
+        print("\n".join(lines), file=sys.stderr)
+        if a.json:
+            print(json.dumps(doc, indent=2))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""`bema ship` end to end (the real CLI in a subprocess, transformers backend): on a run where
+averaging helps it ships an average; where it cannot (steady drift, every average lags) it ships
+the raw checkpoint and says that no average beats vanilla. DIR is the model folder; a killed ship
+resumes evaluating nothing twice; the fitted averages never lose to the menu on the pick items."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import run_bema, vllm_available
+from ship_runs import drift_run, heldout, noisy_run, optimum
+
+pytestmark = pytest.mark.slow  # a sweep of 8 configs and a dozen fitted candidates per run (~15 s each)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ship")
+    data = heldout(root / "heldout.jsonl")
+    star = optimum(tiny_model_dir, data, root / "star")
+    return {"root": root, "base": tiny_model_dir, "data": data,
+            "noisy": noisy_run(tiny_model_dir, star, root / "noisy"),
+            "drift": drift_run(tiny_model_dir, star, root / "drift")}  # fmt: skip
+
+
+def ship(runs, name, out, *extra):
+    r = run_bema("ship", runs[name], "--base", runs["base"], "--out", out, "--tasks", "loss",
+                 "--loss-data", runs["data"], "--backend", "transformers", "--json", *extra)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout), r
+
+
+def test_noisy_iterates_ship_an_average_as_a_model_folder(runs, tmp_path):
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "model"
+    doc, r = ship(runs, "noisy", out)
+    decision = doc["decision"]
+    assert decision["run"] != "vanilla" and decision["step"] == 80
+    assert decision["vs_vanilla"]["high"] < 0  # lower loss than vanilla, beyond the interval
+    assert doc["verdict"].startswith(f"ship {decision['run']} at step 80: held-out loss ")
+    assert doc["tie_rule"].startswith("among configs tied with the best")
+    AutoModelForCausalLM.from_pretrained(out)  # DIR itself is the model
+    record = json.loads((out / "bema.json").read_text())
+    assert record["run"] == decision["run"] and (out / ".bema-ship" / "ship.json").is_file()
+    card = ModelCard.load(out / "README.md")
+    assert card.data.eval_results[0].metric_type == "loss"
+    assert str(runs["root"]) not in (out / "README.md").read_text()  # no absolute local path
+    # the fitted stage never loses to the best of the menu on the pick items (it starts from it)
+    menu = min(c["picked_value"] for c in doc["select"]["candidates"])
+    assert doc["fitted"]["best"]["pick_value"] <= menu + 1e-12
+    if decision["kind"] == "fitted":  # then its coefficients stream into bema.json, summing to 1
+        c = record["coefficients"]
+        assert abs(sum(c.values()) - 1) < 1e-9
+    # push --dry-run ships DIR as it is (the records under .bema-ship stay home)
+    dry = run_bema("push", out, "--repo-id", "org/m", "--dry-run", "--json")
+    names = {f["path"] for f in json.loads(dry.stdout)["files"]}
+    assert "model.safetensors" in names and not any(n.startswith(".bema-ship") for n in names)
+
+
+def test_steady_drift_ships_vanilla_and_says_so(runs, tmp_path):
+    out = tmp_path / "model"
+    doc, _ = ship(runs, "drift", out)
+    assert doc["decision"]["kind"] == "vanilla" and doc["decision"]["step"] == 80
+    assert "no average beats vanilla beyond its interval" in doc["verdict"]
+    from safetensors.torch import load_file
+
+    written, raw = (
+        load_file(out / "model.safetensors"),
+        load_file(runs["drift"] / "checkpoint-80" / "model.safetensors"),
+    )
+    assert written.keys() == raw.keys() and all(
+        (written[k] == raw[k]).all() for k in raw
+    )  # the raw checkpoint
+    text = (out / "README.md").read_text()
+    assert "The raw checkpoint at step 80, selected by bema" in text and "kappa" not in text
+    plain = run_bema("ship", runs["drift"], "--base", runs["base"], "--out", out, "--tasks", "loss",
+                     "--loss-data", runs["data"], "--backend", "transformers")  # fmt: skip
+    assert plain.returncode == 0 and "up to date" in plain.stderr
+    assert plain.stdout.strip() == doc["verdict"]
+
+
+def test_a_killed_ship_resumes_evaluating_nothing_twice(runs, tmp_path):
+    out = tmp_path / "model"
+    first, _ = ship(runs, "drift", out, "--fit", "none")
+    work = tmp_path / ".model.bema-ship"
+    shutil.move(str(out / ".bema-ship"), str(work))  # killed before the final rename: records kept
+    (work / "ship.json").unlink()
+    shutil.rmtree(out)
+    results = work / "sweep" / "results.jsonl"
+    lines = results.read_text().splitlines(keepends=True)
+    results.write_text("".join(lines[:-2]))  # and before its last two evaluations
+    again, r = ship(runs, "drift", out, "--fit", "none")
+    assert "resuming: 6 of 8 evaluations already in" in r.stderr  # vanilla + 7 configs
+    assert sum(line.startswith("loss: ") for line in r.stderr.splitlines()) == 2  # only the missing two
+    assert again["verdict"] == first["verdict"] and again["decision"] == first["decision"]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vllm is not importable")
+def test_the_shipped_folder_loads_in_vllm(runs, tmp_path):
+    out = tmp_path / "model"
+    ship(runs, "noisy", out, "--fit", "none")
+    r = run_bema("eval", out, "--backend", "vllm", "--tasks", "loss", "--loss-data", runs["data"],
+                 "--out", tmp_path / "eval", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (record,) = json.loads(r.stdout)
+    assert record["model_path"] == str(out) and record["metrics"]["loss"] > 0

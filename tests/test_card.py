@@ -28,8 +28,10 @@ def test_every_stabilize_output_has_a_hub_model_card(tmp_path):
         method_tag = [] if record["method"] == "bema" else [record["method"]]  # "bema" is there once
         assert parsed.data.tags == ["bema", *method_tag, "checkpoint-averaging"]
         text = parsed.text
-        assert f"at step {record['step']}" in text and f"`{record['source_checkpoint']}`" in text
-        assert f"`{record['theta0_source']}`" in text and "2508.00180" in text
+        short = "/".join(record["source_checkpoint"].split("/")[-2:])  # run/checkpoint-N, not the local path
+        assert f"at step {record['step']}" in text and f"`{short}`" in text
+        assert record["source_checkpoint"] not in text and str(tmp_path) not in text
+        assert "2508.00180" in text
         if record["method"] == "lawa":
             assert "| window | `2` |" in text
         else:
@@ -57,4 +59,32 @@ def test_a_local_theta0_is_not_a_base_model_and_results_make_a_model_index(tmp_p
     (result,) = parsed.data.eval_results
     assert result.dataset_type == "gsm8k" and result.metric_type == "accuracy" and result.metric_value == 0.61
     assert "95% CI 0.55 to 0.67" in result.metric_name
-    assert "| gsm8k | accuracy | 0.61 | 0.55 to 0.67 | vanilla +0.04 |" in parsed.text
+    assert "| `gsm8k` | `accuracy` | 0.61 | 0.55 to 0.67 | vanilla +0.04 |" in parsed.text
+
+
+def test_pipes_and_backticks_in_paths_keep_the_table_and_links_resolve(tmp_path):
+    import re
+
+    odd = tmp_path / "runs|a`b" / "checkpoint-40"
+    record = {"run": "ema-k0.5", "method": "ema", "step": 40, "kappa": 0.5, "source_checkpoint": str(odd),
+              "theta0_source": "Qwen/Qwen2.5-0.5B", "bema_version": "0.7.0"}  # fmt: skip
+    text = card.card(record, "Qwen/Qwen2.5-0.5B")
+    rows = [line for line in text.splitlines() if line.startswith("| source checkpoint")]
+    assert rows == ["| source checkpoint | runs\\|a&#96;b/checkpoint-40 |"]  # one row, two cells
+    assert len(re.split(r"(?<!\\)\|", rows[0])) == 4  # unescaped pipes: the row's own three
+    parsed = ModelCard(text)
+    assert parsed.data.base_model == "Qwen/Qwen2.5-0.5B"
+    links = re.findall(r"https?://[^\s)\"]+", parsed.text)
+    assert links == [
+        "https://arxiv.org/abs/2508.00180"
+    ]  # the one link, the paper's (no unpublished package page)
+    full = card.card(record, None, paths="full")
+    assert str(odd).replace("|", "\\|").replace("`", "&#96;") in full
+
+
+def test_a_vanilla_selection_card_names_no_averaging_parameters():
+    record = {"run": "vanilla", "method": "vanilla", "step": 80, "kappa": 0.5, "eta": 0.2,
+              "source_checkpoint": "/x/run/checkpoint-80", "theta0_source": "/x/base", "bema_version": "0.7.0"}  # fmt: skip
+    text = ModelCard(card.card(record, None, selected=True)).text
+    assert "The raw checkpoint at step 80, selected by bema" in text and "averaged as below" not in text
+    assert "| kappa |" not in text and "| eta |" not in text and "/x/run" not in text

@@ -67,7 +67,10 @@ def test_final_only_keeps_a_state_only_when_asked_or_already_kept(traj, tmp_path
     r = stabilize(traj, one_off, "--final-only", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["state_bytes"] == 0 and not (one_off / ".bema-state").exists()
-    line = one_line_error(stabilize(traj, one_off, "--final-only"), 4)
+    again = stabilize(traj, one_off, "--final-only")  # the same finished call: up to date, not refused
+    assert again.returncode == 0 and "up to date" in again.stderr, again.stderr
+    # other settings under the same run name: nothing to continue from, so refused with the hint
+    line = one_line_error(stabilize(traj, one_off, "--final-only", "--gamma", "2"), 4)
     assert "--final-only" in line and "--state" in line
     assert stabilize(traj, kept, "--final-only", "--state").returncode == 0
     assert (kept / ".bema-state" / "state.json").exists()

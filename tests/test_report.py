@@ -217,7 +217,11 @@ def test_cli_errors(tmp_path, results):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(report_record(0.5)) + "\nnot json\n")
     r = run_bema("report", bad, "--json")
-    assert r.returncode == 3 and f"{bad}:2: invalid JSON" in r.stderr and r.stdout == "", r.stderr
+    assert r.returncode == 3 and f"{bad}:2: invalid JSON" in r.stderr, r.stderr
+    if "--json" in r.args:  # the error as the one JSON document on stdout (a pipe into jq sees it)
+        assert json.loads(r.stdout) == {"error": r.stderr.strip().removeprefix("error: "), "exit_code": 3}
+    else:
+        assert r.stdout == ""
     r = run_bema("report", results, "--plot", tmp_path / "nope" / "x.png")
     assert r.returncode == 4 and "--plot" in r.stderr
     empty = tmp_path / "empty"

@@ -67,20 +67,20 @@ class VllmBackend:
             # use offset") as soon as a seeded batch exceeds the token budget. Whole prefills avoid it.
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(self.max_model_len, 8192)
+            # the KV cache the run needs, not vLLM's 70% of the machine's RAM (vllm_engine.py)
+            config = read_json(Path(path) / "config.json")
+            kwargs.update(vllm_engine.kv_cache_kwargs(
+                config, kwargs["dtype"], self.options.workload, self.max_model_len, output.log))  # fmt: skip
         return kwargs
 
     def _start(self, path: Path, config: dict, dummy: bool = False) -> None:
         from vllm import LLM
-        from vllm.platforms import current_platform
 
         self.max_model_len = self.options.max_model_len or default_max_model_len(config)
-        kwargs = self.engine_kwargs(path, dummy)
         log_file = self.options.log_file if not self.options.debug else None
         where = f" (vLLM's log: {log_file})" if log_file else ""
         output.log(f"starting vLLM engine on {path}{where}; on CPU this can take a minute")
-        if current_platform.is_cpu():
-            kwargs.update(vllm_engine.kv_cache_kwargs(
-                config, kwargs["dtype"], self.options.workload, self.max_model_len, output.log))  # fmt: skip
+        kwargs = self.engine_kwargs(path, dummy)
         offset = vllm_engine.log_size(log_file)
         try:
             self.llm = LLM(**kwargs)

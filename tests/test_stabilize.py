@@ -231,8 +231,14 @@ def test_vllm_serves_output_like_transformers(tiny_run):
     with torch.no_grad():
         hf_out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None)
     hf_tokens = hf_out[0, len(ids) :].tolist()
-    llm = LLM(model=str(final), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-              kv_cache_memory_bytes=64 * 2**20)  # as bema sizes it on CPU (not 70% of RAM)
+    llm = LLM(
+        model=str(final),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        seed=0,
+        kv_cache_memory_bytes=64 * 2**20,
+    )  # as bema sizes it on CPU (not 70% of RAM)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     (result,) = llm.generate([{"prompt_token_ids": ids}], params)
     assert list(result.outputs[0].token_ids) == hf_tokens

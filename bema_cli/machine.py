@@ -43,22 +43,28 @@ def _rss(pid: int) -> int:
     return 0
 
 
+def descendants(root: int) -> set[int]:
+    parents = _parents()
+    tree, frontier = set(), [root]
+    while frontier:
+        kids = [p for p, parent in parents.items() if parent in frontier and p not in tree and p != root]
+        tree.update(kids)
+        frontier = kids
+    return tree
+
+
 def tree_rss(root: int | None = None) -> int:
     """RSS of `root` (this process) plus every process below it, summed (pages two processes share,
     such as libraries, count in each: an upper bound of what they hold together)."""
     root = root or os.getpid()
-    parents = _parents()
-    tree, frontier = {root}, [root]
-    while frontier:
-        kids = [p for p, parent in parents.items() if parent in frontier and p not in tree]
-        tree.update(kids)
-        frontier = kids
-    return sum(_rss(p) for p in tree)
+    return _rss(root) + sum(_rss(p) for p in descendants(root))
 
 
 class PeakRss:
-    """A thread sampling `tree_rss` every `every` seconds while a command runs; `peak()` is the most
-    seen, and never less than this process's own ru_maxrss (which catches peaks between samples)."""
+    """A thread sampling, every `every` seconds while a command runs, the summed RSS of the processes
+    below this one (vLLM's engine core and workers). `parts()`: this process's own peak (ru_maxrss,
+    exact), the engine processes' sampled peak, and their sum: an upper bound of the peak the
+    machine saw (the two peaks need not coincide), the number `--max-memory` must cover."""
 
     def __init__(self, every: float = 0.25):
         self.every, self.most = every, 0
@@ -76,12 +82,12 @@ class PeakRss:
     def _sample(self) -> None:
         while True:
             try:
-                self.most = max(self.most, tree_rss())
+                self.most = max(self.most, sum(_rss(p) for p in descendants(os.getpid())))
             except OSError:  # a process ended while it was read: the next sample counts it out
                 pass
             if self._stop.wait(self.every):
                 return
 
-    def peak(self) -> int:
+    def parts(self) -> dict:
         own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return max(self.most, own)
+        return {"peak_rss": own + self.most, "peak_rss_bema": own, "peak_rss_engine": self.most}

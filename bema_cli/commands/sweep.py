@@ -201,7 +201,8 @@ def sweep(
         output.log(
             f"sweep: {doc['evaluated']} evaluation(s) over {len(doc['runs'])} config(s) + vanilla, "
             f"{doc['engine_starts']} engine start, 0 bytes of weights written; memory estimate "
-            f"{memory['estimate'] / 1e9:.2f} GB, peak RSS {memory['peak_rss'] / 1e9:.2f} GB"
+            f"{memory['estimate'] / 1e9:.2f} GB, peak RSS {memory['peak_rss'] / 1e9:.2f} GB (bema "
+            f"{memory['peak_rss_bema'] / 1e9:.2f} + engine processes {memory['peak_rss_engine'] / 1e9:.2f})"
         )
 
 

@@ -53,7 +53,7 @@ def sweep(
     whose memory.peak_rss counts the engine's own processes too (vLLM's engine core runs apart)."""
     with PeakRss() as peak:
         doc = _sweep(stab, config, engine, sweep_opts, executor, follow, validated)
-    doc["memory"]["peak_rss"] = peak.peak()
+    doc["memory"].update(peak.parts())
     return doc
 
 

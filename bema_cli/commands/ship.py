@@ -16,9 +16,11 @@ from bema_cli.commands.eval_options import (
     DtypeOpt,
     GpuMemoryUtilizationOpt,
     LimitOpt,
+    LmEvalIncludeOpt,
     LossDataOpt,
     LossMaxTokensOpt,
     LossSamplesOpt,
+    LossTrainDataOpt,
     MaxModelLenOpt,
     MaxNewTokensOpt,
     NSamplesOpt,
@@ -32,7 +34,10 @@ from bema_cli.commands.eval_options import (
 from bema_cli.commands.select import CardPathsOpt, HoldoutOpt
 from bema_cli.options import (
     AccumDtypeOpt,
+    AllowGapsOpt,
+    AllowNonfiniteOpt,
     BetaMinOpt,
+    CastBaseOpt,
     EtaOpt,
     GammaOpt,
     GridConfigOpt,
@@ -97,6 +102,7 @@ def ship(
     tasks: TasksOpt = "gsm8k",
     data_dir: DataDirOpt = None,
     loss_data: LossDataOpt = None,
+    loss_train_data: LossTrainDataOpt = None,
     loss_samples: LossSamplesOpt = 200,
     loss_max_tokens: LossMaxTokensOpt = 1024,
     n_samples: NSamplesOpt = 50,
@@ -107,6 +113,7 @@ def ship(
     limit: LimitOpt = None,
     num_fewshot: NumFewshotOpt = 0,
     cot: CotOpt = False,
+    lm_eval_include: LmEvalIncludeOpt = None,
     chat_template: ChatTemplateOpt = None,
     backend: BackendOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -114,7 +121,20 @@ def ship(
     max_model_len: MaxModelLenOpt = None,
     batch_size: BatchSizeOpt = 8,
     max_memory: Annotated[str | None, typer.Option("--max-memory", help="Memory the sweep may hold.")] = None,
+    device: Annotated[
+        str,
+        typer.Option(
+            "--device", help="Where the sweep's states live: auto (the GPU when present), cpu or cuda."
+        ),
+    ] = "auto",
     accum_dtype: AccumDtypeOpt = "float32",
+    out_dtype: Annotated[
+        str | None,
+        typer.Option("--out-dtype", help="The dtype the configs are cast to (default: the inputs')."),
+    ] = None,
+    allow_nonfinite: AllowNonfiniteOpt = False,
+    allow_gaps: AllowGapsOpt = False,
+    cast_base: CastBaseOpt = False,
     card_paths: CardPathsOpt = "short",
     overwrite: Annotated[
         bool,
@@ -148,7 +168,7 @@ def ship(
         check_repo_id(push)
     fits = () if fit.strip() == "none" else tuple(parse_str_list(fit, "--fit"))
     flags = {**locals(), "out": str(Path(out).parent / f".{Path(out).name}.bema-ship" / "sweep"),
-             "loss_train_data": None, "lm_eval_include": None, "log_samples": False, "force": False,
+             "log_samples": False, "force": False,
              "verify_swap": False, "tensor_parallel_size": 1, "data_parallel_size": 1, "enforce_eager": False}  # fmt: skip
     evaluation, engine = eval_settings(flags)
     ship_opts = ShipOptions(
@@ -160,8 +180,9 @@ def ship(
     schedules = (
         schedules_from_flags(flags) if any(v is not None for v in given) else grid(**DEFAULT_GRID, **common)
     )
-    opts = Options(checkpoint_dir=checkpoint_dir, schedules=schedules, out=flags["out"], base=base,
-                   accum_dtype=accum_dtype)  # fmt: skip
+    opts = Options(checkpoint_dir=checkpoint_dir, schedules=schedules, out=flags["out"], base=base, device=device,
+                   accum_dtype=accum_dtype, out_dtype=out_dtype, allow_nonfinite=allow_nonfinite,
+                   cast_base=cast_base, allow_gaps=allow_gaps)  # fmt: skip
     limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
     doc = run(opts, evaluation, engine, ship_opts, SweepOptions(at=at, memory_limit=limit),
               validated=lambda: output.send_library_output(Path(flags["out"]) / LIBRARY_LOG))  # fmt: skip

@@ -44,6 +44,7 @@ def _rss(pid: int) -> int:
 
 
 def descendants(root: int) -> set[int]:
+    """Every process below `root` (its children, theirs, ...), from /proc."""
     parents = _parents()
     tree, frontier = set(), [root]
     while frontier:
@@ -51,13 +52,6 @@ def descendants(root: int) -> set[int]:
         tree.update(kids)
         frontier = kids
     return tree
-
-
-def tree_rss(root: int | None = None) -> int:
-    """RSS of `root` (this process) plus every process below it, summed (pages two processes share,
-    such as libraries, count in each: an upper bound of what they hold together)."""
-    root = root or os.getpid()
-    return _rss(root) + sum(_rss(p) for p in descendants(root))
 
 
 class PeakRss:
@@ -81,7 +75,7 @@ class PeakRss:
 
     def _sample(self) -> None:
         while True:
-            try:
+            try:  # RSS summed: pages two processes share (libraries) count in each, an upper bound
                 self.most = max(self.most, sum(_rss(p) for p in descendants(os.getpid())))
             except OSError:  # a process ended while it was read: the next sample counts it out
                 pass

@@ -107,10 +107,11 @@ def parse_float_list(text: str, flag: str) -> list[float]:
 
 
 def parse_int_list(text: str, flag: str) -> list[int]:
+    parts = _items(text, flag)
     try:
-        values = [int(p) for p in _items(text, flag) if p.isascii()]  # int() takes '²' and '١'
-        if len(values) != len(_items(text, flag)):
+        if not all(p.isascii() for p in parts):  # int() takes '²' and '١' too
             raise ValueError
+        values = [int(p) for p in parts]
     except ValueError:
         raise UsageError(f"{flag}: expected comma-separated integers, got {text!r}") from None
     if not values:

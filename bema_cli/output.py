@@ -104,6 +104,14 @@ def send_library_output(path: str | Path | None) -> None:
     os.close(target)
 
 
+def size(n: int) -> str:
+    """Bytes as people write a size, in binary units: 2147483648 -> '2 GiB' (--max-memory reads it back)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
 def log(message: str) -> None:
     """An informational line on stderr (suppressed by --quiet)."""
     if not _quiet:

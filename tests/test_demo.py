@@ -118,9 +118,8 @@ def test_quick_demo_end_to_end(tmp_path):
     # ship: the model folder to ship, decided on held-out loss (picked on half the records), with its card
     shipped = json.loads((out / "ship" / ".bema-ship" / "ship.json").read_text())
     assert shipped["decision"]["step"] == 40 and shipped["verdict"].startswith("ship ")
-    assert (out / "ship" / "model.safetensors").is_file() and "loss" in (
-        out / "ship" / "README.md"
-    ).read_text()
+    written = json.loads((out / "ship" / "bema.json").read_text())  # DIR is the model the verdict names
+    assert written["run"] == shipped["decision"]["run"] and "loss" in (out / "ship" / "README.md").read_text()
     assert "$ bema ship" in result.stderr
 
     # results: every (run, step, task), base as step 0 of each run

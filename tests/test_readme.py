@@ -98,7 +98,20 @@ def test_flags_in_the_flag_tables_exist():
     section = text[text.index("## Commands and their main flags") :]
     section = section[: section.index("\n## ", 1)]
     helps = "".join(
-        help_text(sub) for sub in ("stabilize", "eval", "sweep", "rescore", "report", "simulate", "demo")
+        help_text(sub)
+        for sub in (
+            "stabilize",
+            "eval",
+            "sweep",
+            "ship",
+            "select",
+            "push",
+            "env",
+            "rescore",
+            "report",
+            "simulate",
+            "demo",
+        )
     )
     helps += help_text(None)
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", section))
@@ -146,7 +159,11 @@ def test_cpu_commands_run_on_a_quick_demo(tmp_path):
     assert (tmp_path / "demo" / "grid" / "manifest.json").is_file()
     assert (tmp_path / "demo" / "grid-results" / "results.jsonl").is_file()
     assert (tmp_path / "demo" / "simulate.png").stat().st_size > 1000
-    assert (tmp_path / "demo" / "ship" / ".bema-ship" / "ship.json").is_file()  # the demo's bema ship
+    shipped = json.loads((tmp_path / "demo" / "ship" / ".bema-ship" / "ship.json").read_text())  # the demo's
+    assert (
+        json.loads((tmp_path / "demo" / "ship" / "bema.json").read_text())["run"]
+        == shipped["decision"]["run"]
+    )
     # the sweep -> select -> push loop: records only, then the winner alone written, with its card
     assert (tmp_path / "demo" / "sweep" / "results.jsonl").is_file()
     assert not list((tmp_path / "demo" / "sweep").rglob("*.safetensors"))

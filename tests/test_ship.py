@@ -45,7 +45,8 @@ def test_noisy_iterates_ship_an_average_as_a_model_folder(runs, tmp_path):
     assert doc["tie_rule"].startswith("among configs tied with the best")
     AutoModelForCausalLM.from_pretrained(out)  # DIR itself is the model
     record = json.loads((out / "bema.json").read_text())
-    assert record["run"] == decision["run"] and (out / ".bema-ship" / "ship.json").is_file()
+    assert record["run"] == decision["run"]
+    assert json.loads((out / ".bema-ship" / "ship.json").read_text())["verdict"] == doc["verdict"]
     card = ModelCard.load(out / "README.md")
     assert card.data.eval_results[0].metric_type == "loss"
     assert str(runs["root"]) not in (out / "README.md").read_text()  # no absolute local path

@@ -56,12 +56,11 @@ def env(json: JsonOpt = False) -> None:
     if json:
         output.print_json(doc)
         return
-    gib = 2**30
     for key, value in doc.items():
         if key in ("memory_total", "memory_available"):
-            value = f"{value / gib:.1f} GiB"
+            value = output.size(value)
         elif key == "gpus":
-            value = ", ".join(f"{g['name']} ({g['memory'] / gib:.0f} GiB)" for g in value) or "none"
+            value = ", ".join(f"{g['name']} ({output.size(g['memory'])})" for g in value) or "none"
         output.stdout.print(
             f"- {key}: {value if value is not None else 'not installed'}", highlight=False, markup=False
         )

@@ -245,14 +245,6 @@ def stabilize(
         _print_summary(doc)
 
 
-def _size(n: int) -> str:
-    """2147483648 -> '2 GiB', as people write a size (and --max-memory reads it back)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n} B"
-
-
 def schedules_from_flags(f: dict) -> list:
     """The grid (stabilize and sweep alike): --config FILE, or --method and the parameter lists."""
     from bema_cli.stabilize import grid
@@ -344,7 +336,7 @@ def _print_plan(doc: dict) -> None:
     output.stdout.print(f"{len(doc['outputs'])} outputs; shards of each: {shards}")
     output.stdout.print(
         f"would read {_gb(doc['read_bytes'])} and write {_gb(doc['written_bytes'])} "
-        f"in {plan['work_units']} work units (--max-memory {_size(plan['max_memory'])})"
+        f"in {plan['work_units']} work units (--max-memory {output.size(plan['max_memory'])})"
     )
 
 

@@ -23,8 +23,9 @@ HIDDEN = (".bema-", ".cache", ".git")  # never uploaded: bema's own state and lo
 
 
 def checkpoint_folder(path: Path) -> Path:
-    """The checkpoint folder to push: PATH itself when bema wrote it (bema.json beside the weights), or
-    the one checkpoint under PATH (what `bema select --write` leaves: OUT/<run>/checkpoint-<step>)."""
+    """The checkpoint folder to push: PATH itself when bema wrote it (bema.json beside the weights:
+    `bema ship`'s and `select --write`'s DIR, or one stabilize output), or the one checkpoint under
+    PATH (a stabilize OUT holding a single OUT/<run>/checkpoint-<step>)."""
     if not path.is_dir():
         raise InputError(f"{path}: not a directory")
     if (path / "bema.json").is_file():
@@ -69,6 +70,7 @@ def push(
     retries: int = 3,
 ) -> dict:
     """Create the model repo if needed and upload the checkpoint folder in one commit; the --json document."""
+    check_repo_id(repo_id)
     folder = checkpoint_folder(path)
     files = upload_list(folder)
     doc = {
@@ -80,7 +82,6 @@ def push(
         "bytes": sum(size for _, size in files),
         "dry_run": dry_run,
     }
-    check_repo_id(repo_id)
     if dry_run:
         return doc
     from huggingface_hub import HfApi, get_session, get_token
@@ -98,7 +99,7 @@ def push(
         disable_progress_bars()
     if not output.verbose():  # its own retry warnings: with -v (bema says the outcome in one line)
         logging.set_verbosity_error()
-    message = commit_message or f"bema: {folder.parent.name} at {folder.name}"
+    message = commit_message or _default_message(folder)
     hub = endpoint or api.endpoint
 
     def call(what: str, fn, *args, **kwargs):
@@ -167,6 +168,17 @@ def _retry(fn, retries: int):
             if attempt == retries:
                 raise
             time.sleep(min(2**attempt, 30))
+
+
+def _default_message(folder: Path) -> str:
+    """'bema: <run> at checkpoint-<step>' from the folder's bema.json (a DIR's own name says neither)."""
+    import json
+
+    try:
+        record = json.loads((folder / "bema.json").read_text())
+        return f"bema: {record['run']} at checkpoint-{record['step']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"bema: {folder.name}"
 
 
 @contextmanager

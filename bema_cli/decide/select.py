@@ -179,27 +179,19 @@ def select(
     for key, it in items.items():
         if list(it["ids"]) != ids:
             raise InputError(f"{latest[key]['_where']}: scored on other items than the rest (ids differ)")
-    positions = {i: n for n, i in enumerate(ids)}
-    pick_ids, report_ids = (set(ids), set(ids)) if holdout is None else split(ids, holdout, seed)
-    if holdout is not None and (not pick_ids or not report_ids):
-        raise UsageError(f"--holdout {holdout}: {len(ids)} items leave one side empty; use more items")
-    pick = np.array(sorted(positions[i] for i in pick_ids))
-    report = np.array(sorted(positions[i] for i in report_ids))
+    pick, report = sides(ids, holdout, seed)
     sign = 1.0 if metric.higher_is_better else -1.0
     rng = np.random.default_rng(seed)
-    alpha = (1 - LEVEL) / 2
 
     def paired(side):
         """Each key's value on `side` and its bootstrap values (one shared draw of items per resample)."""
-        draws = side[rng.integers(0, len(side), size=(resamples, len(side)))]
+        draws = _draws(side, resamples, rng)
         point = {key: float(_value(it, metric, side[None, :])[0]) for key, it in items.items()}
         return point, {key: _value(it, metric, draws) for key, it in items.items()}
 
     def diff(point, boot, a: tuple, b: tuple, side) -> dict:
-        lo, hi = (float(x) for x in np.quantile(boot[a] - boot[b], [alpha, 1 - alpha]))
-        out = {"value": point[a] - point[b], "low": lo, "high": hi}
         p = mcnemar(items[a], items[b], metric, side)
-        return out if p is None else {**out, "mcnemar_p": p}
+        return _difference(point[a] - point[b], boot[a] - boot[b], p)
 
     picked, pick_boot = paired(pick)
     best = max(picked, key=lambda k: (sign * picked[k], -simplicity(k[0]), k[1], k[0]))
@@ -213,7 +205,7 @@ def select(
             "run": key[0],
             "step": key[1],
             "value": values[key],
-            "interval": [float(x) for x in np.quantile(boot[key], [alpha, 1 - alpha])],  # its own value's
+            "interval": _interval(boot[key]),  # its own value's
             "vs_best": diff(values, boot, key, winner_key, report),
             "vs_vanilla": diff(values, boot, key, vanilla, report)
             if vanilla in items and key != vanilla
@@ -239,21 +231,61 @@ def select(
         "missing": [] if at == "all" else sorted(every - {k[0] for k in latest}),
         "selection": {
             "holdout": holdout,
-            "picked_on": len(pick_ids),
-            "reported_on": len(report_ids),
+            "picked_on": len(pick),
+            "reported_on": len(report),
             "note": "picked and reported on the same items (optimistic: the winner's curse)"
             if holdout is None
-            else f"picked on {len(pick_ids)} items, every number reported on the other {len(report_ids)}",
+            else f"picked on {len(pick)} items, every number reported on the other {len(report)}",
         },
         "protocol": {k: chosen[0].get(k) for k in SAME},
         "candidates": rows,
-        "winner": {
-            k: winner[k] for k in ("run", "step", "value", "interval", "vs_vanilla", "path", "stabilizer")
-        },
+        "winner": {k: winner[k] for k in WINNER_KEYS},
     }
     doc["winner"]["tied_with"] = [f"{r['run']}" for r in rows[1:] if r["tied_with_best"]]
     doc["verdict"] = verdict(doc)
     return doc
+
+
+WINNER_KEYS = (
+    "run",
+    "step",
+    "value",
+    "interval",
+    "vs_vanilla",
+    "path",
+    "stabilizer",
+)  # a row's, as the winner
+
+
+def sides(ids: list, holdout: float | None, seed: int):
+    """The positions (numpy arrays) of the items to pick on and to report on: all of them both
+    times without a holdout, else `split`'s two sides, neither of which may be empty."""
+    import numpy as np
+
+    pick_ids, report_ids = (set(ids), set(ids)) if holdout is None else split(ids, holdout, seed)
+    if not pick_ids or not report_ids:
+        raise UsageError(f"--holdout {holdout}: {len(ids)} items leave one side empty; use more items")
+    pos = {i: n for n, i in enumerate(ids)}
+    return np.array(sorted(pos[i] for i in pick_ids)), np.array(sorted(pos[i] for i in report_ids))
+
+
+def _draws(side, resamples: int, rng):
+    """`resamples` bootstrap draws of the positions in `side` (one row each)."""
+    return side[rng.integers(0, len(side), size=(resamples, len(side)))]
+
+
+def _interval(boot) -> list[float]:
+    import numpy as np
+
+    alpha = (1 - LEVEL) / 2
+    return [float(x) for x in np.quantile(boot, [alpha, 1 - alpha])]
+
+
+def _difference(point: float, boot, p: float | None) -> dict:
+    """A difference: its value, its paired bootstrap interval, and McNemar's p where it applies."""
+    lo, hi = _interval(boot)
+    out = {"value": point, "low": lo, "high": hi}
+    return out if p is None else {**out, "mcnemar_p": p}
 
 
 # The tie rule: among the candidates tied with the best on the pick items (the paired interval of
@@ -316,7 +348,11 @@ def verdict(doc: dict) -> str:
     name = doc["metric"] if doc["metric"] != "loss" else "held-out loss"
     where = f"{w['run']} at step {w['step']}"
     if w["run"] == "vanilla":
-        beaten = [c for c in doc["candidates"] if c["vs_vanilla"] and _better(c["vs_vanilla"], doc)]
+        beaten = [
+            c
+            for c in doc["candidates"]
+            if c["vs_vanilla"] and is_better(c["vs_vanilla"], doc["higher_is_better"])
+        ]
         why = "no average beats it beyond its interval" if not beaten else "the simplest of the tied"
         return f"ship vanilla at step {w['step']}: {name} {fmt_value(w['value'])}; {why}"
     vs = w["vs_vanilla"]
@@ -324,7 +360,7 @@ def verdict(doc: dict) -> str:
     tied = f"; tied with {', '.join(w['tied_with'])}" if w.get("tied_with") else ""
     weak = (
         ""
-        if not vs or _better(vs, doc)
+        if not vs or is_better(vs, doc["higher_is_better"])
         else "; not beyond its interval against vanilla (ship writes vanilla)"
     )
     return f"ship {where}: {name} {fmt_value(w['value'])}{vanilla}{tied}{weak}"
@@ -334,12 +370,16 @@ def beats_vanilla(doc: dict) -> bool:
     """Whether the winner is an average that beats vanilla at its step beyond the interval of the
     difference on the report items: only then does `bema ship` write an average."""
     w = doc["winner"]
-    return w["run"] != "vanilla" and w["vs_vanilla"] is not None and _better(w["vs_vanilla"], doc)
+    return (
+        w["run"] != "vanilla"
+        and w["vs_vanilla"] is not None
+        and is_better(w["vs_vanilla"], doc["higher_is_better"])
+    )
 
 
-def _better(d: dict, doc: dict) -> bool:
-    """The difference's whole interval is on the good side of 0."""
-    return d["low"] > 0 if doc["higher_is_better"] else d["high"] < 0
+def is_better(d: dict, higher_is_better: bool) -> bool:
+    """The whole interval of a difference is on the good side of 0."""
+    return d["low"] > 0 if higher_is_better else d["high"] < 0
 
 
 def check_flags(at: str, holdout: float | None, resamples: int) -> None:
@@ -362,34 +402,16 @@ def _step(text: str) -> int:
     return step
 
 
-fmt_interval = fmt_diff
-
-
 # -- one record against another (bema ship's fitted averages, evaluated apart from the menu) ---------
 def _sides(record: dict, metric: Metric, holdout: float | None, seed: int):
-    import numpy as np
-
     items = _items(record, metric, record.get("_where", record.get("model_path", "a record")))
-    ids = list(items["ids"])
-    pick_ids, report_ids = (set(ids), set(ids)) if holdout is None else split(ids, holdout, seed)
-    pos = {i: n for n, i in enumerate(ids)}
-    return (
-        items,
-        ids,
-        np.array(sorted(pos[i] for i in pick_ids)),
-        np.array(sorted(pos[i] for i in report_ids)),
-    )
+    return (items, *sides(list(items["ids"]), holdout, seed))
 
 
 def pick_value(record: dict, metric: Metric, holdout: float | None, seed: int) -> float:
     """The record's metric on the pick items (what a fit may look at)."""
-    items, _, pick, _ = _sides(record, metric, holdout, seed)
+    items, pick, _ = _sides(record, metric, holdout, seed)
     return float(_value(items, metric, pick[None, :])[0])
-
-
-def report_value(record: dict, metric: Metric, holdout: float | None, seed: int) -> float:
-    items, _, _, report = _sides(record, metric, holdout, seed)
-    return float(_value(items, metric, report[None, :])[0])
 
 
 def report_interval(
@@ -398,10 +420,8 @@ def report_interval(
     """The record's own 95% bootstrap interval on the report items."""
     import numpy as np
 
-    items, _, _, report = _sides(record, metric, holdout, seed)
-    draws = report[np.random.default_rng(seed).integers(0, len(report), size=(resamples, len(report)))]
-    alpha = (1 - LEVEL) / 2
-    return [float(x) for x in np.quantile(_value(items, metric, draws), [alpha, 1 - alpha])]
+    items, _, report = _sides(record, metric, holdout, seed)
+    return _interval(_value(items, metric, _draws(report, resamples, np.random.default_rng(seed))))
 
 
 def versus(
@@ -411,22 +431,13 @@ def versus(
     import numpy as np
 
     _check_same_protocol([{**a, "_where": a.get("model_path")}, {**b, "_where": b.get("model_path")}])
-    ia, ids, _, report = _sides(a, metric, holdout, seed)
+    ia, _, report = _sides(a, metric, holdout, seed)
     ib = _items(b, metric, b.get("model_path", "a record"))
-    if list(ib["ids"]) != ids:
+    if list(ib["ids"]) != list(ia["ids"]):
         raise InputError(
             f"{b.get('model_path')}: scored on other items than {a.get('model_path')} (ids differ)"
         )
-    draws = report[np.random.default_rng(seed).integers(0, len(report), size=(resamples, len(report)))]
-    d = _value(ia, metric, draws) - _value(ib, metric, draws)
-    alpha = (1 - LEVEL) / 2
-    lo, hi = (float(x) for x in np.quantile(d, [alpha, 1 - alpha]))
+    draws = _draws(report, resamples, np.random.default_rng(seed))
     point = float(_value(ia, metric, report[None, :])[0] - _value(ib, metric, report[None, :])[0])
-    out = {"value": point, "low": lo, "high": hi}
-    p = mcnemar(ia, ib, metric, report)
-    return out if p is None else {**out, "mcnemar_p": p}
-
-
-def is_better(d: dict, metric: Metric) -> bool:
-    """The whole interval of a difference is on the good side of 0."""
-    return d["low"] > 0 if metric.higher_is_better else d["high"] < 0
+    boot = _value(ia, metric, draws) - _value(ib, metric, draws)
+    return _difference(point, boot, mcnemar(ia, ib, metric, report))

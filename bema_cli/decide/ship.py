@@ -63,23 +63,21 @@ class ShipOptions:
 
 
 def default_metric(config: EvalConfig) -> str:
-    if config.loss_data is not None or "loss" in config.tasks:
-        return "loss"
-    first = next(t for t in config.tasks if t not in ("loss", "train_loss"))
-    return first
+    """Held-out loss when it is evaluated (--loss-data adds the task), else the first task."""
+    return "loss" if "loss" in config.tasks else next(t for t in config.tasks if t != "train_loss")
 
 
 def check(ship_opts: ShipOptions, config: EvalConfig) -> select.Metric:
     """The flags alone, before anything is read."""
-    if not 0 < ship_opts.holdout < 1:
-        raise UsageError(f"--holdout: a fraction of the items in (0, 1), got {ship_opts.holdout}")
+    if ship_opts.holdout is None:
+        raise UsageError("--holdout: ship picks on one part of the items and reports on the other")
+    select.check_flags("last", ship_opts.holdout, ship_opts.resamples)
     bad = sorted(set(ship_opts.fits) - set(FITS))
     if bad:
         raise UsageError(f"--fit: unknown fit {bad[0]!r} (choose from {', '.join(FITS)}, or none)")
     metric = select.parse_metric(ship_opts.metric or default_metric(config))
-    if metric.task not in config.tasks and not (metric.task == "loss" and config.loss_data):
+    if metric.task not in config.tasks:
         raise UsageError(f"--metric {metric.name}: not among the evaluated tasks ({', '.join(config.tasks)})")
-    select.check_flags("last", ship_opts.holdout, ship_opts.resamples)
     return metric
 
 
@@ -108,12 +106,12 @@ def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, v
     doc = {"metric": metric.name, "step": step, "select": chosen, "tie_rule": select.TIE_RULE,
            "holdout": ship_opts.holdout, "sweep": {k: swept[k] for k in ("runs", "evaluated", "backend")}}  # fmt: skip
     fitted = None
-    if ship_opts.fits and len(swept["records"]):
+    if ship_opts.fits:
         fitted = _fit(stab, config, engine, ship_opts, metric, chosen, records, work)
         doc["fitted"] = fitted["doc"]
     decision, why = _decide(chosen, fitted, metric, ship_opts, records)
     doc["decision"], doc["verdict"] = decision, why
-    doc["written"] = _write(decision, chosen, fitted, records, out, ship_opts, doc, work)
+    doc["written"] = _write(decision, chosen, fitted, records, metric, ship_opts, doc, work)
     if ship_opts.push:
         from bema_cli.decide.push import push
 
@@ -143,12 +141,16 @@ def _fit(stab, config, engine, ship_opts, metric, chosen, records, work) -> dict
     backend, scores, made = None, {}, []
 
     def score(c: list[float], name: str, method: str, **extra) -> float:
+        """`c`'s pick score: a saved checkpoint (one-hot c) evaluated where it is, any other vector
+        written first (fit.combine) into the work folder."""
         nonlocal backend
         key = fit.digest(c)
         if key in scores:
             return scores[key][0]
         folder = work / "fit" / "models" / f"{name}-{key}"
-        if not (folder / "bema.json").is_file():
+        if c.count(0.0) == n - 1 and c.count(1.0) == 1 and c[0] != 1.0:
+            folder = basis[c.index(1.0)]  # a checkpoint of the run: nothing to write
+        elif not (folder / "bema.json").is_file():
             tmp = staging(folder, "fit")
             record = fit.fitted_record(f"{name}-{key}", method, step, c, folders, plan.base_source,
                                        folders[-1], **extra)  # fmt: skip
@@ -168,7 +170,7 @@ def _fit(stab, config, engine, ship_opts, metric, chosen, records, work) -> dict
         ][-1]
         value = select.pick_value(rec, metric, ship_opts.holdout, ship_opts.seed)
         scores[key] = (value, folder, rec)
-        made.append({"run": rec["run"], "pick_value": value})
+        made.append({"run": rec["run"], "step": rec["step"], "pick_value": value})
         return value
 
     sign = 1.0 if metric.higher_is_better else -1.0
@@ -178,9 +180,7 @@ def _fit(stab, config, engine, ship_opts, metric, chosen, records, work) -> dict
     for j in range(max(1, n - SOUP_CHECKPOINTS), n - 1):  # earlier saved checkpoints, scored from disk
         e = [0.0] * n
         e[j] = 1.0
-        ingredients.append(
-            (f"checkpoint-{steps[j - 1]}", e, score(e, f"checkpoint-{steps[j - 1]}", "vanilla"))
-        )
+        ingredients.append((f"checkpoint-{steps[j - 1]}", e, score(e, "checkpoint", "vanilla")))
     try:
         result = {"candidates": made}
         best = None
@@ -230,10 +230,9 @@ def _decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[
             rec, vanilla_rec, metric, ship_opts.holdout, ship_opts.seed, ship_opts.resamples
         )
         fitted["doc"]["best"].update(vs_menu=vs_menu, vs_vanilla=vs_vanilla)
-        if select.is_better(vs_menu, metric) and select.is_better(vs_vanilla, metric):
-            value = vs_vanilla["value"] + select.report_value(
-                vanilla_rec, metric, ship_opts.holdout, ship_opts.seed
-            )
+        better = metric.higher_is_better
+        if select.is_better(vs_menu, better) and select.is_better(vs_vanilla, better):
+            value = vanilla_row["value"] + vs_vanilla["value"]  # both on the report items
             return (
                 {
                     "run": rec["run"],
@@ -277,9 +276,11 @@ def _record_of(records: list[dict], row: dict, metric) -> dict:
     ]
 
 
-def _write(decision, chosen, fitted, records, out: Path, ship_opts, doc, work) -> dict:
+def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work) -> dict:
     """DIR as the model folder: the menu's pick or vanilla through the streaming stabilize engine,
     a fitted average through fit.combine; the records and ship.json go inside (DIR/.bema-ship)."""
+
+    out = Path(ship_opts.out).expanduser()
 
     def keep(folder: Path) -> None:
         (work / "ship.json").write_text(output.to_json(_public(doc)) + "\n")
@@ -289,12 +290,7 @@ def _write(decision, chosen, fitted, records, out: Path, ship_opts, doc, work) -
         row = next(
             c for c in chosen["candidates"] if (c["run"], c["step"]) == (decision["run"], decision["step"])
         )
-        one = {
-            **chosen,
-            "winner": {
-                k: row[k] for k in ("run", "step", "value", "interval", "vs_vanilla", "path", "stabilizer")
-            },
-        }
+        one = {**chosen, "winner": {k: row[k] for k in select.WINNER_KEYS}}
         return write_winner(one, records, out, ship_opts.card_paths, ship_opts.overwrite, keep=keep)
     best = fitted["best"]
     tmp = staging(out, "ship")
@@ -302,9 +298,7 @@ def _write(decision, chosen, fitted, records, out: Path, ship_opts, doc, work) -
         folder = tmp / "model"
         shutil.copytree(best["folder"], folder)
         rec = best["record"]
-        lo_hi = select.report_interval(
-            rec, select.parse_metric(chosen["metric"]), ship_opts.holdout, ship_opts.seed
-        )
+        lo_hi = select.report_interval(rec, metric, ship_opts.holdout, ship_opts.seed)
         write_card(folder, chosen, evaluation_rows(chosen, decision["value"], lo_hi, decision["vs_vanilla"]),
                    ship_opts.card_paths)  # fmt: skip
         keep(folder)

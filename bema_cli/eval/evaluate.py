@@ -178,14 +178,15 @@ class Evaluation:
             route_vllm_logs(self.engine.log_file, self.engine.debug or output.verbose())
         if name == "auto" and all(t in LOSS_TASKS for t in self.config.tasks):
             return "transformers"  # losses are transformers forward passes: no engine needed
-        engines = {(r.get("resume_key") or {}).get("backend") for r in self.results.records
-                   if r.get("task") in self.inputs and r.get("task") not in LOSS_TASKS}  # fmt: skip
-        if name == "auto" and len(engines) == 1 and engines <= set(BACKENDS):
-            (name,) = engines  # as the records already here were made (an earlier fallback): they resume
-            output.log(f"--backend auto: {name}, as the records already in {self.results.path} were made")
-            return name
         if name == "auto":
-            return "vllm" if vllm_usable() else "transformers"
+            usable = vllm_usable()
+            made = {(r.get("resume_key") or {}).get("backend") for r in self.results.records
+                    if r.get("task") in self.inputs and r.get("task") not in LOSS_TASKS}  # fmt: skip
+            if made == {"transformers"} or (made == {"vllm"} and usable):  # e.g. an earlier fallback
+                (name,) = made  # as the records already here were made: they resume
+                output.log(f"--backend auto: {name}, as the records already in {self.results.path} were made")
+                return name
+            return "vllm" if usable else "transformers"
         if name == "vllm" and self.executor.executor == "local":
             import_vllm()  # a missing vLLM is reported before any model is loaded
         return name

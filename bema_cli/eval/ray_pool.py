@@ -18,10 +18,10 @@ from bema_cli import output
 from bema_cli.cluster import ExecutorOptions, cluster_cpus, ray_session, runtime_env, task_error
 from bema_cli.errors import BackendError, UsageError
 from bema_cli.eval.backends.base import EngineOptions
+from bema_cli.eval.backends.vllm_engine import KV_ENV  # vLLM-CPU's KV cache size, in GiB
 
 REQUEUES = 2  # a checkpoint whose actor dies this many more times is an error, not a loop
 ENV_PREFIXES = ("VLLM_", "HF_", "TOKENIZERS_")  # engine settings the actors must share
-KV_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM-CPU's KV cache size, in GiB
 KV_SHARE = (
     0.5  # of a CPU node's memory, for all its engines' KV caches: weights and activations need the rest
 )

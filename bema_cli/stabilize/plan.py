@@ -319,13 +319,7 @@ def grid_from_config(path: str, **common) -> list[Schedule]:
     if unknown:
         raise InputError(f"{path}: unknown key {unknown[0]!r} (allowed: methods, {', '.join(CONFIG_COMMON)})")
     common = {**common, **{k: _config_value(path, k, doc[k]) for k in CONFIG_COMMON if k in doc}}
-    out: dict[str, Schedule] = {}
-    sizes = []
-    for method, params in doc["methods"].items():
-        if isinstance(params, dict):  # counted before anything is built
-            counts = [len(v) if isinstance(v, list) else 1 for v in params.values()]
-            sizes.append(math.prod(counts) if method != "power" else max(1, sum(counts)))
-    check_grid_size(sum(sizes), path)
+    per_method = {}
     for method, params in doc["methods"].items():
         if method not in CONFIG_KEYS:
             raise InputError(f"{path}: unknown method {method!r} (choose from {', '.join(CONFIG_KEYS)})")
@@ -338,15 +332,18 @@ def grid_from_config(path: str, **common) -> list[Schedule]:
             raise InputError(
                 f"{path}: methods.{method}.{bad[0]} is not a {method} parameter (allowed: {allowed})"
             )
-        lists = {
+        per_method[method] = {
             GRID_ARGS[k]: [
                 _config_value(path, f"methods.{method}.{k}", x) for x in (v if isinstance(v, list) else [v])
             ]
             for k, v in params.items()
         }
-        kappas, etas = lists.pop("kappas", None), lists.pop("etas", None)
+    # counted before anything is built: the grid's size over every method
+    check_grid_size(sum(grid_size([m], **lists) for m, lists in per_method.items()), path)
+    out: dict[str, Schedule] = {}
+    for method, lists in per_method.items():
         try:  # the flags' own range checks, said of the file
-            built = grid([method], kappas, etas, **lists, **common)
+            built = grid([method], **lists, **common)
         except UsageError as exc:
             raise InputError(f"{path}: methods.{method}: {str(exc).lstrip('-')}") from None
         for s in built:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import resource
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -165,9 +164,6 @@ def say_resumed(evaluation: Evaluation, at: list[Target], jobs: list[Job]) -> No
 def finish_doc(doc: dict, evaluation: Evaluation, at: list[Target], t0: float) -> dict:
     keys = {(str(t.path), r, n) for t in at for r, _ in t.record_runs() for n in evaluation.inputs}
     doc["records"] = [r for r in evaluation.results.records if (r["model_path"], r["run"], r["task"]) in keys]
-    doc["memory"]["peak_rss_bema"] = (
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    )  # this process alone
     doc["bema_version"], doc["seconds"] = __version__, time.perf_counter() - t0
     doc["finished_at"] = time.time()  # the engine's teardown at exit comes after (the benchmark separates it)
     return doc

@@ -17,17 +17,16 @@ import os
 import re
 from pathlib import Path
 
+from bema_cli import output
 from bema_cli.errors import BackendError
+from bema_cli.io.safetensors import DTYPES, TAG_OF
 from bema_cli.machine import available_memory
 
-MiB = 1 << 20
-KV_FLOOR = 64 * MiB  # a few hundred sequences of a tiny model; vLLM's CPU blocks are allocated whole
-KV_SHARE = (
-    0.25  # at most this part of the memory available now (the engine, the states and bema need the rest)
-)
+KV_FLOOR = 64 << 20  # a few hundred sequences of a tiny model; vLLM's CPU blocks are allocated whole
+# at most this part of the memory available now (the engine, the states and bema need the rest)
+KV_SHARE = 0.25
 UNKNOWN_SEQUENCES = 64  # a call whose size is unknown ahead (lm-eval's): this many full-length sequences
 KV_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's own setting (GiB), which wins over bema's sizing
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class EngineStartError(BackendError):
@@ -44,7 +43,7 @@ def kv_bytes_per_token(config: dict, dtype: str) -> int:
     kv_heads = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or int(config.get("hidden_size") or 0) // heads)
     layers = int(config.get("num_hidden_layers") or 1)
-    return 2 * layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)
+    return 2 * layers * kv_heads * head_dim * (DTYPES[TAG_OF[dtype]][1] if dtype in TAG_OF else 4)
 
 
 def workload_tokens(workload: list[tuple[int, int]] | None, max_model_len: int) -> int:
@@ -63,12 +62,8 @@ def cpu_kv_cache(config: dict, dtype: str, workload, max_model_len: int, availab
     cap = int(available * KV_SHARE)
     what = f"{tokens:,} tokens x {per_token:,} B"
     if need > cap and cap >= max_model_len * per_token:
-        return cap, f"{what} capped at {KV_SHARE:.0%} of the {gib(available)} available"
+        return cap, f"{what} capped at {KV_SHARE:.0%} of the {output.size(available)} available"
     return need, what
-
-
-def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / MiB:.0f} MiB"
 
 
 def kv_cache_kwargs(config: dict, dtype: str, workload, max_model_len: int, log) -> dict:
@@ -77,7 +72,7 @@ def kv_cache_kwargs(config: dict, dtype: str, workload, max_model_len: int, log)
         log(f"vLLM KV cache: {os.environ[KV_ENV]} GiB ({KV_ENV} from the environment)")
         return {}
     size, why = cpu_kv_cache(config, dtype, workload, max_model_len, available_memory())
-    log(f"vLLM KV cache: {gib(size)} reserved on CPU ({why}; {KV_ENV}=<GiB> sets it)")
+    log(f"vLLM KV cache: {output.size(size)} reserved on CPU ({why}; {KV_ENV}=<GiB> sets it)")
     return {"kv_cache_memory_bytes": size}
 
 
@@ -101,7 +96,7 @@ def root_cause(log_file: str | None, offset: int, exc: BaseException, short) -> 
 def fix_for(root: str) -> str:
     """What the user can change, by the kind of failure."""
     low = root.lower()
-    if "memory" in low or "kv cache" in low or "out of memory" in low:
+    if "memory" in low or "kv cache" in low:
         return (
             f"free memory, lower {KV_ENV} (GiB, CPU), --gpu-memory-utilization (GPU) or --max-model-len, "
             "or use --backend transformers"

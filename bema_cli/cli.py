@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import gc
 import os
+import re
 import signal
 import sys
 import traceback
@@ -68,16 +69,17 @@ def _root(
 
 
 PANELS = {"stabilize": stabilize.PANELS, "sweep": sweep.PANELS}  # option panels of commands that declare them
+# in the order a user meets them: try it, average, judge, pick, ship, then the tools around them
+app.command("demo")(demo.demo)
 app.command("stabilize")(stabilize.stabilize)
-app.command("simulate")(simulate.simulate)
 app.command("eval")(evaluate.evaluate)
 app.command("sweep")(sweep.sweep)
-app.command("rescore")(evaluate.rescore)
-app.command("report")(report.report)
 app.command("select")(select.select)
 app.command("ship")(ship.ship)
 app.command("push")(push.push)
-app.command("demo")(demo.demo)
+app.command("report")(report.report)
+app.command("rescore")(evaluate.rescore)
+app.command("simulate")(simulate.simulate)
 app.command("env")(env.env)
 
 
@@ -134,11 +136,33 @@ def _skip_final_collection() -> None:
         gc.freeze()
 
 
+def reflow(text: str | None) -> str | None:
+    """A docstring's paragraphs as single lines (rich keeps a docstring's line breaks, which then fall
+    mid-sentence in the terminal); blank lines still separate paragraphs."""
+    if not text:
+        return text
+    out = []
+    for paragraph in text.strip().split("\n\n"):
+        lines: list[str] = []
+        for line in paragraph.splitlines():
+            line = line.strip()
+            if lines and not LIST_ITEM.match(line):  # a list item keeps its own line
+                lines[-1] += " " + line
+            elif line:
+                lines.append(line)
+        out.append("\n".join(lines))
+    return "\n\n".join(p for p in out if p)
+
+
+LIST_ITEM = re.compile(r"^(?:[-*]|\d+(?:-\d+)?[.)])\s")
+
+
 def command():
     """The click command typer builds from `app`, with help that reads as the usage: a flag shows no
     `<bool>` value, an argument is named in capitals (CHECKPOINT_DIR, not {checkpoint_dir})."""
     built = typer.main.get_command(app)
     for name, sub in [("bema", built), *getattr(built, "commands", {}).items()]:
+        sub.help = reflow(sub.help)
         panels = {p: panel for panel, ps in PANELS.get(name, {}).items() for p in ps}
         for param in sub.params:
             if param.name in panels:

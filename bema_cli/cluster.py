@@ -17,7 +17,7 @@ from bema_cli import signals
 from bema_cli.errors import BemaError, UsageError
 
 EXECUTORS = ("local", "ray")
-INSTALL_HINT = "pip install 'bema-cli[ray]'"
+INSTALL_HINT = "pip install ray, or from a bema checkout: pip install '.[ray]'"
 # A local Ray reserves shared memory for its object store (30% of RAM by default); bema ships
 # only plans and results through it, so a small store leaves the memory to the work.
 LOCAL_OBJECT_STORE = 256 * 2**20

@@ -5,19 +5,27 @@ from __future__ import annotations
 
 import os
 import resource
+import tempfile
 import threading
+import time
 from pathlib import Path
+
+
+def proc_bytes(path: str, field: str) -> int | None:
+    """A `Field:  N kB` line of a /proc file, in bytes; None where the file or the field is missing."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def available_memory() -> int:
     """MemAvailable from /proc/meminfo (what can be used without swapping), else physical memory."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    found = proc_bytes("/proc/meminfo", "MemAvailable")
+    return found if found is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _parents() -> dict[int, int]:
@@ -33,14 +41,22 @@ def _parents() -> dict[int, int]:
     return out
 
 
-def _rss(pid: int) -> int:
+def _private(pid: int) -> int:
+    """The pages `pid` alone holds (Private_Clean + Private_Dirty of /proc/<pid>/smaps_rollup; its
+    VmRSS where that file is missing). A forked child (a compile worker, a subprocess before its
+    exec) shares its parent's pages copy-on-write: its RSS repeats the parent's, its private
+    pages do not, so summing them with bema's own peak does not count the machine's memory twice."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
+        private = 0
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                private += int(line.split()[1]) * 1024
+        return private
+    except FileNotFoundError:
         pass
-    return 0
+    except (OSError, ValueError):
+        return 0
+    return proc_bytes(f"/proc/{pid}/status", "VmRSS") or 0
 
 
 def descendants(root: int) -> set[int]:
@@ -54,11 +70,20 @@ def descendants(root: int) -> set[int]:
     return tree
 
 
+def own_peak() -> int:
+    """This process's peak resident memory in bytes: VmHWM, the high-water mark of its own address
+    space. Not ru_maxrss: Linux carries that across fork and exec, so a bema started from a big
+    process (a notebook, a test runner, a pipeline in Python) reported its parent's peak."""
+    found = proc_bytes("/proc/self/status", "VmHWM")
+    return found if found is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class PeakRss:
-    """A thread sampling, every `every` seconds while a command runs, the summed RSS of the processes
-    below this one (vLLM's engine core and workers). `parts()`: this process's own peak (ru_maxrss,
-    exact), the engine processes' sampled peak, and their sum: an upper bound of the peak the
-    machine saw (the two peaks need not coincide), the number `--max-memory` must cover."""
+    """A thread sampling, every `every` seconds while a command runs, the summed private memory of
+    the processes below this one (vLLM's engine core and workers; `_private`). `parts()`: this
+    process's own peak (`own_peak`, exact), the engine processes' sampled peak, and their sum: an
+    upper bound of the peak the machine saw (the two peaks need not coincide), the number
+    `--max-memory` must cover."""
 
     def __init__(self, every: float = 0.25):
         self.every, self.most = every, 0
@@ -75,13 +100,84 @@ class PeakRss:
 
     def _sample(self) -> None:
         while True:
-            try:  # RSS summed: pages two processes share (libraries) count in each, an upper bound
-                self.most = max(self.most, sum(_rss(p) for p in descendants(os.getpid())))
+            try:  # private pages summed: what the engine processes add to bema's own
+                self.most = max(self.most, sum(_private(p) for p in descendants(os.getpid())))
             except OSError:  # a process ended while it was read: the next sample counts it out
                 pass
             if self._stop.wait(self.every):
                 return
 
     def parts(self) -> dict:
-        own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        own = own_peak()
         return {"peak_rss": own + self.most, "peak_rss_bema": own, "peak_rss_engine": self.most}
+
+
+PROBE_BYTES = 64 << 20  # what the probe reads and writes
+PROBE_CHUNK = 4 << 20  # in pieces of this size, the only memory it holds
+FALLBACK_WRITE = 100e6  # bytes/s assumed where the write probe could not run (a full disk)
+
+
+_probed: dict[str, dict] = {}
+
+
+def probe(sample: Path, out_dir: Path) -> dict:
+    """`measure_speeds`, once per process and output filesystem: a --follow round or a second
+    sweep in one `bema ship` reuses the first one's (64 MB written and fsync'ed each time otherwise)."""
+    while not out_dir.is_dir() and out_dir != out_dir.parent:  # the filesystem the outputs will go to
+        out_dir = out_dir.parent
+    key = str(out_dir.resolve())
+    if key not in _probed:
+        _probed[key] = measure_speeds(sample, out_dir)
+    return _probed[key]
+
+
+def measure_speeds(sample: Path, out_dir: Path) -> dict:
+    """This machine's speeds, now (~0.3 s): read (bytes/s, the page cache as it stands), compute
+    (element passes/s on one thread fewer than the cores, as units run), page-cache and disk write
+    (bytes/s, the disk's through an fsync), and float32 matmul FLOP/s on every thread."""
+    import torch
+
+    buf = bytearray(PROBE_CHUNK)  # a few MB held at a time: the probe stays inside --max-memory
+    view, done = memoryview(buf), 0
+    with open(sample, "rb", buffering=0) as f:
+        t = time.perf_counter()
+        while done < PROBE_BYTES and (n := f.readinto(view)):
+            done += n
+        read = max(done, 1) / max(time.perf_counter() - t, 1e-6)
+    a, b = torch.zeros(PROBE_CHUNK // 4), torch.ones(PROBE_CHUNK // 4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads - 1))
+    try:
+        a.lerp_(b, 0.5)
+        t = time.perf_counter()
+        for _ in range(32):
+            a.lerp_(b, 0.5)
+        compute = 32 * a.numel() / max(time.perf_counter() - t, 1e-6)
+    finally:
+        torch.set_num_threads(threads)
+    buf[:] = os.urandom(PROBE_CHUNK)
+    written, cached, disk = 0, 0.0, 0.0
+    try:  # a full disk or a file-size limit is the run's to report, naming its file: not the probe's
+        fd, path = tempfile.mkstemp(prefix=".bema-probe-", dir=out_dir)
+        try:
+            t = time.perf_counter()
+            for _ in range(PROBE_BYTES // PROBE_CHUNK):
+                written += os.write(fd, buf)
+            cached = time.perf_counter() - t
+            os.fsync(fd)
+            disk = time.perf_counter() - t
+        finally:
+            os.close(fd)
+            os.unlink(path)
+    except OSError:
+        pass
+    if not (written and cached and disk):  # no measurement: a slow disk's speed, so never optimistic
+        written, cached, disk = PROBE_BYTES, PROBE_BYTES / FALLBACK_WRITE, PROBE_BYTES / FALLBACK_WRITE
+    x = torch.randn(512, 512)
+    x @ x
+    t = time.perf_counter()
+    for _ in range(4):
+        x @ x
+    flops = 4 * 2 * 512**3 / max(time.perf_counter() - t, 1e-6)
+    return {"read": read, "compute": compute, "write_cache": written / max(cached, 1e-6),
+            "write_disk": written / max(disk, 1e-6), "flops": flops}  # fmt: skip

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from bema_cli.options import parse_size
-from bema_cli.recurrence import Schedule, Stabilizer, run_name
+from bema_cli.recurrence import Stabilizer
+from bema_cli.schedule import Schedule, run_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import Run, machine, read_files, report, run_measured, set_cache, write_files  # noqa: E402
@@ -100,7 +101,7 @@ def compute_floor(numel: int, steps: int, config: dict, every_step: bool = True,
     computed at every step (`every_step`) or only at the last (--final-only)."""
     import torch
 
-    from bema_cli.recurrence import PlannedStep, state_key
+    from bema_cli.schedule import PlannedStep, state_key
 
     gen = torch.Generator().manual_seed(0)
     theta0, theta = torch.randn(chunk, generator=gen), torch.randn(chunk, generator=gen)

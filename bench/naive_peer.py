@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from bema_cli.recurrence import Schedule, Stabilizer, run_name
+from bema_cli.recurrence import Stabilizer
+from bema_cli.schedule import Schedule, run_name
 
 
 def main() -> None:

@@ -3,8 +3,10 @@
 theta* is the tiny model trained on the held-out records themselves (its held-out loss is low).
 - `noisy_run`: every checkpoint is theta* plus fresh noise: averaging removes noise, so an average
   beats the last checkpoint (the regime the paper's averages are for);
-- `drift_run`: noise-free steps along the line from theta0 to theta*: the last checkpoint is the
-  best point seen, every average lags behind it.
+- `drift_run`: noise-free steps along the line from theta0 toward theta*, stopped at 3/4 of the way
+  while the held-out loss still falls steeply (measured: 1.22 at 5/8, 0.88 at 3/4; the line flattens
+  near theta*, where a blend of the last two checkpoints beat the end on one machine): the last
+  checkpoint is the best point seen and every average, a point behind it on the line, lags.
 """
 
 from __future__ import annotations
@@ -69,9 +71,9 @@ def noisy_run(base: Path, star: Path, run: Path, scale: float = 0.03) -> Path:
     )
 
 
-def drift_run(base: Path, star: Path, run: Path) -> Path:
+def drift_run(base: Path, star: Path, run: Path, reach: float = 0.75) -> Path:
     from safetensors.torch import load_file
 
     b, opt = load_file(str(base / "model.safetensors")), load_file(str(star / "model.safetensors"))
     last = STEPS[-1]
-    return _write(base, run, lambda s: {k: b[k] + (s / last) * (opt[k] - b[k]) for k in opt})
+    return _write(base, run, lambda s: {k: b[k] + (reach * s / last) * (opt[k] - b[k]) for k in opt})

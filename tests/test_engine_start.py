@@ -49,6 +49,9 @@ def test_cpu_kv_cache_is_the_workload_with_a_floor_and_a_cap():
     # unknown calls (lm-eval): UNKNOWN_SEQUENCES full-length sequences
     size, _ = vllm_engine.cpu_kv_cache(QWEN25_05B, "bfloat16", None, 1024, 64 * GiB)
     assert size == int(vllm_engine.UNKNOWN_SEQUENCES * 1024 * per * 1.1)
+    # no generate call at all (held-out loss only): one full-length sequence, not the unknown 64
+    size, _ = vllm_engine.cpu_kv_cache(QWEN25_05B, "bfloat16", (), 2048, 64 * GiB)
+    assert size == max(vllm_engine.KV_FLOOR, int(2048 * per * 1.1))
 
 
 LOG = """INFO 2026-11-26 04:18:01 vllm.config: something
@@ -91,6 +94,17 @@ def test_peak_rss_counts_child_processes():
         parts["peak_rss_engine"] > 280 * MiB
         and parts["peak_rss"] == parts["peak_rss_bema"] + parts["peak_rss_engine"]
     )
+
+
+def test_own_peak_is_not_the_parents():
+    """bema started from a big process (here this test, holding ~600 MB) reports its own peak: Linux
+    carries ru_maxrss across fork and exec, so the old measure reported the parent's (CI: 17.8 GB
+    for a sweep that peaked at 8)."""
+    held = bytearray(600 * MiB)
+    held[::4096] = b"x" * len(held[::4096])  # touched: resident in this process
+    script = "from bema_cli.machine import PeakRss; print(PeakRss().parts()['peak_rss_bema'])"
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert int(child.stdout) < 300 * MiB, (int(child.stdout) / MiB, len(held))
 
 
 def needs_vllm(test):

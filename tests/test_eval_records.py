@@ -205,7 +205,7 @@ def test_engine_errors_name_the_real_cause():
     """A pydantic ValidationError (how vLLM's ModelConfig refuses a setting) becomes its message, on one line."""
     from pydantic import BaseModel, ValidationError, model_validator
 
-    from bema_cli.eval.backends.vllm import cause
+    from bema_cli.eval.backends.vllm_backend import cause
 
     class ModelConfig(BaseModel):
         max_model_len: int
@@ -227,7 +227,7 @@ def test_engine_errors_name_the_real_cause():
 
 
 def test_max_model_len_default_fits_the_model():
-    from bema_cli.eval.backends.vllm import default_max_model_len
+    from bema_cli.eval.backends.vllm_backend import default_max_model_len
 
     assert default_max_model_len({"max_position_embeddings": 512}) == 512
     assert default_max_model_len({"max_position_embeddings": 32768}) == 2048

@@ -34,11 +34,11 @@ def test_prompt_seed_is_a_pure_function_of_seed_task_and_prompt():
 
 def _backend(name: str, model_dir, batch_size: int = 8):
     if name == "vllm":
-        from bema_cli.eval.backends.vllm import VllmBackend
+        from bema_cli.eval.backends.vllm_backend import VllmBackend
 
         backend = VllmBackend(EngineOptions(dtype="auto"))  # auto: the checkpoint's float32, as transformers
     else:
-        from bema_cli.eval.backends.transformers import TransformersBackend
+        from bema_cli.eval.backends.transformers_backend import TransformersBackend
 
         backend = TransformersBackend(EngineOptions(dtype="auto", batch_size=batch_size))
     backend.load(model_dir)
@@ -140,6 +140,6 @@ def test_stderr_holds_bemas_own_lines_unless_verbose(tiny_model_dir, tmp_path, v
         assert lines[0].startswith("starting vLLM engine on") and lines[1].startswith("vLLM KV cache: "), (
             r.stderr
         )
-        assert lines[2].startswith("boolq: "), r.stderr
-        assert len(lines) == 3 and not any(word in r.stderr for word in noise), r.stderr
+        assert lines[2].startswith("boolq: ") and lines[3].startswith("stages: engine_start "), r.stderr
+        assert len(lines) == 4 and not any(word in r.stderr for word in noise), r.stderr
         assert any(word in (out / "libraries.log").read_text() for word in noise)

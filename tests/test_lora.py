@@ -116,7 +116,7 @@ def _factor_average_error(base: Path, run: Path, ema_ref: dict) -> float:
     """Relative error of EMA-averaging A and B separately, then merging, against the weight-space EMA."""
     from safetensors.torch import load_file
 
-    from bema_cli.recurrence import Schedule
+    from bema_cli.schedule import Schedule
 
     events = {e.step: e for e in Schedule(method="ema").resolved().plan(STEPS)}
     avg = None

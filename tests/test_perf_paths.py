@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +16,8 @@ from trajectory import write_trajectory
 
 from bema_cli.io import commit
 from bema_cli.io.commit import OutputTransaction
-from bema_cli.recurrence import STATE_TENSORS, PlannedStep, Stabilizer
+from bema_cli.recurrence import STATE_TENSORS, Stabilizer
+from bema_cli.schedule import PlannedStep
 
 STEPS = [10, 20, 30, 40]
 GRID = ["--method", "vanilla,ema,bema,dema,ouema", "--tau", "10"]
@@ -86,19 +85,21 @@ def test_no_state_with_follow_is_refused(traj, tmp_path):
     assert "--no-state" in line and "--follow" in line
 
 
-def test_dry_run_does_not_import_torch(traj, tmp_path):
+def test_dry_run_projects_memory_and_time_and_writes_nothing(traj, tmp_path):
+    """The dry run probes this machine (torch for the compute probe: ~1 s) and projects the run's
+    peak memory and wall time; it writes nothing and leaves no probe file behind."""
     base, run = traj
-    code = (
-        "import sys\n"
-        "from bema_cli.cli import main\n"
-        f"sys.argv = ['bema', 'stabilize', {str(run)!r}, '--base', {str(base)!r}, '--out', {str(tmp_path / 'o')!r},"
-        " '--dry-run', '--json']\n"
-        "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
-        "sys.stderr.write(f'EXIT {code} TORCH {\"torch\" in sys.modules}\\n')\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "EXIT 0 TORCH False" in proc.stderr, proc.stderr
-    assert json.loads(proc.stdout)["dry_run"] is True
+    r = run_bema("stabilize", run, "--base", base, "--out", tmp_path / "o", "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    p = doc["projection"]
+    assert doc["dry_run"] is True and p["seconds"] > 0
+    assert p["seconds"] == pytest.approx(1.5 + max(p["parts_seconds"]["read"] + p["parts_seconds"]["compute"],
+                                                   p["parts_seconds"]["write"]), abs=0.2)  # fmt: skip
+    assert 400 << 20 < p["peak_memory_bytes"] < 2 << 30 and all(v > 0 for v in p["speeds"].values())
+    text = run_bema("stabilize", run, "--base", base, "--out", tmp_path / "o", "--dry-run")
+    assert "projected: peak memory" in text.stdout  # the dry run's own summary says it too
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".bema-probe-*"))
     # --device cuda still checks for a device (with torch) in a dry run
     r = run_bema("stabilize", run, "--base", base, "--out", tmp_path / "o", "--dry-run", "--device", "cuda")
     if not torch.cuda.is_available():
@@ -153,7 +154,7 @@ def traj_bf16(tmp_path_factory):
 def test_block_size_does_not_change_a_byte(traj, traj_bf16, tmp_path, monkeypatch, which, out_dtype):
     """Blocks of 7 elements cut through every tensor, row and piece: the bytes are those of one block
     per unit (the CLI's default here), for every method, a burn-in, bf16 reads and casts on output."""
-    from bema_cli.recurrence import Schedule
+    from bema_cli.schedule import Schedule
     from bema_cli.stabilize import plan as plan_module
     from bema_cli.stabilize import stabilize as run
     from bema_cli.stabilize.plan import Options
@@ -171,6 +172,35 @@ def test_block_size_does_not_change_a_byte(traj, traj_bf16, tmp_path, monkeypatc
     assert sizes == [7]
     assert outputs(out) == outputs(ref) and len(outputs(ref)) == 5 * len(STEPS)
     assert torch.get_num_threads() == threads  # one fewer while the units ran, restored after
+
+
+@pytest.mark.parametrize("which", ["f32", "bf16"])
+def test_readers_do_not_change_a_byte(traj, traj_bf16, tmp_path, monkeypatch, which):
+    """--readers N reads blocks ahead in N threads: the same bytes as the synchronous reads, with
+    blocks of 7 elements (many reads in flight per tensor) and bf16 inputs cast on arrival."""
+    from bema_cli.io import read_ahead
+    from bema_cli.schedule import Schedule
+    from bema_cli.stabilize import plan as plan_module
+    from bema_cli.stabilize import stabilize as run
+    from bema_cli.stabilize.plan import Options
+
+    base, run_dir = traj if which == "f32" else traj_bf16
+    ref = tmp_path / "ref"
+    assert (
+        run_bema("stabilize", run_dir, "--base", base, "--out", ref, *GRID, "--readers", "1").returncode == 0
+    )
+    monkeypatch.setattr(plan_module, "block_size", lambda max_memory, itemsize: 7)
+    fetched = []
+    real_fetch = read_ahead.ReadAhead._fetch
+    monkeypatch.setattr(
+        read_ahead.ReadAhead, "_fetch", lambda self, i: fetched.append(i) or real_fetch(self, i)
+    )
+    schedules = [Schedule(method=m, tau=10).resolved() for m in ("vanilla", "ema", "bema", "dema", "ouema")]
+    for readers in (2, 3):
+        out = tmp_path / f"out{readers}"
+        run(Options(str(run_dir), schedules, str(out), base=str(base), readers=readers))
+        assert outputs(out) == outputs(ref) and len(outputs(ref)) == 5 * len(STEPS)
+    assert len(fetched) > 100  # the read-ahead threads really read the blocks
 
 
 def test_a_file_truncated_after_indexing_is_an_error_naming_it(traj, tmp_path):

@@ -156,7 +156,7 @@ def test_executor_ray_without_ray_is_one_line(tmp_path, command):
     )
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == (
-        "error: --executor ray: Ray is not installed (install it with: pip install 'bema-cli[ray]')"
+        "error: --executor ray: Ray is not installed (install it with: pip install ray, or from a bema checkout: pip install '.[ray]')"
     )
     assert not (tmp_path / "out").exists()
 

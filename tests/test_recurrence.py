@@ -9,7 +9,8 @@ import torch
 from reference import reference, weights
 
 from bema_cli.errors import UsageError
-from bema_cli.recurrence import Schedule, Stabilizer, run_name
+from bema_cli.recurrence import Stabilizer
+from bema_cli.schedule import Schedule, run_name
 
 METHODS = ["vanilla", "ema", "bema", "dema", "ouema"]
 CASES = [
@@ -110,7 +111,7 @@ def test_run_names():
 
 
 def test_state_key_shares_only_identical_state_trajectories():
-    from bema_cli.recurrence import state_key
+    from bema_cli.schedule import state_key
 
     def key(**kw):
         return state_key(Schedule(**kw).resolved())

@@ -401,7 +401,7 @@ def test_an_edited_state_is_refused_in_one_line_and_nothing_is_lost(traj, tmp_pa
 def test_tidy_never_deletes_a_live_output_even_from_a_resealed_state(half):
     """A forger can recompute the seal; a delete entry naming an output the state still lists is
     still never deleted, and a dropped output is renamed away before it is deleted."""
-    from bema_cli.stabilize import state
+    from bema_cli.stabilize import state_commit
     from bema_cli.stabilize.state_doc import seal
 
     _, _, out = half
@@ -411,7 +411,7 @@ def test_tidy_never_deletes_a_live_output_even_from_a_resealed_state(half):
     doc["seal"] = seal(doc)
     _save_state(out, doc)
     before = _tree(out / live)
-    state.tidy(out)
+    state_commit.tidy(out)
     assert _tree(out / live) == before and not list(out.glob(".bema-tmp-*"))
 
 

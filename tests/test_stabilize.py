@@ -318,7 +318,7 @@ def test_bema_with_eta_inf_is_the_ema_written_once(tmp_path):
 
 def test_degenerate_kappas_are_warned_about(capsys):
     """kappa 0 makes the EMA the current iterate; kappa > 1 never forgets theta0: each is said."""
-    from bema_cli.stabilize.plan import grid
+    from bema_cli.stabilize.grids import grid
 
     grid(["bema"], [0.0, 0.5, 2.0], [0.2])
     err = capsys.readouterr().err

@@ -179,6 +179,54 @@ def test_walker_weights_equal_stabilize_outputs_bitwise(world, tmp_path, phi, ou
     assert compared == 8 * (2 if phi else 4)  # phi 20: steps 20 and 40 for each of the 8 configs
 
 
+def bf16_copy(src: Path, dst: Path) -> Path:
+    """`src` (a model folder) with every float tensor cast to bfloat16."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(src / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    return dst
+
+
+def test_walker_holds_bf16_inputs_narrow_and_stays_bitwise(world, tmp_path, monkeypatch):
+    """bf16 checkpoints: theta0, theta_s and the ring are held in bf16 (half the bytes), every
+    operation upcasts a block at a time; a block size that splits tensors mid-row changes nothing."""
+    import torch
+    from safetensors.torch import load_file
+
+    from bema_cli.recurrence import Window
+    from bema_cli.stabilize import Options, grid
+    from bema_cli.sweep import walk
+
+    base = bf16_copy(world["base"], tmp_path / "base")
+    for step in STEPS:
+        bf16_copy(world["run"] / f"checkpoint-{step}", tmp_path / "run" / f"checkpoint-{step}")
+    methods = ["bema", "ema", "dema", "ouema", "lawa", "wsm"]
+    r = run_bema("stabilize", tmp_path / "run", "--base", base, "--out", tmp_path / "stab",
+                 "--method", ",".join(methods), "--window", "3", "--out-dtype", "float32")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    monkeypatch.setattr(walk, "HOLD_BLOCK", 1000)  # smaller than most tensors: blocks end mid-tensor
+    opts = Options(str(tmp_path / "run"), grid(methods, windows=[3]), str(tmp_path / "none"), base=str(base),
+                   out_dtype="float32")  # fmt: skip
+    walker = walk.Walker(walk.plan_sweep(opts), opts)
+    assert walker.theta.dtype == walker.theta0.dtype == torch.bfloat16
+    assert all(
+        s.dtype == torch.bfloat16 for stab in walker.stabs if isinstance(stab, Window) for s in stab.slots
+    )
+    for step in STEPS:
+        walker.advance(step)
+        for run in walker.plan.runs:
+            disk = load_file(str(tmp_path / "stab" / run.name / f"checkpoint-{step}" / "model.safetensors"))
+            mine = dict(walker.weights(run.name))
+            for name, tensor in disk.items():
+                assert mine[name].dtype == tensor.dtype == torch.float32
+                assert torch.equal(mine[name], tensor), (run.name, step, name)
+        walker.finish()
+
+
 def test_sweep_equals_disk_path_on_transformers(world, tmp_path):
     disk_path(world, "transformers", tmp_path / "disk")
     r = sweep(world, "transformers", tmp_path / "sweep", "--json")

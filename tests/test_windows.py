@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from trajectory import write_trajectory
 
 from bema_cli.errors import UsageError
-from bema_cli.recurrence import Schedule, merge_coefficients, run_name, sigma_rel_to_gamma
+from bema_cli.schedule import Schedule, merge_coefficients, run_name, sigma_rel_to_gamma
 
 STEPS = [10, 20, 30, 40, 50, 60, 70]
 RTOL, ATOL = 2e-6, 1e-6

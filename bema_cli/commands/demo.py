@@ -10,6 +10,20 @@ from bema_cli import output
 from bema_cli.options import JsonOpt, OverwriteOpt
 
 
+def pin_instruction_set() -> None:
+    """Same software, same seed, the same numbers on any x86-64 machine: torch's vector kernels
+    (ATen) and MKL's matrix products choose their code by CPU, and AVX-512 sums in another order
+    than AVX2, which a chaotic training run amplifies. Both are pinned to AVX2 (every x86-64 CPU
+    of the last decade has it) before torch loads; the demo's bema subprocesses inherit it. An
+    environment that sets either keeps its own value."""
+    import os
+    import sys
+
+    if "torch" not in sys.modules:
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+        os.environ.setdefault("MKL_CBWR", "AVX2")
+
+
 def demo(
     out: Annotated[str, typer.Option("--out", "-o", help="Output directory.")] = "demo",
     quick: Annotated[
@@ -31,18 +45,28 @@ def demo(
             help="Also keep the unfinished stage's files when a stage fails or is interrupted (finished stages are always kept; rerun to continue).",
         ),
     ] = False,
+    seed: Annotated[
+        int,
+        typer.Option("--seed", help="Seed of the data, the models' initialisation and the training order."),
+    ] = 0,
     json_out: JsonOpt = False,
 ) -> None:
-    """Run the whole pipeline offline on a small model trained here, in 2-10 minutes on 2 CPU cores (138 s measured on an idle machine).
+    """Run the whole pipeline offline on a small model trained here: 7-10 minutes on 2 CPU cores.
 
     1. pretrain a small Qwen2 on generated text: the base model theta0 (OUT/base)
     2. fine-tune it with the HF Trainer, constant LR, a checkpoint every 10 steps (OUT/sft)
-    3-5. run the real `bema stabilize`, `bema eval` and `bema report` on it, printing each command
-    Ends with held-out loss and accuracy per step for vanilla, EMA and BEMA, and OUT/curves.png.
+    3-7. run the real `bema stabilize`, `bema eval`, `bema report` and `bema ship` on it, printing
+    each command. Ends with held-out loss and accuracy per step for every run, OUT/curves.png, and
+    the model to ship in OUT/ship. Training is pinned (2 threads, deterministic kernels, AVX2 code
+    paths) so a --seed repeats on other x86-64 machines.
     """
-    from bema_cli.demo.pipeline import print_summary, run_demo
+    pin_instruction_set()
+    from bema_cli.demo.pipeline import run_demo
+    from bema_cli.demo.summary import print_summary
 
-    summary = run_demo(out, quick=quick, backend=backend, overwrite=overwrite, keep_failed=keep_failed)
+    summary = run_demo(
+        out, quick=quick, backend=backend, overwrite=overwrite, keep_failed=keep_failed, seed=seed
+    )
     if json_out:
         output.print_json(summary)
     else:

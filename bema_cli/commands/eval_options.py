@@ -152,7 +152,7 @@ def eval_settings(flags: dict):
     from bema_cli import output
     from bema_cli.eval.backends.base import EngineOptions
     from bema_cli.eval.chat import read_template
-    from bema_cli.eval.evaluate import EvalConfig
+    from bema_cli.eval.job import EvalConfig
     from bema_cli.eval.tasks import parse_tasks
 
     f, out = flags, flags["out"]

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from bema_cli import output
+from bema_cli import output, stages
 from bema_cli.commands.eval_options import (
     DEFAULT_OUT,
     BackendOpt,
@@ -102,14 +102,17 @@ def evaluate(
         out = DEFAULT_OUT
         output.log(f"results go to ./{DEFAULT_OUT}/ (the default; --out DIR chooses)")
     config, engine = eval_settings({**locals(), "out": out})
+    stages.reset()
     records = run_eval(
         inputs or [], base, config, engine, ExecutorOptions(executor, workers, ray_address),
         validated=lambda: output.send_library_output(Path(out) / LIBRARY_LOG),
     )  # fmt: skip
     if json_:
-        output.print_json(records)
+        output.print_json(records)  # a list of records, as results.jsonl holds them (the stages: stderr)
     else:
         output.print_table(records_table(records))
+    if stages.report():
+        output.log(stages.line(stages.report()))
 
 
 def rescore(
@@ -128,7 +131,7 @@ def rescore(
     """Recompute the scores of logged samples with the current answer-extraction rules (no generation)."""
     from pathlib import Path
 
-    from bema_cli.eval.evaluate import rescore as rescore_samples
+    from bema_cli.eval.rescore import rescore as rescore_samples
     from bema_cli.eval.results import records_table, write_jsonl_atomic
 
     records = rescore_samples(samples, results)

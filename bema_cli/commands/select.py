@@ -92,7 +92,7 @@ def select(
 def _print(doc: dict) -> None:
     from rich.table import Table
 
-    from bema_cli.decide.select import fmt_diff
+    from bema_cli.decide.verdict import fmt_diff
 
     direction = "higher" if doc["higher_is_better"] else "lower"
     table = Table(

@@ -77,6 +77,7 @@ def simulate(
     """
     from bema_cli import figures
     from bema_cli import simulate as sim
+    from bema_cli import simulate_show as show
 
     settings = sim.SimSettings(
         dim=dim,
@@ -108,12 +109,12 @@ def simulate(
     doc = sim.simulate(settings)
     doc["settings"].update(plot=plot, plot_2d=plot_2d)
     if plot:
-        sim.plot_curves(doc, plot)
+        show.plot_curves(doc, plot)
         output.log(f"wrote {plot}")
     if plot_2d:
-        sim.plot_2d(sim.trajectory_2d(settings), settings, plot_2d)
+        show.plot_2d(sim.trajectory_2d(settings), settings, plot_2d)
         output.log(f"wrote {plot_2d}")
     if json:
         output.print_json(doc)
     else:
-        output.print_table(sim.table(doc))
+        output.print_table(show.table(doc))

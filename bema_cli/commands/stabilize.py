@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from bema_cli import output
+from bema_cli import output, stages
 from bema_cli.errors import UsageError
 from bema_cli.options import (
     AccumDtypeOpt,
@@ -47,6 +47,7 @@ from bema_cli.options import (
     parse_size,
     parse_str_list,
 )
+from bema_cli.stabilize.project import projection_line
 
 
 def stabilize(
@@ -89,6 +90,15 @@ def stabilize(
     device: Annotated[
         str, typer.Option("--device", help="auto (cuda when available), cpu or cuda.")
     ] = "auto",
+    readers: Annotated[
+        int | None,
+        typer.Option(
+            "--readers",
+            min=1,
+            max=64,
+            help="Threads reading checkpoints ahead of the compute (default: 2, half the cores up to 4).",
+        ),
+    ] = None,
     accum_dtype: AccumDtypeOpt = "float32",
     out_dtype: Annotated[
         str | None,
@@ -197,6 +207,7 @@ def stabilize(
         max_memory=parse_size(max_memory, "--max-memory"),
         max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
         device=device,
+        readers=readers,
         accum_dtype=accum_dtype,
         out_dtype=out_dtype,
         final_only=final_only,
@@ -248,7 +259,7 @@ def stabilize(
 def schedules_from_flags(f: dict) -> list:
     """The grid (stabilize and sweep alike): --config FILE, or --method and the parameter lists."""
     from bema_cli.stabilize import grid
-    from bema_cli.stabilize.plan import grid_from_config
+    from bema_cli.stabilize.grids import grid_from_config
 
     common = {k: f[k] for k in ("preset", "gamma", "rho", "tau", "phi", "beta_min")}
     if f["config"] is not None:
@@ -310,7 +321,7 @@ PANELS = {
     "Incremental runs and follow mode": ["keep_state", "restart", "fingerprint", "follow", "until_step",
                                          "idle_timeout", "poll", "settle", "allow_gaps"],
     "Safety": ["overwrite", "allow_nonfinite", "cast_base", "dry_run"],
-    "Resources and scale-out": ["max_memory", "device", "executor", "workers", "ray_address"],
+    "Resources and scale-out": ["max_memory", "device", "readers", "executor", "workers", "ray_address"],
 }  # fmt: skip
 NUMERIC = ("step", "alpha", "beta")  # right-aligned: kept whole on a narrow terminal (output.print_table)
 
@@ -338,6 +349,8 @@ def _print_plan(doc: dict) -> None:
         f"would read {_gb(doc['read_bytes'])} and write {_gb(doc['written_bytes'])} "
         f"in {plan['work_units']} work units (--max-memory {output.size(plan['max_memory'])})"
     )
+    if doc.get("projection"):
+        output.stdout.print(projection_line(doc["projection"]))
 
 
 def _print_summary(doc: dict) -> None:
@@ -353,3 +366,5 @@ def _print_summary(doc: dict) -> None:
     output.stdout.print(
         f"read {_gb(doc['read_bytes'])}, wrote {_gb(doc['written_bytes'])} in {doc['seconds']:.1f} s ({rate:.0f} MB/s read)"
     )
+    if doc.get("stages"):
+        output.stdout.print(stages.line(doc["stages"]))

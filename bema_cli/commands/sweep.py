@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from bema_cli import output
+from bema_cli import output, stages
 from bema_cli.commands.eval_options import (
     BackendOpt,
     BatchSizeOpt,
@@ -83,6 +83,13 @@ def sweep(
         str,
         typer.Option("--at", help="Steps to evaluate: all, last, every:N or a comma list (0 = theta0)."),
     ] = "all",
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Project peak memory and wall time (a short probe of this machine), read no checkpoint.",
+        ),
+    ] = False,
     method: MethodOpt = None,
     kappa: KappaOpt = None,
     eta: EtaOpt = None,
@@ -189,12 +196,18 @@ def sweep(
     where = ExecutorOptions(executor, workers, ray_address)
     follow_opts = {"poll": poll, "until_step": until_step, "idle_timeout": idle_timeout, "settle": settle}
     doc = run(
-        opts, evaluation, engine, SweepOptions(at=at, memory_limit=limit), executor=where,
+        opts, evaluation, engine, SweepOptions(at=at, memory_limit=limit, dry_run=dry_run), executor=where,
         follow=follow_opts if follow else None,
         validated=lambda: output.send_library_output(Path(out) / LIBRARY_LOG),
     )  # fmt: skip
     if json_:
         output.print_json(doc)
+    elif dry_run:
+        p = doc["projection"]
+        output.stdout.print(
+            f"bema sweep --dry-run: {doc['pending']} evaluation(s) to do over {len(doc['runs'])} config(s) + vanilla; "
+            f"projected peak memory {output.size(p['peak_memory_bytes'])}, wall ~{p.get('seconds', float('nan')):.0f} s"
+        )
     else:
         output.print_table(records_table(doc["records"], title="bema sweep"))
         memory = doc["memory"]
@@ -204,6 +217,7 @@ def sweep(
             f"{memory['estimate'] / 1e9:.2f} GB, peak RSS {memory['peak_rss'] / 1e9:.2f} GB (bema "
             f"{memory['peak_rss_bema'] / 1e9:.2f} + engine processes {memory['peak_rss_engine'] / 1e9:.2f})"
         )
+        output.log(stages.line(doc["stages"]))
 
 
 PANELS = {

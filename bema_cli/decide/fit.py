@@ -41,7 +41,7 @@ def coefficients(schedules: list, steps: list[int], at: int, work: Path) -> dict
     import torch
     from safetensors.torch import load_file, save_file
 
-    from bema_cli.recurrence import run_name
+    from bema_cli.schedule import run_name
     from bema_cli.stabilize import Options, stabilize
 
     n = len(steps) + 1

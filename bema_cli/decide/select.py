@@ -16,6 +16,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 
+from bema_cli.decide.verdict import verdict
 from bema_cli.errors import InputError, UsageError
 
 RESAMPLES = 2000
@@ -328,58 +329,6 @@ def mcnemar(a: dict, b: dict, metric: Metric, side) -> float | None:
     n, k = only_a + only_b, min(only_a, only_b)
     # symmetric at 1/2: both tails are sum_{i <= k} C(n, i) / 2^n
     return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
-
-
-def fmt_value(v: float) -> str:
-    return f"{v:.4g}"
-
-
-def fmt_diff(d: dict | None) -> str:
-    """The one number format: a difference, then its interval: -0.024 [-0.031, -0.017]."""
-    if d is None:
-        return ""
-    p = f", McNemar p={d['mcnemar_p']:.3g}" if "mcnemar_p" in d else ""
-    return f"{d['value']:+.4g} [{d['low']:+.4g}, {d['high']:+.4g}]{p}"
-
-
-def verdict(doc: dict) -> str:
-    """The decision in one sentence: what to ship, its value, and against vanilla at the same step."""
-    w = doc["winner"]
-    name = doc["metric"] if doc["metric"] != "loss" else "held-out loss"
-    where = f"{w['run']} at step {w['step']}"
-    if w["run"] == "vanilla":
-        beaten = [
-            c
-            for c in doc["candidates"]
-            if c["vs_vanilla"] and is_better(c["vs_vanilla"], doc["higher_is_better"])
-        ]
-        why = "no average beats it beyond its interval" if not beaten else "the simplest of the tied"
-        return f"ship vanilla at step {w['step']}: {name} {fmt_value(w['value'])}; {why}"
-    vs = w["vs_vanilla"]
-    vanilla = f" vs vanilla {fmt_value(w['value'] - vs['value'])} ({fmt_diff(vs)})" if vs else ""
-    tied = f"; tied with {', '.join(w['tied_with'])}" if w.get("tied_with") else ""
-    weak = (
-        ""
-        if not vs or is_better(vs, doc["higher_is_better"])
-        else "; not beyond its interval against vanilla (ship writes vanilla)"
-    )
-    return f"ship {where}: {name} {fmt_value(w['value'])}{vanilla}{tied}{weak}"
-
-
-def beats_vanilla(doc: dict) -> bool:
-    """Whether the winner is an average that beats vanilla at its step beyond the interval of the
-    difference on the report items: only then does `bema ship` write an average."""
-    w = doc["winner"]
-    return (
-        w["run"] != "vanilla"
-        and w["vs_vanilla"] is not None
-        and is_better(w["vs_vanilla"], doc["higher_is_better"])
-    )
-
-
-def is_better(d: dict, higher_is_better: bool) -> bool:
-    """The whole interval of a difference is on the good side of 0."""
-    return d["low"] > 0 if higher_is_better else d["high"] < 0
 
 
 def check_flags(at: str, holdout: float | None, resamples: int) -> None:

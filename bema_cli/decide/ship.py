@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bema_cli import output
-from bema_cli.decide import fit, select
+from bema_cli.decide import fit, select, verdict
 from bema_cli.decide.write import (
     WORK,
     check_target,
@@ -34,7 +34,8 @@ from bema_cli.decide.write import (
     write_winner,
 )
 from bema_cli.errors import UsageError
-from bema_cli.eval.evaluate import EvalConfig, Evaluation, run_job
+from bema_cli.eval.evaluate import Evaluation
+from bema_cli.eval.job import EvalConfig, run_job
 from bema_cli.eval.results import read_jsonl
 from bema_cli.eval.targets import expand_inputs
 
@@ -218,9 +219,9 @@ def _decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[
     (and vanilla) beyond the interval on the report items."""
     w = chosen["winner"]
     vanilla_row = next(c for c in chosen["candidates"] if c["run"] == "vanilla" and c["step"] == w["step"])
-    menu = w if select.beats_vanilla(chosen) else vanilla_row
+    menu = w if verdict.beats_vanilla(chosen) else vanilla_row
     name = metric.name if metric.name != "loss" else "held-out loss"
-    fmt_v, fmt_d = select.fmt_value, select.fmt_diff
+    fmt_v, fmt_d = verdict.fmt_value, verdict.fmt_diff
     if fitted and fitted.get("best"):
         rec = fitted["best"]["record"]
         menu_rec = _record_of(records, menu, metric)
@@ -231,7 +232,7 @@ def _decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[
         )
         fitted["doc"]["best"].update(vs_menu=vs_menu, vs_vanilla=vs_vanilla)
         better = metric.higher_is_better
-        if select.is_better(vs_menu, better) and select.is_better(vs_vanilla, better):
+        if verdict.is_better(vs_menu, better) and verdict.is_better(vs_vanilla, better):
             value = vanilla_row["value"] + vs_vanilla["value"]  # both on the report items
             return (
                 {

@@ -87,7 +87,7 @@ def _number(value):
 
 def stabilized(winner: dict, records: list[dict], tmp: Path) -> Path:
     """The winner at its step written by the streaming stabilize engine under `tmp`; its folder."""
-    from bema_cli.recurrence import Schedule
+    from bema_cli.schedule import Schedule
     from bema_cli.stabilize import Options, stabilize
 
     source, base, stab = source_of(winner, records)
@@ -107,7 +107,7 @@ def stabilized(winner: dict, records: list[dict], tmp: Path) -> Path:
 
 
 def evaluation_rows(doc: dict, value: float, interval, versus: dict | None) -> list[dict]:
-    from bema_cli.decide.select import fmt_diff
+    from bema_cli.decide.verdict import fmt_diff
 
     return [{"dataset": doc["task"], "metric": doc["metric"], "value": value, "interval": interval,
              "vs": f"vs vanilla {fmt_diff(versus)}" if versus else ""}]  # fmt: skip

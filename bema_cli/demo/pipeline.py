@@ -25,6 +25,7 @@ from pathlib import Path
 
 from bema_cli import output
 from bema_cli.demo import world
+from bema_cli.demo.summary import plot_summary, summarize
 from bema_cli.errors import BemaError, OutputError
 from bema_cli.eval.results import read_jsonl, write_jsonl_atomic
 
@@ -189,97 +190,6 @@ def _short(args: list[str], out: Path, cfg: DemoConfig) -> str:
     return " ".join([shlex.join(args[:first]), brace, shlex.join(args[first + len(steps) :])])
 
 
-# -- summary ------------------------------------------------------------------------------------
-def summarize(records: list[dict]) -> dict:
-    """{"runs", "steps", "loss": {run: {step: v}}, "accuracy": {task: {run: {step: v}}}} from results.jsonl."""
-    loss: dict[str, dict[int, float]] = {}
-    acc: dict[str, dict[str, dict[int, float]]] = {}
-    for r in records:
-        run, step, metrics = r["run"], int(r["step"]), r["metrics"]
-        if r["task"] == "loss":
-            loss.setdefault(run, {})[step] = metrics["loss"]
-        elif "accuracy_flexible" in metrics:
-            acc.setdefault(r["task"], {}).setdefault(run, {})[step] = metrics["accuracy_flexible"]
-    every = [loss, *acc.values()]
-    runs = sorted(
-        {run for by in every for run in by}, key=lambda n: (n != "vanilla", not n.startswith("ema"), n)
-    )
-    steps = sorted({s for by in every for per_run in by.values() for s in per_run})
-    return {"runs": runs, "steps": steps, "loss": loss, "accuracy": acc}
-
-
-def _table(title: str, values: dict, runs: list[str], steps: list[int], fmt: str):
-    from rich.table import Table
-
-    table = Table(title=title)
-    table.add_column("step", justify="right")
-    for run in runs:
-        table.add_column(run, justify="right")
-    for step in steps:
-        cells = [values.get(run, {}).get(step) for run in runs]
-        table.add_row(str(step), *("-" if v is None else fmt.format(v) for v in cells))
-    return table
-
-
-def print_summary(summary: dict, out: Path) -> None:
-    """Held-out loss and GSM8K-style accuracy per step and run; the other tasks' final accuracy."""
-    runs, steps, acc = summary["runs"], summary["steps"], summary["accuracy"]
-    output.print_table(
-        _table("held-out loss (nats/token, lower is better)", summary["loss"], runs, steps, "{:.4f}")
-    )
-    if "gsm8k" in acc:
-        output.print_table(_table("gsm8k accuracy (higher is better)", acc["gsm8k"], runs, steps, "{:.3f}"))
-    last = steps[-1]
-    for task in sorted(set(acc) - {"gsm8k"}):
-        finals = ", ".join(
-            f"{run} {acc[task][run][last]:.3f}" for run in runs if last in acc[task].get(run, {})
-        )
-        output.stdout.print(f"{task} accuracy at step {last}: {finals}")
-    output.stdout.print(
-        f"base model (theta0): {out / 'base'}\n"
-        f"fine-tuning checkpoints: {out / 'sft'}/checkpoint-*\n"
-        f"stabilized checkpoints: {out / 'stabilized'}/<run>/checkpoint-* (manifest.json)\n"
-        f"results: {out / 'results' / 'results.jsonl'} (all tasks: bema report {out / 'results'})\n"
-        f"plots: {out / 'curves.png'} (every task, by bema report), {out / 'summary.png'} (the two tables)"
-    )
-
-
-def plot_summary(summary: dict, path: Path) -> Path:
-    """Two panels for the README: held-out loss from the first fine-tuning step on (log scale; the
-    base model's loss would dwarf the rest) and gsm8k accuracy vs step, vanilla dashed.
-    `bema report` draws every task (curves.png)."""
-    from bema_cli import figures, report
-
-    fig = figures.new_figure(10.0, 3.6)
-    axes = fig.subplots(1, 2)
-    panels = [
-        ("loss", summary["loss"], "held-out loss (nats/token)"),
-        ("gsm8k", summary["accuracy"].get("gsm8k", {}), "gsm8k accuracy"),
-    ]
-    for ax, (name, values, label) in zip(axes, panels, strict=True):
-        grid = sorted({s for run in summary["runs"] for s in values.get(run, {}) if s > 0 or name != "loss"})
-        for run in summary["runs"]:
-            steps = sorted(s for s in values.get(run, {}) if s > 0 or name != "loss")  # base: off the scale
-            if steps:
-                x, y = report.gapped(steps, [values[run][s] for s in steps], grid)
-                ax.plot(x, y, ms=4, lw=1.6, label=run, **figures.run_style(run))
-        ax.set_xlabel("training step")
-        ax.set_ylabel(label)
-        ax.grid(True, alpha=0.3)
-        if name == "loss":
-            ax.set_yscale("log")
-    base = summary["loss"].get("vanilla", {}).get(0)
-    note = f"; base model {base:.2f}, not shown" if base is not None else ""
-    axes[0].set_title(f"held-out loss (lower is better{note})", fontsize=10)
-    axes[1].set_title("gsm8k-style task accuracy (higher is better)", fontsize=10)
-    handles, labels = axes[0].get_legend_handles_labels()
-    order = sorted(range(len(labels)), key=lambda i: report.run_order(labels[i]))
-    fig.legend(
-        [handles[i] for i in order], [labels[i] for i in order], loc="outside right upper", title="run"
-    )
-    return figures.save(fig, path, "summary plot")
-
-
 # -- the pipeline -------------------------------------------------------------------------------
 def prepare_out(out: Path, overwrite: bool, settings: dict) -> dict:
     """Refuse to touch a folder that is not ours. An earlier demo with the same settings is
@@ -293,7 +203,11 @@ def prepare_out(out: Path, overwrite: bool, settings: dict) -> dict:
         if not marker.exists():
             raise OutputError(f"{out}: exists and is not a bema demo folder; choose another --out")
         doc = _read_marker(marker)
-        if not overwrite and doc.get("settings") != settings and _same_training(doc.get("settings"), settings):
+        if (
+            not overwrite
+            and doc.get("settings") != settings
+            and _same_training(doc.get("settings"), settings)
+        ):
             return _restart_after_training(out, doc, settings)
         if not overwrite and doc.get("settings") != settings:
             raise OutputError(
@@ -363,7 +277,11 @@ def _write_marker(marker: Path, doc: dict) -> None:
     os.replace(tmp, marker)
 
 
-STAGE_FOLDERS = {"data": ("data",), "base": ("base", "pretrain-tmp"), "finetune": ("sft",)}  # what each writes
+STAGE_FOLDERS = {
+    "data": ("data",),
+    "base": ("base", "pretrain-tmp"),
+    "finetune": ("sft",),
+}  # what each writes
 
 
 def run_demo(
@@ -372,12 +290,13 @@ def run_demo(
     backend: str = "auto",
     overwrite: bool = False,
     keep_failed: bool = False,
+    seed: int = 0,
 ) -> dict:
     """Run every stage not finished yet; returns the summary. An interrupted or failed run keeps the
     finished stages (a rerun continues from them); the unfinished stage's files are removed
     unless keep_failed. stabilize, eval and report continue by themselves (state, resume keys)."""
     out = Path(out)
-    cfg = QUICK if quick else DemoConfig()
+    cfg = replace(QUICK if quick else DemoConfig(), seed=seed)
     marker = prepare_out(out, overwrite, {"config": asdict(cfg), "quick": quick})
     current: list[str] = []
     try:
@@ -436,7 +355,10 @@ def _stages(out: Path, cfg: DemoConfig, backend: str, quick: bool, marker: dict,
     stage("report", "6/7 report: tables and curves")
     bema_cli(["report", str(out / "results"), "--plot", str(out / "curves.png")])
     done("report")
-    stage("ship", "7/7 ship: the model to ship, decided with intervals (menu, then fitted averages), with its card")
+    stage(
+        "ship",
+        "7/7 ship: the model to ship, decided with intervals (menu, then fitted averages), with its card",
+    )
     bema_cli(ship_args(out, cfg, backend))
     done("ship")
     ends = [*list(timings.values())[1:], time.perf_counter()]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from bema_cli import output
 
+TRAIN_THREADS = 2  # fixed, so a 2-core laptop and a 64-core server sum in the same order
+
 
 def _pad_collator(pad_id: int):
     """Right-pad a batch of {"input_ids", "labels"} lists; labels padded with -100 (ignored)."""
@@ -110,7 +112,12 @@ def train(
     description: str,
     warmup_steps: int = 0,
 ) -> None:
-    """One HF Trainer run on CPU. save_every=None: no checkpoints (the pretraining run)."""
+    """One HF Trainer run on CPU. save_every=None: no checkpoints (the pretraining run).
+
+    Same software, same seed, same numbers: a CPU reduction's order depends on the thread count,
+    so training runs on TRAIN_THREADS threads on any machine, with deterministic algorithms
+    (`full_determinism`); the instruction set is pinned by `bema demo` (commands/demo.py)."""
+    import torch
     import transformers
     from transformers import PrinterCallback, Trainer, TrainingArguments
 
@@ -136,6 +143,7 @@ def train(
         dataloader_num_workers=0,
         seed=seed,
         data_seed=seed,
+        full_determinism=True,
     )
     trainer = Trainer(
         model=model,
@@ -146,4 +154,10 @@ def train(
         callbacks=[_progress_callback(description, steps, log_every=max(1, steps // 10))],
     )
     trainer.remove_callback(PrinterCallback)  # it prints raw log dicts on stdout
-    trainer.train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(TRAIN_THREADS)
+    try:
+        trainer.train()
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(False)  # full_determinism turned it on, for this run only

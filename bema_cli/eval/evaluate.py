@@ -2,23 +2,21 @@
 
 The driver (`Evaluation`) prepares data and resume keys once, refuses results.jsonl records
 made with another setup, and turns every checkpoint with work left into one `Job`.
-`run_job(backend, job)` is a checkpoint's whole evaluation on one backend: it loads the
+`job.run_job(backend, job)` is a checkpoint's whole evaluation on one backend: it loads the
 weights and yields each task's records and samples; the driver writes them, task by task,
 so an interrupted run keeps what it finished. (An executor that runs jobs elsewhere, e.g. a
-pool of engines, calls `run_job` there and hands the results to `Evaluation.write`.)
+pool of engines (ray_pool.py), calls `run_job` there and hands the results to
+`Evaluation.write`.)
 """
 
 from __future__ import annotations
 
 import math
-import time
-import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
-from bema_cli import __version__, output
+from bema_cli import output, stages
 from bema_cli.cluster import ExecutorOptions, import_ray
 from bema_cli.errors import OutputError, UsageError
 from bema_cli.eval import data, resume
@@ -27,47 +25,20 @@ from bema_cli.eval.backends.base import (
     SEED_RULE,
     SEED_SCHEME,
     EngineOptions,
-    Sampling,
     import_vllm,
     make_backend,
-    prompt_seed,
     vllm_usable,
 )
 from bema_cli.eval.backends.vllm_engine import EngineStartError
-from bema_cli.eval.chat import render
-from bema_cli.eval.results import ResultsFile, SamplesLog, read_jsonl
+from bema_cli.eval.job import EvalConfig, Job, TaskInput, run_job
+from bema_cli.eval.results import ResultsFile, SamplesLog
 from bema_cli.eval.targets import Target, base_target, check_model_dir, expand_inputs
 from bema_cli.eval.tasks import LOSS_TASKS, get_task, is_lm_eval
 from bema_cli.eval.tasks import common as scoring
-from bema_cli.eval.tasks import loss as loss_task
 from bema_cli.io.commit import check_apart
 
 PER_MESSAGE_TOKENS = 16  # a chat template's role markers around each message
 LIBRARY_LOG = "libraries.log"  # OUT/libraries.log: what the libraries print on stderr (shown with -v)
-
-
-@dataclass
-class EvalConfig:
-    tasks: list[str]
-    out: str | None = None
-    data_dir: str | None = None
-    loss_data: str | None = None
-    loss_train_data: str | None = None
-    loss_samples: int = loss_task.DEFAULT_SAMPLES
-    loss_max_tokens: int = loss_task.MAX_TOKENS
-    n_samples: int = 50  # the paper's protocol: 50 samples per prompt
-    temperature: float = 1.0
-    seed: int = 13337  # sampling seed, the paper's
-    max_new_tokens: int | None = None  # None: per task (256 BoolQ/MMLU-HS, 512 GSM8K)
-    selection_seed: int = 37371  # prompt subset seed, the paper's (also picks the few-shot examples)
-    limit: int | None = None  # None: per task (64 BoolQ, 128 GSM8K, 64 per MMLU-HS subject)
-    num_fewshot: int = 0  # the authors' configs: zero-shot (the paper's text: 5-shot BoolQ)
-    cot: bool = False  # ask BoolQ/MMLU-HS for step-by-step reasoning (GSM8K always asks)
-    backend: str = "auto"
-    log_samples: bool = False
-    force: bool = False
-    chat_template_file: str | None = None
-    lm_eval_include: str | None = None  # a folder of local lm-eval task YAMLs
 
 
 def validate(config: EvalConfig, engine: EngineOptions) -> None:
@@ -134,28 +105,6 @@ def _seeds(config: EvalConfig, name: str) -> dict:
     }
 
 
-@dataclass
-class TaskInput:
-    """One task's prepared inputs (plain data, so a job can be sent to another process)."""
-
-    name: str
-    protocol: dict
-    resume_key: dict  # without the model's fingerprint
-    docs: list = field(default_factory=list)  # generation: the selected items
-    shots: dict = field(default_factory=dict)  # generation: subject ("" if none) -> few-shot items
-    loss_records: list = field(default_factory=list)  # loss tasks
-
-
-@dataclass
-class Job:
-    """One checkpoint's evaluation: the model, its pending tasks and the settings they run with."""
-
-    target: Target
-    tasks: list[TaskInput]
-    config: EvalConfig
-    fingerprint: str
-
-
 class Evaluation:
     """Prepared once (data, protocols, resume keys), then run checkpoint by checkpoint on one backend."""
 
@@ -171,13 +120,13 @@ class Evaluation:
         self.samples = SamplesLog(config.out, config.log_samples)
 
     def _resolve_backend(self) -> str:
-        from bema_cli.eval.backends.vllm import route_vllm_logs
+        from bema_cli.eval.backends.vllm_backend import route_vllm_logs
 
         name = self.config.backend
         if name in ("auto", "vllm"):  # before vLLM is first imported (here, or when the engine starts)
             route_vllm_logs(self.engine.log_file, self.engine.debug or output.verbose())
         if name == "auto" and all(t in LOSS_TASKS for t in self.config.tasks):
-            return "transformers"  # losses are transformers forward passes: no engine needed
+            return "transformers"  # a loss-only run needs no engine start: one forward per checkpoint
         if name == "auto":
             usable = vllm_usable()
             made = {(r.get("resume_key") or {}).get("backend") for r in self.results.records
@@ -224,13 +173,14 @@ class Evaluation:
     def start(self, start: Callable):
         """A backend on which `start(backend)` (loading the first model: the engine's start) succeeded;
         with --backend auto, transformers when vLLM cannot start."""
-        try:
-            backend = make_backend(self.backend_name, self.engine)
-            start(backend)
-        except EngineStartError as exc:
-            self.fall_back(exc)
-            backend = make_backend(self.backend_name, self.engine)
-            start(backend)
+        with stages.stage("engine_start"):
+            try:
+                backend = make_backend(self.backend_name, self.engine)
+                start(backend)
+            except EngineStartError as exc:
+                self.fall_back(exc)
+                backend = make_backend(self.backend_name, self.engine)
+                start(backend)
         return backend
 
     def _prepare(self) -> dict[str, TaskInput]:
@@ -283,8 +233,9 @@ class Evaluation:
     def _engine_key(self, name: str) -> dict:
         """The resume-key fields that come from the backend and engine flags."""
         return {
-            # losses are transformers forward passes on every backend, in batches of a fixed size
-            "backend": "transformers" if name in LOSS_TASKS else self.backend_name,
+            # losses come from the backend's own forward (vLLM: prompt logprobs), which differ in the
+            # last digits between backends
+            "backend": self.backend_name,
             # "auto" means the checkpoint's own dtype on every backend (base.resolve_dtype)
             "dtype": "auto:checkpoint" if self.engine.dtype == "auto" else self.engine.dtype,
             # bema's own tasks seed each prompt's samples apart from its batch (base.prompt_seed), so the
@@ -367,76 +318,6 @@ class Evaluation:
         return [r for r in self.results.records if (r["model_path"], r["run"], r["task"]) in keys]
 
 
-def run_job(backend, job: Job) -> Iterator[tuple[list[dict], list[dict]]]:
-    """A checkpoint's whole evaluation on `backend`: load it, then each task's (records, samples)."""
-    backend.load(job.target.path)
-    for item in job.tasks:
-        yield evaluate_task(backend, job, item)
-
-
-def evaluate_task(backend, job: Job, item: TaskInput) -> tuple[list[dict], list[dict]]:
-    c, target, name = job.config, job.target, item.name
-    output.log(f"{name}: {target.path} ({target.label})")
-    start = time.perf_counter()
-    created = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    eval_id = uuid.uuid4().hex  # ties samples.jsonl lines to their results.jsonl records (for rescore)
-    template = (
-        f"file:{Path(c.chat_template_file).resolve()}" if c.chat_template_file else backend.template_source
-    )
-    extra, samples, record_seeds = {}, [], item.resume_key["seeds"]
-    if is_lm_eval(name):
-        from bema_cli.eval import lm_eval_bridge
-
-        metrics, extra, n_prompts, n_samples, logged = lm_eval_bridge.evaluate(backend, name, c)
-        samples = [
-            {"eval_id": eval_id, "model_path": str(target.path), "run": None if target.is_base else target.run,
-             "step": target.step, "is_base": target.is_base, "task": name, **x}
-            for x in logged
-        ]  # fmt: skip
-    elif name in LOSS_TASKS:
-        seqs = [loss_task.encode_record(r, backend.tokenizer, c.loss_max_tokens) for r in item.loss_records]
-        pairs = backend.loss(seqs)
-        metrics = loss_task.loss_metrics(pairs)
-        extra["items"] = loss_task.loss_items(pairs)
-        n_prompts, n_samples = len(seqs), 1
-    else:
-        task, docs = get_task(name), item.docs
-        prompts = [
-            render(
-                backend.tokenizer,
-                scoring.build_messages(task, d, item.shots.get(d.get("subject", ""), []), c.cot),
-            )
-            for d in docs
-        ]
-        sampling = Sampling(c.n_samples, c.temperature, c.seed, c.max_new_tokens or task.MAX_NEW_TOKENS)
-        seeds = [prompt_seed(c.seed, name, d["_id"]) for d in docs]
-        responses = backend.generate(prompts, sampling, seeds)
-        scored = scoring.score_all(task, docs, responses)
-        metrics, extra = scoring.task_metrics(task, scored, [d.get("subject", "") for d in docs])
-        extra["items"] = scoring.prompt_items([d["_id"] for d in docs], scored)
-        n_prompts, n_samples = len(docs), c.n_samples
-        samples = [
-            {"eval_id": eval_id, "model_path": str(target.path), "run": None if target.is_base else target.run,
-             "step": target.step, "is_base": target.is_base, "task": name, "doc_id": d["_id"],
-             "subject": d.get("subject"), "prompt": p, "seed": None if c.temperature == 0 else seed,
-             "responses": resp, "gold": task.gold(d), **scoring.sample_fields(s)}
-            for d, p, seed, resp, s in zip(docs, prompts, seeds, responses, scored, strict=True)
-        ]  # fmt: skip
-    seconds = round(time.perf_counter() - start, 3)
-    records = [
-        {"bema_version": __version__, "created": created, "eval_id": eval_id, "model_path": str(target.path),
-         "run": run, "step": target.step, **({"label": target.label} if target.step is None else {}),
-         "stabilizer": stabilizer, "task": name, "metrics": metrics, **extra, "n_prompts": n_prompts,
-         "n_samples": n_samples, "backend": backend.name, "dtype": backend.dtype,
-         "batch_size": backend.options.batch_size if backend.name == "transformers" else None, "seeds": record_seeds,
-         "protocol": {**item.protocol, "chat_template": template},
-         "resume_key": {**item.resume_key, "weights": job.fingerprint}, "seconds": seconds,
-         "is_base": target.is_base}
-        for run, stabilizer in target.record_runs()
-    ]  # fmt: skip
-    return records, samples
-
-
 def run_eval(
     inputs: list[str],
     base: str | None,
@@ -462,51 +343,3 @@ def run_eval(
     if validated is not None:
         validated()  # the CLI: the libraries' own stderr output goes to OUT/libraries.log from here on
     return Evaluation(config, engine, executor).run(targets)
-
-
-def rescore(samples_path: str | Path, results_path: str | Path | None = None) -> list[dict]:
-    """Recompute scores from logged samples with today's extraction rules, without generating.
-
-    Provenance comes from the matching results.jsonl records (the samples file's sibling by
-    default); without one, a minimal record is built from the samples themselves. A torn final
-    line (a crash in the middle of a write) is skipped with a warning.
-    """
-    from bema_cli.errors import InputError
-
-    samples_path = Path(samples_path)
-    lines = read_jsonl(samples_path, skip_torn=True)
-    kept = [x for x in lines if not (isinstance(x, dict) and is_lm_eval(str(x.get("task", ""))))]
-    if len(kept) < len(lines):  # lm-eval scores its own samples (filters, metrics): no bema rule to re-apply
-        output.log(
-            f"rescore: {len(lines) - len(kept)} lm_eval: sample lines left as they are (lm-eval scores them)"
-        )
-    lines = kept
-    results_path = Path(results_path) if results_path else samples_path.with_name("results.jsonl")
-    old = read_jsonl(results_path, skip_torn=True) if results_path.is_file() else []
-    latest: dict[tuple, str] = {}
-    for line in lines:
-        for key in ("model_path", "task", "responses", "gold"):
-            if not isinstance(line, dict) or key not in line:
-                raise InputError(f"{samples_path}: a line lacks {key!r} (not a bema samples file)")
-        latest[(line["model_path"], line["task"])] = line.get("eval_id")
-    records = []
-    for (model_path, name), eval_id in latest.items():
-        group = [
-            x for x in lines if (x["model_path"], x["task"], x.get("eval_id")) == (model_path, name, eval_id)
-        ]
-        try:
-            task = get_task(name)
-        except UsageError as exc:  # e.g. "unknown task": about the file, which has no --tasks flag
-            raise InputError(f"{samples_path}: {str(exc).removeprefix('--tasks: ')}") from None
-        scored = [scoring.score_item(task, x["responses"], x["gold"]) for x in group]
-        metrics, extra = scoring.task_metrics(task, scored, [x.get("subject") or "" for x in group])
-        extra["items"] = scoring.prompt_items([x.get("doc_id") for x in group], scored)
-        matches = [r for r in old if r.get("model_path") == model_path and r.get("task") == name
-                   and r.get("eval_id") == eval_id] or [
-            {"model_path": model_path, "run": group[0].get("run"), "step": group[0].get("step"), "task": name,
-             "is_base": group[0].get("is_base", False), "n_prompts": len(group),
-             "n_samples": len(group[0]["responses"])}]  # fmt: skip
-        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        for r in matches:
-            records.append({**r, "metrics": metrics, **extra, "rescored": now, "bema_version": __version__})
-    return records

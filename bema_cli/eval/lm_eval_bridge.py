@@ -8,7 +8,7 @@ per checkpoint:
 - transformers backend: lm-eval's `HFLM` over bema's loaded model.
 Everything else (prompts, few-shot, loglikelihood, generation, filters, metrics) is lm-eval's
 code, so the numbers equal `lm_eval.simple_evaluate` on the same checkpoint. lm-eval is
-imported only here, only when an lm_eval: task is asked for (`pip install bema-cli[lm-eval]`).
+imported only here, only when an lm_eval: task is asked for (`pip install lm-eval`, or from a checkout `pip install '.[lm-eval]'`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ def _import():
     try:
         import lm_eval
     except ImportError:
-        raise UsageError(
-            "--tasks lm_eval:...: lm-eval is not installed (pip install 'bema-cli[lm-eval]')"
-        ) from None
+        raise UsageError("--tasks lm_eval:...: lm-eval is not installed (pip install lm-eval)") from None
     return lm_eval
 
 

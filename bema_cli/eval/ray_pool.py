@@ -2,7 +2,7 @@
 
 Each actor starts its backend (a vLLM engine, or transformers) once, on its first
 checkpoint, and swaps weights in place for every next one, exactly as the local executor
-does. A checkpoint's whole evaluation (`evaluate.run_job`: all its tasks) runs on one actor,
+does. A checkpoint's whole evaluation (`job.run_job`: all its tasks) runs on one actor,
 so its batches, and therefore its numbers, are the local executor's. Only the driver writes
 results.jsonl, as each checkpoint's records arrive, so resuming works as for a local run.
 An actor that dies (a lost node, an OOM kill, `ray.kill`) is replaced by a fresh one and its
@@ -31,7 +31,7 @@ class EngineActor:
     """One engine in a Ray actor; `run` is one checkpoint's whole evaluation there."""
 
     def __init__(self, backend_name: str, engine: EngineOptions):
-        from bema_cli.eval.backends.vllm import route_vllm_logs
+        from bema_cli.eval.backends.vllm_backend import route_vllm_logs
 
         if backend_name == "vllm":
             route_vllm_logs(engine.log_file, engine.debug)  # before vLLM is imported in this process
@@ -39,7 +39,7 @@ class EngineActor:
 
     def run(self, job) -> list[tuple[list[dict], list[dict]]]:
         from bema_cli.eval.backends.base import make_backend
-        from bema_cli.eval.evaluate import run_job
+        from bema_cli.eval.job import run_job
 
         if self.backend is None:
             self.backend = make_backend(self.backend_name, self.engine)

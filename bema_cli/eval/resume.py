@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from bema_cli.io.checkpoints import model_weight_files
+from bema_cli.io.reader import safetensors_files
 
 SAMPLE_CHUNKS, CHUNK_BYTES = 16, 1 << 16  # 1 MiB read per weight file, spread over its whole length
 MODEL_FILES = (
@@ -56,7 +56,7 @@ def weights_fingerprint(folder: str | Path) -> str:
     for name in MODEL_FILES:
         if (folder / name).is_file():
             digest.update(f"{name}:{file_sha256(folder / name)}\n".encode())
-    for path in model_weight_files(folder):
+    for path in safetensors_files(folder):
         size = path.stat().st_size
         digest.update(f"{path.name}:{size}\n".encode())
         with open(path, "rb") as f:

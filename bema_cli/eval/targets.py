@@ -18,10 +18,10 @@ from bema_cli.eval.chat import has_tokenizer
 from bema_cli.io.checkpoints import (
     find_checkpoints,
     is_run_dir,
-    model_weight_files,
     resolve_model,
     step_of,
 )
+from bema_cli.io.reader import safetensors_files
 from bema_cli.stabilize.meta import read_manifest, read_record
 
 # bema.json keys that describe the stabilizer (per-step alpha/beta and paths are not hyperparameters)
@@ -65,7 +65,7 @@ def check_model_dir(path: Path) -> None:
         )
     if not (path / "config.json").is_file():
         raise InputError(f"{path}: no config.json (not a model folder)")
-    model_weight_files(path)  # the rule stabilize and the vLLM weight swap use: safetensors only
+    safetensors_files(path)  # the rule the vLLM weight swap uses (safetensors only): validated once
     if not has_tokenizer(path):
         raise InputError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
 
@@ -113,7 +113,7 @@ def expand_inputs(inputs: list[str]) -> list[Target]:
 
 def base_target(base: str, targets: list[Target]) -> Target:
     """The base model (a folder or Hub repo id), standing in as step 0 of every run among the targets."""
-    path = resolve_model(base).path
+    path = resolve_model(base, check=safetensors_files).path
     runs = {}
     for t in targets:
         runs.setdefault(t.run, t.stabilizer)

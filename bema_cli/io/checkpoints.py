@@ -11,29 +11,14 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from bema_cli.errors import InputError, OutputError
+from bema_cli.errors import InputError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-# Files copied next to every output so it loads like the checkpoint it came from.
-AUX_PATTERNS = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer*",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.*",
-    "merges.txt",
-    "chat_template*",
-    "*.tiktoken",
-    "spiece.model",
-    "preprocessor_config.json",
-)
 # What `--base REPO_ID` downloads: weights, configs, tokenizer, chat template; nothing else.
 HUB_PATTERNS = ["*.safetensors", "*.json", "tokenizer*", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 # Folder naming schemes (prefix of `<prefix><step>`), one per trainer family; a run uses exactly one.
@@ -338,80 +323,3 @@ def resolve_base(base: str | None, checkpoints: list[Checkpoint], check=model_we
         f"{checkpoints[0].path.parent}: cannot tell the base model theta0{found}; pass --base DIR or "
         "--base HUB_REPO_ID (the model fine-tuning started from), or --base first to use the first checkpoint"
     )
-
-
-def copy_aux_files(dst: Path, sources: list[Path], inside: list[Path] | None = None) -> list[str]:
-    """Copy config/tokenizer/chat-template files into dst, each from the first source that has it;
-    links may lead into the `inside` folders (default: the sources) and nowhere else (aux_files)."""
-    copied: list[str] = []
-    for src in sources:
-        for f in aux_files(src, inside or sources):
-            if f.name not in copied:
-                _copy_bytes(f, dst / f.name)
-                copied.append(f.name)
-    return copied
-
-
-def _copy_bytes(src: Path, dst: Path) -> None:
-    """src's bytes (through a link: its target's) into a new regular file dst; a failure names the file
-    at fault and says whether reading or writing failed."""
-    try:
-        source = open(src.resolve(), "rb")
-    except OSError as exc:
-        raise InputError(f"{src}: cannot read ({exc.strerror or exc})") from None
-    with source:
-        try:
-            target = open(dst, "wb", buffering=0)  # unbuffered: a full disk fails in write(), named
-        except OSError as exc:
-            raise OutputError(f"{dst}: cannot write ({exc.strerror or exc})") from None
-        with target:
-            while True:
-                try:
-                    chunk = source.read(1 << 20)
-                except OSError as exc:
-                    raise InputError(f"{src}: cannot read ({exc.strerror or exc})") from None
-                if not chunk:
-                    break
-                try:
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[target.write(view) :]
-                except OSError as exc:
-                    raise OutputError(f"{dst}: cannot write ({exc.strerror or exc})") from None
-
-
-def aux_files(src: Path, inside: list[Path]) -> list[Path]:
-    """The side files of model folder `src` that copy_aux_files would copy; InputError naming a link
-    whose target lies outside the `inside` folders (the checkpoint and the base: a hostile checkpoint
-    would otherwise have any readable file, ~/.ssh/id_rsa say, copied into OUT). A Hub cache
-    snapshot's links into its repo's blobs/ stay inside it."""
-    roots = [_hub_repo(p) or p.resolve() for p in inside]
-    files = []
-    for pattern in AUX_PATTERNS:
-        for f in sorted(src.glob(pattern)):
-            if f.name.endswith(".safetensors") or f.is_dir() or not is_regular(f):
-                continue  # a FIFO, socket or device is refused by is_regular, naming it
-            if f.is_symlink() and not any(f.resolve().is_relative_to(r) for r in roots):
-                raise InputError(
-                    f"{f}: a symbolic link to {f.resolve()}, outside the checkpoint and base folders; "
-                    "not copied into the output (copy the file there instead of linking it)"
-                )
-            files.append(f)
-    return files
-
-
-HUB_REPO = re.compile(r"models--[^/]+")  # the HF cache's folder of one model repo: models--<org>--<name>
-
-
-def _hub_repo(folder: Path) -> Path | None:
-    """The blobs/ folder of an HF cache snapshot, recognised by the cache's whole layout
-    (`models--<org>--<name>/snapshots/<rev>` beside `blobs/`): a snapshot's files link there. A run
-    folder merely named `snapshots` beside a `blobs/` is not a cache, and its links stay refused."""
-    repo = folder.parent.parent
-    if (
-        folder.parent.name != "snapshots"
-        or not HUB_REPO.fullmatch(repo.name)
-        or not (repo / "blobs").is_dir()
-    ):
-        return None
-    return (repo / "blobs").resolve()

@@ -20,7 +20,6 @@ import struct
 from pathlib import Path
 
 from bema_cli.errors import InputError
-from bema_cli.io.checkpoints import model_weight_files
 
 HEAD_BYTES = 1 << 20  # fingerprint of a non-safetensors weight file: its first MiB
 SAMPLE_BYTES = 64 << 10  # and of the data: its first and last 64 KiB
@@ -88,20 +87,10 @@ def file_digest(path: Path) -> str:
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The files holding a model folder's weights, in any format the readers take (io/reader.py)."""
-    from bema_cli.io.reader import open_checkpoint
+    """The files holding a model folder's weights, in any format the readers take (its record)."""
+    from bema_cli.io.reader import describe
 
-    if (folder / "adapter_config.json").is_file():  # a PEFT LoRA adapter
-        return sorted(p for p in folder.glob("adapter_model.*") if p.is_file())
-    try:
-        return model_weight_files(folder)
-    except InputError:
-        if not folder.is_dir():
-            raise
-        files = set()
-        for f in {t.file for t in open_checkpoint(folder).tensors.values()}:
-            files |= {p for p in f.iterdir() if p.is_file()} if f.is_dir() else {f}  # DCP: a folder
-        return sorted(files)
+    return list(describe(folder).files)
 
 
 def fingerprint_if_present(folder: Path, known: list[dict] | None = None) -> list[dict] | None:

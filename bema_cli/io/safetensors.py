@@ -214,7 +214,7 @@ class ChunkReader:
         info = self.index.tensors[name]
         if not 0 <= start <= stop <= (info.shape[0] if info.shape else 1):
             raise ValueError(f"rows [{start}, {stop}) of {name!r} {list(info.shape)}")
-        out = torch.empty((stop - start, *info.shape[1:]) if info.shape else (), dtype=_torch_dtype(info))
+        out = torch.empty((stop - start, *info.shape[1:]) if info.shape else (), dtype=torch_dtype(info))
         self._pread(info, start * info.row_bytes, out.reshape(-1).view(torch.uint8).numpy())
         return out
 
@@ -226,7 +226,7 @@ class ChunkReader:
         import torch
 
         info = self.index.tensors[name]
-        dtype = _torch_dtype(info)
+        dtype = torch_dtype(info)
         if out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous():
             self._pread(info, first * info.itemsize, out.view(torch.uint8).numpy())
             return
@@ -260,7 +260,7 @@ class ChunkReader:
             raise InputError(f"{info.file}: cannot read ({exc.strerror or exc})") from None
 
 
-def _torch_dtype(info: TensorInfo):
+def torch_dtype(info: TensorInfo):
     import torch
 
     return getattr(torch, DTYPES[info.dtype][0])

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+from bema_cli import stages
 
 DEPTH = 4  # buffers per dtype in flight: one being filled, up to three queued or being written
 # Every wait between the two threads is bounded and re-checks its condition: a signal's exception
@@ -41,6 +44,8 @@ class WriteBehind:
         self._error: BaseException | None = None
         self._stop = False  # drop queued blocks (the caller is failing)
         self._thread = None
+        # seconds the caller stood still: for a free buffer (the stage `wait`), or writing (no thread)
+        self.waited = 0.0
         if background:
             self._thread = threading.Thread(target=self._run, name="bema-write-behind", daemon=True)
             self._thread.start()
@@ -73,9 +78,18 @@ class WriteBehind:
             self._all[dtype] = [torch.empty(self.block, dtype=dtype) for _ in range(self.depth)]
             for b in self._all[dtype]:
                 free.put(b)
+        try:
+            return free.get_nowait()[:n]
+        except queue.Empty:
+            pass
+        t = time.perf_counter()
         while True:
             try:
-                return free.get(timeout=0.5)[:n]
+                got = free.get(timeout=0.5)[:n]
+                waited = time.perf_counter() - t
+                self.waited += waited
+                stages.add("wait", waited)
+                return got
             except queue.Empty:
                 self._raise()  # a writer that failed keeps returning buffers, so this only guards a bug
                 if self._thread is None or not self._thread.is_alive():
@@ -143,8 +157,13 @@ class WriteBehind:
         data, writes = job
         try:
             if not self._stop and self._error is None:
+                t, nbytes = time.perf_counter(), 0
                 for write in writes:
-                    write(data)
+                    nbytes += write(data) or 0
+                seconds = time.perf_counter() - t
+                stages.add("write", seconds, nbytes)
+                if self._thread is None:  # written in the caller's thread: not its compute time
+                    self.waited += seconds
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             self._error = exc
         finally:

@@ -1,7 +1,8 @@
 """`bema stabilize`: plan (what to read and write), engine (the tensor-major walk), meta (records)."""
 
 from bema_cli.stabilize.engine import stabilize
-from bema_cli.stabilize.plan import Options, Plan, Run, grid
+from bema_cli.stabilize.grids import grid
+from bema_cli.stabilize.plan import Options, Plan, Run
 from bema_cli.stabilize.prepare import prepare
 
 __all__ = ["Options", "Plan", "Run", "grid", "prepare", "stabilize"]

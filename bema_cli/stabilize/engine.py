@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from bema_cli import __version__, output
+from bema_cli import __version__, output, stages
 from bema_cli.cluster import ExecutorOptions, import_ray
 from bema_cli.errors import BemaError, InputError, OutputError, UsageError
 from bema_cli.io.commit import TMP_PREFIX, OutputTransaction, check_apart
@@ -28,10 +28,11 @@ from bema_cli.io.fingerprint import fingerprint
 from bema_cli.io.safetensors import ModelIndex
 from bema_cli.io.watch import check_unchanged, held_stats, hold_files, release
 from bema_cli.io.writer import ShardedWriter
-from bema_cli.stabilize import meta, state
+from bema_cli.stabilize import meta, state, state_commit
 from bema_cli.stabilize.executors import run_units
 from bema_cli.stabilize.plan import Options, Plan, Run
 from bema_cli.stabilize.prepare import prepare, resolve_state
+from bema_cli.stabilize.project import project, projection_line
 from bema_cli.stabilize.unit import Outputs, torch_device, unit_bytes
 
 
@@ -52,7 +53,7 @@ def _inputs(plan: Plan, run_dir: str) -> list[Path]:
 def _recovered(out: Path, txn: OutputTransaction) -> None:
     if txn.recovered:
         output.log(f"{out}: cleaned up after {len(txn.recovered)} interrupted bema run(s)")
-    state.tidy(out)
+    state_commit.tidy(out)
 
 
 def _restarted(plan: Plan, opts: Options) -> set[str]:
@@ -111,6 +112,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
     read and written; a call with nothing new writes nothing.
     """
     t0 = time.perf_counter()
+    stages.reset()
     executor = executor or ExecutorOptions()
     if executor.executor == "ray" and not opts.dry_run:
         import_ray()  # a missing extra is reported before any planning
@@ -121,13 +123,15 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
     if not opts.dry_run and (out / meta.MANIFEST).is_file():
         reconcile(out)  # outputs deleted by hand leave manifest.json and state.json first
     asked, opts = opts, resolve_state(opts)
-    plan = prepare(opts)
+    with stages.stage("discover"):
+        plan = prepare(opts)
     check_apart(out, _inputs(plan, opts.checkpoint_dir))
     if opts.no_state and not opts.overwrite and not opts.dry_run and _already_written(out, plan, opts):
         last = max((c.step for c in plan.checkpoints), default=None)  # a finished --final-only call again
         return {"outputs": [], "read_bytes": 0, "written_bytes": 0, "state_bytes": 0,
                 "executor": {"executor": executor.executor, "workers": executor.workers},
-                "up_to_date": True, "last_step": last, "seconds": time.perf_counter() - t0}  # fmt: skip
+                "up_to_date": True, "last_step": last, "seconds": time.perf_counter() - t0,
+                "projection": None, "stages": stages.report()}  # fmt: skip
     try:
         _check_out(out, plan.runs, opts.overwrite, _restarted(plan, opts))
     except OutputError as exc:
@@ -141,6 +145,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
             "outputs": [], "read_bytes": 0, "written_bytes": 0, "state_bytes": 0,
             "executor": {"executor": executor.executor, "workers": executor.workers},
             "up_to_date": True, "last_step": last_step, "seconds": time.perf_counter() - t0,
+            "projection": None, "stages": stages.report(),
         }  # fmt: skip
     # the first check that needs torch (~1-2 s to import), so other errors come first; none in a dry run
     torch_device(opts.device, need_torch=not opts.dry_run)
@@ -156,11 +161,15 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
     }
     doc["executor"] = {"executor": executor.executor, "workers": executor.workers}
     doc["up_to_date"], doc["last_step"] = False, last_step
+    doc["projection"] = project(plan, opts, read_bytes, written, out)
+    if output.progress_enabled() or output.verbose():  # on a terminal; pipes read it from --json
+        output.log(projection_line(doc["projection"]))
     if opts.dry_run:
         return {
             "dry_run": True,
             **doc,
             "seconds": time.perf_counter() - t0,
+            "stages": stages.report(),
             "plan": meta.dry_run_plan(plan, opts),
         }
     with OutputTransaction(out) as txn:  # locks OUT: a second writer is refused here, before any work
@@ -176,21 +185,23 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
                 plan, executor.executor == "local", opts.fingerprint == "full", record=not opts.no_state
             ):
                 doc["written_bytes"] = _walk(plan, opts, txn.tmp, executor)
-            entries, _, kept = state.stage(plan, opts, txn.tmp)
+            entries, _, kept = state_commit.stage(plan, opts, txn.tmp)
         except OSError as exc:  # metadata files, state: a full disk names what it was writing
             raise _io_error(exc, txn.tmp) from None
-        doc["state_bytes"] += state.written(txn.tmp)
+        doc["state_bytes"] += state_commit.written(txn.tmp)
         old = meta.read_manifest(out)
         replaced = [r.name for r in plan.runs if r.start is None and (out / r.name).exists()]
-        txn.commit(
-            entries,
-            manifest=meta.manifest(plan, old, outputs=kept),
-            interim_manifest=meta.manifest(plan, old, with_new=False) if old and replaced else None,
-        )
-        state.tidy(out)  # what --keep-last dropped, state folders no run needs any more
+        with stages.stage("commit"):
+            txn.commit(
+                entries,
+                manifest=meta.manifest(plan, old, outputs=kept),
+                interim_manifest=meta.manifest(plan, old, with_new=False) if old and replaced else None,
+            )
+            state_commit.tidy(out)  # what --keep-last dropped, state folders no run needs any more
     keep = {(r.name, s) for r in plan.runs for s in kept[r.name]}
     doc["outputs"] = [o for o in doc["outputs"] if (o["run"], o["step"]) in keep]
     doc["seconds"] = time.perf_counter() - t0
+    doc["stages"] = stages.report()  # this process's (Ray workers time their own units)
     return doc
 
 
@@ -248,7 +259,7 @@ def reconcile(out: Path) -> None:
         if stored is not None:
             for r in stored["runs"]:
                 r["outputs"] = [s for s in r["outputs"] if (r["run"], s) not in gone]
-            entries.append(state.write_sealed(txn.tmp, stored))
+            entries.append(state_commit.write_sealed(txn.tmp, stored))
         txn.commit(entries, manifest=manifest or None)
     names = ", ".join(f"{run}/checkpoint-{step}" for run, step in gone)
     output.warn(

@@ -13,17 +13,18 @@ from typing import TYPE_CHECKING
 
 from bema_cli import __version__, card, output
 from bema_cli.errors import InputError
-from bema_cli.io.checkpoints import copy_aux_files, read_json
+from bema_cli.io.aux_files import copy_aux_files
+from bema_cli.io.checkpoints import read_json
 from bema_cli.io.commit import MANIFEST
 from bema_cli.io.safetensors import DTYPES, FLOATING
-from bema_cli.recurrence import WINDOW_METHODS, Schedule, last_members, merge_coefficients
+from bema_cli.schedule import WINDOW_METHODS, Schedule, last_members, merge_coefficients
 
 if TYPE_CHECKING:
     from bema_cli.stabilize.plan import Options, Plan, Run
 
 
 def hyper(s: Schedule, leave_out: tuple[str, ...] = ()) -> dict:
-    """The run's hyperparameters as records name them (recurrence.Schedule.params)."""
+    """The run's hyperparameters as records name them (schedule.Schedule.params)."""
     return {k: v for k, v in s.params().items() if k not in leave_out}
 
 

@@ -13,14 +13,16 @@ from pathlib import Path
 
 from bema_cli import output
 from bema_cli.errors import InputError, UsageError
-from bema_cli.io.checkpoints import Checkpoint, aux_files, find_checkpoints, is_adapter, resolve_base
+from bema_cli.io.aux_files import aux_files
+from bema_cli.io.checkpoints import Checkpoint, find_checkpoints, is_adapter, resolve_base
 from bema_cli.io.fingerprint import weight_files
 from bema_cli.io.lora import lora_index, read_adapter, same_targets
+from bema_cli.io.read_ahead import ahead_blocks, default_readers
 from bema_cli.io.reader import ModelIndex, TensorInfo, has_weights, open_checkpoint
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
 from bema_cli.io.write_behind import DEPTH
 from bema_cli.io.writer import plan_shards
-from bema_cli.recurrence import WINDOW_METHODS, last_members, run_name
+from bema_cli.schedule import WINDOW_METHODS, last_members, run_name
 from bema_cli.stabilize import plan as planning
 from bema_cli.stabilize import state
 from bema_cli.stabilize.plan import ACCUM_DTYPES, LORA_OUTPUTS, OUT_DTYPES, Options, Plan, Run
@@ -150,13 +152,15 @@ def prepare(opts: Options) -> Plan:
     shards = plan_shards(out_tensors, opts.max_shard_size)
     order = [like.tensors[t.name] for s in shards for t in s.tensors]
     plan = Plan(checkpoints, base.source, base_index, indexes, runs, read_steps, out_tensors, shards)
-    # the write-behind pool holds DEPTH blocks of the widest dtype a block is written in
+    # reserved beside the units: the write-behind pool (DEPTH blocks of the widest dtype a block is
+    # written in) and the blocks read ahead (in the widest dtype the inputs hold)
     acc = DTYPES[TAG_OF[opts.accum_dtype]][1]
     widest = max([acc] + [DTYPES[t.dtype][1] for t in plan.out_tensors if t.dtype in FLOATING])
+    widest_read = max([DTYPES[t.dtype][1] for t in order if t.dtype in FLOATING], default=0)
     plan.block = planning.block_size(opts.max_memory, widest)
-    plan.units = planning.cut_units(
-        order, runs, opts, like.read_itemsize, reserved=DEPTH * plan.block * widest
-    )
+    plan.readers = opts.readers or default_readers()
+    reserved = DEPTH * plan.block * widest + ahead_blocks(plan.readers) * plan.block * widest_read
+    plan.units = planning.cut_units(order, runs, opts, like.read_itemsize, reserved=reserved)
     if layout is not None:
         plan.lora = layout
         plan.lora_rank = (opts.lora_rank or layout.config["r"]) if opts.lora_output == "adapter" else None

@@ -14,13 +14,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from time import perf_counter
 
+from bema_cli import stages
 from bema_cli.errors import InputError, UsageError
+from bema_cli.io.read_ahead import ReadAhead
 from bema_cli.io.reader import TensorReader, read_into, streams
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
 from bema_cli.io.write_behind import WriteBehind
 from bema_cli.io.writer import ShardedWriter, tensor_bytes
-from bema_cli.recurrence import WINDOW_METHODS, Window
+from bema_cli.recurrence import Window
+from bema_cli.schedule import WINDOW_METHODS
 from bema_cli.stabilize import state
 from bema_cli.stabilize.plan import Options, Piece, Plan
 
@@ -259,7 +263,8 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
         if check:
             _check_finite(reader.index, u, flat, 0, size)
 
-    state.read_theta0(plan, unit, theta0, load_theta0)
+    with stages.stage("read", unit_bytes(unit) if plan.theta0_index is not None else 0):
+        state.read_theta0(plan, unit, theta0, load_theta0)
     # one Stabilizer per track (runs sharing a state, e.g. ema and bema at one kappa): from theta0,
     # or continued from OUT's persistent state
     # (no per-unit clones: the states live in the workspace's reused buffers)
@@ -274,16 +279,35 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
             for _, writer in writing:
                 held.enter_context(writer.held())  # files open for the unit's many block writes
             streamed = streams(reader)
+            t_unit, t_read = perf_counter(), 0.0
             if not streamed:
                 theta = ws.view("theta", size)
                 _load(reader, unit, theta, scratch)
+                t_read = perf_counter() - t_unit
+            ahead = (
+                ReadAhead(reader, blocks, _first_element, plan.readers)
+                if streamed and plan.readers > 1
+                else None
+            )
+            if ahead is not None:
+                held.callback(ahead.close)
+            fetched = iter(ahead) if ahead else None
             with ws.write_behind(block).batch() as wb:
+                wait0 = wb.waited
                 for lo, hi, parts in blocks:
                     if streamed:
                         th = ws.view("theta", hi - lo)
-                        for p, a, b in parts:
-                            first = _first_element(p, a)
-                            reader.read_elements_into(p.info.name, first, b - a, th[a - lo : b - lo], scratch)
+                        t = perf_counter()
+                        if fetched is None:
+                            for p, a, b in parts:
+                                first = _first_element(p, a)
+                                reader.read_elements_into(
+                                    p.info.name, first, b - a, th[a - lo : b - lo], scratch
+                                )
+                        else:  # read by the read-ahead threads; cast here, as read_elements_into does
+                            for a, b, data in next(fetched):
+                                th[a - lo : b - lo].copy_(data)
+                        t_read += perf_counter() - t
                     else:
                         th = theta[lo:hi]
                     if check:
@@ -308,6 +332,9 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
                             wb.release(out)  # a burn-in step returned theta_s instead
                     for ring, event in after:
                         ring.view(lo, hi).advance(event, th)
+                waited = wb.waited - wait0
+            stages.add("read", t_read, unit_bytes(unit))
+            stages.add("compute", perf_counter() - t_unit - t_read - waited)
             for _, writer in writing:
                 _write_raw(writer, unit, raw)
         del raw

@@ -16,7 +16,8 @@ from bema_cli.errors import InputError, UsageError
 from bema_cli.eval import resume
 from bema_cli.eval.evaluate import Evaluation
 from bema_cli.eval.targets import Target
-from bema_cli.io.checkpoints import Checkpoint, copy_aux_files
+from bema_cli.io.aux_files import copy_aux_files
+from bema_cli.io.checkpoints import Checkpoint
 from bema_cli.io.fingerprint import weight_files
 from bema_cli.io.reader import open_checkpoint
 from bema_cli.io.watch import SETTLE_FLOOR, Watcher, hold_files, release, wait_for
@@ -183,7 +184,7 @@ class Follow:
         for item in items:
             check_landed(self.plan, item["index"], self.stab.cast_base, item["held"])
         add_landed(self.plan, [(item["step"], item["folder"], item["index"]) for item in items])
-        self.walk.backend.sweep_extend(self.plan)
+        self.walk.backend.source_call("extend", self.plan)
         self._record(items)
         return True
 
@@ -245,6 +246,6 @@ class Follow:
 
     def _advance_to(self, step: int) -> None:
         for s in [s for s in self.plan.read_steps if s <= step and s not in self.walk.walked]:
-            self.walk.backend.sweep_advance(s)
+            self.walk.backend.source_call("advance", s)
             self.walk.walked.append(s)
-            self.walk.backend.sweep_finish()
+            self.walk.backend.source_call("finish")

@@ -7,10 +7,9 @@ import os
 from bema_cli import output
 from bema_cli.errors import UsageError
 from bema_cli.eval.backends.base import EngineOptions
-from bema_cli.eval.backends.vllm import default_max_model_len
+from bema_cli.eval.backends.vllm_backend import default_max_model_len
 from bema_cli.eval.backends.vllm_engine import KV_ENV, cpu_kv_cache
-from bema_cli.eval.evaluate import EvalConfig
-from bema_cli.eval.tasks import LOSS_TASKS
+from bema_cli.eval.job import EvalConfig
 from bema_cli.io.checkpoints import read_json
 from bema_cli.io.safetensors import FLOATING
 from bema_cli.machine import available_memory
@@ -29,19 +28,18 @@ def memory_estimate(
     plan: Plan, opts: Options, config: EvalConfig, engine: EngineOptions, backend: str, gpu: bool = False
 ) -> dict:
     """Peak bytes the sweep will hold, by part, decided before anything is read. On a GPU machine
-    the engine (weights, KV cache, the loss model) lives in GPU memory and is left out; so are the
+    the engine (weights, KV cache) lives in GPU memory and is left out; so are the
     states in `host_total` when `states_device` puts them there."""
     numel = sum(t.numel for t in plan.out_tensors if t.dtype in FLOATING)
     engine_dtype = engine.dtype if engine.dtype != "auto" else meta.out_dtype_name(plan, opts)
     model = numel * ENGINE_BYTES.get(engine_dtype, 4)
     parts = {"states": state_bytes(plan, opts.accum_dtype), "runtime": RUNTIME_BYTES}
-    # a swap's per-tensor copies, a checkpoint's file pages as read, the loss model's load: measured
-    # up to ~2 fp32 models over states + engine (docs/performance.md); 3 keep a margin
-    parts["transients"] = 3 * numel * 4
+    # a swap's per-tensor copies (the tied embedding held to the end), the loss logits, the
+    # allocator's slack: measured ~one float32 model over states + engine + KV cache (the 0.5B
+    # shape's vLLM sweep: 7.96 GB peak against 6.2 GB of named parts, docs/performance.md)
+    parts["transients"] = numel * 4
     if not gpu:
         parts["engine_weights"] = model
-        if backend == "vllm" and any(t in LOSS_TASKS for t in config.tasks):
-            parts["loss_model"] = model  # a transformers copy beside the engine, as `bema eval` has
         if backend == "vllm":  # the size the engine will be given (vllm_engine.kv_cache_kwargs)
             kv = os.environ.get(KV_ENV, "").strip()
             config = read_json(plan.base_index.folder / "config.json")  # the run's architecture

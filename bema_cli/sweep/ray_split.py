@@ -20,7 +20,7 @@ class SweepActor:
     """One engine in a Ray actor; `run` is one share of the grid, walked from theta0."""
 
     def __init__(self, backend_name: str, engine):
-        from bema_cli.eval.backends.vllm import route_vllm_logs
+        from bema_cli.eval.backends.vllm_backend import route_vllm_logs
 
         if backend_name == "vllm":
             route_vllm_logs(engine.log_file, engine.debug)

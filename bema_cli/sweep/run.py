@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import time
 
-from bema_cli import output
+from bema_cli import output, stages
 from bema_cli.cluster import ExecutorOptions, import_ray
 from bema_cli.errors import UsageError
 from bema_cli.eval.backends.base import EngineOptions
-from bema_cli.eval.evaluate import EvalConfig, Evaluation, validate
+from bema_cli.eval.evaluate import Evaluation, validate
+from bema_cli.eval.job import EvalConfig
 from bema_cli.machine import PeakRss
 from bema_cli.stabilize.plan import Options
 from bema_cli.sweep.follow import Follow
+from bema_cli.sweep.project import project
 from bema_cli.sweep.ray_split import run_split
 from bema_cli.sweep.session import (
     SweepOptions,
@@ -51,10 +53,29 @@ def sweep(
 ) -> dict:
     """Run one sweep (batch, or --follow with `follow` = its poll settings); returns the --json document,
     whose memory.peak_rss counts the engine's own processes too (vLLM's engine core runs apart)."""
+    stages.reset()
     with PeakRss() as peak:
         doc = _sweep(stab, config, engine, sweep_opts, executor, follow, validated)
     doc["memory"].update(peak.parts())
     return doc
+
+
+def projection(plan, evaluation, jobs, doc: dict, config: EvalConfig) -> dict:
+    """The projected wall time (sweep/project.py) and peak memory (the estimate), said on stderr."""
+    from pathlib import Path
+
+    from bema_cli.machine import probe
+    from bema_cli.stabilize.project import probe_sample, projection_line
+
+    sample = probe_sample(plan)
+    if sample is None:
+        return {"peak_memory_bytes": doc["memory"]["estimate"]}
+    speeds = probe(sample, Path(config.out).expanduser())
+    p = project(plan, evaluation, jobs, doc["memory"]["model_bytes"], speeds)
+    p["peak_memory_bytes"] = doc["memory"]["estimate"]
+    if output.progress_enabled() or output.verbose():  # on a terminal; pipes read it from --json
+        output.log(projection_line(p))
+    return p
 
 
 def _sweep(stab, config, engine, sweep_opts, executor, follow, validated) -> dict:
@@ -83,6 +104,12 @@ def _sweep(stab, config, engine, sweep_opts, executor, follow, validated) -> dic
     at = targets(plan, stab, steps, folder_of)
     jobs = evaluation.plan(at, fingerprints(plan, at, input_prints(folder_of)))
     say_resumed(evaluation, at, jobs)
+    doc["projection"] = (
+        projection(plan, evaluation, jobs, doc, config) if jobs or sweep_opts.dry_run else None
+    )
+    if sweep_opts.dry_run:
+        doc.update(dry_run=True, backend=evaluation.backend_name, pending=sum(len(j.tasks) for j in jobs))
+        return finish_doc(doc, evaluation, at, t0)
     if not jobs:
         output.log(f"up to date: every (config, step, task) is in {evaluation.results.path}")
     elif executor.executor == "ray":

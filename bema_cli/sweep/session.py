@@ -10,11 +10,12 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bema_cli import __version__, output
+from bema_cli import __version__, output, stages
 from bema_cli.errors import UsageError
 from bema_cli.eval import resume
 from bema_cli.eval.backends.base import EngineOptions, make_backend
-from bema_cli.eval.evaluate import EvalConfig, Evaluation, Job, evaluate_task
+from bema_cli.eval.evaluate import Evaluation
+from bema_cli.eval.job import EvalConfig, Job, evaluate_task
 from bema_cli.eval.targets import STABILIZER_KEYS, SWEEP_SCHEME, VANILLA, Target, check_model_dir
 from bema_cli.io.commit import check_apart
 from bema_cli.io.fingerprint import fingerprint, weight_files
@@ -24,11 +25,14 @@ from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.unit import torch_device
 from bema_cli.sweep.memory import check_memory, host_total, memory_estimate, states_device
 
+WALKER = "bema_cli.sweep.walk:Walker"  # the backend builds it where the weights load (a vLLM worker)
+
 
 @dataclass
 class SweepOptions:
     at: str = "all"  # all | last | every:N | S1,S2,... (0: theta0)
     memory_limit: int | None = None  # bytes the sweep may hold; None: MemAvailable
+    dry_run: bool = False  # project memory and time, then stop before reading any checkpoint
 
 
 def parse_at(text: str) -> tuple[str, int | frozenset | None]:
@@ -148,7 +152,7 @@ def memory_doc(plan, stab, config, engine, evaluation, sweep_opts) -> tuple[dict
     check_memory(estimate, limit, stab.checkpoint_dir, len(plan.runs))
     doc = {"runs": [r.name for r in plan.runs], "evaluated": 0,
            "memory": {"estimate": estimate["total"], "parts": estimate["parts"], "limit": limit,
-                      "states_device": device},
+                      "states_device": device, "model_bytes": estimate["model_bytes"]},
            "backend": backend, "engine_starts": 0, "written_weight_bytes": 0}  # fmt: skip
     return doc, stab
 
@@ -165,6 +169,8 @@ def finish_doc(doc: dict, evaluation: Evaluation, at: list[Target], t0: float) -
     keys = {(str(t.path), r, n) for t in at for r, _ in t.record_runs() for n in evaluation.inputs}
     doc["records"] = [r for r in evaluation.results.records if (r["model_path"], r["run"], r["task"]) in keys]
     doc["bema_version"], doc["seconds"] = __version__, time.perf_counter() - t0
+    # this process's stages: a Ray actor's or vLLM worker's own time is inside its calls
+    doc["stages"] = stages.report()
     doc["finished_at"] = time.time()  # the engine's teardown at exit comes after (the benchmark separates it)
     return doc
 
@@ -187,9 +193,9 @@ class Walk:
         self.aux_of = aux_of if aux_of is not None else {}  # --follow: step -> a copy of its small files
         if starter is None:
             self.backend = make_backend(backend_name, engine)
-            self.backend.open_sweep(plan, stab, first)
+            self.backend.open_source(WALKER, (plan, stab), first)
         else:
-            self.backend = starter(lambda backend: backend.open_sweep(plan, stab, first))
+            self.backend = starter(lambda backend: backend.open_source(WALKER, (plan, stab), first))
         self.engine_ready_at = time.time()  # the one-time start-up ends here (the benchmark separates it)
 
     def run(self, jobs: list[Job], write, between=None) -> None:
@@ -208,18 +214,20 @@ class Walk:
             task = bar.add_task("sweeping (checkpoints walked)", total=len(steps))
             for step in steps:
                 t = time.perf_counter()
-                self.backend.sweep_advance(step)
+                with stages.stage("walk", self.plan.indexes[step].nbytes if step in self.plan.indexes else 0):
+                    self.backend.source_call("advance", step)
                 self.walk_s += time.perf_counter() - t
                 self.walked.append(step)
                 for job in by_step.get(step, []):
                     run = None if job.target.run == "vanilla" else job.target.run
                     self._evaluate(
-                        job, write, lambda r=run, s=step: self.backend.sweep_load(r, self._folder(s))
+                        job, write, lambda r=run, s=step: self.backend.load_from_source(r, self._folder(s))
                     )
                     if between is not None:
                         between()
                 t = time.perf_counter()
-                self.backend.sweep_finish()
+                with stages.stage("walk"):
+                    self.backend.source_call("finish")
                 self.walk_s += time.perf_counter() - t
                 bar.advance(task)
 
@@ -228,7 +236,8 @@ class Walk:
         return self.aux_of.get(step, self.folder_of[step])
 
     def _evaluate(self, job: Job, write, load) -> None:
-        load()
+        with stages.stage("swap"):
+            load()
         for item in job.tasks:
             t = time.perf_counter()
             records, samples = evaluate_task(self.backend, job, item)

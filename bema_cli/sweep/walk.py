@@ -9,8 +9,10 @@ and the same planned events as stabilize), and `weights(run)` computes a config'
 tensor at a time, cast to the dtype the disk path would write, so an engine loads exactly the
 bytes `bema stabilize` + `bema eval` would have loaded. Nothing is written.
 
-Memory: theta0, theta_s and every distinct state (a window: its K-1 ring slices), each one
-model in the accumulation dtype (`state_bytes`), plus one tensor of scratch.
+Memory (`state_bytes`): every distinct EMA-family state, one model each in the accumulation
+dtype; theta0, theta_s and a window's K-1 ring slices in the checkpoints' own dtype when that is
+exact (`hold_dtype`: bf16 held as bf16 halves them), upcast a block at a time (HOLD_BLOCK elements)
+for every operation, so the numbers equal an all-float32 walk's bit for bit.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from bema_cli.stabilize.unit import (
 )
 
 WHOLE_MODEL = 1 << 62  # --max-memory for the plan: one work unit holds every tensor
+HOLD_BLOCK = 1 << 22  # elements upcast at a time from the held dtype (16 MB of float32 per buffer)
 
 
 def sweep_options(opts: Options) -> Options:
@@ -90,16 +93,25 @@ def add_landed(plan: Plan, landed: list[tuple[int, Path, ModelIndex]]) -> None:
     plan.read_steps = [s for s in steps if any(r.events[s].action != "skip" for r in plan.runs)]
 
 
-def state_buffers(plan: Plan) -> int:
-    """Model-sized accumulation buffers the walk holds: theta0, theta_s, one per distinct state
-    tensor (a window: its K-1 ring slices)."""
-    return 2 + sum(t.ring if t.window else len(STATE_TENSORS[t.method]) for t in plan.tracks)
+def hold_dtype(plan: Plan, accum_dtype: str) -> str:
+    """The dtype theta0, theta_s and window rings are held in: the inputs' own float dtype when base
+    and checkpoints all have the same one and it is narrower than the accumulation dtype (every
+    bf16/f16/f32 value is exact in a wider float), else the accumulation dtype."""
+    indexes = [plan.base_index, *plan.indexes.values()]
+    tags = {t.dtype for index in indexes for t in index.tensors.values() if t.dtype in FLOATING}
+    (tag,) = tags if len(tags) == 1 else (TAG_OF[accum_dtype],)
+    return DTYPES[tag][0] if DTYPES[tag][1] < DTYPES[TAG_OF[accum_dtype]][1] else accum_dtype
 
 
 def state_bytes(plan: Plan, accum_dtype: str) -> int:
-    """What the walk holds in memory (the estimate `bema sweep` checks before reading anything)."""
+    """What the walk holds in memory (the estimate `bema sweep` checks before reading anything):
+    theta0, theta_s and ring slices in the held dtype, each EMA-family state tensor in the
+    accumulation dtype, and the upcast blocks."""
     numel = sum(t.numel for t in plan.out_tensors if t.dtype in FLOATING)
-    return state_buffers(plan) * numel * DTYPES[TAG_OF[accum_dtype]][1]
+    held = 2 + sum(t.ring for t in plan.tracks if t.window)
+    accumulated = sum(len(STATE_TENSORS[t.method]) for t in plan.tracks if not t.window)
+    hold, accum = DTYPES[TAG_OF[hold_dtype(plan, accum_dtype)]][1], DTYPES[TAG_OF[accum_dtype]][1]
+    return (held * hold + accumulated * accum) * numel + 4 * HOLD_BLOCK * accum
 
 
 class Walker:
@@ -107,6 +119,8 @@ class Walker:
     caller's (transformers) or a vLLM worker's (the weights load where the states live)."""
 
     def __init__(self, plan: Plan, opts: Options):
+        import torch
+
         self.opts = opts
         self.plan = plan  # plan_sweep's (the driver's: a worker gets a copy, headers only)
         self.unit = [p for u in plan.units for p in u]
@@ -116,31 +130,52 @@ class Walker:
         self.size = size = max((p.hi for p in self.unit), default=0)
         self.scratch = ws.scratch(self.unit)
         self.check = not self.opts.allow_nonfinite
-        self.theta0 = ws.view("theta0", size)
+        self.hold = getattr(torch, hold_dtype(plan, opts.accum_dtype))
+        self.theta0 = ws.view("theta0", size, self.hold)
 
         def load_theta0(reader, unit, flat):
             _load(reader, unit, flat, self.scratch)
             if self.check:
                 _check_finite(reader.index, unit, flat, 0, size)
 
+        def buffer(key: str):  # a ring slot is a copy of some theta_s: exact in the held dtype
+            return ws.view(key, size, self.hold if "-slot" in key else None)
+
         state.read_theta0(plan, self.unit, self.theta0, load_theta0)
-        self.stabs = state.start_unit(
-            plan, self.unit, self.theta0, lambda key: ws.view(key, size), self.scratch
-        )
-        self.theta = ws.view("theta", size)
+        self.stabs = state.start_unit(plan, self.unit, self.theta0, buffer, self.scratch)
+        self.theta = ws.view("theta", size, self.hold)
         self.track_of = {r.name: i for i, t in enumerate(plan.tracks) for r in t.runs}
         self.out_dtypes = {t.name: t.dtype for t in plan.out_tensors}
         self.step: int | None = None
         self.raw: dict = {}
         self._rings: list = []
+        self._scratch: dict = {}
+
+    def _up(self, name: str, held):
+        """`held` (a block of theta0 or theta_s) in the accumulation dtype: a view when already in
+        it, else an exact copy into a reused block buffer."""
+        if held.dtype == self.ws.acc:
+            return held
+        return self._block(name)[: held.numel()].copy_(held)
+
+    def _block(self, name: str):
+        """A reused HOLD_BLOCK buffer in the accumulation dtype, on the states' device."""
+        import torch
+
+        if name not in self._scratch:
+            self._scratch[name] = torch.empty(HOLD_BLOCK, dtype=self.ws.acc, device=self.ws.device)
+        return self._scratch[name]
+
+    def _blocks(self, lo: int, hi: int):
+        return ((a, min(a + HOLD_BLOCK, hi)) for a in range(lo, hi, HOLD_BLOCK))
 
     def extend(self, plan: Plan) -> None:
         """--follow: the driver's plan, extended by `add_landed` with the checkpoints that landed."""
         self.plan = plan
 
     def advance(self, step: int) -> None:
-        """Read checkpoint `step` into theta_s and move every state that takes it (rings wait for
-        `finish`: a window's merge at this step still needs its oldest member)."""
+        """Read checkpoint `step` into theta_s and move every state that takes it, a block at a time
+        (rings wait for `finish`: a window's merge at this step still needs its oldest member)."""
         import torch
 
         self.finish()
@@ -149,6 +184,7 @@ class Walker:
             folder = next(c.path for c in self.plan.checkpoints if c.step == step)
             index = open_checkpoint(folder, like=set(self.plan.base_index.tensors))
             drop_tied_head(index, self.plan.base_index)
+        self._check_held(index)
         with index.open() as reader:
             self.raw = _read_raw(reader, self.unit)
             _load(reader, self.unit, self.theta, self.scratch)
@@ -161,8 +197,25 @@ class Walker:
         with torch.no_grad():
             if step <= self.plan.runs[0].schedule.tau:
                 self.theta0.copy_(self.theta)  # burn-in: theta0 = theta_s
-            for stab, event in updates:
-                stab.advance(event, self.theta0 if event.action == "burnin" else self.theta)
+            for a, b in self._blocks(0, self.size) if updates else ():
+                theta, theta0 = self._up("up-theta", self.theta[a:b]), self._up("up-theta0", self.theta0[a:b])
+                for stab, event in updates:
+                    part = stab.view(a, b)
+                    part.theta0 = theta0  # ouema's update reads theta0
+                    part.advance(event, theta0 if event.action == "burnin" else theta)
+
+    def _check_held(self, index: ModelIndex) -> None:
+        """A checkpoint that landed later (--follow) in a wider dtype than theta_s is held in would be
+        rounded: refused, naming it (its dtype was unknown when the walk started)."""
+        if self.hold == self.ws.acc:
+            return
+        held = TAG_OF[str(self.hold).removeprefix("torch.")]
+        for t in index.tensors.values():
+            if t.dtype in FLOATING and t.dtype != held:
+                raise InputError(
+                    f"{t.file}: tensor {t.name!r} is {t.dtype}, but the sweep holds theta_s as {held} "
+                    "(the dtype of the checkpoints before it); sweep this run again from the start"
+                )
 
     def finish(self) -> None:
         """The rings take theta_s (after every estimate of the step)."""
@@ -185,23 +238,27 @@ class Walker:
         event = found.events[self.step] if found else None
         method = found.schedule.method if found else "vanilla"
         stab = self.stabs[self.track_of[run]] if found else None
-        out = self.ws.view("out", max((p.hi - p.lo for p in self.unit), default=0))
         with torch.no_grad():
             for p in self.unit:
                 name, shape = p.info.name, p.info.shape
                 if name in self.raw:
                     yield name, self.raw[name].clone().view(shape)
                     continue
-                th, n = self.theta[p.lo : p.hi], p.hi - p.lo
-                if stab is None:
-                    result = th
-                else:
-                    bema = method == "bema" and event.action == "update"
-                    drift = torch.sub(th, self.theta0[p.lo : p.hi]) if bema else None
-                    buffer = out[:n] if method in BUFFERED else None
-                    result = run_estimate(stab.view(p.lo, p.hi), found, event, th, drift, buffer)
                 tag = self.out_dtypes[name] if found else p.info.dtype  # vanilla: the checkpoint as saved
-                tensor = result.to(getattr(torch, DTYPES[tag][0]), copy=True)
+                tensor = torch.empty(p.hi - p.lo, dtype=getattr(torch, DTYPES[tag][0]), device=self.ws.device)
+                for a, b in self._blocks(p.lo, p.hi):
+                    theta = self._up("up-theta", self.theta[a:b])
+                    if stab is None:
+                        result = theta
+                    else:
+                        bema = method == "bema" and event.action == "update"
+                        drift = None
+                        if bema:
+                            theta0 = self._up("up-theta0", self.theta0[a:b])
+                            drift = torch.sub(theta, theta0, out=self._block("drift")[: b - a])
+                        buffer = self._block("out")[: b - a] if method in BUFFERED else None
+                        result = run_estimate(stab.view(a, b), found, event, theta, drift, buffer)
+                    tensor[a - p.lo : b - p.lo].copy_(result)  # the cast stabilize's writer does
                 if dtype is not None and tensor.dtype != dtype:
                     tensor = tensor.to(dtype)
                 yield name, tensor.view(shape)

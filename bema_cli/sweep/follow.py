@@ -70,7 +70,9 @@ class Landed:
         try:
             mapping, fds = hold_files(weight_files(folder))
             self.fds += fds
-            held = {str(k): str(v).replace("/proc/self/", f"/proc/{os.getpid()}/") for k, v in mapping.items()}
+            held = {
+                str(k): str(v).replace("/proc/self/", f"/proc/{os.getpid()}/") for k, v in mapping.items()
+            }
             aux = self.aux / f"checkpoint-{step}"
             aux.mkdir()
             copy_aux_files(aux, [folder])

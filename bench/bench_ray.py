@@ -140,7 +140,8 @@ def bench_eval(work: Path, args, env_cluster: dict, env_local: dict) -> dict:
             r = timed(f"eval {name} #{rep + 1}", [*cmd, "--out", str(out), *flags], env)
             res[name].append(r["wall"])
             metrics[name] = sorted(
-                (d["model_path"], d["task"], json.dumps(d["metrics"], sort_keys=True)) for d in r["doc"]
+                (d["model_path"], d["task"], json.dumps(d["metrics"], sort_keys=True))
+                for d in r["doc"]["records"]
             )
             shutil.rmtree(out)
     res["same_records"] = metrics["local"] == metrics["ray2"]

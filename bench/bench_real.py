@@ -106,7 +106,7 @@ def loop_rows(world: dict, root: Path, only: set) -> list[dict]:
         targets = [run / f"checkpoint-{s}" for s in steps[-2:]]
         doc, measured = bema_json("eval", *targets, "--out", root / "eval", *common)
         rows.append(
-            row("eval (vLLM) 2 checkpoints, loss + 4 gsm8k", measured, {}, None, None, world["numel"])
+            row("eval (vLLM) 2 checkpoints, loss + 4 gsm8k", measured, doc, None, None, world["numel"])
         )
     if "sweep" in only:
         at = ",".join(map(str, steps[-2:]))

@@ -156,11 +156,11 @@ def test_a_failed_start_names_the_root_cause_and_auto_falls_back(tiny_model_dir,
     assert r.returncode == 0, r.stderr
     fell = [x for x in r.stderr.splitlines() if "--backend auto goes on with transformers" in x]
     assert len(fell) == 1 and "ValueError: Available memory" in fell[0], r.stderr
-    records = json.loads(r.stdout)
+    records = json.loads(r.stdout)["records"]
     assert records and {x["backend"] for x in records} == {"transformers"}
     assert {x["resume_key"]["backend"] for x in records} == {"transformers"}
     # the same command again (vLLM would start now): auto follows the records there, nothing redone
     again = run_bema("eval", tiny_model_dir, "--data-dir", data, "--out", auto, *SMALL, "--json")
     assert again.returncode == 0, again.stderr
     assert "--backend auto: transformers, as the records already in" in again.stderr
-    assert [x["eval_id"] for x in json.loads(again.stdout)] == [x["eval_id"] for x in records]
+    assert [x["eval_id"] for x in json.loads(again.stdout)["records"]] == [x["eval_id"] for x in records]

@@ -74,8 +74,9 @@ def evaluated(tiny_model_dir, tiny_trained_dir, tmp_path_factory):
             "--out", out, "--log-samples"]  # fmt: skip
     proc = run_bema("eval", *args, "--json")
     assert proc.returncode == 0, proc.stderr
-    return {"root": root, "data": data_dir, "out": out, "raw": raw, "stab": stab, "args": args,
-            "records": json.loads(proc.stdout), "base": tiny_model_dir, "trained": tiny_trained_dir}  # fmt: skip
+    doc = json.loads(proc.stdout)
+    return {"root": root, "data": data_dir, "out": out, "raw": raw, "stab": stab, "args": args, "doc": doc,
+            "records": doc["records"], "base": tiny_model_dir, "trained": tiny_trained_dir}  # fmt: skip
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -131,6 +132,21 @@ def test_records_follow_the_contract(evaluated):
         protocol["temperature"],
     ) == (N_SAMPLES, 6, LIMIT, 1.0)
     assert protocol["chat_template"] == "model"
+
+
+def test_json_document_says_where_the_time_and_memory_went(evaluated):
+    """`bema eval --json` is one document like sweep's: the records as results.jsonl holds them,
+    and the run's stages (one engine start, a swap per model, generation and loss scoring), its
+    seconds, its peak RSS split into bema's own and the engine processes' (none on transformers)."""
+    doc = evaluated["doc"]
+    assert doc["records"] == read_jsonl(evaluated["out"] / "results.jsonl")
+    assert list(doc["stages"]) == ["engine_start", "swap", "generate", "loss"]
+    assert sum(s["seconds"] for s in doc["stages"].values()) <= doc["seconds"]
+    assert doc["stages"]["swap"]["bytes"] == 0 or doc["stages"]["swap"]["gb_per_s"] is not None
+    memory = doc["memory"]
+    assert memory["peak_rss"] == memory["peak_rss_bema"] + memory["peak_rss_engine"]
+    assert memory["peak_rss_engine"] == 0 and memory["peak_rss_bema"] > 200e6  # torch and a model loaded
+    assert doc["bema_version"] == evaluated["records"][0]["bema_version"]
 
 
 def test_samples_and_records_agree(evaluated):

@@ -94,7 +94,7 @@ def test_seeds_are_recorded_per_prompt_and_in_the_record(tiny_model_dir, tmp_pat
                  "--n-samples", 3, "--max-new-tokens", 4, "--limit", 4, "--seed", 7, "--out", out,
                  "--log-samples", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
-    for record in json.loads(r.stdout):
+    for record in json.loads(r.stdout)["records"]:
         assert record["seeds"] == {"sampling": 7, "selection": 37371, "scheme": 2, "per_prompt": SEED_RULE}
         assert record["resume_key"]["seeds"] == record["seeds"]
     samples = read_jsonl(out / "samples.jsonl")

@@ -39,7 +39,9 @@ def runs(tiny_model_dir, tmp_path_factory):
         "eval", trained["bfloat16"], "--backend", "vllm", "--out", root / "fresh", *common, "--json"
     )
     assert fresh.returncode == 0, fresh.stderr
-    assert len(json.loads(fresh.stdout)) == 3  # stdout is the one JSON document, vLLM's logs go to stderr
+    assert (
+        len(json.loads(fresh.stdout)["records"]) == 3
+    )  # stdout is the one JSON document, vLLM's logs go to stderr
     hf = run_bema("eval", trained["bfloat16"], trained["float16"], "--base", tiny_model_dir,
                   "--backend", "transformers", "--out", root / "hf", *common)  # fmt: skip
     assert hf.returncode == 0, hf.stderr
@@ -108,7 +110,7 @@ def test_seeded_sampling_batch_over_the_token_budget(tmp_path, tiny_model_dir):
                  "--n-samples", "4", "--max-new-tokens", "4", "--dtype", "float32",
                  "--out", tmp_path / "out", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
-    (record,) = json.loads(r.stdout)
+    (record,) = json.loads(r.stdout)["records"]
     assert record["n_prompts"] == 32 and record["n_samples"] == 4 and record["backend"] == "vllm"
 
 
@@ -148,7 +150,7 @@ def test_loss_on_vllm_in_bfloat16_within_stated_tolerance(tiny_model_dir, tmp_pa
         proc = run_bema("eval", tiny_model_dir, "--tasks", "loss", "--loss-data", data_dir / "heldout.jsonl",
                         "--backend", backend, "--dtype", "bfloat16", "--out", tmp_path / backend, "--json")  # fmt: skip
         assert proc.returncode == 0, proc.stderr
-        (docs[backend],) = json.loads(proc.stdout)
+        (docs[backend],) = json.loads(proc.stdout)["records"]
     v, t = docs["vllm"], docs["transformers"]
     assert (v["backend"], t["backend"]) == ("vllm", "transformers")
     assert v["items"]["tokens"] == t["items"]["tokens"] and sum(t["items"]["tokens"]) > 50

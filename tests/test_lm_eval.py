@@ -78,7 +78,7 @@ def test_lm_eval_tasks_equal_lm_evals_own_run(toy):
     proc = run_bema("eval", *toy["models"], "--tasks", "lm_eval:" + ",".join(TASKS), "--lm-eval-include",
                     toy["include"], "--backend", "transformers", "--out", out, "--json")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = json.loads(proc.stdout)
+    records = json.loads(proc.stdout)["records"]
     assert records == read_jsonl(out / "results.jsonl")
     assert {(r["model_path"], r["task"]) for r in records} == {
         (str(m), f"lm_eval:{t}") for m in toy["models"] for t in TASKS
@@ -147,7 +147,7 @@ def test_lm_eval_on_the_shared_vllm_engine_equals_a_fresh_one(toy, tmp_path):
                     toy["include"], "--backend", "vllm", "--dtype", "float32", "--out", out, "--json")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("starting vLLM engine") == 1
-    mine = {r["task"].removeprefix("lm_eval:"): r["metrics"] for r in json.loads(proc.stdout)
+    mine = {r["task"].removeprefix("lm_eval:"): r["metrics"] for r in json.loads(proc.stdout)["records"]
             if r["model_path"] == str(trained)}  # fmt: skip
     engine = {"pretrained": str(trained), "dtype": "float32", "enforce_eager": True, "enable_chunked_prefill": False,
               "max_num_batched_tokens": 8192, "max_model_len": 2048, "gpu_memory_utilization": 0.7}  # fmt: skip

@@ -108,5 +108,5 @@ def test_the_shipped_folder_loads_in_vllm(runs, tmp_path):
     r = run_bema("eval", out, "--backend", "vllm", "--tasks", "loss", "--loss-data", runs["data"],
                  "--out", tmp_path / "eval", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
-    (record,) = json.loads(r.stdout)
+    (record,) = json.loads(r.stdout)["records"]
     assert record["model_path"] == str(out) and record["metrics"]["loss"] > 0

@@ -85,7 +85,7 @@ def evaluate(
     from pathlib import Path
 
     from bema_cli.cluster import ExecutorOptions
-    from bema_cli.eval.evaluate import LIBRARY_LOG, run_eval
+    from bema_cli.eval.evaluate import LIBRARY_LOG, eval_document
     from bema_cli.eval.results import records_table
 
     if tasks.strip() == "list":
@@ -102,17 +102,16 @@ def evaluate(
         out = DEFAULT_OUT
         output.log(f"results go to ./{DEFAULT_OUT}/ (the default; --out DIR chooses)")
     config, engine = eval_settings({**locals(), "out": out})
-    stages.reset()
-    records = run_eval(
+    doc = eval_document(
         inputs or [], base, config, engine, ExecutorOptions(executor, workers, ray_address),
         validated=lambda: output.send_library_output(Path(out) / LIBRARY_LOG),
     )  # fmt: skip
     if json_:
-        output.print_json(records)  # a list of records, as results.jsonl holds them (the stages: stderr)
+        output.print_json(doc)
     else:
-        output.print_table(records_table(records))
-    if stages.report():
-        output.log(stages.line(stages.report()))
+        output.print_table(records_table(doc["records"]))
+    if doc["stages"]:
+        output.log(f"{stages.line(doc['stages'])}; peak RSS {output.size(doc['memory']['peak_rss'])}")
 
 
 def rescore(

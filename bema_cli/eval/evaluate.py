@@ -12,11 +12,12 @@ pool of engines (ray_pool.py), calls `run_job` there and hands the results to
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from bema_cli import output, stages
+from bema_cli import __version__, output, stages
 from bema_cli.cluster import ExecutorOptions, import_ray
 from bema_cli.errors import OutputError, UsageError
 from bema_cli.eval import data, resume
@@ -36,6 +37,7 @@ from bema_cli.eval.targets import Target, base_target, check_model_dir, expand_i
 from bema_cli.eval.tasks import LOSS_TASKS, get_task, is_lm_eval
 from bema_cli.eval.tasks import common as scoring
 from bema_cli.io.commit import check_apart
+from bema_cli.machine import PeakRss
 
 PER_MESSAGE_TOKENS = 16  # a chat template's role markers around each message
 LIBRARY_LOG = "libraries.log"  # OUT/libraries.log: what the libraries print on stderr (shown with -v)
@@ -343,3 +345,17 @@ def run_eval(
     if validated is not None:
         validated()  # the CLI: the libraries' own stderr output goes to OUT/libraries.log from here on
     return Evaluation(config, engine, executor).run(targets)
+
+
+def eval_document(inputs: list[str], base: str | None, config: EvalConfig, engine: EngineOptions,
+                  executor: ExecutorOptions | None = None, validated=None) -> dict:  # fmt: skip
+    """`run_eval` measured, as `bema eval --json` prints it: the records (as results.jsonl holds
+    them) and where the run's time and memory went, the same fields as sweep's document: `stages`
+    (engine_start, swap, generate, loss, lm_eval: seconds, bytes, GB/s), `seconds`, and `memory`
+    (peak RSS of bema and of the engine's own processes, vLLM's engine core runs apart)."""
+    t0 = time.perf_counter()
+    stages.reset()
+    with PeakRss() as peak:
+        records = run_eval(inputs, base, config, engine, executor, validated)
+    return {"bema_version": __version__, "records": records, "seconds": time.perf_counter() - t0,
+            "stages": stages.report(), "memory": peak.parts()}  # fmt: skip

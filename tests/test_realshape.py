@@ -2,9 +2,10 @@
 weights, a local tokenizer): stabilize, then a vLLM sweep, on real sizes.
 
 What must hold at this size: the sweep's host RAM per parameter, engine included (one model in
-the engine, theta0/theta_s held in bf16, one float32 EMA: measured 16.1 B/param, the issue's
-target is 14, held here at 17 so a regression from 27 shows); the memory estimate within 10% of
-the measured peak; the sweep's projected time within 2x, stabilize's within 3x (see below).
+the engine, theta0/theta_s held in bf16, one float32 EMA, freed blocks returned to the OS:
+measured 14.9 B/param, 15.9 before that; the issue's target is 14, held here at 15.5); the
+memory estimate within 10% of the measured peak; the sweep's projected time within 2x,
+stabilize's within 3x (see below).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def test_vllm_sweep_on_the_05b_shape_memory_and_projection(world, tmp_path):
     # engine; processes below it (compile workers) are reported apart, in peak_rss_engine. (CI once
     # read 17.8 GB here: ru_maxrss, carried over from this test process across fork and exec.)
     own = memory["peak_rss_bema"]
-    assert own / world["numel"] <= 17.0, memory  # 14 is the target: missed, see the docstring
+    assert own / world["numel"] <= 15.5, memory  # 14 is the target: missed, see the docstring
     assert abs(memory["estimate"] - own) <= 0.10 * own, memory
     assert 0.5 <= doc["seconds"] / projected["seconds"] <= 2.0, (doc["seconds"], projected)  # 1.6-1.7
     losses = {rec["run"]: rec["metrics"]["loss"] for rec in doc["records"] if rec["task"] == "loss"}

@@ -37,7 +37,7 @@ from bema_cli.eval.targets import Target, base_target, check_model_dir, expand_i
 from bema_cli.eval.tasks import LOSS_TASKS, get_task, is_lm_eval
 from bema_cli.eval.tasks import common as scoring
 from bema_cli.io.commit import check_apart
-from bema_cli.machine import PeakRss
+from bema_cli.machine import PeakRss, return_freed_memory
 
 PER_MESSAGE_TOKENS = 16  # a chat template's role markers around each message
 LIBRARY_LOG = "libraries.log"  # OUT/libraries.log: what the libraries print on stderr (shown with -v)
@@ -355,6 +355,7 @@ def eval_document(inputs: list[str], base: str | None, config: EvalConfig, engin
     (peak RSS of bema and of the engine's own processes, vLLM's engine core runs apart)."""
     t0 = time.perf_counter()
     stages.reset()
+    return_freed_memory()
     with PeakRss() as peak:
         records = run_eval(inputs, base, config, engine, executor, validated)
     return {"bema_version": __version__, "records": records, "seconds": time.perf_counter() - t0,

@@ -20,7 +20,7 @@ from bema_cli.errors import UsageError
 from bema_cli.eval.backends.base import EngineOptions
 from bema_cli.eval.evaluate import Evaluation, validate
 from bema_cli.eval.job import EvalConfig
-from bema_cli.machine import PeakRss
+from bema_cli.machine import PeakRss, return_freed_memory
 from bema_cli.stabilize.plan import Options
 from bema_cli.sweep.follow import Follow
 from bema_cli.sweep.project import project
@@ -54,6 +54,7 @@ def sweep(
     """Run one sweep (batch, or --follow with `follow` = its poll settings); returns the --json document,
     whose memory.peak_rss counts the engine's own processes too (vLLM's engine core runs apart)."""
     stages.reset()
+    return_freed_memory()
     with PeakRss() as peak:
         doc = _sweep(stab, config, engine, sweep_opts, executor, follow, validated)
     doc["memory"].update(peak.parts())

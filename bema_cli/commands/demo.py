@@ -51,7 +51,7 @@ def demo(
     ] = 0,
     json_out: JsonOpt = False,
 ) -> None:
-    """Run the whole pipeline offline on a small model trained here: 7-10 minutes on 2 CPU cores.
+    """Run the whole pipeline offline on a small model trained here: 4-11 minutes on 2 CPU cores.
 
     1. pretrain a small Qwen2 on generated text: the base model theta0 (OUT/base)
     2. fine-tune it with the HF Trainer, constant LR, a checkpoint every 10 steps (OUT/sft)

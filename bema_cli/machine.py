@@ -140,31 +140,37 @@ _probed: dict[str, dict] = {}
 
 
 FLOPS_PROBE_S = 0.2  # seconds of 512 x 512 matmuls the FLOP-rate probe runs
+STREAM_BYTES = 64 << 20  # what the memory-bandwidth probe sums: past the CPU's caches
+_engine_speeds: dict[str, float] = {}
 
 
-_flops: list[float] = []
-
-
-def matmul_flops(seconds: float = FLOPS_PROBE_S) -> float:
-    """This machine's float32 matmul FLOP/s on every thread, once per process (the sweep's
-    projection; stabilize's needs none): the fastest of repeated 512 x 512 products over `seconds`.
-    One timing of a few milliseconds swung 3x between calls (49 and 164 GFLOP/s a minute apart on
-    the dev VM), and the projection scales with it; the fastest of many is stable."""
-    if _flops:
-        return _flops[0]
+def engine_speeds(seconds: float = FLOPS_PROBE_S) -> dict:
+    """What an engine's forward runs at, once per process (the sweep's projection; stabilize's
+    needs neither): `flops`, float32 matmul FLOP/s on every thread, and `memory`, bytes/s summed
+    from RAM (a decode step streams the weights from memory, not from files). Each is the fastest
+    of repeated timings over `seconds`: one timing of 4 matmuls (a few milliseconds) swung 3x
+    between calls (49 and 164 GFLOP/s a minute apart on the dev VM)."""
+    if _engine_speeds:
+        return _engine_speeds
     import torch
 
+    def fastest(work, amount: float) -> float:
+        work()
+        best, end = 0.0, time.perf_counter() + seconds
+        while True:
+            t = time.perf_counter()
+            work()
+            best = max(best, amount / max(time.perf_counter() - t, 1e-6))
+            if time.perf_counter() >= end:
+                return best
+
     x = torch.randn(512, 512)
-    x @ x
-    best, end = 0.0, time.perf_counter() + seconds
-    while True:
-        t = time.perf_counter()
-        for _ in range(4):
-            x @ x
-        best = max(best, 4 * 2 * 512**3 / max(time.perf_counter() - t, 1e-6))
-        if time.perf_counter() >= end:
-            _flops.append(best)
-            return best
+    flops = fastest(lambda: [x @ x for _ in range(4)], 4 * 2 * 512**3)
+    stream = torch.ones(STREAM_BYTES // 4)
+    memory = fastest(stream.sum, STREAM_BYTES)
+    del stream
+    _engine_speeds.update(flops=flops, memory=memory)
+    return _engine_speeds
 
 
 def probe(sample: Path, out_dir: Path) -> dict:
@@ -181,7 +187,7 @@ def probe(sample: Path, out_dir: Path) -> dict:
 def measure_speeds(sample: Path, out_dir: Path) -> dict:
     """This machine's speeds, now (~0.3 s): read (bytes/s, the page cache as it stands), compute
     (element passes/s on one thread fewer than the cores, as units run), page-cache and disk write
-    (bytes/s, the disk's through an fsync). The sweep adds `matmul_flops`."""
+    (bytes/s, the disk's through an fsync). The sweep adds `engine_speeds`."""
     import torch
 
     buf = bytearray(PROBE_CHUNK)  # a few MB held at a time: the probe stays inside --max-memory

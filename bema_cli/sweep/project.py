@@ -5,7 +5,8 @@ Parts: the engine's start (a fixed cost per backend, measured on CPU, plus readi
 the walk (each checkpoint read, cast and checked, every state advanced: stabilize's passes), and per
 evaluation the weights computed and loaded into the engine, then the forward passes: held-out
 records and prompts at 2 x parameters FLOPs per token (4 characters a token), and each generated
-token one pass of the weights through memory. docs/performance.md compares it with measurements.
+token one pass of the weights through memory (machine.engine_speeds: RAM's bandwidth, not the
+files' read speed). docs/performance.md compares it with measurements.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def project(plan, evaluation, jobs, model_bytes: int, speeds: dict) -> dict:
                 chars = sum(len(json.dumps(d)) for d in item.docs) * samples
                 new = config.max_new_tokens or 256
                 forward += 2 * numel * (chars / CHARS_PER_TOKEN + len(item.docs) * samples * new) / flops
-                forward += new * model_bytes / speeds["read"]  # each decode step streams the weights
+                forward += new * model_bytes / speeds["memory"]  # each decode step streams the weights
     parts = {"engine_start": start, "walk": read + compute, "load": load, "forward": forward}
     return {"seconds": round(sum(parts.values()), 1), "parts_seconds": {k: round(v, 1) for k, v in parts.items()},
             "speeds": {k: round(v) for k, v in speeds.items()}}  # fmt: skip

@@ -65,13 +65,13 @@ def projection(plan, evaluation, jobs, doc: dict, config: EvalConfig) -> dict:
     """The projected wall time (sweep/project.py) and peak memory (the estimate), said on stderr."""
     from pathlib import Path
 
-    from bema_cli.machine import matmul_flops, probe
+    from bema_cli.machine import engine_speeds, probe
     from bema_cli.stabilize.project import probe_sample, projection_line
 
     sample = probe_sample(plan)
     if sample is None:
         return {"peak_memory_bytes": doc["memory"]["estimate"]}
-    speeds = {**probe(sample, Path(config.out).expanduser()), "flops": matmul_flops()}
+    speeds = {**probe(sample, Path(config.out).expanduser()), **engine_speeds()}
     p = project(plan, evaluation, jobs, doc["memory"]["model_bytes"], speeds)
     p["peak_memory_bytes"] = doc["memory"]["estimate"]
     if output.progress_enabled() or output.verbose():  # on a terminal; pipes read it from --json

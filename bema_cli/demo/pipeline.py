@@ -28,6 +28,7 @@ from bema_cli.demo import world
 from bema_cli.demo.summary import plot_summary, summarize
 from bema_cli.errors import BemaError, OutputError
 from bema_cli.eval.results import read_jsonl, write_jsonl_atomic
+from bema_cli.machine import environment
 
 MARKER = ".bema-demo"  # marks a folder as a demo output, so --overwrite may replace it
 TASKS = ("gsm8k", "boolq", "mmlu_hs")
@@ -364,9 +365,13 @@ def _stages(out: Path, cfg: DemoConfig, backend: str, quick: bool, marker: dict,
     ends = [*list(timings.values())[1:], time.perf_counter()]
     seconds = {name: round(end - start, 1) for (name, start), end in zip(timings.items(), ends, strict=True)}
     summary = summarize(read_jsonl(out / "results" / "results.jsonl"))
+    from bema_cli.demo.training import TRAIN_THREADS
+
+    pins = {k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}  # set by `bema demo`
     summary.update(
         out=str(out), config=asdict(cfg), quick=quick, seconds=seconds,
         total_seconds=round(time.perf_counter() - started, 1),
+        environment={**environment(), "pins": pins, "train_threads": TRAIN_THREADS},
     )  # fmt: skip
     plot_summary(summary, out / "summary.png")
     (out / "summary.json").write_text(output.to_json(summary) + "\n")

@@ -51,7 +51,6 @@ def _version(names: tuple[str, ...]) -> str | None:
 def environment() -> dict:
     """What a bug report or a result's provenance needs (`bema env`, the demo's summary): versions
     (from package metadata: nothing heavy is imported but torch), the CPU, the device and memory."""
-    import os
     import platform
     import sys
 
@@ -196,12 +195,12 @@ FALLBACK_WRITE = 100e6  # bytes/s assumed where the write probe could not run (a
 _probed: dict[str, dict] = {}
 
 
-FLOPS_PROBE_S = 0.2  # seconds of 512 x 512 matmuls the FLOP-rate probe runs
+ENGINE_PROBE_S = 0.2  # seconds each of engine_speeds' timings runs
 STREAM_BYTES = 64 << 20  # what the memory-bandwidth probe sums: past the CPU's caches
 _engine_speeds: dict[str, float] = {}
 
 
-def engine_speeds(seconds: float = FLOPS_PROBE_S) -> dict:
+def engine_speeds(seconds: float = ENGINE_PROBE_S) -> dict:
     """What an engine's forward runs at, once per process (the sweep's projection; stabilize's
     needs neither): `flops`, float32 matmul FLOP/s on every thread, and `memory`, bytes/s summed
     from RAM (a decode step streams the weights from memory, not from files). Each is the fastest

@@ -117,7 +117,9 @@ x = torch.ones(4 << 20); del x  # a 16 MB block freed: glibc raises its mmap thr
 before, big, small = rss(), [], []
 for _ in range(24):
     big.append(torch.ones(2 << 20))  # 8 MB each: under the raised threshold, from glibc's heap
-    small.append(torch.ones(1024))  # a live block after each: the heap cannot shrink past it
+    # a live 64 KB block after each, carved from the heap's top (4 KB ones came from free chunks
+    # left by the imports, so how many big blocks stayed varied by machine: 64, 32, 0 MB of 192)
+    small.append(torch.ones(16 << 10))
 big.clear()
 print((rss() - before) // (1 << 20))
 """
@@ -126,20 +128,24 @@ print((rss() - before) // (1 << 20))
 def test_freed_blocks_go_back_to_the_os():
     """A sweep's swaps free large per-tensor copies between small live blocks; glibc kept such
     memory as slack (0.5 GB of a 0.5B sweep's peak). After `return_freed_memory` the freed 192 MB
-    are gone from the process; without it (the premise, checked) tens of MB stay."""
+    are gone from the process; without it (the premise, checked) they all stay."""
+
+    # glibc's default, whatever the environment the tests run in sets
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
 
     def held(mode: str) -> int:
-        run = subprocess.run([sys.executable, "-c", FRAGMENTED_HEAP, mode], capture_output=True, text=True)
+        run = subprocess.run(
+            [sys.executable, "-c", FRAGMENTED_HEAP, mode], capture_output=True, text=True, env=env
+        )
         assert run.returncode == 0, run.stderr
         return int(run.stdout)
 
-    assert held("kept") >= 32  # MB: glibc's default keeps them (measured 64 of the 192)
+    assert held("kept") >= 160  # MB: glibc's default keeps them (measured 193 of the 192 + 1.5 live)
     assert held("returned") <= 4
     script = (
         "import os; from bema_cli.machine import return_freed_memory; return_freed_memory(); "
         "print(os.environ['MALLOC_MMAP_THRESHOLD_'])"
     )
-    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert child.stdout.strip() == str(1 << 20), child.stderr  # what vLLM's engine processes inherit
 

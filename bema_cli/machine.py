@@ -57,7 +57,7 @@ def environment() -> dict:
     from bema_cli import __version__
 
     doc = {"bema": __version__, "python": sys.version.split()[0], "platform": platform.platform(),
-           "cpu": cpu_model()}  # fmt: skip
+           "cpu": cpu_model(), "cpu_vector": cpu_vector_flags()}  # fmt: skip
     doc.update({name: _version(dists) for name, dists in PACKAGES.items()})
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     doc.update(cpus=len(os.sched_getaffinity(0)), memory_total=total, memory_available=available_memory())
@@ -72,6 +72,7 @@ def environment() -> dict:
     except ImportError:
         pass
     doc["device"] = "cuda" if doc["gpus"] else "cpu"
+    doc["mkl_branch"] = mkl_branch()
     return doc
 
 
@@ -84,6 +85,39 @@ def cpu_model() -> str | None:
     except OSError:
         pass
     return None
+
+
+VECTOR_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")  # the widths torch, MKL and oneDNN choose by
+MKL_BRANCHES = {1: "OFF", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1", 8: "SSE4_2", 9: "AVX",
+                10: "AVX2", 12: "AVX512", 14: "AVX512_E1"}  # MKL_CBWR_* (mkl_cbwr.h)  # fmt: skip
+
+
+def cpu_vector_flags() -> list[str]:
+    """The CPU's vector instruction sets that change which kernels run (/proc/cpuinfo): the model
+    name alone ("AMD EPYC") does not tell two generations apart."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [flag for flag in VECTOR_FLAGS if flag in have]
+    except OSError:
+        pass
+    return []
+
+
+def mkl_branch() -> str | None:
+    """The code branch MKL runs in, by MKL's own account: OFF (no reproducibility mode: kernels
+    chosen by CPU), what `MKL_CBWR` asked for, or AUTO where MKL ignored the request (any branch
+    but COMPATIBLE on an AMD CPU). None where torch has no MKL (the symbol is MKL's service layer's,
+    inside libtorch_cpu)."""
+    try:
+        import torch
+
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        code = lib.mkl_serv_cbwr_get(1)  # MKL_CBWR_BRANCH
+    except (ImportError, OSError, AttributeError):
+        return None
+    return MKL_BRANCHES.get(code, str(code))
 
 
 def proc_bytes(path: str, field: str) -> int | None:

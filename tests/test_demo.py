@@ -3,8 +3,12 @@ guarded, and `bema demo --quick` runs the whole pipeline through the real CLI.""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 from conftest import run_bema
@@ -15,6 +19,25 @@ from bema_cli.eval.results import write_jsonl_atomic
 from bema_cli.eval.tasks import get_task
 
 TASKS = ("gsm8k", "boolq", "mmlu_hs")
+
+# `bema demo --quick` (seed 0): the digest of theta0's and step 40's weights as recorded on
+# 2026-11-26 (an AMD EPYC with AVX-512) with this software. Same software and seed, any x86-64
+# CPU: the same bits (what the pins are for); other versions train other bits, so the check skips.
+RECORDED_WITH = {"torch": "2.13.0+cpu", "transformers": "5.19.0", "tokenizers": "0.23.3", "accelerate": "1.15.0"}
+RECORDED_WEIGHTS = {"base": "cd0881bbf0610b5c", "sft/checkpoint-40": "d02f40a77369f211"}
+
+
+def weights_digest(path) -> str:
+    """sha256 over the tensors' names and raw bytes, in name order (not the file's header)."""
+    import torch
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    with safe_open(str(path), "pt") as f:
+        for name in sorted(f.keys()):
+            digest.update(name.encode())
+            digest.update(f.get_tensor(name).contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -68,6 +91,18 @@ def test_chat_uses_the_eval_prompt():
     assert messages[-1] == {"role": "assistant", "content": world.reply("boolq", record)}
 
 
+def test_the_demo_pins_mkl_to_a_branch_this_cpu_honours():
+    """MKL_CBWR=AVX2, the first pin, is ignored on AMD CPUs (MKL then picks its kernels by CPU, and
+    two VMs of one kind trained different weights); MKL itself says which branch it runs."""
+    script = (
+        "from bema_cli.commands.demo import pin_instruction_set; pin_instruction_set(); "
+        "import torch; from bema_cli.machine import mkl_branch; print(mkl_branch())"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "ATEN_CPU_CAPABILITY")}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert run.stdout.strip() == "COMPATIBLE", run.stderr
+
+
 def test_refuses_a_folder_that_is_not_a_demo(tmp_path):
     target = tmp_path / "mine"
     target.mkdir()
@@ -101,9 +136,17 @@ def test_quick_demo_end_to_end(tmp_path):
 
     environment = summary["environment"]
     assert environment["bema"] == bema_cli.__version__ and environment["torch"] == torch.__version__
-    assert environment["pins"] == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
-    assert environment["train_threads"] == 2 and environment["cpu"]
+    assert environment["pins"] == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}
+    assert environment["mkl_branch"] == "COMPATIBLE"  # what MKL ran, by its own account
+    assert environment["train_threads"] == 2 and environment["cpu"] and environment["cpu_vector"]
     assert json.loads((out / "summary.json").read_text())["environment"] == environment
+
+    # same software, same seed: the weights recorded on another machine, bit for bit
+    from importlib.metadata import version
+
+    if {name: version(name) for name in RECORDED_WITH} == RECORDED_WITH:
+        trained = {name: weights_digest(out / name / "model.safetensors") for name in RECORDED_WEIGHTS}
+        assert trained == RECORDED_WEIGHTS, (trained, environment)
 
     # fine-tuning checkpoints: every 10 steps, loadable model folders with a tokenizer
     steps = sorted(int(p.name.split("-")[1]) for p in (out / "sft").glob("checkpoint-*"))

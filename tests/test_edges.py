@@ -6,6 +6,7 @@ pipes and --json errors, `bema env`, `--tasks list`, other tools' flag names."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -217,8 +218,18 @@ def test_env_names_versions_device_and_memory():
     assert {"bema", "python", "vllm", "lm-eval", "huggingface_hub", "safetensors", "gpus"} <= set(doc)
     cpuinfo = Path("/proc/cpuinfo").read_text()
     assert doc["cpu"] and f": {doc['cpu']}\n" in cpuinfo  # the model name, as the kernel reports it
+    flags = set(next(x for x in cpuinfo.splitlines() if x.startswith("flags")).split(":", 1)[1].split())
+    assert doc["cpu_vector"] and set(doc["cpu_vector"]) <= flags and "avx2" in doc["cpu_vector"]
     text = run_bema("env").stdout
     assert f"- torch: {torch.__version__}" in text and "GiB" in text
+
+
+@pytest.mark.parametrize("asked, runs", [(None, "OFF"), ("COMPATIBLE", "COMPATIBLE")])
+def test_env_says_which_branch_mkl_runs(asked, runs):
+    """MKL's own account, not the environment variable: an AMD CPU ignores MKL_CBWR=AVX2."""
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"} | ({"MKL_CBWR": asked} if asked else {})
+    r = subprocess.run([str(BEMA), "env", "--json"], capture_output=True, text=True, env=env)
+    assert json.loads(r.stdout)["mkl_branch"] == runs, r.stderr
 
 
 def test_eval_tasks_list_names_every_task():

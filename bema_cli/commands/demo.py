@@ -13,15 +13,18 @@ from bema_cli.options import JsonOpt, OverwriteOpt
 def pin_instruction_set() -> None:
     """Same software, same seed, the same numbers on any x86-64 machine: torch's vector kernels
     (ATen) and MKL's matrix products choose their code by CPU, and AVX-512 sums in another order
-    than AVX2, which a chaotic training run amplifies. Both are pinned to AVX2 (every x86-64 CPU
-    of the last decade has it) before torch loads; the demo's bema subprocesses inherit it. An
+    than AVX2, which a chaotic training run amplifies. ATen is pinned to AVX2 (every x86-64 CPU of
+    the last decade has it). MKL is pinned to its COMPATIBLE branch: the only one it honours on
+    AMD CPUs as well as Intel (an `AVX2` pin is silently ignored on AMD, which then dispatches by
+    the CPU: the demo's weights differed between two VMs of one kind), at no cost measurable on
+    the demo's small matrices. Set before torch loads; the demo's bema subprocesses inherit it. An
     environment that sets either keeps its own value."""
     import os
     import sys
 
     if "torch" not in sys.modules:
         os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-        os.environ.setdefault("MKL_CBWR", "AVX2")
+        os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
 
 def demo(
@@ -57,8 +60,8 @@ def demo(
     2. fine-tune it with the HF Trainer, constant LR, a checkpoint every 10 steps (OUT/sft)
     3-7. run the real `bema stabilize`, `bema eval`, `bema report` and `bema ship` on it, printing
     each command. Ends with held-out loss and accuracy per step for every run, OUT/curves.png, and
-    the model to ship in OUT/ship. Training is pinned (2 threads, deterministic kernels, AVX2 code
-    paths) so a --seed repeats on other x86-64 machines.
+    the model to ship in OUT/ship. Training is pinned (2 threads, deterministic kernels, CPU-independent
+    code paths) so a --seed repeats on other x86-64 machines.
     """
     pin_instruction_set()
     from bema_cli.demo.pipeline import run_demo

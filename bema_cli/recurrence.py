@@ -111,7 +111,8 @@ class Stabilizer:
         """This state restricted to elements [lo, hi) of its (flat) tensors: updates through the view
         land in this state's storage. The engine walks a unit in cache-sized blocks this way."""
         part = object.__new__(Stabilizer)
-        part.method, part.theta0 = self.method, self.theta0[lo:hi]
+        part.method = self.method
+        part.theta0 = None if self.theta0 is None else self.theta0[lo:hi]  # None: the caller passes it
         for name in ("ema", "e1", "e2", "ou", "avg"):
             state = getattr(self, name)
             setattr(part, name, None if state is None else state[lo:hi])

@@ -190,9 +190,19 @@ def bf16_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_walker_holds_bf16_inputs_narrow_and_stays_bitwise(world, tmp_path, monkeypatch):
-    """bf16 checkpoints: theta0, theta_s and the ring are held in bf16 (half the bytes), every
-    operation upcasts a block at a time; a block size that splits tensors mid-row changes nothing."""
+@pytest.mark.parametrize(
+    "methods, tau",
+    [
+        (["bema", "ema", "dema", "ouema", "lawa", "wsm"], 0),  # rings copy theta_s: it is held
+        (["bema", "ema", "dema", "ouema"], 0),  # nothing held: theta0 and theta_s read again
+        (["bema", "ouema"], 20),  # burn-in: theta0 becomes checkpoint-20, read again from it
+    ],
+)
+def test_walker_holds_bf16_inputs_narrow_and_stays_bitwise(world, tmp_path, monkeypatch, methods, tau):
+    """bf16 checkpoints: a ring (and theta_s where a ring copies it) is held in bf16 (half the
+    bytes); theta0, and theta_s without a ring, are not held at all but read again from their files
+    at each use; every operation runs a block at a time in float32, and a block size that splits
+    tensors mid-row changes nothing: the outputs are stabilize's, bit for bit."""
     import torch
     from safetensors.torch import load_file
 
@@ -203,18 +213,22 @@ def test_walker_holds_bf16_inputs_narrow_and_stays_bitwise(world, tmp_path, monk
     base = bf16_copy(world["base"], tmp_path / "base")
     for step in STEPS:
         bf16_copy(world["run"] / f"checkpoint-{step}", tmp_path / "run" / f"checkpoint-{step}")
-    methods = ["bema", "ema", "dema", "ouema", "lawa", "wsm"]
-    r = run_bema("stabilize", tmp_path / "run", "--base", base, "--out", tmp_path / "stab",
-                 "--method", ",".join(methods), "--window", "3", "--out-dtype", "float32")  # fmt: skip
+    windows = [3] if "lawa" in methods else None
+    r = run_bema("stabilize", tmp_path / "run", "--base", base, "--out", tmp_path / "stab", "--tau", tau,
+                 "--method", ",".join(methods), *(["--window", "3"] if windows else []), "--out-dtype", "float32")  # fmt: skip
     assert r.returncode == 0, r.stderr
     monkeypatch.setattr(walk, "HOLD_BLOCK", 1000)  # smaller than most tensors: blocks end mid-tensor
-    opts = Options(str(tmp_path / "run"), grid(methods, windows=[3]), str(tmp_path / "none"), base=str(base),
-                   out_dtype="float32")  # fmt: skip
+    opts = Options(str(tmp_path / "run"), grid(methods, windows=windows, tau=tau), str(tmp_path / "none"),
+                   base=str(base), out_dtype="float32")  # fmt: skip
     walker = walk.Walker(walk.plan_sweep(opts), opts)
-    assert walker.theta.dtype == walker.theta0.dtype == torch.bfloat16
-    assert all(
-        s.dtype == torch.bfloat16 for stab in walker.stabs if isinstance(stab, Window) for s in stab.slots
-    )
+    assert walker.theta0 is None  # read again from the base's file (then checkpoint-20's after a burn-in)
+    if windows:
+        assert walker.theta.dtype == torch.bfloat16
+        assert all(
+            s.dtype == torch.bfloat16 for stab in walker.stabs if isinstance(stab, Window) for s in stab.slots
+        )
+    else:
+        assert walker.theta is None
     for step in STEPS:
         walker.advance(step)
         for run in walker.plan.runs:
@@ -224,6 +238,7 @@ def test_walker_holds_bf16_inputs_narrow_and_stays_bitwise(world, tmp_path, monk
                 assert mine[name].dtype == tensor.dtype == torch.float32
                 assert torch.equal(mine[name], tensor), (run.name, step, name)
         walker.finish()
+    assert walker.theta is None or windows  # theta_s was never held without a ring
 
 
 def test_sweep_equals_disk_path_on_transformers(world, tmp_path):

@@ -24,6 +24,7 @@ from bema_cli.stabilize import meta
 from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.unit import torch_device
 from bema_cli.sweep.memory import check_memory, host_total, memory_estimate, states_device
+from bema_cli.sweep.walk import state_bytes
 
 WALKER = "bema_cli.sweep.walk:Walker"  # the backend builds it where the weights load (a vLLM worker)
 
@@ -145,7 +146,8 @@ def memory_doc(plan, stab, config, engine, evaluation, sweep_opts) -> tuple[dict
     gpu = torch_device("auto").type == "cuda"  # the engine's device
     engine = evaluation.engine  # with its workload (the KV cache's size)
     estimate = memory_estimate(plan, stab, config, engine, backend, gpu)
-    device = states_device(stab.device, estimate["parts"]["states"], estimate["model_bytes"], engine, backend)
+    on_gpu = state_bytes(plan, stab.accum_dtype, "cuda")  # theta0 and theta_s held there too
+    device = states_device(stab.device, on_gpu, estimate["model_bytes"], engine, backend)
     stab = replace(stab, device=device)
     estimate["total"] = host_total(estimate["parts"], device)
     limit = sweep_opts.memory_limit or available_memory()

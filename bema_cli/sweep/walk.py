@@ -284,6 +284,11 @@ class Walker:
                     part.theta0 = theta0  # ouema's update reads theta0
                     part.advance(event, theta0 if event.action == "burnin" else theta)
 
+    def close(self) -> None:
+        """Close the files kept open to read theta_s and theta0 again."""
+        self._step_files.close()
+        self._theta0_files.close()
+
     def _check_held(self, index: ModelIndex) -> None:
         """A checkpoint that landed later (--follow) in a wider dtype than theta_s is held in would be
         rounded: refused, naming it (its dtype was unknown when the walk started). A theta_s read

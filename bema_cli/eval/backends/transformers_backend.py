@@ -170,7 +170,10 @@ class TransformersBackend:
         return loss_task.record_losses(self.model, sequences, pad_id=self.tokenizer.pad_token_id or 0)
 
     def close(self) -> None:
-        self.model = self.walker = None
+        source, self.source = self.source, None
+        if hasattr(source, "close"):  # a weight source keeps files open (the sweep's walker)
+            source.close()
+        self.model = None
 
 
 class SeededSampler:

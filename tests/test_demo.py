@@ -23,7 +23,12 @@ TASKS = ("gsm8k", "boolq", "mmlu_hs")
 # `bema demo --quick` (seed 0): the digest of theta0's and step 40's weights as recorded on
 # 2026-11-26 (an AMD EPYC with AVX-512) with this software. Same software and seed, any x86-64
 # CPU: the same bits (what the pins are for); other versions train other bits, so the check skips.
-RECORDED_WITH = {"torch": "2.13.0+cpu", "transformers": "5.19.0", "tokenizers": "0.23.3", "accelerate": "1.15.0"}
+RECORDED_WITH = {
+    "torch": "2.13.0+cpu",
+    "transformers": "5.19.0",
+    "tokenizers": "0.23.3",
+    "accelerate": "1.15.0",
+}
 RECORDED_WEIGHTS = {"base": "cd0881bbf0610b5c", "sft/checkpoint-40": "d02f40a77369f211"}
 
 

@@ -266,11 +266,15 @@ def test_write_behind_raises_a_write_error_in_the_caller_and_drops_the_rest(tmp_
     assert not wb._thread.is_alive()
 
 
-def test_outputs_are_allocated_up_front_and_writes_reuse_their_files(tmp_path):
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_outputs_are_allocated_up_front_and_writes_reuse_their_files(tmp_path, monkeypatch, direct):
     """fallocate(2): the blocks exist before any tensor byte is written (a full disk fails at once);
-    inside held() one descriptor per shard serves every write, closed on exit."""
+    inside held() one descriptor per shard serves every write (and one more writes it past the
+    page cache, O_DIRECT: every whole page of a file written front to back), closed on exit."""
     from bema_cli.io.safetensors import TensorInfo
-    from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
+    from bema_cli.io.writer import PAGE, ShardedWriter, encode_header, plan_shards, tensor_bytes
+
+    monkeypatch.setenv("BEMA_DIRECT_IO", direct)
 
     info = TensorInfo("w", None, "F32", (256, 1024))
     writer = ShardedWriter(tmp_path / "ckpt", plan_shards([info], 1 << 30), {"bema_version": "t"}).open()
@@ -282,8 +286,11 @@ def test_outputs_are_allocated_up_front_and_writes_reuse_their_files(tmp_path):
     with writer.held():
         for row in range(256):
             writer.write("w", row * 4096, tensor_bytes(data[row * 1024 : (row + 1) * 1024]))
-        assert len(os.listdir("/proc/self/fd")) == fds + 1
+        assert len(os.listdir("/proc/self/fd")) == fds + 1 + (direct == "1")
     assert len(os.listdir("/proc/self/fd")) == fds
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(tmp_path / "ckpt" / "model.safetensors")["w"].reshape(-1), data)
+    start = len(encode_header(writer.shards[0], writer.metadata))  # the header's last page: cached
+    whole = (start + info.nbytes) // PAGE * PAGE - -(-start // PAGE) * PAGE
+    assert writer.direct_bytes == (whole if direct == "1" else 0)

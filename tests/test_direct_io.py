@@ -1,0 +1,140 @@
+"""The writer's O_DIRECT path (io/writer.py `DirectFile`): whatever order and split the writes
+come in, the file holds exactly the bytes written, and no writer touches a byte outside its range
+(work units of one file written by several processes at once, as the Ray executor does)."""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from bema_cli.io import writer as writer_mod
+from bema_cli.io.safetensors import TensorInfo
+from bema_cli.io.writer import PAGE, ShardedWriter, plan_shards, tensor_bytes
+
+# odd sizes: no tensor starts or ends on a page boundary
+SIZES = {"a": 7, "b": 300_001, "c": 5_003, "d": (1 << 21) + 5, "e": 3, "f": 777_777}
+
+
+def model() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        name: torch.randn(n, generator=g).to(torch.bfloat16 if i % 2 else torch.float32)
+        for i, (name, n) in enumerate(SIZES.items())
+    }
+
+
+def new_writer(folder: Path, tensors: dict) -> ShardedWriter:
+    infos = [TensorInfo(n, Path(), "BF16" if t.dtype == torch.bfloat16 else "F32", tuple(t.shape))
+             for n, t in tensors.items()]  # fmt: skip
+    return ShardedWriter(folder, plan_shards(infos, 1 << 40), {"format": "pt"}).open()
+
+
+def pieces(w: ShardedWriter, tensors: dict, step: int = 100_003) -> list[tuple[str, int, object]]:
+    """(name, byte offset, bytes) in file order, cut every `step` bytes (mid-element, mid-page)."""
+    out = []
+    for t in w.shards[0].tensors:
+        data = tensor_bytes(tensors[t.name])
+        out += [(t.name, a, data[a : a + step]) for a in range(0, len(data), step)]
+    return out
+
+
+def same(folder: Path, tensors: dict) -> bool:
+    got = load_file(folder / "model.safetensors")
+    return set(got) == set(tensors) and all(torch.equal(got[n], tensors[n]) for n in tensors)
+
+
+def total(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def test_units_split_mid_page_write_their_whole_pages_direct(tmp_path):
+    tensors = model()
+    w = new_writer(tmp_path / "m", tensors)
+    parts = pieces(w, tensors)
+    for unit in (parts[:7], parts[7:30], parts[30:]):  # three held() sessions, as work units are
+        with w.held():
+            for name, at, data in unit:
+                w.write(name, at, data)
+    assert same(tmp_path / "m", tensors)
+    # all but the partial pages at each unit's ends (and the header's) went past the page cache
+    assert total(tensors) - 6 * PAGE <= w.direct_bytes < total(tensors)
+
+
+def test_writes_out_of_order_fall_back_to_the_page_cache(tmp_path):
+    tensors = model()
+    w = new_writer(tmp_path / "m", tensors)
+    parts = pieces(w, tensors)
+    with w.held():
+        for name, at, data in parts[:20] + parts[20:][::-1]:
+            w.write(name, at, data)
+    assert same(tmp_path / "m", tensors)
+    assert 0 < w.direct_bytes <= sum(len(d) for _, _, d in parts[:20])
+
+
+def _write_range(w: ShardedWriter, parts: list) -> None:
+    with w.held():
+        for name, at, data in parts:
+            w.write(name, at, data)
+
+
+def test_processes_writing_neighbouring_ranges_of_one_file(tmp_path):
+    """Two processes at once, their ranges meeting mid-page: the shared page goes through the page
+    cache from both, so neither overwrites the other's bytes with stale ones."""
+    tensors = model()
+    w = new_writer(tmp_path / "m", tensors)
+    parts = pieces(w, tensors, step=65_537)
+    half = len(parts) // 2
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_write_range, args=(w, p)) for p in (parts[:half], parts[half:])]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0
+    assert same(tmp_path / "m", tensors)
+
+
+def test_a_filesystem_that_refuses_direct_writes_gets_buffered_ones(tmp_path, monkeypatch):
+    tensors = model()
+    w = new_writer(tmp_path / "m", tensors)
+    direct_fds, real_open, real_pwrite = set(), os.open, os.pwrite
+
+    def opened(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        if flags & os.O_DIRECT:
+            direct_fds.add(fd)
+        return fd
+
+    def pwrite(fd, data, pos):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, pos)
+
+    monkeypatch.setattr(writer_mod.os, "open", opened)
+    monkeypatch.setattr(writer_mod.os, "pwrite", pwrite)
+    _write_range(w, pieces(w, tensors))
+    assert direct_fds and w.direct_bytes == 0
+    assert same(tmp_path / "m", tensors)
+
+
+def test_stabilize_outputs_are_the_same_bytes_either_way(tmp_path):
+    """The whole command with O_DIRECT on and off (BEMA_DIRECT_IO=0): bitwise the same files; a
+    --max-memory that cuts the model into several work units, so units meet inside files."""
+    from conftest import run_bema
+    from trajectory import write_trajectory
+
+    shapes = {"embed.weight": (1000, 257), "layer.weight": (513, 129), "layer.bias": (513,), "norm": (257,)}
+    base, run = write_trajectory(tmp_path, [10, 20, 30], shapes=shapes, shards=2)
+    outs = {}
+    for value in ("1", "0"):
+        out = tmp_path / f"out{value}"
+        r = run_bema("stabilize", run, "--base", base, "--method", "bema,ema", "--out", out,
+                     "--max-memory", "2MiB", "--max-shard-size", "600KB", env={"BEMA_DIRECT_IO": value})  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        outs[value] = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*.safetensors"))}
+    assert outs["1"] == outs["0"] and len(outs["1"]) >= 12  # 2 runs x 3 steps x 2+ shards

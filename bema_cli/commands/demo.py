@@ -16,9 +16,9 @@ def pin_instruction_set() -> None:
     than AVX2, which a chaotic training run amplifies. ATen is pinned to AVX2 (every x86-64 CPU of
     the last decade has it). MKL is pinned to its COMPATIBLE branch: the only one it honours on
     AMD CPUs as well as Intel (an `AVX2` pin is silently ignored on AMD, which then dispatches by
-    the CPU: the demo's weights differed between two VMs of one kind), at no cost measurable on
-    the demo's small matrices. Set before torch loads; the demo's bema subprocesses inherit it. An
-    environment that sets either keeps its own value."""
+    the CPU: the demo's weights differed between two VMs of one kind); its SSE2 kernels cost the
+    training stages ~30% more time. Set before torch loads; the demo's bema subprocesses inherit
+    it. An environment that sets either keeps its own value."""
     import os
     import sys
 

@@ -201,18 +201,17 @@ class Walker:
 
     def _theta(self, a: int, b: int):
         """theta_s[a:b] in the accumulation dtype: read again, or upcast from the held copy."""
-        if self.theta is not None:
-            return self._up("up-theta", self.theta[a:b])
-        out = self._block("up-theta")[: b - a]
-        self._read(self._reader, a, b, out)
-        return out
+        return self._input("up-theta", self.theta, self._reader, a, b)
 
     def _theta0(self, a: int, b: int):
         """theta0[a:b] in the accumulation dtype: read again, or upcast from the held copy."""
-        if self.theta0 is not None:
-            return self._up("up-theta0", self.theta0[a:b])
-        out = self._block("up-theta0")[: b - a]
-        self._read(self._theta0_reader, a, b, out)
+        return self._input("up-theta0", self.theta0, self._theta0_reader, a, b)
+
+    def _input(self, name: str, held, reader, a: int, b: int):
+        if held is not None:
+            return self._up(name, held[a:b])
+        out = self._block(name)[: b - a]
+        self._read(reader, a, b, out)
         return out
 
     def _up(self, name: str, held):

@@ -100,12 +100,28 @@ def test_the_demo_pins_mkl_to_a_branch_this_cpu_honours():
     """MKL_CBWR=AVX2, the first pin, is ignored on AMD CPUs (MKL then picks its kernels by CPU, and
     two VMs of one kind trained different weights); MKL itself says which branch it runs."""
     script = (
-        "from bema_cli.commands.demo import pin_instruction_set; pin_instruction_set(); "
+        "from bema_cli.demo.pins import pin_instruction_set; pin_instruction_set(); "
         "import torch; from bema_cli.machine import mkl_branch; print(mkl_branch())"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "ATEN_CPU_CAPABILITY")}
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert run.stdout.strip() == "COMPATIBLE", run.stderr
+
+
+@pytest.mark.parametrize("own", [None, "AVX2"])
+def test_the_mkl_pin_stays_in_training(own):
+    """The demo's bema subprocesses (eval, ship: vLLM is not pinned, and 1.5x slower on COMPATIBLE)
+    run without the MKL pin the demo set; a value the user set reaches them unchanged."""
+    script = (
+        "import os; from bema_cli.demo.pins import pin_instruction_set, subprocess_env; "
+        "pin_instruction_set(); print(os.environ['MKL_CBWR'], subprocess_env(dict(os.environ)).get('MKL_CBWR'), "
+        "subprocess_env(dict(os.environ))['ATEN_CPU_CAPABILITY'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "ATEN_CPU_CAPABILITY")}
+    env |= {"MKL_CBWR": own} if own else {}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    expected = f"{own} {own} avx2" if own else "COMPATIBLE None avx2"
+    assert run.stdout.strip() == expected, run.stderr
 
 
 def test_refuses_a_folder_that_is_not_a_demo(tmp_path):

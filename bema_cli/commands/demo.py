@@ -7,24 +7,8 @@ from typing import Annotated
 import typer
 
 from bema_cli import output
+from bema_cli.demo.pins import pin_instruction_set
 from bema_cli.options import JsonOpt, OverwriteOpt
-
-
-def pin_instruction_set() -> None:
-    """Same software, same seed, the same numbers on any x86-64 machine: torch's vector kernels
-    (ATen) and MKL's matrix products choose their code by CPU, and AVX-512 sums in another order
-    than AVX2, which a chaotic training run amplifies. ATen is pinned to AVX2 (every x86-64 CPU of
-    the last decade has it). MKL is pinned to its COMPATIBLE branch: the only one it honours on
-    AMD CPUs as well as Intel (an `AVX2` pin is silently ignored on AMD, which then dispatches by
-    the CPU: the demo's weights differed between two VMs of one kind); its SSE2 kernels cost the
-    training stages ~30% more time. Set before torch loads; the demo's bema subprocesses inherit
-    it. An environment that sets either keeps its own value."""
-    import os
-    import sys
-
-    if "torch" not in sys.modules:
-        os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-        os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
 
 def demo(

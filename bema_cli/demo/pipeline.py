@@ -25,6 +25,7 @@ from pathlib import Path
 
 from bema_cli import output
 from bema_cli.demo import world
+from bema_cli.demo.pins import subprocess_env
 from bema_cli.demo.summary import plot_summary, summarize
 from bema_cli.errors import BemaError, OutputError
 from bema_cli.eval.results import read_jsonl, write_jsonl_atomic
@@ -140,7 +141,9 @@ def finetune(out: Path, cfg: DemoConfig, base: Path, train: list[dict]) -> Path:
 def bema_cli(args: list[str], display: str | None = None) -> None:
     """Run `bema ARGS` as a real subprocess of this Python, showing the command first."""
     output.stderr.print(f"$ bema {display or shlex.join(args)}", style="bold", highlight=False, markup=False)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+    env = subprocess_env(
+        {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+    )
     env.setdefault("HF_HUB_OFFLINE", "1")  # everything the demo needs is local
     # the child's tables are the demo's log: its stdout joins our stderr, keeping stdout for the summary
     proc = subprocess.run([sys.executable, "-m", "bema_cli.cli", *args], env=env, stdout=sys.stderr)

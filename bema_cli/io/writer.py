@@ -181,6 +181,11 @@ class ShardedWriter:
         return sum(start + s.data_size for start, s in zip(self._data_start, self.shards, strict=True))
 
 
+def direct_io() -> bool:
+    """Whether held() writes go past the page cache (unless the filesystem refuses)."""
+    return os.environ.get("BEMA_DIRECT_IO", "1") != "0" and hasattr(os, "O_DIRECT")
+
+
 class DirectFile:
     """One file written front to back, bypassing the page cache: bytes are staged in an aligned
     buffer and written in CHUNK-sized O_DIRECT writes. Only whole pages inside the range this
@@ -204,7 +209,7 @@ class DirectFile:
     @classmethod
     def open(cls, path: Path, fd: int, pos: int) -> DirectFile | None:
         """None where O_DIRECT is off (BEMA_DIRECT_IO=0) or the filesystem refuses it."""
-        if os.environ.get("BEMA_DIRECT_IO", "1") == "0" or not hasattr(os, "O_DIRECT"):
+        if not direct_io():
             return None
         try:
             return cls(fd, os.open(path, os.O_WRONLY | os.O_DIRECT), pos)

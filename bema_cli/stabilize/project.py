@@ -3,15 +3,14 @@ plan's headers and a half-second probe of this machine's read, compute and write
 
 The model is the pass's own shape (unit.py): reads and compute run in the main thread, writes in
 the write-behind thread beside them, so wall >= start-up + max(read + compute, write). But every
-part is CPU work (the page-cache copies of reads and writes, the arithmetic), and the kernel's
-write-back takes about as much again: on C cores the parts overlap at most C/2-fold. On a 2-core
-VM they do not overlap at all: the measured stages of the 0.5B and 1.5B runs sum to their wall
-time (26.6 of 27.0 s, 42.3 of 47.4 s; docs/performance.md). Writes go to
-the page cache until the kernel's dirty limit (vm.dirty_ratio of the available memory), then at
-the disk's own speed (the probe's fsync'ed write): on a 2-core VM that second regime is most of
-a 1.5B run. Compute counts element passes: per step, each read element is cast and checked (2),
-advanced once per state that takes the step, and each written output costs ~3 passes (estimate,
-cast, hand-off). docs/performance.md compares projections with measurements.
+part is CPU work (copies, the arithmetic, the kernel's I/O): on C cores the parts overlap at most
+C/2-fold. On a 2-core VM they do not overlap at all: the measured stages of the 0.5B and 1.5B runs
+sum to their wall time (16.7 of 17.2 s; before O_DIRECT writes 26.6 of 27.0 s, 42.3 of 47.4 s;
+docs/performance.md). Writes go past the page cache (io/writer.py, O_DIRECT) at the disk's own
+speed (the probe's fsync'ed write); with BEMA_DIRECT_IO=0 through the page cache until the
+kernel's dirty limit (vm.dirty_ratio of the available memory), then at the disk's speed. Compute
+counts element passes: per step, each read element is cast and checked (2), advanced once per
+state that takes the step, and each written output costs ~3 passes (estimate, cast, hand-off).
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import os
 from pathlib import Path
 
 from bema_cli.io.safetensors import FLOATING
+from bema_cli.io.writer import direct_io
 from bema_cli.machine import available_memory, probe
 
 RUNTIME_BYTES = 400 << 20  # Python, torch and bema before the first unit: measured ~330-380 MB RSS
@@ -61,11 +61,14 @@ def seconds(plan, read_bytes: int, written_bytes: int, speeds: dict) -> dict:
         passes += numel * (PASSES_READ + advancing + PASSES_OUTPUT * outputs)
     read = read_bytes / speeds["read"]
     compute = passes / speeds["compute"]
-    limit = dirty_limit()
-    write = (
-        min(written_bytes, limit) / speeds["write_cache"]
-        + max(0, written_bytes - limit) / speeds["write_disk"]
-    )
+    if direct_io():  # the outputs go past the page cache: the disk's speed from the first byte
+        write = written_bytes / speeds["write_disk"]
+    else:
+        limit = dirty_limit()
+        write = (
+            min(written_bytes, limit) / speeds["write_cache"]
+            + max(0, written_bytes - limit) / speeds["write_disk"]
+        )
     overlap = max(1.0, len(os.sched_getaffinity(0)) / 2)
     return {
         "seconds": START_SECONDS + max(read + compute, write, (read + compute + write) / overlap),

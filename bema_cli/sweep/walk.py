@@ -255,10 +255,12 @@ class Walker:
         indexed = step in self.plan.indexes
         updates, self._rings = step_updates(self.plan, self.stabs, step) if indexed else ([], [])
         burnin = indexed and step <= self.plan.runs[0].schedule.tau  # theta0 = theta_s from here on
-        if burnin and self.theta0 is None:  # theta0 is read again from this checkpoint: keep it open
+        if burnin and self.theta0 is None and _streams(index):  # theta0 read again from here: kept open
             self._theta0_files.close()
             self._theta0_files, self._step_files = self._step_files, ExitStack()
             self._theta0_reader = reader
+        elif burnin and self.theta0 is None:  # a checkpoint not read by element range: theta0 held
+            self.theta0 = self.ws.view("theta0", self.size, self.hold)
         held = self.theta is not None or not _streams(index)
         if held:  # a held theta_s (or a checkpoint that cannot be read by element range: held from now on)
             if self.theta is None:

@@ -6,7 +6,7 @@ Per command: wall time, GB/s read and written, peak RSS (one process: vLLM's eng
 in-process with VLLM_ENABLE_V1_MULTIPROCESSING=0, so /usr/bin/time's peak includes it; the
 sweep's own peak_rss, bema + engine processes, is printed beside it), and the ratios to bema's
 own projection (`--dry-run`: memory and time) and to the I/O floor (`cat` of the inputs plus a
-plain write of the same output bytes, measured just before).
+plain write of every byte stabilize writes, its outputs and its state, measured just before).
 
     .venv/bin/python bench/bench_real.py                  # 0.5B loop + 1.5B stabilize (~15 min)
     .venv/bin/python bench/bench_real.py --shapes 0.5b --only stabilize
@@ -56,6 +56,7 @@ def bema_json(*args) -> tuple[dict, object]:
 
 def row(name: str, run, doc: dict, projected: dict | None, floor_s: float | None, numel: int) -> dict:
     read, written = doc.get("read_bytes", 0), doc.get("written_bytes", doc.get("written_weight_bytes", 0))
+    written += doc.get("state_bytes", 0)  # stabilize's state (a fresh run reads none)
     memory = doc.get("memory") or {}
     r = {
         "command": name, "wall_s": round(run.seconds, 1), "peak_rss_gb": round(run.max_rss / 1e9, 2),
@@ -89,7 +90,10 @@ def stabilize_rows(world: dict, root: Path, readers: list[int]) -> list[dict]:
     ]
     rows = []
     for n in readers:
-        floor_s = floor(inputs, dry["written_bytes"], root / "floor")
+        # every byte written: the outputs and the state (one float32 copy of each recurrence's
+        # tensors, what a later call continues from), as an I/O-only tool would write them
+        written = dry["written_bytes"] + dry["projection"]["state_bytes"]
+        floor_s = floor(inputs, written, root / "floor")
         doc, measured = bema_json("stabilize", *args, "--out", root / "stab", "--readers", n, "--overwrite")
         rows.append(row(f"stabilize bema,ema every step, --readers {n}", measured, doc, projection(dry), floor_s,
                         world["numel"]))  # fmt: skip
@@ -135,6 +139,30 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def targets(rows: list[dict]) -> str:
+    """The issue's targets, each against this run's numbers: projections within 2x of the wall time,
+    the 1.5B stabilize within 1.5x of the floor, the sweep within 14 B/param and its estimate within 10%."""
+    lines = ["targets (this run):"]
+    for r in rows:
+        name = f"[{r['shape']}] {r['command']}"
+        if r.get("wall_over_projected"):
+            x = r["wall_over_projected"]
+            lines.append(f"  {name}: wall / projection {x} (within 2x: {verdict(0.5 <= x <= 2.0)})")
+        if r["shape"] == "1.5b" and r.get("wall_over_floor"):
+            x = r["wall_over_floor"]
+            lines.append(f"  {name}: wall / floor {x} (<= 1.5: {verdict(x <= 1.5)})")
+        if r["command"].startswith("sweep"):
+            bpp, est = r["bytes_per_param"], r.get("rss_over_projected")
+            lines.append(f"  {name}: {bpp} B/param (<= 14: {verdict(bpp <= 14)})")
+            if est:
+                lines.append(f"  {name}: peak / estimate {est} (within 10%: {verdict(abs(est - 1) <= 0.10)})")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="0.5b,1.5b")
@@ -164,7 +192,7 @@ def main(argv=None) -> None:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         print(table([r for r in rows if r["shape"] == shape]), file=sys.stderr, flush=True)
-    text = f"bench_real on {machine()}\n" + table(rows)
+    text = f"bench_real on {machine()}\n" + table(rows) + "\n" + targets(rows)
     print(text if not args.json else json.dumps({"machine": machine(), "rows": rows}, indent=2))
 
 

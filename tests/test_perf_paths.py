@@ -94,12 +94,16 @@ def test_dry_run_projects_memory_and_time_and_writes_nothing(traj, tmp_path):
     doc = json.loads(r.stdout)
     p = doc["projection"]
     assert doc["dry_run"] is True and p["seconds"] > 0
-    read, compute, write = (p["parts_seconds"][k] for k in ("read", "compute", "write"))
+    read, compute, write, state = (p["parts_seconds"][k] for k in ("read", "compute", "write", "state"))
     overlap = max(1, len(os.sched_getaffinity(0)) / 2)  # 2 cores: the parts run one after another
-    assert p["seconds"] == pytest.approx(
-        1.5 + max(read + compute, write, (read + compute + write) / overlap), abs=0.2
-    )
+    main = read + compute + state  # the state's rows go out from the main thread
+    assert p["seconds"] == pytest.approx(1.5 + max(main, write, (main + write) / overlap), abs=0.3)
     assert 400 << 20 < p["peak_memory_bytes"] < 2 << 30 and all(v > 0 for v in p["speeds"].values())
+    # the state this run writes is projected at its size (headers to within a few bytes)
+    real = run_bema("stabilize", run, "--base", base, "--out", tmp_path / "real", "--json")
+    assert real.returncode == 0, real.stderr
+    written = json.loads(real.stdout)["state_bytes"]  # a fresh run reads no state: all of it written
+    assert written > 0 and abs(p["state_bytes"] - written) <= 256, (p["state_bytes"], written)
     text = run_bema("stabilize", run, "--base", base, "--out", tmp_path / "o", "--dry-run")
     assert "projected: peak memory" in text.stdout  # the dry run's own summary says it too
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".bema-probe-*"))

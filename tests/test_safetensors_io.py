@@ -39,11 +39,14 @@ def _infos(state) -> list[TensorInfo]:
     ]
 
 
-def _write(folder, state, max_shard_size, chunk_rows=None):
-    """Write `state` through ShardedWriter, optionally in row chunks and in reverse order."""
+def _write(folder, state, max_shard_size, chunk_rows=None, in_order=False, digest=False):
+    """Write `state` through ShardedWriter, optionally in row chunks, in reverse order unless
+    `in_order` (each shard's tensors in file order); returns the shards (and the writer with `digest`)."""
     shards = plan_shards(_infos(state), max_shard_size)
-    writer = ShardedWriter(folder, shards, {"bema_version": "test", "bema_run": "r"}).open()
-    for name, tensor in reversed(state.items()):
+    writer = ShardedWriter(folder, shards, {"bema_version": "test", "bema_run": "r"}, digest=digest).open()
+    names = [t.name for s in shards for t in s.tensors] if in_order else list(reversed(state))
+    for name in names:
+        tensor = state[name]
         rows = tensor.shape[0] if tensor.dim() else 1
         step = chunk_rows or rows or 1
         for r in range(0, rows, step):
@@ -51,7 +54,25 @@ def _write(folder, state, max_shard_size, chunk_rows=None):
             row_bytes = tensor.numel() // rows * tensor.element_size() if rows else 0
             writer.write(name, r * row_bytes, tensor_bytes(piece))
     writer.close()
-    return shards
+    return (shards, writer) if digest else shards
+
+
+@pytest.mark.parametrize("max_shard_size,chunk_rows", [(10**9, None), (200, 2)])
+def test_digest_summed_as_written_equals_the_files(tmp_path, max_shard_size, chunk_rows):
+    """A file written front to back is summed on the way (the state's checksums need no read-back):
+    the digest is file_digest's of the file on disk, header included."""
+    from bema_cli.io.fingerprint import file_digest
+
+    shards, writer = _write(tmp_path, _state(), max_shard_size, chunk_rows, in_order=True, digest=True)
+    sums = writer.digests()
+    assert set(sums) == {s.filename for s in shards}
+    for name, digest in sums.items():
+        assert digest == file_digest(tmp_path / name), name
+
+
+def test_digest_of_a_file_written_out_of_order_is_left_to_read_back(tmp_path):
+    shards, writer = _write(tmp_path, _state(), 10**9, chunk_rows=2, digest=True)  # reverse order
+    assert len(shards) == 1 and writer.digests() == {}
 
 
 @pytest.mark.parametrize("max_shard_size,chunk_rows", [(10**9, None), (200, 2)])

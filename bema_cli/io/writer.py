@@ -91,7 +91,9 @@ class ShardedWriter:
     another process (a Ray worker) and used there.
     """
 
-    def __init__(self, folder: Path, shards: list[Shard], metadata: dict[str, str]):
+    def __init__(self, folder: Path, shards: list[Shard], metadata: dict[str, str], digest: bool = False):
+        """`digest`: sum each file (fingerprint.file_digest's xxh3_128) as its bytes are written front to
+        back, so the caller need not read it back (`digests`)."""
         self.folder = folder
         self.shards = shards
         self.metadata = metadata
@@ -102,21 +104,45 @@ class ShardedWriter:
         self._fds: dict[int, int] | None = None  # shard -> open fd, inside held()
         self._direct: dict[int, DirectFile | None] = {}  # shard -> its O_DIRECT writer, inside held()
         self.direct_bytes = 0  # bytes this process wrote bypassing the page cache
+        self._digest = digest
+        self._sums: dict[int, tuple[object, int]] = {}  # shard -> (running digest, offset it reached)
 
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_fds": None, "_direct": {}}
+    def __getstate__(self) -> dict:  # another process's writes are not summed here: `digests` skips them
+        return {**self.__dict__, "_fds": None, "_direct": {}, "_sums": {}, "_digest": False}
 
     def open(self) -> ShardedWriter:
         """Create the folder and its files at full size, each with its header; tensor bytes come later."""
         with _naming(self.folder):
             self.folder.mkdir(parents=True, exist_ok=True)
-        for shard in self.shards:
+        for i, shard in enumerate(self.shards):
             header = encode_header(shard, self.metadata)
             with _naming(self.folder / shard.filename), open(self.folder / shard.filename, "wb") as f:
                 f.write(header)
                 f.flush()
                 allocate(f.fileno(), len(header) + shard.data_size)
+            if self._digest:
+                import xxhash
+
+                self._sums[i] = (xxhash.xxh3_128(header), len(header))
         return self
+
+    def digests(self) -> dict[str, str]:
+        """{file name: digest} of the files written whole, front to back, by this process since `open`
+        (the others are left for the caller to read back)."""
+        done = {}
+        for i, (running, reached) in self._sums.items():
+            if reached == self._data_start[i] + self.shards[i].data_size:
+                done[self.shards[i].filename] = running.hexdigest()
+        return done
+
+    def _sum(self, i: int, pos: int, view: memoryview) -> None:
+        """Feed the running digest of shard `i`; a write out of order ends it (`digests` skips the file)."""
+        running, reached = self._sums.get(i, (None, -1))
+        if pos != reached:
+            self._sums.pop(i, None)
+            return
+        running.update(view)
+        self._sums[i] = (running, reached + len(view))
 
     @contextmanager
     def held(self) -> Iterator[ShardedWriter]:
@@ -145,6 +171,8 @@ class ShardedWriter:
         shard = self.shards[i]
         pos = self._data_start[i] + shard.offsets[name] + byte_offset
         view = memoryview(data).cast("B")
+        if self._sums:
+            self._sum(i, pos, view)
         with _naming(self.folder / shard.filename):
             fd = self._fds.get(i) if self._fds is not None else None
             if fd is None:

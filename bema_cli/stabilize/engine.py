@@ -28,7 +28,7 @@ from bema_cli.io.fingerprint import fingerprint
 from bema_cli.io.safetensors import ModelIndex
 from bema_cli.io.watch import check_unchanged, held_stats, hold_files, release
 from bema_cli.io.writer import ShardedWriter
-from bema_cli.stabilize import meta, state, state_commit
+from bema_cli.stabilize import meta, state, state_commit, state_store
 from bema_cli.stabilize.executors import run_units
 from bema_cli.stabilize.plan import Options, Plan, Run
 from bema_cli.stabilize.prepare import prepare, resolve_state
@@ -157,7 +157,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
         "outputs": meta.outputs_of(plan, out),
         "read_bytes": read_bytes,
         "written_bytes": written,
-        "state_bytes": state.traffic(plan),
+        "state_bytes": state_store.traffic(plan),
     }
     doc["executor"] = {"executor": executor.executor, "workers": executor.workers}
     doc["up_to_date"], doc["last_step"] = False, last_step
@@ -334,7 +334,7 @@ def _fingerprints(
 def _walk(plan: Plan, opts: Options, tmp: Path, executor: ExecutorOptions) -> int:
     """The tensor-major pass; writes every output folder under tmp; returns safetensors bytes written."""
     outputs = open_outputs(plan, tmp)
-    plan.state_writers = state.open_writers(plan, opts, tmp)
+    plan.state_writers = state_store.open_writers(plan, opts, tmp)
     if opts.allow_nonfinite:
         output.warn("--allow-nonfinite: NaN/Inf in inputs are not checked and propagate to the outputs")
     total = sum(unit_bytes(u) for u in plan.units)

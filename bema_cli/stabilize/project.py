@@ -2,7 +2,9 @@
 plan's headers and a half-second probe of this machine's read, compute and write speeds.
 
 The model is the pass's own shape (unit.py): reads and compute run in the main thread, writes in
-the write-behind thread beside them, so wall >= start-up + max(read + compute, write). But every
+the write-behind thread beside them, and each unit's rows of the new state (its float32 recurrences,
+as large as an output or two) go out from the main thread at the unit's end, so wall >= start-up +
+max(read + compute + state, write). But every
 part is CPU work (copies, the arithmetic, the kernel's I/O): on C cores the parts overlap at most
 C/2-fold. On a 2-core VM they do not overlap at all: the measured stages of the 0.5B and 1.5B runs
 sum to their wall time (16.7 of 17.2 s; before O_DIRECT writes 26.6 of 27.0 s, 42.3 of 47.4 s;
@@ -51,8 +53,9 @@ def peak_memory(plan, opts) -> int:
     return RUNTIME_BYTES + unit * acc * (1 + states) + blocks
 
 
-def seconds(plan, read_bytes: int, written_bytes: int, speeds: dict) -> dict:
-    """The projected wall time, and its parts."""
+def seconds(plan, read_bytes: int, written_bytes: int, speeds: dict, state_bytes: int = 0) -> dict:
+    """The projected wall time, and its parts. `state_bytes`, the state folders this call writes,
+    go out from the main thread at each unit's end (state_store.end_unit), after its compute."""
     numel = sum(t.numel for t in plan.out_tensors if t.dtype in FLOATING)
     passes = 0
     for step in plan.read_steps:
@@ -61,21 +64,28 @@ def seconds(plan, read_bytes: int, written_bytes: int, speeds: dict) -> dict:
         passes += numel * (PASSES_READ + advancing + PASSES_OUTPUT * outputs)
     read = read_bytes / speeds["read"]
     compute = passes / speeds["compute"]
-    if direct_io():  # the outputs go past the page cache: the disk's speed from the first byte
-        write = written_bytes / speeds["write_disk"]
-    else:
-        limit = dirty_limit()
-        write = (
-            min(written_bytes, limit) / speeds["write_cache"]
-            + max(0, written_bytes - limit) / speeds["write_disk"]
-        )
+    write, state = _write_seconds(written_bytes + state_bytes, speeds), 0.0
+    if write and state_bytes:
+        state = write * state_bytes / (written_bytes + state_bytes)
+        write -= state
     overlap = max(1.0, len(os.sched_getaffinity(0)) / 2)
+    main = read + compute + state  # the main thread's share; the outputs' writes run beside it
     return {
-        "seconds": START_SECONDS + max(read + compute, write, (read + compute + write) / overlap),
+        "seconds": START_SECONDS + max(main, write, (main + write) / overlap),
         "read": read,
         "compute": compute,
         "write": write,
+        "state": state,
     }
+
+
+def _write_seconds(nbytes: int, speeds: dict) -> float:
+    """Seconds to write `nbytes` as the writer does: past the page cache at the disk's speed, or with
+    BEMA_DIRECT_IO=0 at the page cache's speed up to the kernel's dirty limit, then the disk's."""
+    if direct_io():
+        return nbytes / speeds["write_disk"]
+    limit = dirty_limit()
+    return min(nbytes, limit) / speeds["write_cache"] + max(0, nbytes - limit) / speeds["write_disk"]
 
 
 def probe_sample(plan) -> Path | None:
@@ -90,10 +100,12 @@ def project(plan, opts, read_bytes: int, written_bytes: int, out_dir: Path) -> d
     sample = probe_sample(plan)
     if sample is None:
         return {"peak_memory_bytes": peak_memory(plan, opts)}
-    speeds = probe(sample, out_dir)
-    parts = seconds(plan, read_bytes, written_bytes, speeds)
+    from bema_cli.stabilize import state_store
+
+    speeds, state_bytes = probe(sample, out_dir), state_store.written_bytes(plan, opts)
+    parts = seconds(plan, read_bytes, written_bytes, speeds, state_bytes)
     return {"peak_memory_bytes": peak_memory(plan, opts), "seconds": round(parts.pop("seconds"), 1),
-            "parts_seconds": {k: round(v, 1) for k, v in parts.items()},
+            "parts_seconds": {k: round(v, 1) for k, v in parts.items()}, "state_bytes": state_bytes,
             "speeds": {k: round(v) for k, v in speeds.items()}}  # fmt: skip
 
 

@@ -48,7 +48,10 @@ def stage(plan: Plan, opts: Options, tmp: Path) -> tuple[list[str], list[str], d
     doc = _new_state(plan, opts, kept)
     doc["delete"] = delete
     news = [t.folder for t in plan.tracks if t.advancing and t.folder] + [plan.theta0_folder]
-    doc["checksums"] = _checksums(doc, plan.resume.stored or {}, tmp / STATE_DIR, [f for f in news if f])
+    summed = {f: w.digests() for f, w in (plan.state_writers or {}).items()}  # as written, front to back
+    doc["checksums"] = _checksums(
+        doc, plan.resume.stored or {}, tmp / STATE_DIR, [f for f in news if f], summed
+    )
     write_sealed(tmp, doc)
     entries += [f"{STATE_DIR}/{f}" for f in news if f] + [f"{STATE_DIR}/{STATE_FILE}"]
     return entries, delete, kept
@@ -64,11 +67,14 @@ def write_sealed(tmp: Path, doc: dict) -> str:
     return f"{STATE_DIR}/{STATE_FILE}"
 
 
-def _checksums(doc: dict, stored: dict, staged: Path, news: list[str]) -> dict[str, dict[str, str]]:
-    """The digest of each state file the new state.json names: new folders summed now, kept ones carried over."""
+def _checksums(
+    doc: dict, stored: dict, staged: Path, news: list[str], summed: dict[str, dict[str, str]]
+) -> dict[str, dict[str, str]]:
+    """The digest of each state file the new state.json names: new folders summed as written (`summed`)
+    or read back now, kept ones carried over."""
     needed = {r.get("state") for r in doc["runs"]} | {(doc["theta0"].get("burnin") or {}).get("folder")}
     old = stored.get("checksums") or {}
-    sums = {f: state_doc.checksums(staged / f) for f in news}
+    sums = {f: state_doc.checksums(staged / f, summed.get(f)) for f in news}
     sums.update({f: old[f] for f in needed if f and f not in sums and f in old})
     return {f: sums[f] for f in sorted(sums) if f in needed}
 

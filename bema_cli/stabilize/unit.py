@@ -25,7 +25,7 @@ from bema_cli.io.write_behind import WriteBehind
 from bema_cli.io.writer import ShardedWriter, tensor_bytes
 from bema_cli.recurrence import Window
 from bema_cli.schedule import WINDOW_METHODS
-from bema_cli.stabilize import state
+from bema_cli.stabilize import state_store
 from bema_cli.stabilize.plan import Options, Piece, Plan
 
 Outputs = dict[tuple[str, int], ShardedWriter]  # (run name, step) -> the writer of that output folder
@@ -264,11 +264,11 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
             _check_finite(reader.index, u, flat, 0, size)
 
     with stages.stage("read", unit_bytes(unit) if plan.theta0_index is not None else 0):
-        state.read_theta0(plan, unit, theta0, load_theta0)
+        state_store.read_theta0(plan, unit, theta0, load_theta0)
     # one Stabilizer per track (runs sharing a state, e.g. ema and bema at one kappa): from theta0,
     # or continued from OUT's persistent state
     # (no per-unit clones: the states live in the workspace's reused buffers)
-    stabs = state.start_unit(plan, unit, theta0, lambda key: ws.view(key, size), scratch)
+    stabs = state_store.start_unit(plan, unit, theta0, lambda key: ws.view(key, size), scratch)
     track_of = {r.name: i for i, t in enumerate(plan.tracks) for r in t.runs}
     for step in plan.read_steps:
         index = plan.indexes[step]
@@ -338,4 +338,4 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
             for _, writer in writing:
                 _write_raw(writer, unit, raw)
         del raw
-    state.end_unit(plan, unit, stabs, theta0)  # this unit's rows of the new state
+    state_store.end_unit(plan, unit, stabs, theta0)  # this unit's rows of the new state

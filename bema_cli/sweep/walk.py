@@ -31,7 +31,7 @@ from bema_cli.io.checkpoints import Checkpoint
 from bema_cli.io.reader import ModelIndex, open_checkpoint
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF, ChunkReader
 from bema_cli.recurrence import STATE_TENSORS
-from bema_cli.stabilize import state
+from bema_cli.stabilize import state_store
 from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.prepare import check_same, drop_tied_head, prepare
 from bema_cli.stabilize.unit import (
@@ -167,8 +167,8 @@ class Walker:
             return ws.view(key, size, self.hold if "-slot" in key else None)
 
         if self.theta0 is not None:
-            state.read_theta0(plan, self.unit, self.theta0, load_theta0)
-            self.stabs = state.start_unit(plan, self.unit, self.theta0, buffer, self.scratch)
+            state_store.read_theta0(plan, self.unit, self.theta0, load_theta0)
+            self.stabs = state_store.start_unit(plan, self.unit, self.theta0, buffer, self.scratch)
         else:  # every state starts at theta0: read it into the first state's storage, then drop it
             self._theta0_reader = self._theta0_files.enter_context(plan.base_index.open())
             first = next(f"state{i}-{t.names[0]}" for i, t in enumerate(plan.tracks) if not t.window)
@@ -177,7 +177,7 @@ class Walker:
                 self._read(self._theta0_reader, a, b, start[a:b])
             if self.check:
                 _check_finite(plan.base_index, self.unit, start, 0, size)
-            self.stabs = state.start_unit(plan, self.unit, start, buffer, self.scratch)
+            self.stabs = state_store.start_unit(plan, self.unit, start, buffer, self.scratch)
             for track, stab in zip(plan.tracks, self.stabs, strict=True):
                 if not track.window:
                     stab.theta0 = None  # read again at each use (`_theta0`), not held

@@ -193,20 +193,22 @@ def bf16_copy(src: Path, dst: Path) -> Path:
 @pytest.mark.parametrize(
     "methods, tau",
     [
-        (["bema", "ema", "dema", "ouema", "lawa", "wsm"], 0),  # rings copy theta_s: it is held
+        (["bema", "ema", "dema", "ouema", "lawa", "wsm"], 0),  # rings: their members read again too
         (["bema", "ema", "dema", "ouema"], 0),  # nothing held: theta0 and theta_s read again
         (["bema", "ouema"], 20),  # burn-in: theta0 becomes checkpoint-20, read again from it
     ],
 )
 def test_walker_holds_bf16_inputs_narrow_and_stays_bitwise(world, tmp_path, monkeypatch, methods, tau):
-    """bf16 checkpoints: a ring (and theta_s where a ring copies it) is held in bf16 (half the
-    bytes); theta0, and theta_s without a ring, are not held at all but read again from their files
-    at each use; every operation runs a block at a time in float32, and a block size that splits
-    tensors mid-row changes nothing: the outputs are stabilize's, bit for bit."""
+    """bf16 checkpoints: theta0, theta_s and a window's members are not held at all but read again
+    from their files at each use (a ring holds which step each slot has, and keeps that step's files
+    open: a checkpoint deleted once read, as a trainer's rotation does, is still read); every
+    operation runs a block at a time in float32, and a block size that splits tensors mid-row changes
+    nothing: the outputs are stabilize's, bit for bit."""
     import torch
     from safetensors.torch import load_file
 
-    from bema_cli.recurrence import Window
+    from bema_cli.io.safetensors import FLOATING
+    from bema_cli.recurrence import STATE_TENSORS, Window
     from bema_cli.stabilize import Options, grid
     from bema_cli.sweep import walk
 
@@ -220,15 +222,17 @@ def test_walker_holds_bf16_inputs_narrow_and_stays_bitwise(world, tmp_path, monk
     monkeypatch.setattr(walk, "HOLD_BLOCK", 1000)  # smaller than most tensors: blocks end mid-tensor
     opts = Options(str(tmp_path / "run"), grid(methods, windows=windows, tau=tau), str(tmp_path / "none"),
                    base=str(base), out_dtype="float32")  # fmt: skip
-    walker = walk.Walker(walk.plan_sweep(opts), opts)
-    assert walker.theta0 is None  # read again from the base's file (then checkpoint-20's after a burn-in)
-    if windows:
-        assert walker.theta.dtype == torch.bfloat16
-        assert all(
-            s.dtype == torch.bfloat16 for stab in walker.stabs if isinstance(stab, Window) for s in stab.slots
-        )
-    else:
-        assert walker.theta is None
+    plan = walk.plan_sweep(opts)
+    walker = walk.Walker(plan, opts)
+    assert walker.theta0 is None and walker.theta is None  # read again from their files
+    rings = [stab for stab in walker.stabs if isinstance(stab, Window)]
+    assert len(rings) == (1 if windows else 0) and all(
+        isinstance(r, walk.FileRing) and not r.slots for r in rings
+    )
+    # the estimate holds the float32 EMA-family states and HOLD_BLOCK-sized buffers, nothing else
+    numel = sum(t.numel for t in plan.out_tensors if t.dtype in FLOATING)
+    states = 4 * numel * sum(len(STATE_TENSORS[t.method]) for t in plan.tracks)
+    assert 0 < walk.state_bytes(plan, "float32") - states <= (4 + 2) * walk.HOLD_BLOCK * 4
     for step in STEPS:
         walker.advance(step)
         for run in walker.plan.runs:
@@ -238,7 +242,13 @@ def test_walker_holds_bf16_inputs_narrow_and_stays_bitwise(world, tmp_path, monk
                 assert mine[name].dtype == tensor.dtype == torch.float32
                 assert torch.equal(mine[name], tensor), (run.name, step, name)
         walker.finish()
-    assert walker.theta is None or windows  # theta_s was never held without a ring
+        if windows:  # rotated away once read: the ring's members are read through the files it keeps open
+            shutil.rmtree(tmp_path / "run" / f"checkpoint-{step}")
+    assert walker.theta is None  # theta_s was never held
+    if windows:
+        assert len(walker._members) == 2  # a window of 3 keeps its 2 latest members' files, no more
+    walker.close()
+    assert not walker._members
 
 
 def test_sweep_equals_disk_path_on_transformers(world, tmp_path):

@@ -3,8 +3,8 @@ evaluation's inputs and the machine probe (machine.probe), beside the memory est
 
 Parts: the engine's start (a fixed cost per backend, measured on CPU, plus reading the model once),
 the walk (each checkpoint read, cast and checked, every state advanced: stabilize's passes), and per
-evaluation the weights computed (theta_s and, for BEMA, theta0 read again: walk.reread) and
-loaded into the engine, then the forward passes: held-out
+evaluation the weights computed (theta_s, a window's members and, for BEMA, theta0 read again:
+walk.reread) and loaded into the engine, then the forward passes: held-out
 records and prompts at 2 x parameters FLOPs per token (4 characters a token), and each generated
 token one pass of the weights through memory (machine.engine_speeds: RAM's bandwidth, not the
 files' read speed). docs/performance.md compares it with measurements.
@@ -46,8 +46,9 @@ def project(plan, evaluation, jobs, model_bytes: int, speeds: dict) -> dict:
     again_theta, again_theta0 = reread(plan)  # read again from their files for each config
     for job in jobs:
         load += numel * PASSES_WEIGHTS / speeds["compute"] + model_bytes / speeds["read"]
-        bema = (job.target.stabilizer or {}).get("method") == "bema"
-        load += plan.base_index.nbytes * (again_theta + (again_theta0 and bema)) / speeds["read"]
+        stabilizer = job.target.stabilizer or {}
+        bema, models = stabilizer.get("method") == "bema", int(stabilizer.get("window") or 1)  # theta_s + K-1
+        load += plan.base_index.nbytes * (again_theta * models + (again_theta0 and bema)) / speeds["read"]
         for item in job.tasks:
             if item.name in LOSS_TASKS:
                 chars = sum(len(json.dumps(r)) for r in item.loss_records)

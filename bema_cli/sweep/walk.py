@@ -10,13 +10,14 @@ tensor at a time, cast to the dtype the disk path would write, so an engine load
 bytes `bema stabilize` + `bema eval` would have loaded. Nothing is written.
 
 Memory (`state_bytes`): every distinct EMA-family state, one model each in the accumulation
-dtype, and a window's K-1 ring slices in the checkpoints' own dtype when that is exact
-(`hold_dtype`: bf16 held as bf16 halves them). theta0 and theta_s are not held at all where their
-files allow (`reread`: safetensors, states on the CPU): each use reads its block again (HOLD_BLOCK
-elements, one pread per tensor part, served by the page cache), which on the 0.5B shape in bf16
-frees 2 GB of a 7.4 GB sweep for ~1 GB of page-cache reads per config evaluated. Everything is
-computed a block at a time in the accumulation dtype, so the numbers equal an all-float32 walk's
-bit for bit.
+dtype. theta0, theta_s and a window's K-1 ring members are not held at all where their files allow
+(`reread`: safetensors, states on the CPU): each use reads its block again (HOLD_BLOCK elements,
+one pread per tensor part, served by the page cache), and a ring (`FileRing`) holds only which
+checkpoint each slot has, whose files the walk keeps open while it is in the ring. On the 0.5B
+shape in bf16 that frees 2 GB of a 7.4 GB sweep, and 7 GB per window of 8, for ~1 GB of
+page-cache reads per model read again per config evaluated. Elsewhere they are held, in the
+checkpoints' own dtype when that is exact (`hold_dtype`: bf16 held as bf16). Everything is computed
+a block at a time in the accumulation dtype, so the numbers equal an all-float32 walk's bit for bit.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from bema_cli.errors import InputError
 from bema_cli.io.checkpoints import Checkpoint
 from bema_cli.io.reader import ModelIndex, open_checkpoint
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF, ChunkReader
-from bema_cli.recurrence import STATE_TENSORS
+from bema_cli.recurrence import STATE_TENSORS, Window
 from bema_cli.stabilize import state_store
 from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.prepare import check_same, drop_tied_head, prepare
@@ -110,14 +111,28 @@ def hold_dtype(plan: Plan, accum_dtype: str) -> str:
 
 
 def reread(plan: Plan, device: str = "cpu") -> tuple[bool, bool]:
-    """Whether the walk reads (theta_s, theta0) again from their files at each use instead of
-    holding them: host RAM is what a sweep runs short of, so on the CPU, where the files are
-    safetensors (any element range is one pread). theta_s is held where a window's ring copies it
-    whole; theta0 where it comes from a state folder (a burn-in's copy) or is not needed."""
+    """Whether the walk reads (theta_s and the windows' members, theta0) again from their files at
+    each use instead of holding them: host RAM is what a sweep runs short of, so on the CPU, where
+    the files are safetensors (any element range is one pread). theta0 is held where it comes from a
+    state folder (a burn-in's copy) or is not needed."""
     if device != "cpu":
         return False, False
-    theta = all(_streams(index) for index in plan.indexes.values()) and not any(t.window for t in plan.tracks)
+    theta = all(_streams(index) for index in plan.indexes.values())
     return theta, plan.theta0_index is plan.base_index and _streams(plan.base_index)
+
+
+class FileRing(Window):
+    """A window's ring that holds, per slot, which checkpoint step it has (member j in slot j % K-1),
+    not its weights: the walk keeps those checkpoints' files open and reads a block of each again
+    where the merge needs it (`Walker._ring_view`)."""
+
+    def __init__(self, slots: int):
+        super().__init__([])
+        self.steps: list[int | None] = [None] * slots
+
+    def advance(self, event, step) -> None:  # `step` where a Window takes theta_s
+        if event.action == "update" and self.steps:
+            self.steps[event.member % len(self.steps)] = step
 
 
 def _streams(index: ModelIndex) -> bool:
@@ -129,10 +144,13 @@ def state_bytes(plan: Plan, accum_dtype: str, device: str = "cpu") -> int:
     theta0 and theta_s unless read again (`reread`) and ring slices, in the held dtype; each
     EMA-family state tensor in the accumulation dtype; and the blocks."""
     numel = sum(t.numel for t in plan.out_tensors if t.dtype in FLOATING)
-    held = sum(not again for again in reread(plan, device)) + sum(t.ring for t in plan.tracks if t.window)
+    again = reread(plan, device)
+    rings = sum(t.ring for t in plan.tracks if t.window)
+    held = sum(not a for a in again) + (0 if again[0] else rings)
     accumulated = sum(len(STATE_TENSORS[t.method]) for t in plan.tracks if not t.window)
     hold, accum = DTYPES[TAG_OF[hold_dtype(plan, accum_dtype)]][1], DTYPES[TAG_OF[accum_dtype]][1]
-    return (held * hold + accumulated * accum) * numel + 4 * HOLD_BLOCK * accum
+    blocks = 4 + (max((t.ring for t in plan.tracks if t.window), default=0) if again[0] else 0)
+    return (held * hold + accumulated * accum) * numel + blocks * HOLD_BLOCK * accum
 
 
 class Walker:
@@ -164,6 +182,8 @@ class Walker:
                 _check_finite(reader.index, unit, flat, 0, size)
 
         def buffer(key: str):  # a ring slot is a copy of some theta_s: exact in the held dtype
+            if "-slot" in key and again_theta:
+                return None  # a FileRing's member is read again from its files, not held
             return ws.view(key, size, self.hold if "-slot" in key else None)
 
         if self.theta0 is not None:
@@ -181,6 +201,11 @@ class Walker:
             for track, stab in zip(plan.tracks, self.stabs, strict=True):
                 if not track.window:
                     stab.theta0 = None  # read again at each use (`_theta0`), not held
+        if again_theta:
+            self.stabs = [FileRing(len(s.slots)) if isinstance(s, Window) else s for s in self.stabs]
+        self._members: dict[
+            int, tuple[ExitStack, ChunkReader]
+        ] = {}  # step -> its open files, while in a ring
         self.theta = None if again_theta else ws.view("theta", size, self.hold)
         self.track_of = {r.name: i for i, t in enumerate(plan.tracks) for r in t.runs}
         self.out_dtypes = {t.name: t.dtype for t in plan.out_tensors}
@@ -267,6 +292,7 @@ class Walker:
                 self.theta = self.ws.view("theta", self.size, self.hold)
             _load(reader, self.unit, self.theta, self.scratch)
             self._step_files.close()
+            self._reader = None  # nothing to read again from: a FileRing cannot take this step
             if self.check:
                 _check_finite(index, self.unit, self.theta, 0, self.size)
         if not (updates or burnin) and (held or not self.check):
@@ -286,9 +312,11 @@ class Walker:
                     part.advance(event, theta0 if event.action == "burnin" else theta)
 
     def close(self) -> None:
-        """Close the files kept open to read theta_s and theta0 again."""
+        """Close the files kept open to read theta_s, theta0 and the rings' members again."""
         self._step_files.close()
         self._theta0_files.close()
+        while self._members:
+            self._members.popitem()[1][0].close()
 
     def _check_held(self, index: ModelIndex) -> None:
         """A checkpoint that landed later (--follow) in a wider dtype than theta_s is held in would be
@@ -305,10 +333,34 @@ class Walker:
                 )
 
     def finish(self) -> None:
-        """The rings take theta_s (after every estimate of the step; a walk with rings holds theta_s)."""
+        """The rings take theta_s (after every estimate of the step): a held copy, or for a FileRing
+        the step, whose files then stay open while some ring has it."""
         for ring, event in self._rings:
-            ring.advance(event, self.theta)
+            ring.advance(event, self.step if isinstance(ring, FileRing) else self.theta)
         self._rings = []
+        kept = {s for r in self.stabs if isinstance(r, FileRing) for s in r.steps if s is not None}
+        if self.step in kept and self.step not in self._members:
+            if self._reader is None:  # --follow: a checkpoint that landed in a format read whole
+                folder = next(c.path for c in self.plan.checkpoints if c.step == self.step)
+                raise InputError(
+                    f"{folder}: a window's member must be readable by element range (safetensors, as "
+                    "the checkpoints before it); sweep this run again from the start"
+                )
+            self._members[self.step] = (self._step_files.pop_all(), self._reader)
+        for step in [s for s in self._members if s not in kept]:
+            self._members.pop(step)[0].close()
+
+    def _ring_view(self, ring: FileRing, a: int, b: int) -> Window:
+        """Positions [a, b) of `ring`'s members, read again from their files (in the accumulation
+        dtype: exact), as the Window a merge reads."""
+        slots = []
+        for j, step in enumerate(ring.steps):
+            block = None
+            if step is not None:
+                block = self._block(f"slot{j}")[: b - a]
+                self._read(self._members[step][1], a, b, block)
+            slots.append(block)
+        return Window(slots)
 
     def weights(self, run: str | None, dtype=None) -> Iterator[tuple[str, object]]:
         """(name, tensor) of config `run` at the current step (None: theta_s itself, i.e. vanilla),
@@ -343,7 +395,8 @@ class Walker:
                         if bema:
                             drift = torch.sub(theta, self._theta0(a, b), out=self._block("drift")[: b - a])
                         buffer = self._block("out")[: b - a] if method in BUFFERED else None
-                        result = run_estimate(stab.view(a, b), found, event, theta, drift, buffer)
+                        part = self._ring_view(stab, a, b) if isinstance(stab, FileRing) else stab.view(a, b)
+                        result = run_estimate(part, found, event, theta, drift, buffer)
                     tensor[a - p.lo : b - p.lo].copy_(result)  # the cast stabilize's writer does
                 if dtype is not None and tensor.dtype != dtype:
                     tensor = tensor.to(dtype)

@@ -1,23 +1,22 @@
 """The step-major walk of `bema sweep`: every state of a grid over the whole model, advanced one
 checkpoint at a time, and each config's weights produced tensor by tensor when asked.
 
-`bema stabilize` walks tensor-major (a unit of rows through every step, then the next unit),
-which suits writing files. A sweep evaluates between steps, so it walks step-major: the model
-is ONE unit (plan.py's Piece offsets into flat buffers), each checkpoint is read once into
-theta_s, every distinct state advances (recurrence.py's Stabilizer and Window, the same code
-and the same planned events as stabilize), and `weights(run)` computes a config's estimate one
-tensor at a time, cast to the dtype the disk path would write, so an engine loads exactly the
-bytes `bema stabilize` + `bema eval` would have loaded. Nothing is written.
+`bema stabilize` walks tensor-major (a unit of rows through every step), which suits writing
+files. A sweep evaluates between steps, so it walks step-major: the model is ONE unit (plan.py's
+Piece offsets into flat buffers), each checkpoint is read once, every distinct state advances
+(recurrence.py's Stabilizer and Window, the same code and planned events as stabilize), and
+`weights(run)` computes a config's estimate one tensor at a time, cast to the dtype the disk path
+would write, so an engine loads exactly the bytes `bema stabilize` + `bema eval` would have
+loaded. Nothing is written.
 
 Memory (`state_bytes`): every distinct EMA-family state, one model each in the accumulation
-dtype. theta0, theta_s and a window's K-1 ring members are not held at all where their files allow
-(`reread`: safetensors, states on the CPU): each use reads its block again (HOLD_BLOCK elements,
-one pread per tensor part, served by the page cache), and a ring (`FileRing`) holds only which
-checkpoint each slot has, whose files the walk keeps open while it is in the ring. On the 0.5B
-shape in bf16 that frees 2 GB of a 7.4 GB sweep, and 7 GB per window of 8, for ~1 GB of
-page-cache reads per model read again per config evaluated. Elsewhere they are held, in the
-checkpoints' own dtype when that is exact (`hold_dtype`: bf16 held as bf16). Everything is computed
-a block at a time in the accumulation dtype, so the numbers equal an all-float32 walk's bit for bit.
+dtype. theta0, theta_s and a window's K-1 members are not held where their files allow (`reread`:
+safetensors, states on the CPU): each use reads its block again (HOLD_BLOCK elements, one pread
+per tensor part, from the page cache), and a ring (`FileRing`) holds only which checkpoint each
+slot has, whose files the walk keeps open meanwhile. On the 0.5B shape in bf16 that frees 2 GB
+of a 7.4 GB sweep, and 7 GB per window of 8. Elsewhere they are held, in the checkpoints' own
+dtype when exact (`hold_dtype`). Every block is computed in the accumulation dtype, so the
+numbers equal an all-float32 walk's bit for bit.
 """
 
 from __future__ import annotations
@@ -140,16 +139,18 @@ def _streams(index: ModelIndex) -> bool:
 
 
 def state_bytes(plan: Plan, accum_dtype: str, device: str = "cpu") -> int:
-    """What the walk holds in memory (the estimate `bema sweep` checks before reading anything):
-    theta0 and theta_s unless read again (`reread`) and ring slices, in the held dtype; each
-    EMA-family state tensor in the accumulation dtype; and the blocks."""
+    """What the walk holds (the estimate `bema sweep` checks before reading anything): theta0, theta_s
+    and ring slices where held (`reread`), in the held dtype; EMA-family states in the accumulation
+    dtype; the blocks."""
     numel = sum(t.numel for t in plan.out_tensors if t.dtype in FLOATING)
-    again = reread(plan, device)
+    again_theta, again_theta0 = reread(plan, device)
     rings = sum(t.ring for t in plan.tracks if t.window)
-    held = sum(not a for a in again) + (0 if again[0] else rings)
+    burnin = any(step <= plan.runs[0].schedule.tau for step in plan.read_steps)  # theta0 = theta_s
+    theta0 = not again_theta0 and (plan.theta0_index is not None or burnin)  # windows alone: none
+    held = (not again_theta) + theta0 + (0 if again_theta else rings)
     accumulated = sum(len(STATE_TENSORS[t.method]) for t in plan.tracks if not t.window)
     hold, accum = DTYPES[TAG_OF[hold_dtype(plan, accum_dtype)]][1], DTYPES[TAG_OF[accum_dtype]][1]
-    blocks = 4 + (max((t.ring for t in plan.tracks if t.window), default=0) if again[0] else 0)
+    blocks = 4 + (max((t.ring for t in plan.tracks if t.window), default=0) if again_theta else 0)
     return (held * hold + accumulated * accum) * numel + blocks * HOLD_BLOCK * accum
 
 
@@ -203,9 +204,7 @@ class Walker:
                     stab.theta0 = None  # read again at each use (`_theta0`), not held
         if again_theta:
             self.stabs = [FileRing(len(s.slots)) if isinstance(s, Window) else s for s in self.stabs]
-        self._members: dict[
-            int, tuple[ExitStack, ChunkReader]
-        ] = {}  # step -> its open files, while in a ring
+        self._members: dict[int, tuple[ExitStack, ChunkReader]] = {}  # a ring's steps -> their open files
         self.theta = None if again_theta else ws.view("theta", size, self.hold)
         self.track_of = {r.name: i for i, t in enumerate(plan.tracks) for r in t.runs}
         self.out_dtypes = {t.name: t.dtype for t in plan.out_tensors}
@@ -341,11 +340,9 @@ class Walker:
         kept = {s for r in self.stabs if isinstance(r, FileRing) for s in r.steps if s is not None}
         if self.step in kept and self.step not in self._members:
             if self._reader is None:  # --follow: a checkpoint that landed in a format read whole
-                folder = next(c.path for c in self.plan.checkpoints if c.step == self.step)
-                raise InputError(
-                    f"{folder}: a window's member must be readable by element range (safetensors, as "
-                    "the checkpoints before it); sweep this run again from the start"
-                )
+                where = self.plan.indexes[self.step].folder
+                raise InputError(f"{where}: a window's member must be safetensors like the checkpoints "
+                                 "before it; sweep this run again from the start")  # fmt: skip
             self._members[self.step] = (self._step_files.pop_all(), self._reader)
         for step in [s for s in self._members if s not in kept]:
             self._members.pop(step)[0].close()

@@ -2,17 +2,16 @@
 plan's headers and a half-second probe of this machine's read, compute and write speeds.
 
 The model is the pass's own shape (unit.py): reads and compute run in the main thread, writes in
-the write-behind thread beside them, and each unit's rows of the new state (its float32 recurrences,
-as large as an output or two) go out from the main thread at the unit's end, so wall >= start-up +
-max(read + compute + state, write). But every
-part is CPU work (copies, the arithmetic, the kernel's I/O): on C cores the parts overlap at most
-C/2-fold. On a 2-core VM they do not overlap at all: the measured stages of the 0.5B and 1.5B runs
-sum to their wall time (16.7 of 17.2 s; before O_DIRECT writes 26.6 of 27.0 s, 42.3 of 47.4 s;
-docs/performance.md). Writes go past the page cache (io/writer.py, O_DIRECT) at the disk's own
-speed (the probe's O_DIRECT write); with BEMA_DIRECT_IO=0 through the page cache until the
-kernel's dirty limit (vm.dirty_ratio of the available memory), then at the disk's speed. Compute
-counts element passes: per step, each read element is cast and checked (2), advanced once per
-state that takes the step, and each written output costs ~3 passes (estimate, cast, hand-off).
+the write-behind thread beside them, and each unit's rows of the new state (its float32
+recurrences, as large as an output or two) go out from the main thread at the unit's end, so
+wall >= start-up + max(read + compute + state, write). But every part is CPU work (copies, the
+arithmetic, the kernel's I/O): on C cores the parts overlap at most C/2-fold. On a 2-core VM the
+main thread's stages (waits for the writer included) sum to the wall time (docs/performance.md).
+Writes, the state's too, go past the page cache (io/writer.py, O_DIRECT) at the disk's own speed
+(the probe's O_DIRECT write); with BEMA_DIRECT_IO=0 through the page cache until the kernel's
+dirty limit (vm.dirty_ratio of the available memory), then at the disk's speed. Compute counts
+element passes: per step, each read element is cast and checked (2), advanced once per state that
+takes the step, and each written output costs ~3 passes (estimate, cast, hand-off).
 """
 
 from __future__ import annotations

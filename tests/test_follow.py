@@ -64,8 +64,10 @@ class Lines:
 
 
 # -- completeness rules (io/watch.py) on real files ------------------------------------------
-def test_a_checkpoint_is_complete_by_trainer_state_or_settled_content(tmp_path):
+def test_a_checkpoint_is_complete_by_trainer_state_or_settled_content(tmp_path, monkeypatch):
     import torch
+
+    from bema_cli.io import watch
 
     run = tmp_path / "run"
     folder = run / "checkpoint-10"
@@ -88,6 +90,19 @@ def test_a_checkpoint_is_complete_by_trainer_state_or_settled_content(tmp_path):
     assert watcher.complete() == {}
     now[0] += 5.0
     assert watcher.complete() == {10: folder}  # content held still for --settle
+    # settled once: later polls find it complete from its sizes and times alone, reading nothing
+    hashed = []
+    real_digest = watch.content_digest
+    monkeypatch.setattr(watch, "content_digest", lambda *a: hashed.append(a) or real_digest(*a))
+    now[0] += 5.0
+    assert watcher.complete() == {10: folder} and watcher.complete() == {10: folder} and not hashed
+    # rewritten after it settled (other bytes, a later mtime): complete again only once it settles
+    (folder / "model.safetensors").write_bytes(data[:-64] + bytes(64))
+    os.utime(folder / "model.safetensors", ns=(1, os.stat(folder / "model.safetensors").st_mtime_ns + 10**9))
+    assert watcher.complete() == {} and watcher.complete() == {}
+    now[0] += 5.0
+    assert watcher.complete() == {10: folder} and len(hashed) == 2  # settled again, its content read twice
+    monkeypatch.setattr(watch, "content_digest", real_digest)
     # a trainer_state.json no older than the weights counts at once
     other = run / "checkpoint-20"
     other.mkdir()

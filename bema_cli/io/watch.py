@@ -135,7 +135,9 @@ class Watcher:
 
     A folder with a trainer_state.json no older than its weights counts at once; others once two
     consecutive polls saw the same complete sizes and modification times and, `settle` seconds
-    later, the same content digest too. `seen` keeps every step ever listed, so a checkpoint that
+    later, the same content digest too; after that it stays complete, without being read again,
+    while its sizes and modification times stay as they settled (an idle follower hashed every
+    checkpoint of the run at every poll). `seen` keeps every step ever listed, so a checkpoint that
     vanished before it was read can be told apart from one that never existed.
     """
 
@@ -144,6 +146,7 @@ class Watcher:
     clock: Callable[[], float] = time.monotonic
     _sizes: dict[int, Stats] = field(default_factory=dict)
     _settling: dict[int, tuple[Stats, str, float]] = field(default_factory=dict)  # stats, digest, since
+    _settled_at: dict[int, Stats] = field(default_factory=dict)  # the stats a step settled at
     seen: dict[int, Path] = field(default_factory=dict)
 
     def scan(self) -> dict[int, Path]:
@@ -176,16 +179,21 @@ class Watcher:
             if signalled(folder) and (sizes is not None or _weight_files(folder) is None):
                 done[step] = folder  # (safetensors: the sizes must match the headers too)
                 continue
-            if sizes is not None and self._sizes.get(step) == sizes and self._settled(step, folder, sizes):
+            if sizes is not None and self._settled_at.get(step) == sizes:
+                done[step] = folder  # settled at an earlier poll, untouched since
+            elif sizes is not None and self._sizes.get(step) == sizes and self._settled(step, folder, sizes):
                 done[step] = folder
+                self._settled_at[step] = sizes
             if sizes is None:
                 self._sizes.pop(step, None)
+                self._settled_at.pop(step, None)
             else:
                 self._sizes[step] = sizes
         for step in list(self._sizes):
             if step not in present:
                 del self._sizes[step]
                 self._settling.pop(step, None)
+                self._settled_at.pop(step, None)
         return done
 
     def _settled(self, step: int, folder: Path, sizes: Stats) -> bool:

@@ -103,14 +103,15 @@ class WriteBehind:
         """Give back a buffer taken with `buffer` and not `put`."""
         self._free[data.dtype].put(data._base)
 
-    def put(self, data, writes: list[Callable[[object], None]]) -> None:
-        """Queue `data` (a buffer from `buffer`); the writer calls each of `writes` with it, then frees it."""
+    def put(self, data, writes: list[Callable[[object], None]], stage: str = "write") -> None:
+        """Queue `data` (a buffer from `buffer`); the writer calls each of `writes` with it, then frees
+        it. Its time and bytes count under `stage` (`write`: the outputs; `state`: a state folder's)."""
         self._raise()
         if self._thread is None:
-            self._write((data, writes))
+            self._write((data, writes, stage))
             self._raise()
         else:
-            self._jobs.put((data, writes))
+            self._jobs.put((data, writes, stage))
 
     def close(self, raise_error: bool = True) -> None:
         """Write (or, after an error, drop) what is queued and end the thread; re-raise a write error."""
@@ -154,14 +155,14 @@ class WriteBehind:
                 self._jobs.task_done()
 
     def _write(self, job) -> None:
-        data, writes = job
+        data, writes, stage = job
         try:
             if not self._stop and self._error is None:
                 t, nbytes = time.perf_counter(), 0
                 for write in writes:
                     nbytes += write(data) or 0
                 seconds = time.perf_counter() - t
-                stages.add("write", seconds, nbytes)
+                stages.add(stage, seconds, nbytes)
                 if self._thread is None:  # written in the caller's thread: not its compute time
                     self.waited += seconds
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread

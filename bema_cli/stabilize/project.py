@@ -2,9 +2,9 @@
 plan's headers and a half-second probe of this machine's read, compute and write speeds.
 
 The model is the pass's own shape (unit.py): reads and compute run in the main thread, writes in
-the write-behind thread beside them, and each unit's rows of the new state (its float32
-recurrences, as large as an output or two) go out from the main thread at the unit's end, so
-wall >= start-up + max(read + compute + state, write). But every part is CPU work (copies, the
+the write-behind thread beside them, the outputs' and, during each unit's last step, the unit's
+rows of the new state (its float32 recurrences, as large as an output or two), so
+wall >= start-up + max(read + compute, write + state). But every part is CPU work (copies, the
 arithmetic, the kernel's I/O): on C cores the parts overlap at most C/2-fold. On a 2-core VM the
 main thread's stages (waits for the writer included) sum to the wall time (docs/performance.md).
 Writes, the state's too, go past the page cache (io/writer.py, O_DIRECT) at the disk's own speed
@@ -54,7 +54,7 @@ def peak_memory(plan, opts) -> int:
 
 def seconds(plan, read_bytes: int, written_bytes: int, speeds: dict, state_bytes: int = 0) -> dict:
     """The projected wall time, and its parts. `state_bytes`, the state folders this call writes,
-    go out from the main thread at each unit's end (state_store.end_unit), after its compute."""
+    go out from the write-behind thread with the outputs (unit.py)."""
     numel = sum(t.numel for t in plan.out_tensors if t.dtype in FLOATING)
     passes = 0
     for step in plan.read_steps:
@@ -68,9 +68,9 @@ def seconds(plan, read_bytes: int, written_bytes: int, speeds: dict, state_bytes
         state = write * state_bytes / (written_bytes + state_bytes)
         write -= state
     overlap = max(1.0, len(os.sched_getaffinity(0)) / 2)
-    main = read + compute + state  # the main thread's share; the outputs' writes run beside it
+    main = read + compute  # the main thread's share; the writes run beside it
     return {
-        "seconds": START_SECONDS + max(main, write, (main + write) / overlap),
+        "seconds": START_SECONDS + max(main, write + state, (main + write + state) / overlap),
         "read": read,
         "compute": compute,
         "write": write,

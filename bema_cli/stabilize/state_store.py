@@ -126,16 +126,26 @@ def _state_tensors(t: Track, stab) -> list:
     return [getattr(stab, n) for n in t.names]
 
 
-def end_unit(plan: Plan, unit: list[Piece], stabs: list, theta0) -> None:
-    """Save this unit's rows of every advanced state (and theta0 after a burn-in) into the new state."""
-    t, done = time.perf_counter(), 0
-    for track, stab in zip(plan.tracks, stabs, strict=True):
-        if track.advancing and track.folder in plan.state_writers:  # none with --no-state
-            done += write_unit(
-                plan.state_writers[track.folder], unit, track.names, _state_tensors(track, stab)
-            )
+def saved_states(plan: Plan, stabs: list, theta0) -> list[tuple[ShardedWriter, tuple[str, ...], list]]:
+    """(writer, names, tensors) of every state a unit saves: each advanced track's, and theta0 after a
+    burn-in. None with --no-state."""
+    saved = [
+        (plan.state_writers[track.folder], track.names, _state_tensors(track, stab))
+        for track, stab in zip(plan.tracks, stabs, strict=True)
+        if track.advancing and track.folder in plan.state_writers
+    ]
     if plan.theta0_folder in plan.state_writers:
-        done += write_unit(plan.state_writers[plan.theta0_folder], unit, ("theta0",), [theta0])
+        saved.append((plan.state_writers[plan.theta0_folder], ("theta0",), [theta0]))
+    return saved
+
+
+def end_unit(plan: Plan, unit: list[Piece], stabs: list, theta0) -> None:
+    """Save this unit's rows of every saved state from the main thread. The fused pass hands them to
+    its write-behind thread block by block during the unit's last step instead (unit.py); this is
+    for a unit that read no step."""
+    t, done = time.perf_counter(), 0
+    for writer, names, tensors in saved_states(plan, stabs, theta0):
+        done += write_unit(writer, unit, names, tensors)
     if done:
         stages.add("state", time.perf_counter() - t, done)
 

@@ -193,6 +193,18 @@ def _emit(wb: WriteBehind, writer: ShardedWriter, parts: list, lo: int, result, 
         wb.put(data, writes)
 
 
+def _emit_state(wb: WriteBehind, writer: ShardedWriter, name: str, parts: list, lo: int, rows) -> None:
+    """Hand one block of a state tensor (`rows` holds flat[lo:hi]) to the write-behind thread, as
+    `_emit` does an output's: the state files take the accumulation dtype as computed."""
+    data = wb.buffer(rows.dtype, rows.numel()).copy_(rows)
+    size = rows.element_size()
+    writes = [
+        _part_write(writer, f"{name}/{p.info.name}", _first_element(p, a) * size, a - lo, b - lo)
+        for p, a, b in parts
+    ]
+    wb.put(data, writes, stage="state")
+
+
 def _part_write(writer: ShardedWriter, name: str, at: int, a: int, b: int):
     return lambda data: writer.write(name, at, tensor_bytes(data[a:b]))
 
@@ -270,13 +282,17 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
     # (no per-unit clones: the states live in the workspace's reused buffers)
     stabs = state_store.start_unit(plan, unit, theta0, lambda key: ws.view(key, size), scratch)
     track_of = {r.name: i for i, t in enumerate(plan.tracks) for r in t.runs}
+    last = plan.read_steps[-1] if plan.read_steps else None
     for step in plan.read_steps:
         index = plan.indexes[step]
         advancing, after = step_updates(plan, stabs, step)
         writing = [(run, outputs[run.name, step]) for run in plan.runs if (run.name, step) in outputs]
+        # the unit's rows of the new state, final once a block has taken the last step: they go out
+        # with the outputs, from the write-behind thread, rather than after the pass from this one
+        saving = state_store.saved_states(plan, stabs, theta0) if step == last else []
         with index.open() as reader, ExitStack() as held:
             raw = _read_raw(reader, unit)
-            for _, writer in writing:
+            for writer in [w for _, w in writing] + [w for w, _, _ in saving]:
                 held.enter_context(writer.held())  # files open for the unit's many block writes
             streamed = streams(reader)
             t_unit, t_read = perf_counter(), 0.0
@@ -332,10 +348,14 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
                             wb.release(out)  # a burn-in step returned theta_s instead
                     for ring, event in after:
                         ring.view(lo, hi).advance(event, th)
+                    for writer, names, tensors in saving:
+                        for name, t in zip(names, tensors, strict=True):
+                            _emit_state(wb, writer, name, parts, lo, t[lo:hi])
                 waited = wb.waited - wait0
             stages.add("read", t_read, unit_bytes(unit))
             stages.add("compute", perf_counter() - t_unit - t_read - waited)
             for _, writer in writing:
                 _write_raw(writer, unit, raw)
         del raw
-    state_store.end_unit(plan, unit, stabs, theta0)  # this unit's rows of the new state
+    if last is None:  # no step read: the states (continued or fresh) are saved as they are
+        state_store.end_unit(plan, unit, stabs, theta0)

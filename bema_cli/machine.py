@@ -281,7 +281,7 @@ def _direct_write_seconds(path: str, data: bytearray) -> float | None:
     projected for a disk that wrote 1.4). None where O_DIRECT is off or refused."""
     import mmap
 
-    from bema_cli.io.writer import direct_io
+    from bema_cli.io.direct import direct_io
 
     if not direct_io():
         return None

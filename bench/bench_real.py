@@ -6,7 +6,9 @@ Per command: wall time, GB/s read and written, peak RSS (one process: vLLM's eng
 in-process with VLLM_ENABLE_V1_MULTIPROCESSING=0, so /usr/bin/time's peak includes it; the
 sweep's own peak_rss, bema + engine processes, is printed beside it), and the ratios to bema's
 own projection (`--dry-run`: memory and time) and to the I/O floor (`cat` of the inputs plus a
-plain write of every byte stabilize writes, its outputs and its state, measured just before).
+plain write of every byte stabilize writes, its outputs and its state, measured just before; and
+the disk's floor, the same with every byte written past the page cache, as bema writes them).
+Inputs are dropped from the page cache before each of the three.
 
     .venv/bin/python bench/bench_real.py                  # 0.5B loop + 1.5B stabilize (~15 min)
     .venv/bin/python bench/bench_real.py --shapes 0.5b --only stabilize
@@ -24,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import realshape  # noqa: E402
-from measure import machine, read_files, run_measured, write_files, write_files_direct  # noqa: E402
+from measure import machine, read_files, run_measured, set_cache, write_files, write_files_direct  # noqa: E402
 
 BEMA = str(Path(sys.executable).parent / "bema")
 STEPS = {"0.5b": [100, 200, 300, 400, 500, 600], "1.5b": [100, 200, 300, 400]}
@@ -41,7 +43,7 @@ def floor(inputs: list[Path], written: int, scratch: Path, disk: bool = False) -
     """Seconds to read `inputs` once and write `written` bytes: plainly (the issue's floor: the page
     cache as bema meets it, whose bytes may still be dirty when the files go) or, with `disk`, past
     the page cache (every byte on the disk, as bema's O_DIRECT writer leaves them)."""
-    os.sync()
+    set_cache(inputs, "cold")  # syncs first
     seconds = read_files(inputs)
     files = {scratch / f"floor{i}.bin": written // 8 for i in range(8)}
     seconds += (write_files_direct if disk else write_files)(files)
@@ -97,6 +99,7 @@ def stabilize_rows(world: dict, root: Path, readers: list[int]) -> list[dict]:
         written = dry["written_bytes"] + dry["projection"]["state_bytes"]
         floor_s = floor(inputs, written, root / "floor")
         disk_s = floor(inputs, written, root / "floor", disk=True)
+        set_cache(inputs, "cold")  # as the floors read them: a trainer's checkpoints are long written
         doc, measured = bema_json("stabilize", *args, "--out", root / "stab", "--readers", n, "--overwrite")
         r = row(f"stabilize bema,ema every step, --readers {n}", measured, doc, projection(dry), floor_s,
                 world["numel"])  # fmt: skip

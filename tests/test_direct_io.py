@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from bema_cli.io import writer as writer_mod
+from bema_cli.io.direct import PAGE
 from bema_cli.io.safetensors import TensorInfo
-from bema_cli.io.writer import PAGE, ShardedWriter, plan_shards, tensor_bytes
+from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
 
 # odd sizes: no tensor starts or ends on a page boundary
 SIZES = {"a": 7, "b": 300_001, "c": 5_003, "d": (1 << 21) + 5, "e": 3, "f": 777_777}
@@ -120,6 +121,60 @@ def test_a_filesystem_that_refuses_direct_writes_gets_buffered_ones(tmp_path, mo
     _write_range(w, pieces(w, tensors))
     assert direct_fds and w.direct_bytes == 0
     assert same(tmp_path / "m", tensors)
+
+
+def big_model() -> dict:
+    """Three tensors over several CHUNKs each, odd sizes: chunks meet mid-tensor and mid-piece."""
+    g = torch.Generator().manual_seed(1)
+    return {n: torch.randn(k, generator=g) for n, k in (("a", 5_000_003), ("b", 3), ("c", 4_194_311))}
+
+
+def test_chunks_go_to_the_disk_from_its_thread_while_the_next_is_staged(tmp_path, monkeypatch):
+    """Past the first direct write, each full chunk is written by the disk thread while the caller
+    stages the next in the other buffer: every chunk but each file's first goes out from there, and
+    the file holds every byte."""
+    import threading
+
+    from bema_cli.io import direct
+
+    threads, real = [], direct.pwrite_all
+
+    def pwrite_all(fd, view, pos):
+        threads.append((threading.current_thread().name, len(view)))
+        return real(fd, view, pos)
+
+    monkeypatch.setattr(direct, "pwrite_all", pwrite_all)
+    tensors = big_model()
+    w = new_writer(tmp_path / "m", tensors)
+    _write_range(w, pieces(w, tensors, step=1_000_003))
+    assert same(tmp_path / "m", tensors)
+    chunks = [t for t, n in threads if n == direct.CHUNK]
+    assert len(chunks) == total(tensors) // direct.CHUNK  # 4 full chunks
+    assert chunks[0] == "MainThread" and set(chunks[1:]) == {"bema-disk_0"}, chunks
+    assert total(tensors) - 2 * PAGE <= w.direct_bytes < total(tensors)
+
+
+def test_a_write_that_fails_on_the_disk_thread_names_the_file(tmp_path, monkeypatch):
+    """A full disk met by a chunk written in the background fails the next write or the flush, with
+    the file's name, as a write in the caller's thread does."""
+    import pytest
+
+    from bema_cli.errors import OutputError
+    from bema_cli.io import direct
+
+    calls, real = [], direct.pwrite_all
+
+    def pwrite_all(fd, view, pos):
+        calls.append(pos)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, view, pos)
+
+    monkeypatch.setattr(direct, "pwrite_all", pwrite_all)
+    tensors = big_model()
+    w = new_writer(tmp_path / "m", tensors)
+    with pytest.raises(OutputError, match=r"model\.safetensors: cannot write \(No space left on device\)"):
+        _write_range(w, pieces(w, tensors, step=1_000_003))
 
 
 def test_stabilize_outputs_are_the_same_bytes_either_way(tmp_path):

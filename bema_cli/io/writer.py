@@ -8,10 +8,7 @@ Files are allocated at full size up front (fallocate(2)): writing into allocated
 ran ~2x faster through the page cache than into a sparse file here (docs/performance.md),
 and a full disk is reported before any work rather than mid-run.
 
-Inside `held()` a file written front to back bypasses the page cache (`DirectFile`, O_DIRECT):
-past the kernel's dirty limit every buffered write waits for write-back, and the write-back's
-copies compete with the arithmetic for the cores; O_DIRECT writes of 8 MB aligned chunks ran 2x
-faster on this VM's disk (16 GiB: 12 s against 25 s). `BEMA_DIRECT_IO=0` turns it off.
+Inside `held()` a file written front to back bypasses the page cache (io/direct.py).
 """
 
 from __future__ import annotations
@@ -26,10 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bema_cli.errors import OutputError
+from bema_cli.io.direct import DirectFile
 from bema_cli.io.safetensors import TensorInfo
-
-PAGE = 4096  # O_DIRECT's alignment of file offsets, sizes and memory (every Linux filesystem's)
-CHUNK = 8 << 20  # bytes staged per O_DIRECT write
 
 
 @dataclass
@@ -207,108 +202,6 @@ class ShardedWriter:
     def nbytes(self) -> int:
         """Total bytes of the folder's safetensors files (headers included)."""
         return sum(start + s.data_size for start, s in zip(self._data_start, self.shards, strict=True))
-
-
-def direct_io() -> bool:
-    """Whether held() writes go past the page cache (unless the filesystem refuses)."""
-    return os.environ.get("BEMA_DIRECT_IO", "1") != "0" and hasattr(os, "O_DIRECT")
-
-
-class DirectFile:
-    """One file written front to back, bypassing the page cache: bytes are staged in an aligned
-    buffer and written in CHUNK-sized O_DIRECT writes. Only whole pages inside the range this
-    writer was given go direct; the partial pages at its ends (shared with the header, or with
-    another work unit's range, maybe written by another process) go through the page cache, so
-    no byte outside the range is ever written. A write out of order ends the direct writes: the
-    staged bytes go out and everything after goes through `fd` (the page cache) as before."""
-
-    def __init__(self, fd: int, direct_fd: int, pos: int):
-        import mmap
-
-        import numpy as np
-
-        self.fd, self.direct_fd = fd, direct_fd
-        self.next = pos  # the offset the next write must start at to stay direct (-1: no longer)
-        self.base = -(-pos // PAGE) * PAGE  # file offset of staged[0]: the first page boundary
-        self._map = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT needs
-        self.staged = np.frombuffer(self._map, dtype=np.uint8)
-        self.fill = 0
-
-    @classmethod
-    def open(cls, path: Path, fd: int, pos: int) -> DirectFile | None:
-        """None where O_DIRECT is off (BEMA_DIRECT_IO=0) or the filesystem refuses it."""
-        if not direct_io():
-            return None
-        try:
-            return cls(fd, os.open(path, os.O_WRONLY | os.O_DIRECT), pos)
-        except OSError as exc:
-            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-                return None
-            raise
-
-    def write(self, pos: int, view: memoryview) -> int:
-        """Write `view` at `pos`; returns the bytes that went out with O_DIRECT."""
-        import numpy as np
-
-        if pos != self.next:  # out of order (or after the end): the page cache from here on
-            done = self.flush()
-            _pwrite_all(self.fd, view, pos)
-            return done
-        self.next = pos + len(view)
-        head = min(len(view), max(0, self.base - pos))  # the bytes before the first page boundary
-        if head:
-            _pwrite_all(self.fd, view[:head], pos)
-        data, done = np.frombuffer(view[head:], dtype=np.uint8), 0
-        while data.size:
-            n = min(data.size, CHUNK - self.fill)
-            self.staged[self.fill : self.fill + n] = data[:n]  # numpy's copy releases the GIL
-            self.fill, data = self.fill + n, data[n:]
-            if self.fill == CHUNK:
-                done += self._out(CHUNK)
-        return done
-
-    def flush(self) -> int:
-        """Write what is staged (its whole pages direct, the rest through the page cache) and stop
-        writing direct. Returns the bytes that went out direct."""
-        done = self._out(self.fill // PAGE * PAGE) if self.fill >= PAGE else 0
-        if self.fill:
-            _pwrite_all(self.fd, memoryview(self._map)[: self.fill], self.base)
-            self.base, self.fill = self.base + self.fill, 0
-        self.next = -1
-        self.close()
-        return done
-
-    def _out(self, n: int) -> int:
-        """The first `n` staged bytes (whole pages) out at `base`, with O_DIRECT while the file takes
-        it; what stays staged moves to the front. Returns the bytes that went out direct."""
-        view = memoryview(self._map)[:n]
-        direct = self.direct_fd >= 0
-        if direct:
-            try:
-                _pwrite_all(self.direct_fd, view, self.base)
-            except OSError as exc:  # a filesystem that takes the open but not the write
-                if exc.errno != errno.EINVAL:
-                    raise
-                self.close()
-                direct = False
-        if not direct:
-            _pwrite_all(self.fd, view, self.base)
-        rest = self.fill - n
-        if rest:
-            self.staged[:rest] = self.staged[n : self.fill].copy()
-        self.base, self.fill = self.base + n, rest
-        return n if direct else 0
-
-    def close(self) -> None:
-        if self.direct_fd >= 0:
-            os.close(self.direct_fd)
-            self.direct_fd = -1
-
-
-def _pwrite_all(fd: int, view, pos: int) -> None:
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], pos + done)
 
 
 @contextmanager

@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from bema_cli.io.direct import direct_io
 from bema_cli.io.safetensors import FLOATING
-from bema_cli.io.writer import direct_io
 from bema_cli.machine import available_memory, probe
 
 RUNTIME_BYTES = 400 << 20  # Python, torch and bema before the first unit: measured ~330-380 MB RSS
@@ -38,18 +38,24 @@ def dirty_limit() -> int:
 
 
 def peak_memory(plan, opts) -> int:
-    """Runtime + the largest unit's theta0 and states (full size) + block buffers and the write pool."""
+    """Runtime + the largest unit's theta0 and states (full size) + block buffers and the write pool
+    + the two staging chunks of each file written past the page cache at once (io/direct.py)."""
+    from bema_cli.io.direct import CHUNK
     from bema_cli.io.read_ahead import ahead_blocks
     from bema_cli.io.safetensors import DTYPES, TAG_OF
     from bema_cli.io.write_behind import DEPTH
     from bema_cli.recurrence import STATE_TENSORS
+    from bema_cli.stabilize import state_store
 
     acc = DTYPES[TAG_OF[opts.accum_dtype]][1]
     unit = max((sum(p.hi - p.lo for p in u) for u in plan.units), default=0)
     states = sum(t.ring if t.window else len(STATE_TENSORS[t.method]) for t in plan.tracks)
     blocks = (6 + 2 * DEPTH + ahead_blocks(plan.readers)) * plan.block * acc  # theta_s, drift, out,
     # scratch; the pool per dtype; the blocks read ahead
-    return RUNTIME_BYTES + unit * acc * (1 + states) + blocks
+    files = max((sum(1 for r in plan.runs if step in r.out_steps) for step in plan.read_steps), default=0)
+    files += len(state_store.folders(plan, opts))
+    staging = 2 * CHUNK * files if direct_io() else 0
+    return RUNTIME_BYTES + unit * acc * (1 + states) + blocks + staging
 
 
 def seconds(plan, read_bytes: int, written_bytes: int, speeds: dict, state_bytes: int = 0) -> dict:

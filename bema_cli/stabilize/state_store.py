@@ -32,26 +32,26 @@ def state_layout(plan: Plan, names: tuple[str, ...], accum_dtype: str, max_shard
     return plan_shards(sorted(tensors, key=lambda t: t.name), max_shard_size)
 
 
-def _folders(plan: Plan, opts: Options) -> dict[str, tuple[str, ...]]:
+def folders(plan: Plan, opts: Options) -> dict[str, tuple[str, ...]]:
     """The state folders this call writes, each with its state names; none with --no-state."""
     if opts.no_state:
         return {}
-    folders = {t.folder: t.names for t in plan.tracks if t.advancing and t.folder}
+    names = {t.folder: t.names for t in plan.tracks if t.advancing and t.folder}
     if plan.theta0_folder:
-        folders[plan.theta0_folder] = ("theta0",)
-    return folders
+        names[plan.theta0_folder] = ("theta0",)
+    return names
 
 
 def open_writers(plan: Plan, opts: Options, tmp: Path) -> dict[str, ShardedWriter]:
     """Pre-create the state folders this call writes (tmp/.bema-state/<folder>), like the outputs."""
-    return {f: _writer(tmp / STATE_DIR / f, plan, names, opts) for f, names in _folders(plan, opts).items()}
+    return {f: _writer(tmp / STATE_DIR / f, plan, names, opts) for f, names in folders(plan, opts).items()}
 
 
 def written_bytes(plan: Plan, opts: Options) -> int:
     """Bytes of the state folders this call writes (the projection's; headers to within a few bytes)."""
     return sum(
         ShardedWriter(Path(), state_layout(plan, names, opts.accum_dtype, opts.max_shard_size), {}).nbytes
-        for names in _folders(plan, opts).values()
+        for names in folders(plan, opts).values()
     )
 
 

@@ -82,6 +82,7 @@ bench: install install-vllm
 	$(PY) bench/bench_ray.py
 	$(PY) bench/bench_formats.py
 	$(PY) bench/bench_incremental.py
+	$(PY) bench/bench_fingerprints.py
 	$(PY) bench/bench_windows.py
 	$(PY) bench/bench_sweep.py
 	$(PY) bench/bench_sweep.py --model medium --repeats 2
@@ -93,6 +94,7 @@ bench-quick: install install-vllm
 	$(PY) bench/bench_ray.py --quick
 	$(PY) bench/bench_formats.py --quick
 	$(PY) bench/bench_incremental.py --quick
+	$(PY) bench/bench_fingerprints.py --quick
 	$(PY) bench/bench_windows.py --quick
 	$(PY) bench/bench_sweep.py --quick
 	$(PY) bench/bench_ship.py --repeats 1 --backend transformers

@@ -166,3 +166,11 @@ def test_bench_sweep_quick_prints_every_row_and_json(tmp_path):
     assert pair["written"]["sweep"] == 0 and pair["written"]["disk"] > 0
     assert pair["starts"]["sweep"] == 1
     assert 0 < pair["sweep_in"] < pair["sweep_s"] and pair["estimate"] > pair["parts"]["states"] > 0
+
+
+@pytest.mark.slow
+def test_bench_fingerprints_quick_prints_every_row_and_json(tmp_path):
+    rows = ["sampled: wall", "full:    wall", "full's cost:", "digest throughput, one file in memory"]
+    doc, _ = run_quick("bench_fingerprints.py", tmp_path, rows)
+    assert set(doc["median_user_cpu_s"]) == {"sampled", "full"}
+    assert set(doc["digest_gbps"]) == {"xxh3_128", "sha256"}

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from bema_cli import output
+from bema_cli import output, stages
 from bema_cli.commands.eval_options import (
     BackendOpt,
     BatchSizeOpt,
@@ -186,6 +186,8 @@ def ship(
     limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
     doc = run(opts, evaluation, engine, ship_opts, SweepOptions(at=at, memory_limit=limit),
               validated=lambda: output.send_library_output(Path(flags["out"]) / LIBRARY_LOG))  # fmt: skip
+    if doc.get("stages"):
+        output.log(stages.line(doc["stages"]))
     if json_:
         output.print_json(doc)
     else:

@@ -22,7 +22,7 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bema_cli import output
+from bema_cli import output, stages
 from bema_cli.decide import fit, select, verdict
 from bema_cli.decide.write import (
     WORK,
@@ -112,11 +112,16 @@ def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, v
         doc["fitted"] = fitted["doc"]
     decision, why = _decide(chosen, fitted, metric, ship_opts, records)
     doc["decision"], doc["verdict"] = decision, why
-    doc["written"] = _write(decision, chosen, fitted, records, metric, ship_opts, doc, work)
+    with stages.stage("write"):
+        doc["written"] = _write(decision, chosen, fitted, records, metric, ship_opts, doc, work)
     if ship_opts.push:
         from bema_cli.decide.push import push
 
-        doc["pushed"] = push(out, ship_opts.push)
+        with stages.stage("push"):
+            doc["pushed"] = push(out, ship_opts.push)
+    # where the whole command's time went: the sweep's stages (from its start), then the fits'
+    # (`combine`: candidates written; their evaluation adds to engine_start, swap, loss, generate)
+    doc["stages"] = stages.report()
     return doc
 
 
@@ -155,7 +160,8 @@ def _fit(stab, config, engine, ship_opts, metric, chosen, records, work) -> dict
             tmp = staging(folder, "fit")
             record = fit.fitted_record(f"{name}-{key}", method, step, c, folders, plan.base_source,
                                        folders[-1], **extra)  # fmt: skip
-            fit.combine([(basis[j], w) for j, w in enumerate(c)], folders[-1], tmp / "m", record)
+            with stages.stage("combine"):
+                fit.combine([(basis[j], w) for j, w in enumerate(c)], folders[-1], tmp / "m", record)
             folder.parent.mkdir(parents=True, exist_ok=True)
             (tmp / "m").rename(folder)
             shutil.rmtree(tmp, ignore_errors=True)

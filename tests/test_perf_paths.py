@@ -275,8 +275,8 @@ def test_outputs_are_allocated_up_front_and_writes_reuse_their_files(tmp_path, m
     """fallocate(2): the blocks exist before any tensor byte is written (a full disk fails at once);
     inside held() one descriptor per shard serves every write (and one more writes it past the
     page cache, O_DIRECT: every whole page of a file written front to back), closed on exit."""
-    from bema_cli.io.safetensors import TensorInfo
     from bema_cli.io.direct import PAGE
+    from bema_cli.io.safetensors import TensorInfo
     from bema_cli.io.writer import ShardedWriter, encode_header, plan_shards, tensor_bytes
 
     monkeypatch.setenv("BEMA_DIRECT_IO", direct)

@@ -61,10 +61,10 @@ def run_once(traj, mode: str, out: Path) -> tuple[float, float]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common_args(ap, size_mb=84, checkpoints=6)
+    ap.set_defaults(repeats=5)
     args = ap.parse_args(argv)
     if args.quick:
         args.size_mb, args.checkpoints, args.repeats = 4, 2, 1
-    args.repeats = max(args.repeats, 1) if args.quick else max(args.repeats, 5)
     root = Path(tempfile.mkdtemp(prefix="bema-bench-fp-", dir=args.workdir))
     try:
         traj = make_trajectory(root, int(args.size_mb * 1e6), args.checkpoints)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bema_cli.errors import OutputError
-from bema_cli.io.direct import DirectFile
+from bema_cli.io.direct import DirectFile, pwrite_all
 from bema_cli.io.safetensors import TensorInfo
 
 
@@ -182,9 +182,8 @@ class ShardedWriter:
                     if direct is not None:
                         self.direct_bytes += direct.write(pos, view)
                         return len(view)
-                done = 0
-                while done < len(view):
-                    done += os.pwrite(fd, view[done:], pos + done)
+                pwrite_all(fd, view, pos)
+                done = len(view)
             finally:
                 if self._fds is None:
                     os.close(fd)

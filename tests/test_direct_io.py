@@ -9,6 +9,7 @@ import multiprocessing
 import os
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -193,6 +194,49 @@ def test_stabilize_outputs_are_the_same_bytes_either_way(tmp_path):
         assert r.returncode == 0, r.stderr
         outs[value] = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*.safetensors"))}
     assert outs["1"] == outs["0"] and len(outs["1"]) >= 12  # 2 runs x 3 steps x 2+ shards
+
+
+@pytest.mark.parametrize("method", [["dema"], ["lawa", "--window", "3"]], ids=["dema", "lawa"])
+def test_a_state_of_several_tensors_is_written_front_to_back(tmp_path, monkeypatch, method):
+    """DEMA's e1 and e2, and a window's members, go out block by block, one state after the other.
+    Each state's tensors lie in files of their own, so every state file is written front to back:
+    past the page cache (none of its bytes go through it but the partial pages at a unit's ends) and
+    summed as written. When they shared a file, its writes alternated between two places: it went
+    through the page cache and was read back whole to be summed."""
+    from safetensors import safe_open
+    from trajectory import write_trajectory
+    from typer.testing import CliRunner
+
+    from bema_cli.cli import app
+    from bema_cli.stabilize import state_doc
+
+    summed_by_reading: list[Path] = []
+    buffered: list[int] = []  # bytes written to state files through the page cache
+    real_digest, real_pwrite = state_doc.file_digest, writer_mod.pwrite_all
+
+    def digest(path, *args, **kwargs):
+        summed_by_reading.append(Path(path))
+        return real_digest(path, *args, **kwargs)
+
+    def pwrite_all(fd, view, pos):
+        if ".bema-state" in os.readlink(f"/proc/self/fd/{fd}"):
+            buffered.append(len(view))
+        return real_pwrite(fd, view, pos)
+
+    monkeypatch.setattr(state_doc, "file_digest", digest)
+    monkeypatch.setattr(writer_mod, "pwrite_all", pwrite_all)
+    shapes = {"embed.weight": (1000, 257), "layer.weight": (513, 129), "layer.bias": (513,), "norm": (257,)}
+    base, run = write_trajectory(tmp_path, [10, 20, 30, 40], shapes=shapes)
+    out = tmp_path / "out"
+    flags = ["--base", str(base), "--method", *method, "--max-memory", "2MiB"]
+    result = CliRunner().invoke(app, ["stabilize", str(run), *flags, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    files = sorted((out / ".bema-state").rglob("*.safetensors"))
+    states = [{k.split("/")[0] for k in safe_open(f, "pt").keys()} for f in files]
+    assert len(files) >= 2 and all(len(s) == 1 for s in states), states  # one state per file
+    assert not [p for p in summed_by_reading if ".bema-state" in str(p)], summed_by_reading
+    units = 4  # at most a few partial pages per file and unit go through the page cache
+    assert sum(buffered) < 2 * PAGE * units * len(files), (sum(buffered), len(files))
 
 
 def test_the_state_goes_out_from_the_write_behind_thread(tmp_path, monkeypatch):

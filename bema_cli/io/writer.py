@@ -38,16 +38,20 @@ class Shard:
         return sum(t.nbytes for t in self.tensors)
 
 
-def plan_shards(tensors: list[TensorInfo], max_shard_size: int) -> list[Shard]:
+def plan_shards(tensors: list[TensorInfo], max_shard_size: int, group=None) -> list[Shard]:
     """Split tensors (in the given order) into HF-style shards of at most max_shard_size bytes each.
 
     A tensor larger than the limit gets a shard of its own. Within a shard tensors are
     ordered by element size, largest first, so every tensor starts at an aligned offset.
+    `group(tensor)`, when given, starts a new shard wherever its value changes: tensors a caller
+    writes side by side (a state's e1 and e2 rows) then lie in files of their own, each written
+    front to back (past the page cache, and summed as written).
     """
     groups: list[list[TensorInfo]] = [[]]
     size = 0
     for t in tensors:
-        if groups[-1] and size + t.nbytes > max_shard_size:
+        new_group = group is not None and groups[-1] and group(t) != group(groups[-1][-1])
+        if groups[-1] and (size + t.nbytes > max_shard_size or new_group):
             groups.append([])
             size = 0
         groups[-1].append(t)

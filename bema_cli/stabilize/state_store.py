@@ -21,7 +21,10 @@ STATE_DIR = ".bema-state"
 
 
 def state_layout(plan: Plan, names: tuple[str, ...], accum_dtype: str, max_shard_size: int):
-    """The shards of a state folder: tensors "<state>/<tensor>" in the accumulation dtype."""
+    """The shards of a state folder: tensors "<state>/<tensor>" in the accumulation dtype, each state's
+    in files of their own. A unit's rows of every state go out block by block, state after state
+    (unit.py): sharing a file, DEMA's e1 and e2 (or a window's members) alternated between two
+    places in it, so it was neither written past the page cache nor summed as written (read back)."""
     tag = TAG_OF[accum_dtype]
     tensors = [
         TensorInfo(f"{n}/{t.name}", Path(), tag, t.shape)
@@ -29,7 +32,11 @@ def state_layout(plan: Plan, names: tuple[str, ...], accum_dtype: str, max_shard
         for t in plan.base_index.tensors.values()
         if t.dtype in FLOATING and t.numel
     ]
-    return plan_shards(sorted(tensors, key=lambda t: t.name), max_shard_size)
+    return plan_shards(sorted(tensors, key=lambda t: t.name), max_shard_size, group=_state_name)
+
+
+def _state_name(t: TensorInfo) -> str:
+    return t.name.split("/", 1)[0]
 
 
 def folders(plan: Plan, opts: Options) -> dict[str, tuple[str, ...]]:

@@ -224,3 +224,35 @@ def test_kill_9_at_random_moments_then_rerun_is_bitwise_one_shot(traj, one_shot,
     assert sorted(p.name for p in (out / ".bema-state").iterdir() if p.is_dir()) == sorted(
         {r["state"] for r in state["runs"] if r["state"]}
     )
+
+
+def test_a_state_written_with_its_states_in_one_file_is_continued(traj, one_shot, tmp_path):
+    """Until 2026-11-27 a state folder held all its states in one file (DEMA's e1 beside e2); now
+    each state has files of its own (state_store.state_layout). A state folder of the old layout,
+    sealed as bema sealed it, is still continued from, bitwise as one call over every step."""
+    from safetensors.torch import load_file, save_file
+
+    from bema_cli.stabilize import state_doc
+
+    base, run = traj
+    part, out = tmp_path / "run", tmp_path / "out"
+    copy_steps(run, part, STEPS[:4])
+    stabilize(part, base, out)
+    doc_path = out / ".bema-state" / "state.json"
+    doc = json.loads(doc_path.read_text())
+    merged = 0
+    for folder in (out / ".bema-state").iterdir():
+        files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+        if len(files) > 1:  # dema's e1 and e2: into one model.safetensors, as before
+            tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
+            for f in files:
+                f.unlink()
+            save_file(tensors, str(folder / "model.safetensors"))
+            doc["checksums"][folder.name] = state_doc.checksums(folder)
+            merged += 1
+    assert merged == 1  # dema's folder (ema/bema and ouema hold one state each)
+    doc["seal"] = state_doc.seal(doc)
+    doc_path.write_text(json.dumps(doc))
+    copy_steps(run, part, STEPS[4:])
+    stabilize(part, base, out)
+    assert weight_files(out) == one_shot[0]

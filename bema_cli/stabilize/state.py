@@ -9,8 +9,9 @@ accumulation dtype). Layout (docs/design.md, "Persistent state"):
                                        checkpoint's fingerprint, each run's schedule, last step
                                        and outputs
     OUT/.bema-state/<family>-<hash>/   one folder per distinct recurrence state (schedule.state_key
-                                       at one step): model.safetensors with tensors "<state>/<name>"
-                                       (e.g. "ema/model.embed_tokens.weight") in the accumulation dtype
+                                       at one step): tensors "<state>/<name>" (e.g.
+                                       "ema/model.embed_tokens.weight") in the accumulation dtype, each
+                                       state in files of its own (state_store.state_layout)
     OUT/.bema-state/theta0-<hash>/     theta0 after a burn-in (--tau) replaced the base
 
 State folders are named by what they hold (state key, consumed steps), written under the

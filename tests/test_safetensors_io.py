@@ -119,6 +119,20 @@ def test_single_shard_is_model_safetensors(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
 
 
+def test_a_group_starts_a_shard_of_its_own():
+    """`group` (a state's name) starts a new shard where it changes; the size limit still splits
+    within a group."""
+    from pathlib import Path
+
+    tensors = [TensorInfo(f"{g}/{n}", Path(), "F32", (10,)) for g in ("e1", "e2") for n in ("a", "b", "c")]
+    by_state = lambda t: t.name.split("/")[0]  # noqa: E731
+    names = [[t.name for t in s.tensors] for s in plan_shards(tensors, 10**9, group=by_state)]
+    assert names == [["e1/a", "e1/b", "e1/c"], ["e2/a", "e2/b", "e2/c"]]
+    names = [[t.name for t in s.tensors] for s in plan_shards(tensors, 80, group=by_state)]  # 2 per shard
+    assert names == [["e1/a", "e1/b"], ["e1/c"], ["e2/a", "e2/b"], ["e2/c"]]
+    assert [[t.name for t in s.tensors] for s in plan_shards(tensors, 10**9)] == [[t.name for t in tensors]]
+
+
 def test_reader_slices_match(tmp_path):
     state = {"w": torch.randn(10, 3).bfloat16(), "s": torch.tensor(2.0)}
     save_file(state, tmp_path / "model.safetensors")

@@ -5,6 +5,7 @@ come in, the file holds exactly the bytes written, and no writer touches a byte 
 from __future__ import annotations
 
 import errno
+import fcntl
 import multiprocessing
 import os
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from bema_cli.io import direct as direct_mod
 from bema_cli.io import writer as writer_mod
 from bema_cli.io.direct import PAGE
 from bema_cli.io.safetensors import TensorInfo
@@ -219,12 +221,14 @@ def test_a_state_of_several_tensors_is_written_front_to_back(tmp_path, monkeypat
         return real_digest(path, *args, **kwargs)
 
     def pwrite_all(fd, view, pos):
-        if ".bema-state" in os.readlink(f"/proc/self/fd/{fd}"):
+        cached = not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
+        if cached and ".bema-state" in os.readlink(f"/proc/self/fd/{fd}"):
             buffered.append(len(view))
         return real_pwrite(fd, view, pos)
 
     monkeypatch.setattr(state_doc, "file_digest", digest)
     monkeypatch.setattr(writer_mod, "pwrite_all", pwrite_all)
+    monkeypatch.setattr(direct_mod, "pwrite_all", pwrite_all)  # DirectFile's writes, direct or not
     shapes = {"embed.weight": (1000, 257), "layer.weight": (513, 129), "layer.bias": (513,), "norm": (257,)}
     base, run = write_trajectory(tmp_path, [10, 20, 30, 40], shapes=shapes)
     out = tmp_path / "out"
@@ -235,8 +239,9 @@ def test_a_state_of_several_tensors_is_written_front_to_back(tmp_path, monkeypat
     states = [{k.split("/")[0] for k in safe_open(f, "pt").keys()} for f in files]
     assert len(files) >= 2 and all(len(s) == 1 for s in states), states  # one state per file
     assert not [p for p in summed_by_reading if ".bema-state" in str(p)], summed_by_reading
-    units = 4  # at most a few partial pages per file and unit go through the page cache
-    assert sum(buffered) < 2 * PAGE * units * len(files), (sum(buffered), len(files))
+    state_bytes = sum(f.stat().st_size for f in files)
+    # through the page cache: only the partial pages at the units' ends (2.6% here; 61% when shared)
+    assert sum(buffered) < state_bytes / 20, (sum(buffered), state_bytes)
 
 
 def test_the_state_goes_out_from_the_write_behind_thread(tmp_path, monkeypatch):

@@ -50,8 +50,8 @@ def plan_shards(tensors: list[TensorInfo], max_shard_size: int, group=None) -> l
     groups: list[list[TensorInfo]] = [[]]
     size = 0
     for t in tensors:
-        new_group = group is not None and groups[-1] and group(t) != group(groups[-1][-1])
-        if groups[-1] and (size + t.nbytes > max_shard_size or new_group):
+        last = groups[-1][-1] if groups[-1] else None
+        if last and (size + t.nbytes > max_shard_size or (group and group(t) != group(last))):
             groups.append([])
             size = 0
         groups[-1].append(t)
@@ -187,11 +187,10 @@ class ShardedWriter:
                         self.direct_bytes += direct.write(pos, view)
                         return len(view)
                 pwrite_all(fd, view, pos)
-                done = len(view)
             finally:
                 if self._fds is None:
                     os.close(fd)
-        return done
+        return len(view)
 
     def close(self) -> None:
         if len(self.shards) > 1:

@@ -134,6 +134,16 @@ def card(
         f"| method | {_cell(method)} |",
         *[f"| {k} | {_cell(v)} |" for k, v in params.items()],
         *[f"| {k.replace('_', ' ')} | {_cell(record[k])} |" for k in PROVENANCE if k in record],
+        *(
+            [f"| averaged steps | {_cell(steps_text(record['averaged_steps']))} |"]
+            if record.get("averaged_steps")
+            else []
+        ),
+        *(
+            ["| allow gaps | true: steps missing from the run's cadence were skipped |"]
+            if record.get("allow_gaps")
+            else []
+        ),
         "",
     ]
     if evaluation:
@@ -156,6 +166,14 @@ def card(
         "",
     ]
     return "\n".join(lines)
+
+
+def steps_text(steps: list[int]) -> str:
+    """The checkpoint steps an output averaged, short: `30 to 60 every 10 (4)`, else the list."""
+    gaps = {b - a for a, b in zip(steps, steps[1:], strict=False)}
+    if len(steps) > 2 and len(gaps) == 1:
+        return f"{steps[0]} to {steps[-1]} every {gaps.pop()} ({len(steps)})"
+    return ", ".join(map(str, steps))
 
 
 def _plain(value) -> bool:

@@ -468,3 +468,38 @@ def test_a_gap_in_the_run_is_refused_naming_the_missing_steps(tmp_path, cadence,
     assert _tree(out) == before
     _ok(part, base, out, "--allow-gaps", *extra)
     assert (out / "ema-k0.5" / f"checkpoint-{steps[-1]}").is_dir()
+
+
+@pytest.mark.parametrize("cadence", ["trainer_state save_steps", "regular spacing"])
+@pytest.mark.parametrize("mode", ["rerun", "follow"])
+def test_a_run_whose_first_checkpoints_were_rotated_away_is_refused(tmp_path, cadence, mode):
+    """save_total_limit deletes the *oldest* checkpoints: a run found at 30..60 (cadence 10) is not
+    averaged from theta0 as if training had started saving at 30, unless --allow-gaps says so."""
+    steps = [10, 20, 30, 40, 50, 60]
+    base, run = write_trajectory(tmp_path / "t", steps)
+    part = _partial(run, tmp_path / "run", steps[2:])
+    if cadence == "trainer_state save_steps":
+        for c in part.iterdir():
+            (c / "trainer_state.json").write_text(
+                json.dumps({"global_step": int(c.name[11:]), "save_steps": 10})
+            )
+    out = tmp_path / "out"
+    extra = ["--follow", "--idle-timeout", "0"] if mode == "follow" else []
+    r = _run(part, base, out, *extra)
+    if mode == "follow":
+        assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+        line = r.stderr.strip().splitlines()[-1]
+    else:
+        line = one_line_error(r, 3)
+    assert "checkpoint step(s) 10, 20 missing from the run" in line and "--allow-gaps" in line, line
+    assert not list(out.glob("*/checkpoint-*"))
+    _ok(part, base, out, "--allow-gaps", *extra)
+    record = json.loads((out / "ema-k0.5" / "checkpoint-60" / "bema.json").read_text())
+    assert record["averaged_steps"] == [30, 40, 50, 60] and record["allow_gaps"] is True
+
+
+def test_a_run_that_starts_at_its_first_multiple_is_not_refused(tmp_path):
+    """5, 15, 25 (every 10, first step 5) and 10, 20, 30 are whole runs."""
+    for steps in ([5, 15, 25], [10, 20, 30]):
+        base, run = write_trajectory(tmp_path / f"t{steps[0]}", steps)
+        _ok(run, base, tmp_path / f"out{steps[0]}")

@@ -289,6 +289,23 @@ def test_select_end_to_end_and_write_the_winner(evaluated_run, tmp_path):
     assert math.isfinite(result.metric_value)
 
 
+def test_select_write_never_replaces_the_base_or_the_winners_checkpoint(evaluated_run):
+    """--write onto theta0 (a model bema shipped earlier, so --overwrite would take it) or onto the
+    winner's own checkpoint is refused up front, and both stay byte for byte."""
+    root = evaluated_run
+    marker = root / "base" / "bema.json"
+    marker.write_text(json.dumps({"run": "ema-k0.5", "step": 40}))  # continuing from a shipped model
+    try:
+        for target in (root / "base", root / "run" / "checkpoint-20"):
+            before = {p: p.read_bytes() for p in sorted(target.rglob("*")) if p.is_file()}
+            r = run_bema("select", root / "results", "--metric", "loss", "--write", target, "--overwrite")
+            line = one_line_error(r)
+            assert f"--write {target.resolve()}: " in line and "apart from the inputs" in line, line
+            assert {p: p.read_bytes() for p in sorted(target.rglob("*")) if p.is_file()} == before
+    finally:
+        marker.unlink()
+
+
 def test_cli_refusals_are_one_line(evaluated_run):
     line = one_line_error(run_bema("select", evaluated_run / "results", "--metric", "gsm8k"))
     assert "--metric gsm8k:flexible: no record holds it" in line

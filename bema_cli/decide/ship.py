@@ -26,6 +26,7 @@ from bema_cli import output, stages
 from bema_cli.decide import fit, select, verdict
 from bema_cli.decide.write import (
     WORK,
+    check_apart_from,
     check_target,
     evaluation_rows,
     place,
@@ -88,6 +89,7 @@ def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, v
 
     metric = check(ship_opts, config)
     out = Path(ship_opts.out).expanduser()
+    check_apart_from(out, _inputs(stab), "--out")  # before any answer, record or evaluation
     if (out / WORK / "ship.json").is_file() and not ship_opts.overwrite:
         doc = json.loads((out / WORK / "ship.json").read_text())
         output.log(
@@ -123,6 +125,15 @@ def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, v
     # (`combine`: candidates written; their evaluation adds to engine_start, swap, loss, generate)
     doc["stages"] = stages.report()
     return doc
+
+
+def _inputs(stab) -> list[Path]:
+    """What ship reads: the run folder, every checkpoint, the base and their weight files."""
+    from bema_cli.stabilize.plan import inputs_of
+    from bema_cli.stabilize.prepare import prepare
+    from bema_cli.sweep.walk import sweep_options
+
+    return inputs_of(prepare(sweep_options(stab)), stab.checkpoint_dir)
 
 
 def _records(path: Path) -> list[dict]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from bema_cli import card, output
 from bema_cli.errors import InputError, OutputError
 from bema_cli.eval.targets import SWEEP_SCHEME
+from bema_cli.io.commit import check_apart
 
 WORK = ".bema-ship"  # ship's records inside the model folder it wrote (push never uploads .bema-*)
 
@@ -27,6 +28,14 @@ def staging(out: Path, what: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
+
+
+def check_apart_from(out: Path, inputs: list[Path], flag: str) -> None:
+    """DIR, the work folder beside it (`.DIR.bema-ship`) and the staging siblings must not be, contain
+    or lie inside an input (the run, a checkpoint, the base), with or without --overwrite: a shipped
+    model replaces DIR, so DIR == base would lose the base."""
+    for path in (out, out.parent / f".{out.name}.bema-ship", out.parent / f".bema-tmp-ship-{out.name}"):
+        check_apart(path, inputs, flag=flag)
 
 
 def check_target(out: Path, overwrite: bool) -> None:
@@ -125,6 +134,9 @@ def write_winner(
 ) -> dict:
     """The winner of a `select` document written as `out` itself, with its card; `keep(folder)` is
     called before the final rename (ship moves its records into the folder there)."""
+    source, base, _ = source_of(doc["winner"], records)
+    inputs = [source.parent, source, *([Path(base)] if base and Path(base).expanduser().is_dir() else [])]
+    check_apart_from(out, inputs, "--write" if keep is None else "--out")
     check_target(out, overwrite)
     tmp = staging(out, "write")
     try:

@@ -330,18 +330,18 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def check_apart(out: Path, inputs: list[Path], may_contain: bool = False) -> None:
+def check_apart(out: Path, inputs: list[Path], may_contain: bool = False, flag: str = "--out") -> None:
     """Inputs are sacred: refuse an OUT that is, contains (unless `may_contain`: eval only adds its own
-    results files) or lies inside an input (symlinks resolved)."""
+    results files) or lies inside an input (symlinks resolved). `flag` names the option in the error."""
     out = out.resolve()
     for path in inputs:
         real = Path(path).resolve()
         if out == real or out.is_relative_to(real):
             what = "is" if out == real else "lies inside"
             raise OutputError(
-                f"--out {out}: {what} the input {real}; choose an output folder apart from the inputs"
+                f"{flag} {out}: {what} the input {real}; choose an output folder apart from the inputs"
             )
         if real.is_relative_to(out) and not may_contain:
             raise OutputError(
-                f"--out {out}: contains the input {real}; choose an output folder apart from the inputs"
+                f"{flag} {out}: contains the input {real}; choose an output folder apart from the inputs"
             )

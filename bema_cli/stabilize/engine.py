@@ -30,7 +30,7 @@ from bema_cli.io.watch import check_unchanged, held_stats, hold_files, release
 from bema_cli.io.writer import ShardedWriter
 from bema_cli.stabilize import meta, state, state_commit, state_store
 from bema_cli.stabilize.executors import run_units
-from bema_cli.stabilize.plan import Options, Plan, Run
+from bema_cli.stabilize.plan import Options, Plan, Run, inputs_of
 from bema_cli.stabilize.prepare import prepare, resolve_state
 from bema_cli.stabilize.project import project, projection_line
 from bema_cli.stabilize.unit import Outputs, torch_device, unit_bytes
@@ -40,14 +40,6 @@ def _out_dir(text: str) -> Path:
     if not text.strip():
         raise UsageError("--out: empty path (name the output folder)")
     return Path(text).expanduser().resolve()
-
-
-def _inputs(plan: Plan, run_dir: str) -> list[Path]:
-    """Everything this call reads: the run folder, each checkpoint folder, theta0, every weight file."""
-    files = [t.file for index in (plan.base_index, *plan.indexes.values()) for t in index.tensors.values()]
-    run = [Path(run_dir).expanduser()] if run_dir != "-" else []  # "-": a STEP PATH list on stdin
-    folders = [*run, plan.base_index.folder, *(c.path for c in plan.checkpoints)]
-    return folders + sorted(set(files))
 
 
 def _recovered(out: Path, txn: OutputTransaction) -> None:
@@ -125,7 +117,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
     asked, opts = opts, resolve_state(opts)
     with stages.stage("discover"):
         plan = prepare(opts)
-    check_apart(out, _inputs(plan, opts.checkpoint_dir))
+    check_apart(out, inputs_of(plan, opts.checkpoint_dir))
     if opts.no_state and not opts.overwrite and not opts.dry_run and _already_written(out, plan, opts):
         last = max((c.step for c in plan.checkpoints), default=None)  # a finished --final-only call again
         return {"outputs": [], "read_bytes": 0, "written_bytes": 0, "state_bytes": 0,

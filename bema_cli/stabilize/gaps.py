@@ -29,17 +29,23 @@ def cadence(checkpoints: list[Checkpoint], consumed: list[int]) -> tuple[int | N
 
 
 def check_gaps(checkpoints: list[Checkpoint], consumed: list[int], allow: bool) -> None:
-    """Refuse a hole in the trajectory: a step the run's cadence says was saved, between its first
-    and newest step, that is neither on disk nor already consumed (a trainer's save_total_limit
-    deleted it while no bema call was running). --allow-gaps goes on without it."""
+    """Refuse a hole in the trajectory: a step the run's cadence says was saved that is neither on
+    disk nor already consumed: between its first and newest step, or before its first one when no
+    call has consumed any yet (a trainer's save_total_limit deletes the *oldest* checkpoints, so a
+    bema call that comes late finds a run whose start is gone). --allow-gaps goes on without them."""
     present = sorted({c.step for c in checkpoints} | set(consumed))
     every, source = cadence(checkpoints, sorted(consumed))
-    if allow or every is None or len(present) < 2:
+    if every is None and not consumed:
+        every, source = _spacing(present)
+    if allow or every is None or not present:
         return
     # the HF Trainer saves at multiples of save_steps (and at the last step); a history keeps its phase
-    phase = 0 if source.startswith("save_steps") else consumed[0] % every
+    phase = 0 if source.startswith("save_steps") else (consumed or present)[0] % every
     first = present[0] + (phase - present[0]) % every
     missing = [s for s in range(first, present[-1] + 1, every) if s not in set(present)]
+    if not consumed:  # the run's leading steps: every saved step before the first one found
+        lead = present[0] % every or every
+        missing = [s for s in range(lead, present[0], every) if s > 0] + missing
     if missing:
         shown = ", ".join(map(str, missing[:8])) + (
             f" and {len(missing) - 8} more" if len(missing) > 8 else ""
@@ -48,3 +54,11 @@ def check_gaps(checkpoints: list[Checkpoint], consumed: list[int], allow: bool) 
             f"{checkpoints[0].path.parent}: checkpoint step(s) {shown} missing from the run (cadence: "
             f"{source}); a moving average over a gap is not the run's; pass --allow-gaps to go on without them"
         )
+
+
+def _spacing(present: list[int]) -> tuple[int | None, str]:
+    """A regular spacing of the checkpoints found (three or more, equal gaps) as the cadence."""
+    gaps = {b - a for a, b in zip(present, present[1:], strict=False)}
+    if len(present) >= 3 and len(gaps) == 1 and (step := gaps.pop()) > 0:
+        return step, f"the checkpoints' regular spacing (every {step} steps)"
+    return None, ""

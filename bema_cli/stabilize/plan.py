@@ -272,3 +272,12 @@ def cut_units(
                 placed.append(p)
         out.append(placed)
     return out
+
+
+def inputs_of(plan: Plan, run_dir: str) -> list[Path]:
+    """Everything a call reads: the run folder, each checkpoint folder, theta0, every weight file
+    (what no output may be, contain or lie inside: io/commit.check_apart)."""
+    files = [t.file for index in (plan.base_index, *plan.indexes.values()) for t in index.tensors.values()]
+    run = [Path(run_dir).expanduser()] if run_dir != "-" else []  # "-": a STEP PATH list on stdin
+    folders = [*run, plan.base_index.folder, *(c.path for c in plan.checkpoints)]
+    return folders + sorted(set(files))

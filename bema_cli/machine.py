@@ -274,6 +274,50 @@ def probe(sample: Path, out_dir: Path) -> dict:
     return _probed[key]
 
 
+_gpu_speeds: dict = {}
+
+
+def cuda_present() -> bool:
+    """Whether a CUDA device may be here, without importing torch (a dry run stays torch-free)."""
+    if not (Path("/proc/driver/nvidia").exists() or Path("/dev/nvidia0").exists()):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def gpu_speeds() -> dict:
+    """The GPU's side of the fused pass, once per process (~0.1 s after CUDA's start): host-to-device
+    and device-to-host bytes/s between pinned buffers and the device, as the pass copies
+    (io/transfer.py), and element passes/s of the device's lerp, the fastest of a few timings."""
+    if _gpu_speeds:
+        return _gpu_speeds
+    import torch
+
+    n = PROBE_BYTES // 4
+    host = torch.empty(n, dtype=torch.float32, pin_memory=True).fill_(1.0)
+    dev, other = torch.empty(n, device="cuda"), torch.ones(n, device="cuda")
+
+    def fastest(work, amount: float) -> float:
+        work()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            work()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        return amount / max(best, 1e-9)
+
+    _gpu_speeds.update(
+        h2d=fastest(lambda: dev.copy_(host, non_blocking=True), PROBE_BYTES),
+        d2h=fastest(lambda: host.copy_(dev, non_blocking=True), PROBE_BYTES),
+        compute=fastest(lambda: dev.lerp_(other, 0.5), n),
+    )
+    del host, dev, other
+    return _gpu_speeds
+
+
 def _direct_write_seconds(path: str, data: bytearray) -> float | None:
     """Seconds to write PROBE_BYTES over `path` with O_DIRECT, as the outputs are written
     (io/writer.py): the disk's own speed. An fsync measured that badly: on ext4 it waits for every

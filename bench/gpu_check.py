@@ -1,12 +1,18 @@
-"""`make gpu-check`: the GPU path on a Qwen2.5-0.5B shape, whenever a CUDA device exists. Needs
-torch with CUDA, transformers, safetensors and bema; no vLLM.
+"""`make gpu-check`: the GPU path on a Qwen2.5-0.5B shape, whenever a CUDA device exists, in one run
+of about 3 minutes. Needs torch with CUDA, transformers, safetensors and bema; no vLLM, no network.
 
-1. `bema stabilize --device cuda` against `--device cpu`: the same recurrence in float32 on two
-   devices. Elementwise float32 ops are correctly rounded on both, but the GPU may fuse a
-   multiply-add (lerp) into one rounding, so outputs may differ by one float32 rounding before
-   the cast to the checkpoint's bf16: at most 1 bf16 ulp per element, and in few elements.
-2. `bema sweep --backend transformers --device cuda`: the states on the GPU, loss on held-out records.
-3. GB/s read and written for each.
+For a 2-config stabilize (bema,ema) and a 16-config grid (ema, bema, dema, ouema at four kappas,
+--final-only: 16 distinct states), each on --device cpu, cuda and auto, inputs dropped from the page
+cache before every run:
+- the disk floor for the same bytes (inputs read cold, the outputs' bytes written past the page cache);
+- wall time, its ratio to the floor and to the other device, the per-stage seconds, the
+  host-to-device GB/s (the probe's, and the pipeline's input rate);
+- what auto chose and why, and whether it is within 5% of the faster device;
+- cuda against cpu, element by element: bitwise, or at most 1 bf16 ulp (the GPU may fuse a
+  multiply-add into one rounding before the cast to bf16);
+then `bema sweep --backend transformers --device cuda`: the walk's GB/s and the seconds per swap.
+The targets (cuda <= cpu and <= 1.3x the floor for 2 configs; cuda <= 0.7x cpu for the grid; auto
+within 5%) are printed as met or not; only a correctness failure exits non-zero.
 
     .venv/bin/python bench/gpu_check.py [--workdir DIR]
 """
@@ -15,35 +21,70 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import realshape  # noqa: E402
+from measure import read_files, set_cache, write_files_direct  # noqa: E402
 
-BEMA = str(Path(sys.executable).parent / "bema")
+_SCRIPT = Path(sys.executable).parent / "bema"
+BEMA = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "bema_cli"]  # a bare GPU image
+GRIDS = {
+    "2 configs": ["--method", "bema,ema"],
+    "16 configs": ["--method", "ema,bema,dema,ouema", "--kappa", "0.3,0.5,0.7,0.9", "--final-only"],
+}
 
 
 def bema(*args) -> dict:
-    proc = subprocess.run([BEMA, *map(str, args), "--json"], capture_output=True, text=True)
+    proc = subprocess.run([*BEMA, *map(str, args), "--json"], capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"bema {args[0]} failed: {proc.stderr.strip().splitlines()[-1:]}")
     return json.loads(proc.stdout)
 
 
-def ulps(a, b) -> int:
-    """Largest distance in units of the last place between two bf16 tensors."""
-    import torch
+def inputs(world: dict) -> list[Path]:
+    return sorted(world["base"].glob("*.safetensors")) + sorted(world["run"].glob("*/*.safetensors"))
 
-    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
-    return int((ia - ib).abs().max())
+
+def disk_floor(files: list[Path], written: int, scratch: Path) -> float:
+    """Read the inputs cold, write `written` bytes past the page cache: the same bytes as the run."""
+    set_cache(files, "cold")
+    seconds = read_files(files)
+    seconds += write_files_direct({scratch / f"floor{i}.bin": written // 4 for i in range(4)})
+    shutil.rmtree(scratch, ignore_errors=True)
+    return seconds
+
+
+def compare(a: Path, b: Path) -> tuple[int, int, int]:
+    """(elements differing, elements, largest distance in bf16 ulps) over every output of two OUTs."""
+    import torch
+    from safetensors.torch import load_file
+
+    differing = total = worst = 0
+    for folder in sorted(a.glob("*/checkpoint-*")):
+        other = load_file(str(b / folder.relative_to(a) / "model.safetensors"))
+        for name, t in load_file(str(folder / "model.safetensors")).items():
+            u = other[name]
+            if t.dtype == torch.bfloat16:
+                worst = max(worst, int((t.view(torch.int16).int() - u.view(torch.int16).int()).abs().max()))
+            differing += int((t != u).sum())
+            total += t.numel()
+    return differing, total, worst
+
+
+def stage_text(doc: dict) -> str:
+    keep = ("read", "compute", "wait", "write", "state", "commit")
+    return ", ".join(f"{k} {v['seconds']:.1f}" for k, v in doc["stages"].items() if k in keep)
 
 
 def main() -> None:
     import torch
-    from safetensors.torch import load_file
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "bema-gpu-check")
@@ -51,41 +92,67 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device here; nothing checked (run it on a GPU machine)")
         return
+    t0 = time.perf_counter()
+    print(f"gpu-check on {torch.cuda.get_device_name(0)}, {os.cpu_count()} cores, torch {torch.__version__}")
     world = realshape.build(args.workdir / "0.5b", "0.5b", [100, 200, 300])
-    rates = {}
-    for device in ("cpu", "cuda"):
-        doc = bema("stabilize", world["run"], "--base", world["base"], "--method", "bema,ema",
-                   "--out", args.workdir / f"stab-{device}", "--device", device, "--overwrite")  # fmt: skip
-        rates[device] = (
-            doc["read_bytes"] / doc["seconds"] / 1e9,
-            doc["written_bytes"] / doc["seconds"] / 1e9,
-        )
-        print(f"stabilize --device {device}: {doc['seconds']:.1f} s, read {rates[device][0]:.2f} GB/s, "
-              f"wrote {rates[device][1]:.2f} GB/s")  # fmt: skip
-    worst, differing, total = 0, 0, 0
-    for folder in sorted((args.workdir / "stab-cpu").glob("*/checkpoint-*")):
-        gpu = load_file(
-            str(
-                args.workdir
-                / "stab-cuda"
-                / folder.relative_to(args.workdir / "stab-cpu")
-                / "model.safetensors"
+    files = inputs(world)
+    print(f"0.5B shape built: {sum(f.stat().st_size for f in files) / 1e9:.1f} GB of inputs "
+          f"({time.perf_counter() - t0:.0f} s)")  # fmt: skip
+    failed, rows, targets = [], [], []
+    for grid, flags in GRIDS.items():
+        docs = {}
+        for device in ("cpu", "cuda", "auto"):
+            out = args.workdir / f"{grid.split()[0]}-{device}"
+            set_cache(files, "cold")
+            docs[device] = bema("stabilize", world["run"], "--base", world["base"], *flags, "--out", out,
+                                "--device", device, "--overwrite", "--no-state")  # fmt: skip
+        floor = disk_floor(files, docs["cpu"]["written_bytes"], args.workdir / "floor")
+        cpu_s, cuda_s = docs["cpu"]["seconds"], docs["cuda"]["seconds"]
+        for device, doc in docs.items():
+            s = doc["seconds"]
+            chose = doc["device"]
+            speeds = chose.get("gpu_speeds") or {}
+            rows.append(
+                f"{grid:10} {device:4} -> {chose['device']:4} {s:6.1f} s  floor {s / floor:4.2f}x  "
+                f"vs {'cuda' if device == 'cpu' else 'cpu'} {s / (cuda_s if device == 'cpu' else cpu_s):4.2f}x  "
+                f"in {doc['read_bytes'] / s / 1e9:5.2f} GB/s"
+                + (f"  probe h2d {speeds['h2d'] / 1e9:.1f} GB/s" if speeds else "")
+                + f"  [{stage_text(doc)}]"
             )
-        )
-        for name, t in load_file(str(folder / "model.safetensors")).items():
-            worst = max(worst, ulps(t, gpu[name]))
-            differing += int((t != gpu[name]).sum())
-            total += t.numel()
-    print(f"cuda vs cpu: {differing} of {total} elements differ, by at most {worst} bf16 ulp (bound: 1)")
+            if device == "auto":
+                rows.append(f"{'':10} auto: {chose['reason']}")
+        out = {d: args.workdir / f"{grid.split()[0]}-{d}" for d in docs}
+        differing, total, worst = compare(out["cpu"], out["cuda"])
+        rows.append(f"{grid:10} cuda vs cpu: {differing} of {total} elements differ, by at most {worst} bf16 ulp")
+        if worst > 1:
+            failed.append(f"{grid}: cuda differs from cpu by {worst} bf16 ulp")
+        best = min(cpu_s, cuda_s)
+        targets.append((f"{grid}: auto within 5% of the faster ({docs['auto']['seconds']:.1f} vs {best:.1f} s)",
+                        docs["auto"]["seconds"] <= 1.05 * best))  # fmt: skip
+        if grid == "2 configs":
+            targets.append((f"2 configs: cuda <= cpu ({cuda_s / cpu_s:.2f})", cuda_s <= cpu_s))
+            targets.append((f"2 configs: cuda <= 1.3x the disk floor ({cuda_s / floor:.2f})", cuda_s <= 1.3 * floor))
+        else:
+            targets.append((f"16 configs: cuda <= 0.7x cpu ({cuda_s / cpu_s:.2f})", cuda_s <= 0.7 * cpu_s))
+        rows.append(f"{grid:10} disk floor {floor:.1f} s ({docs['cpu']['written_bytes'] / 1e9:.1f} GB written)")
+        for d in out.values():
+            shutil.rmtree(d, ignore_errors=True)
     data = realshape.write_eval_data(args.workdir / "data")
     doc = bema("sweep", world["run"], "--base", world["base"], "--method", "bema,ema", "--at", "300",
                "--tasks", "loss", "--loss-data", data / "heldout.jsonl", "--backend", "transformers",
                "--device", "cuda", "--out", args.workdir / "sweep")  # fmt: skip
-    walk = doc["stages"].get("walk", {})
-    print(f"sweep --backend transformers, states on {doc['memory']['states_device']}: {doc['seconds']:.1f} s, "
-          f"walk {walk.get('gb_per_s') or 0:.2f} GB/s, {len(doc['records'])} records")  # fmt: skip
-    if worst > 1 or doc["memory"]["states_device"] != "cuda":
-        sys.exit("gpu-check: FAILED")
+    walk, swap = doc["stages"].get("walk", {}), doc["stages"].get("swap", {})
+    swaps = max(1, len(doc["records"]))
+    rows.append(f"sweep --backend transformers --device cuda, states on {doc['memory']['states_device']}: "
+                f"{doc['seconds']:.1f} s, walk {walk.get('gb_per_s') or 0:.2f} GB/s, "
+                f"{(swap.get('seconds') or 0) / swaps:.2f} s per swap ({swaps} records)")  # fmt: skip
+    if doc["memory"]["states_device"] != "cuda":
+        failed.append("sweep: the states are not on the GPU")
+    print("\n".join(rows))
+    print("targets: " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in targets))
+    print(f"gpu-check: {time.perf_counter() - t0:.0f} s")
+    if failed:
+        sys.exit("gpu-check: FAILED: " + "; ".join(failed))
     print("gpu-check: passed")
 
 

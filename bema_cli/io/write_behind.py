@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from bema_cli import stages
+from bema_cli.io.transfer import wait
 
 DEPTH = 4  # buffers per dtype in flight: one being filled, up to three queued or being written
 # Every wait between the two threads is bounded and re-checks its condition: a signal's exception
@@ -34,10 +35,12 @@ POLL_S = 0.5
 class WriteBehind:
     """A pool of block buffers and one writer thread; a context manager (`close` on exit)."""
 
-    def __init__(self, block: int, depth: int = DEPTH, background: bool = True):
+    def __init__(self, block: int, depth: int = DEPTH, background: bool = True, empty=None):
         """`background` False: `put` writes at once in the caller's thread (two buffers per dtype: one
-        filled, one being cast from it)."""
+        filled, one being cast from it). `empty(n, dtype)` allocates the pool (io/transfer.py's
+        `host_empty`: pinned when a GPU copies into it)."""
         self.block, self.depth = block, depth if background else 2
+        self._empty = empty
         self._free: dict = {}  # torch dtype -> queue of free buffers (each `block` elements)
         self._all: dict = {}  # torch dtype -> every buffer of the pool
         self._jobs: queue.Queue = queue.Queue()
@@ -75,7 +78,8 @@ class WriteBehind:
         free = self._free.get(dtype)
         if free is None:
             free = self._free[dtype] = queue.SimpleQueue()
-            self._all[dtype] = [torch.empty(self.block, dtype=dtype) for _ in range(self.depth)]
+            empty = self._empty or (lambda n, d: torch.empty(n, dtype=d))
+            self._all[dtype] = [empty(self.block, dtype) for _ in range(self.depth)]
             for b in self._all[dtype]:
                 free.put(b)
         try:
@@ -103,15 +107,16 @@ class WriteBehind:
         """Give back a buffer taken with `buffer` and not `put`."""
         self._free[data.dtype].put(data._base)
 
-    def put(self, data, writes: list[Callable[[object], None]], stage: str = "write") -> None:
+    def put(self, data, writes: list[Callable[[object], None]], stage: str = "write", ready=None) -> None:
         """Queue `data` (a buffer from `buffer`); the writer calls each of `writes` with it, then frees
-        it. Its time and bytes count under `stage` (`write`: the outputs; `state`: a state folder's)."""
+        it. Its time and bytes count under `stage` (`write`: the outputs; `state`: a state folder's).
+        `ready`: the event of the device copy still filling `data` (io/transfer.py), waited for first."""
         self._raise()
         if self._thread is None:
-            self._write((data, writes, stage))
+            self._write((data, writes, stage, ready))
             self._raise()
         else:
-            self._jobs.put((data, writes, stage))
+            self._jobs.put((data, writes, stage, ready))
 
     def close(self, raise_error: bool = True) -> None:
         """Write (or, after an error, drop) what is queued and end the thread; re-raise a write error."""
@@ -155,8 +160,9 @@ class WriteBehind:
                 self._jobs.task_done()
 
     def _write(self, job) -> None:
-        data, writes, stage = job
+        data, writes, stage, ready = job
         try:
+            wait(ready)  # even when dropping: the buffer goes back to the pool only once it is filled
             if not self._stop and self._error is None:
                 t, nbytes = time.perf_counter(), 0
                 for write in writes:

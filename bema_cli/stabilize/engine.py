@@ -32,8 +32,9 @@ from bema_cli.stabilize import meta, state, state_commit, state_store
 from bema_cli.stabilize.executors import run_units
 from bema_cli.stabilize.plan import Options, Plan, Run, inputs_of
 from bema_cli.stabilize.prepare import prepare, resolve_state
-from bema_cli.stabilize.project import project, projection_line
-from bema_cli.stabilize.unit import Outputs, torch_device, unit_bytes
+from bema_cli.stabilize.project import choose_device, project, projection_line
+from bema_cli.stabilize.unit import Outputs, unit_bytes
+from bema_cli.stabilize.workspace import torch_device
 
 
 def _out_dir(text: str) -> Path:
@@ -156,6 +157,10 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
     doc["projection"] = project(plan, opts, read_bytes, written, out)
     if output.progress_enabled() or output.verbose():  # on a terminal; pipes read it from --json
         output.log(projection_line(doc["projection"]))
+    doc["device"] = choose_device(plan, opts, doc["projection"], read_bytes, written)
+    if doc["device"]["reason"] != "no CUDA device" or output.progress_enabled() or output.verbose():
+        output.log(f"device: {doc['device']['device']} ({doc['device']['reason']})")  # a real choice
+    opts = replace(opts, device=doc["device"]["device"])
     if opts.dry_run:
         return {
             "dry_run": True,
@@ -168,6 +173,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
         _recovered(out, txn)
         if state.read(out, opts.restart or opts.overwrite) != plan.resume.stored:
             opts = resolve_state(asked)  # another writer committed between our planning and the lock
+            opts = replace(opts, device=doc["device"]["device"])
             plan = prepare(opts)
         _check_out(out, plan.runs, opts.overwrite, _restarted(plan, opts))  # again, now that OUT is ours
         # checkpoints rotated away by a trainer mid-read are still read whole (through our handles;

@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from bema_cli.cluster import ExecutorOptions, cluster_cpus, ray_session, runtime_env, task_error
 from bema_cli.errors import UsageError
 from bema_cli.stabilize.plan import Options, Plan
-from bema_cli.stabilize.unit import Outputs, Workspace, compute_threads, process_unit, unit_bytes
+from bema_cli.stabilize.unit import Outputs, process_unit, unit_bytes
+from bema_cli.stabilize.workspace import Workspace, compute_threads
 
 CANCEL_GRACE_S = 10  # seconds in-flight units get to finish when a run stops
 RETRIES = 3  # Ray re-runs a unit whose worker died this many times (safe: units are idempotent)

@@ -123,3 +123,38 @@ def projection_line(p: dict) -> str:
     parts = ", ".join(f"{k} {v:.0f} s" for k, v in p.get("parts_seconds", {}).items())
     return (f"projected: peak memory {output.size(p['peak_memory_bytes'])}{when}"
             f"{f' ({parts})' if parts else ''} (this machine's probe; --json: projection)")  # fmt: skip
+
+
+CUDA_START_SECONDS = 1.0  # CUDA's context, the pinned pool and ring, the streams: seen 0.5-1.5 s
+GPU_MARGIN = 0.9  # the GPU is chosen only when projected at least 10% faster: never the slower one
+
+
+def choose_device(plan, opts, projection: dict, read_bytes: int, written_bytes: int) -> dict:
+    """`--device auto` for a stabilize written to disk: the device whose projected wall time is the
+    shorter, from the work per byte (element passes per step: the grid's distinct states and outputs)
+    and this machine's probe (disk, host<->device copies, both devices' arithmetic). The GPU moves
+    every read byte in and every written byte out over PCIe, so a small grid on a many-core machine
+    stays on the CPU; a grid of many states is arithmetic the GPU does ~100x faster."""
+    from bema_cli.machine import cuda_present, gpu_speeds
+
+    asked = opts.device
+    if asked != "auto":
+        return {"asked": asked, "device": asked, "reason": "--device " + asked}
+    if not cuda_present():
+        return {"asked": "auto", "device": "cpu", "reason": "no CUDA device"}
+    parts = projection.get("parts_seconds")
+    if not parts:  # another format than safetensors: no probe of its reads
+        return {"asked": "auto", "device": "cuda", "reason": "no speed probe for this input format"}
+    gpu = gpu_speeds()
+    cpu_s = projection["seconds"]
+    passes = parts["compute"] * projection["speeds"]["compute"]
+    state = projection.get("state_bytes", 0)
+    copies = read_bytes / gpu["h2d"] + (written_bytes + state) / gpu["d2h"]
+    main = parts["read"] + read_bytes / gpu["h2d"] + passes / gpu["compute"]
+    writer = parts["write"] + parts["state"] + (written_bytes + state) / gpu["d2h"]
+    gpu_s = START_SECONDS + CUDA_START_SECONDS + max(main, writer)
+    device = "cuda" if gpu_s < GPU_MARGIN * cpu_s else "cpu"
+    reason = (f"projected cpu {cpu_s:.1f} s (arithmetic {parts['compute']:.1f} s), cuda {gpu_s:.1f} s "
+              f"(copies {copies:.1f} s)")  # fmt: skip
+    return {"asked": "auto", "device": device, "reason": reason, "cpu_seconds": round(cpu_s, 2),
+            "cuda_seconds": round(gpu_s, 2), "gpu_speeds": {k: round(v) for k, v in gpu.items()}}  # fmt: skip

@@ -5,19 +5,19 @@ A unit is a group of tensors (or a row range of one) whose working set fits --ma
 unit in blocks of plan.block elements: read (safetensors: one pread per tensor part, straight into
 the block buffer), finite check, state updates, outputs, all on a block that stays in the CPU
 cache, whose output bytes then go to a background writer thread (io/write_behind.py) while
-the next block is computed. The math is recurrence.py's; the engine (engine.py) plans, holds
-files and commits.
+the next block is computed. On a GPU the same pipeline runs with larger blocks: the reader threads
+fill pinned buffers, and the copies to and from the device are io/transfer.py's (its only CUDA
+calls). The math is recurrence.py's; the engine (engine.py) plans, holds files and commits.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from time import perf_counter
 
 from bema_cli import stages
-from bema_cli.errors import InputError, UsageError
+from bema_cli.errors import InputError
 from bema_cli.io.read_ahead import ReadAhead
 from bema_cli.io.reader import TensorReader, read_into, streams
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
@@ -27,25 +27,10 @@ from bema_cli.recurrence import Window
 from bema_cli.schedule import WINDOW_METHODS
 from bema_cli.stabilize import state_store
 from bema_cli.stabilize.plan import Options, Piece, Plan
+from bema_cli.stabilize.workspace import Workspace
 
 Outputs = dict[tuple[str, int], ShardedWriter]  # (run name, step) -> the writer of that output folder
 BUFFERED = ("bema", "dema", *WINDOW_METHODS)  # methods whose output is a new tensor (not a state)
-
-
-def torch_device(name: str, need_torch: bool = True):
-    """The torch device of --device; with need_torch False (a dry run) only the name is checked
-    unless it says cuda, so a dry run does not pay torch's ~1-2 s import."""
-    if name not in ("auto", "cpu", "cuda"):
-        raise UsageError(f"--device: choose auto, cpu or cuda, got {name!r}")
-    if not need_torch and name != "cuda":
-        return None
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
-    return torch.device(name)
 
 
 def _load(reader: TensorReader, unit: list[Piece], flat, scratch=None) -> None:
@@ -88,82 +73,6 @@ def _check_finite(index, unit: list[Piece], flat, lo: int, hi: int, base: int = 
             )
 
 
-class Workspace:
-    """Buffers sized for the largest work unit, allocated once and reused by every unit and step.
-
-    Fresh multi-MB tensors per step cost a page fault per page on first touch (measured ~3.5x
-    slower copies), so theta0, the states, theta_s, theta_s - theta0 and one output live here;
-    `view(name, n)` is the first n elements (the block-sized ones only ever touch a block's worth:
-    pages never touched are never resident). Outputs being written live in the write-behind pool.
-    """
-
-    def __init__(self, size: int, acc, device):
-        self.size, self.acc, self.device = size, acc, device
-        self.buffers: dict = {}
-        self._writes: WriteBehind | None = None
-
-    @classmethod
-    def for_plan(cls, plan: Plan, opts: Options) -> Workspace:
-        """A workspace that fits every unit of `plan`."""
-        import torch
-
-        size = max((p.hi for u in plan.units for p in u), default=0)
-        return cls(size, getattr(torch, opts.accum_dtype), torch_device(opts.device))
-
-    def view(self, name: str, n: int, dtype=None):
-        import torch
-
-        if name not in self.buffers:
-            self.buffers[name] = torch.empty(self.size, dtype=dtype or self.acc, device=self.device)
-        return self.buffers[name][:n]
-
-    def write_behind(self, block: int):
-        """The write-behind pool and thread of this workspace (made once: see io/write_behind.py).
-        On a GPU a unit is one block and its writes are synchronous."""
-        background = self.device.type == "cpu"
-        size = block if background else self.size
-        if self._writes is None or self._writes.block < size:
-            self.close()
-            self._writes = WriteBehind(size, background=background)
-        return self._writes
-
-    def close(self) -> None:
-        """End the write-behind thread (its queue is empty between units)."""
-        if self._writes is not None:
-            self._writes.close()
-            self._writes = None
-
-    def scratch(self, unit: list[Piece]):
-        """A CPU byte buffer for inputs that must be cast (bf16 read, f32 accumulated): the largest
-        float piece's bytes, grown as needed (the plan's memory budget counts the input as read)."""
-        import torch
-
-        need = max(
-            (p.info.row_bytes * (p.stop - p.start) for p in unit if p.info.dtype in FLOATING), default=0
-        )
-        old = self.buffers.get("scratch")
-        if old is None or old.numel() < need:
-            self.buffers["scratch"] = old = torch.empty(need, dtype=torch.uint8)
-        return old
-
-
-@contextmanager
-def compute_threads(ws: Workspace, threads: int | None = None) -> Iterator[None]:
-    """torch's CPU threads while units run: one fewer than the cores (`threads`, default torch's own
-    count), leaving a core to the write-behind thread and the kernel's page-cache copies. On 2 cores
-    that is 1 thread: OpenMP workers that spin between the many short block ops (the GNU runtime's
-    default) measured as a third of all CPU time, and slower wall time (docs/performance.md)."""
-    import torch
-
-    before = torch.get_num_threads()
-    if ws.device.type == "cpu":
-        torch.set_num_threads(max(1, (threads or before) - 1))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _blocks(unit: list[Piece], size: int, block: int) -> list[tuple[int, int, list[tuple[Piece, int, int]]]]:
     """Cut a unit's flat float range [0, size) into blocks of `block` elements: (lo, hi, the float
     pieces' parts in the block as (piece, a, b) with lo <= a < b <= hi)."""
@@ -175,7 +84,9 @@ def _blocks(unit: list[Piece], size: int, block: int) -> list[tuple[int, int, li
     return out
 
 
-def _emit(wb: WriteBehind, writer: ShardedWriter, parts: list, lo: int, result, out_dtypes: dict) -> None:
+def _emit(
+    ws: Workspace, wb: WriteBehind, writer: ShardedWriter, parts: list, lo: int, result, out_dtypes: dict
+):
     """Hand one block of an output (`result` holds flat[lo:hi]) to the write-behind thread: cast into
     a pool buffer per output dtype (none when `result` is one already), one pwrite per tensor part."""
     import torch
@@ -183,26 +94,30 @@ def _emit(wb: WriteBehind, writer: ShardedWriter, parts: list, lo: int, result, 
     tags = {out_dtypes[p.info.name] for p, _, _ in parts}
     for tag in sorted(tags):
         dtype = getattr(torch, DTYPES[tag][0])
-        data = result if wb.owns(result, dtype) else wb.buffer(dtype, result.numel()).copy_(result)
+        data, ready = result, None
+        if not wb.owns(result, dtype):
+            data = wb.buffer(dtype, result.numel())
+            ready = ws.transfers.to_host(result, data)
         size = DTYPES[tag][1]
         writes = [
             _part_write(writer, p.info.name, _first_element(p, a) * size, a - lo, b - lo)
             for p, a, b in parts
             if out_dtypes[p.info.name] == tag
         ]
-        wb.put(data, writes)
+        wb.put(data, writes, ready=ready)
 
 
-def _emit_state(wb: WriteBehind, writer: ShardedWriter, name: str, parts: list, lo: int, rows) -> None:
+def _emit_state(ws: Workspace, wb: WriteBehind, writer: ShardedWriter, name: str, parts: list, lo: int, rows):
     """Hand one block of a state tensor (`rows` holds flat[lo:hi]) to the write-behind thread, as
     `_emit` does an output's: the state files take the accumulation dtype as computed."""
-    data = wb.buffer(rows.dtype, rows.numel()).copy_(rows)
+    data = wb.buffer(rows.dtype, rows.numel())
+    ready = ws.transfers.to_host(rows, data)
     size = rows.element_size()
     writes = [
         _part_write(writer, f"{name}/{p.info.name}", _first_element(p, a) * size, a - lo, b - lo)
         for p, a, b in parts
     ]
-    wb.put(data, writes, stage="state")
+    wb.put(data, writes, stage="state", ready=ready)
 
 
 def _part_write(writer: ShardedWriter, name: str, at: int, a: int, b: int):
@@ -242,6 +157,38 @@ def run_estimate(part, run, event, theta, drift=None, out=None):
     return part.estimate(event, theta, drift=drift, out=out, method=run.schedule.method)
 
 
+def _stream_in(ws: Workspace, reader, blocks: list, flat, readers: int) -> None:
+    """A unit's float pieces into `flat` through the read-ahead ring and `to_device` (a GPU's theta0:
+    pinned buffers and a cast on the device, never a cross-device cast on the CPU)."""
+    ahead = ReadAhead(reader, blocks, _first_element, readers, ws.transfers, ahead=_ahead(ws, readers))
+    try:
+        for i, parts in enumerate(ahead):
+            ahead.release(i, ws.transfers.to_device(parts, flat, 0))
+    finally:
+        ahead.close()
+
+
+def _ahead(ws: Workspace, readers: int) -> int | None:
+    """Blocks read ahead: the CPU's reservation (read_ahead.ahead_blocks); on a GPU at least two, so
+    a block is read while the one before it crosses to the device."""
+    return max(2, readers + 1) if ws.transfers.staged else None
+
+
+def _check_sums(index, reader, blocks: list, sums, acc) -> None:
+    """A GPU's finite check, once per step: the block sums (float64: a sum of float32 values cannot
+    overflow it) read back together; a block whose sum is not finite is read again on the CPU and
+    checked exactly, so the error names its tensor as the CPU path's does."""
+    import torch
+
+    for k, total in enumerate(sums.tolist()):
+        if not math.isfinite(total):
+            lo, hi, parts = blocks[k]
+            again = torch.empty(hi - lo, dtype=acc)
+            for p, a, b in parts:
+                reader.read_elements_into(p.info.name, _first_element(p, a), b - a, again[a - lo : b - lo])
+            _check_finite(index, [p for p, _, _ in parts], again, 0, hi - lo, lo)
+
+
 def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs, ws: Workspace | None = None):
     """One work unit, start to end: read its slices of theta0 and of every checkpoint, run the
     recurrences, write its bytes at their final offsets in the pre-created `outputs`.
@@ -250,28 +197,33 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
     executor may run units in any order, in any process, and retry one that was lost.
 
     Per step, the finite check, the read (where the reader can read any element range: safetensors),
-    every state update, every output and its write run block by block (plan.block elements): a block's
+    every state update, every output and its write run block by block (ws.block elements): a block's
     buffers stay in the CPU cache across those passes instead of streaming the whole unit through
     memory once per pass. Other formats are read whole into `theta` first. Every update is
     elementwise, so the bytes are those of whole-unit passes (docs/design.md, "The fused pass").
+    On a GPU the stages are the same; the reads always go through the pinned read-ahead ring, the
+    finite check reads its block sums back once per step, and nothing waits for the device but
+    the write-behind thread, on each block's copy event (docs/design.md, "The GPU path").
     """
     import torch
 
     ws = ws or Workspace.for_plan(plan, opts)
+    gpu = ws.transfers.staged  # a GPU, or its pipeline on the CPU (io/transfer.py)
     check = not opts.allow_nonfinite
     out_dtypes = {t.name: t.dtype for t in plan.out_tensors}
     tau = plan.runs[0].schedule.tau  # shared by the grid: burn-in happens at the same steps for all runs
     size = max((p.hi for p in unit), default=0)
-    block = size if ws.device.type != "cpu" else plan.block  # a GPU gains nothing from cache-sized passes
+    block = ws.block
     blocks = _blocks(unit, size, max(block, 1))
     theta0, scratch = ws.view("theta0", size), ws.scratch(unit)
     acc_tag = TAG_OF[str(ws.acc).removeprefix("torch.")]
-    direct = ws.device.type == "cpu" and all(
-        out_dtypes[p.info.name] == acc_tag for p in unit if p.info.dtype in FLOATING
-    )
+    direct = not gpu and all(out_dtypes[p.info.name] == acc_tag for p in unit if p.info.dtype in FLOATING)
 
     def load_theta0(reader, u, flat):
-        _load(reader, u, flat, scratch)
+        if gpu and streams(reader):
+            _stream_in(ws, reader, blocks, flat, plan.readers)
+        else:
+            _load(reader, u, flat, scratch)
         if check:
             _check_finite(reader.index, u, flat, 0, size)
 
@@ -301,18 +253,21 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
                 _load(reader, unit, theta, scratch)
                 t_read = perf_counter() - t_unit
             ahead = (
-                ReadAhead(reader, blocks, _first_element, plan.readers)
-                if streamed and plan.readers > 1
+                ReadAhead(
+                    reader, blocks, _first_element, plan.readers, ws.transfers, _ahead(ws, plan.readers)
+                )
+                if streamed and (plan.readers > 1 or gpu)
                 else None
             )
             if ahead is not None:
                 held.callback(ahead.close)
             fetched = iter(ahead) if ahead else None
+            sums = ws.transfers.sums(len(blocks)) if gpu and check and streamed else None
             with ws.write_behind(block).batch() as wb:
                 wait0 = wb.waited
-                for lo, hi, parts in blocks:
+                for k, (lo, hi, parts) in enumerate(blocks):
                     if streamed:
-                        th = ws.view("theta", hi - lo)
+                        th = ws.block_view("theta", hi - lo)
                         t = perf_counter()
                         if fetched is None:
                             for p, a, b in parts:
@@ -321,12 +276,13 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
                                     p.info.name, first, b - a, th[a - lo : b - lo], scratch
                                 )
                         else:  # read by the read-ahead threads; cast here, as read_elements_into does
-                            for a, b, data in next(fetched):
-                                th[a - lo : b - lo].copy_(data)
+                            ahead.release(k, ws.transfers.to_device(next(fetched), th, lo))
                         t_read += perf_counter() - t
                     else:
                         th = theta[lo:hi]
-                    if check:
+                    if sums is not None:
+                        sums[k] = th.sum(dtype=torch.float64)  # checked after the block loop
+                    elif check:
                         _check_finite(index, [p for p, _, _ in parts], th, 0, hi - lo, lo)
                     if step <= tau:
                         theta0[lo:hi].copy_(th)  # burn-in: theta0 = theta_s, held in its own buffer
@@ -337,20 +293,22 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
                         event = run.events[step]
                         method = run.schedule.method
                         if method == "bema" and drift is None and event.action == "update":
-                            drift = torch.sub(th, theta0[lo:hi], out=ws.view("drift", hi - lo))
+                            drift = torch.sub(th, theta0[lo:hi], out=ws.block_view("drift", hi - lo))
                         out = None
                         if method in BUFFERED:  # computed straight into a write buffer when it can
-                            out = wb.buffer(ws.acc, hi - lo) if direct else ws.view("out", hi - lo)
+                            out = wb.buffer(ws.acc, hi - lo) if direct else ws.block_view("out", hi - lo)
                         part = stabs[track_of[run.name]].view(lo, hi)
                         result = run_estimate(part, run, event, th, drift, out)
-                        _emit(wb, writer, parts, lo, result, out_dtypes)
+                        _emit(ws, wb, writer, parts, lo, result, out_dtypes)
                         if out is not None and result is not out and direct:
                             wb.release(out)  # a burn-in step returned theta_s instead
                     for ring, event in after:
                         ring.view(lo, hi).advance(event, th)
                     for writer, names, tensors in saving:
                         for name, t in zip(names, tensors, strict=True):
-                            _emit_state(wb, writer, name, parts, lo, t[lo:hi])
+                            _emit_state(ws, wb, writer, name, parts, lo, t[lo:hi])
+                if sums is not None:  # inside the batch: an error drops the step's queued writes
+                    _check_sums(index, reader, blocks, sums, ws.acc)
                 waited = wb.waited - wait0
             stages.add("read", t_read, unit_bytes(unit))
             stages.add("compute", perf_counter() - t_unit - t_read - waited)

@@ -22,7 +22,7 @@ from bema_cli.io.fingerprint import fingerprint, weight_files
 from bema_cli.machine import available_memory
 from bema_cli.stabilize import meta
 from bema_cli.stabilize.plan import Options, Plan
-from bema_cli.stabilize.unit import torch_device
+from bema_cli.stabilize.workspace import torch_device
 from bema_cli.sweep.memory import check_memory, host_total, memory_estimate, states_device
 from bema_cli.sweep.walk import state_bytes
 

@@ -36,7 +36,6 @@ from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.prepare import check_same, drop_tied_head, prepare
 from bema_cli.stabilize.unit import (
     BUFFERED,
-    Workspace,
     _check_finite,
     _first_element,
     _load,
@@ -44,6 +43,7 @@ from bema_cli.stabilize.unit import (
     run_estimate,
     step_updates,
 )
+from bema_cli.stabilize.workspace import Workspace
 
 WHOLE_MODEL = 1 << 62  # --max-memory for the plan: one work unit holds every tensor
 HOLD_BLOCK = 1 << 22  # elements upcast at a time from the held dtype (16 MB of float32 per buffer)

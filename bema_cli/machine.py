@@ -314,7 +314,6 @@ def gpu_speeds() -> dict:
         d2h=fastest(lambda: host.copy_(dev, non_blocking=True), PROBE_BYTES),
         compute=fastest(lambda: dev.lerp_(other, 0.5), n),
     )
-    del host, dev, other
     return _gpu_speeds
 
 

@@ -123,7 +123,9 @@ def main() -> None:
                 rows.append(f"{'':10} auto: {chose['reason']}")
         out = {d: args.workdir / f"{grid.split()[0]}-{d}" for d in docs}
         differing, total, worst = compare(out["cpu"], out["cuda"])
-        rows.append(f"{grid:10} cuda vs cpu: {differing} of {total} elements differ, by at most {worst} bf16 ulp")
+        rows.append(
+            f"{grid:10} cuda vs cpu: {differing} of {total} elements differ, by at most {worst} bf16 ulp"
+        )
         if worst > 1:
             failed.append(f"{grid}: cuda differs from cpu by {worst} bf16 ulp")
         best = min(cpu_s, cuda_s)
@@ -131,10 +133,14 @@ def main() -> None:
                         docs["auto"]["seconds"] <= 1.05 * best))  # fmt: skip
         if grid == "2 configs":
             targets.append((f"2 configs: cuda <= cpu ({cuda_s / cpu_s:.2f})", cuda_s <= cpu_s))
-            targets.append((f"2 configs: cuda <= 1.3x the disk floor ({cuda_s / floor:.2f})", cuda_s <= 1.3 * floor))
+            targets.append(
+                (f"2 configs: cuda <= 1.3x the disk floor ({cuda_s / floor:.2f})", cuda_s <= 1.3 * floor)
+            )
         else:
             targets.append((f"16 configs: cuda <= 0.7x cpu ({cuda_s / cpu_s:.2f})", cuda_s <= 0.7 * cpu_s))
-        rows.append(f"{grid:10} disk floor {floor:.1f} s ({docs['cpu']['written_bytes'] / 1e9:.1f} GB written)")
+        rows.append(
+            f"{grid:10} disk floor {floor:.1f} s ({docs['cpu']['written_bytes'] / 1e9:.1f} GB written)"
+        )
         for d in out.values():
             shutil.rmtree(d, ignore_errors=True)
     data = realshape.write_eval_data(args.workdir / "data")

@@ -22,7 +22,10 @@ METHODS = ("vanilla", "ema", "bema", "dema", "ouema", "lawa")
 @pytest.fixture(scope="module")
 def trajs(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu-pipeline")
-    return {"f32": write_trajectory(root / "f32", STEPS), "bf16": write_trajectory(root / "bf16", STEPS, torch.bfloat16)}
+    return {
+        "f32": write_trajectory(root / "f32", STEPS),
+        "bf16": write_trajectory(root / "bf16", STEPS, torch.bfloat16),
+    }
 
 
 def _files(out):
@@ -55,7 +58,9 @@ def test_the_gpu_pipeline_writes_the_cpu_paths_bytes(trajs, tmp_path, monkeypatc
     schedules = [Schedule(method=m, tau=10, window=3).resolved() for m in METHODS]
     out = tmp_path / "out"
     run(Options(str(run_dir), schedules, str(out), base=str(base), readers=readers))
-    assert _files(out) == _files(ref) and len([k for k in _files(ref) if "checkpoint-" in k]) == 6 * len(STEPS)
+    assert _files(out) == _files(ref) and len([k for k in _files(ref) if "checkpoint-" in k]) == 6 * len(
+        STEPS
+    )
     assert len(copies) > 100  # the staged path really ran, block by block
 
 
@@ -74,7 +79,9 @@ def test_a_nan_found_by_the_deferred_check_names_its_tensor_and_writes_nothing(t
     weights[name].view(-1)[weights[name].numel() // 2] = float("nan")
     save_file(weights, path)
     out = tmp_path / "out"
-    r = run_bema("stabilize", bad, "--base", base, "--out", out, "--method", "ema", env={"BEMA_GPU_PIPELINE": "1"})
+    r = run_bema(
+        "stabilize", bad, "--base", base, "--out", out, "--method", "ema", env={"BEMA_GPU_PIPELINE": "1"}
+    )
     line = one_line_error(r)
     assert f"{path}: tensor {name!r} contains NaN or Inf" in line, line
     assert not list(out.glob("*/checkpoint-*")) and not list(out.glob(".bema-tmp-*"))

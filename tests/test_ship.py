@@ -9,7 +9,7 @@ import json
 import shutil
 
 import pytest
-from conftest import run_bema, vllm_available
+from conftest import one_line_error, run_bema, vllm_available
 from ship_runs import drift_run, heldout, noisy_run, optimum
 
 pytestmark = pytest.mark.slow  # a sweep of 8 configs and a dozen fitted candidates per run (~15 s each)
@@ -85,6 +85,26 @@ def test_steady_drift_ships_vanilla_and_says_so(runs, tmp_path):
                      "--loss-data", runs["data"], "--backend", "transformers")  # fmt: skip
     assert plain.returncode == 0 and "up to date" in plain.stderr
     assert plain.stdout.strip() == doc["verdict"]
+
+
+def test_up_to_date_answers_only_the_same_request(runs, tmp_path):
+    """A shipped DIR answers "up to date" to the request that made it; another --holdout (or another
+    run) is refused naming what differs, and a garbled ship.json is one line, not a traceback."""
+    out = tmp_path / "model"
+    ship(runs, "drift", out, "--fit", "none")
+    same, r = ship(runs, "drift", out, "--fit", "none")
+    assert same["up_to_date"] is True and "up to date" in r.stderr
+    other = run_bema("ship", runs["drift"], "--base", runs["base"], "--out", out, "--tasks", "loss",
+                     "--loss-data", runs["data"], "--backend", "transformers", "--fit", "none", "--holdout", "0.3")  # fmt: skip
+    line = one_line_error(other)
+    assert "another request (differs in: holdout" in line and "--overwrite" in line, line
+    other = run_bema("ship", runs["noisy"], "--base", runs["base"], "--out", out, "--tasks", "loss",
+                     "--loss-data", runs["data"], "--backend", "transformers", "--fit", "none")  # fmt: skip
+    assert "differs in: inputs" in one_line_error(other)
+    (out / ".bema-ship" / "ship.json").write_text("[]")
+    line = one_line_error(run_bema("ship", runs["drift"], "--base", runs["base"], "--out", out, "--tasks", "loss",
+                                   "--loss-data", runs["data"], "--backend", "transformers", "--fit", "none"))  # fmt: skip
+    assert "ship.json: not a ship record" in line, line
 
 
 def test_a_killed_ship_resumes_evaluating_nothing_twice(runs, tmp_path):

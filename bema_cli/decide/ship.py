@@ -89,13 +89,11 @@ def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, v
 
     metric = check(ship_opts, config)
     out = Path(ship_opts.out).expanduser()
-    check_apart_from(out, _inputs(stab), "--out")  # before any answer, record or evaluation
+    inputs = _inputs(stab)
+    check_apart_from(out, inputs, "--out")  # before any answer, record or evaluation
+    request = _request(stab, config, ship_opts, inputs, metric)
     if (out / WORK / "ship.json").is_file() and not ship_opts.overwrite:
-        doc = json.loads((out / WORK / "ship.json").read_text())
-        output.log(
-            f"up to date: {out} holds the shipped model (--overwrite decides again, reusing the records)"
-        )
-        return {**doc, "up_to_date": True}
+        return _up_to_date(out, request, ship_opts)
     check_target(out, ship_opts.overwrite)
     work = out.parent / f".{out.name}.bema-ship"
     if ship_opts.overwrite and (out / WORK).is_dir() and not work.exists():
@@ -106,7 +104,7 @@ def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, v
     records = _records(work / "sweep" / "results.jsonl")
     chosen = select.select(records, metric, "last", ship_opts.holdout, ship_opts.resamples, ship_opts.seed)
     step = chosen["winner"]["step"]
-    doc = {"metric": metric.name, "step": step, "select": chosen, "tie_rule": select.TIE_RULE,
+    doc = {"request": request, "metric": metric.name, "step": step, "select": chosen, "tie_rule": select.TIE_RULE,
            "holdout": ship_opts.holdout, "sweep": {k: swept[k] for k in ("runs", "evaluated", "backend")}}  # fmt: skip
     fitted = None
     if ship_opts.fits:
@@ -134,6 +132,54 @@ def _inputs(stab) -> list[Path]:
     from bema_cli.sweep.walk import sweep_options
 
     return inputs_of(prepare(sweep_options(stab)), stab.checkpoint_dir)
+
+
+def _request(stab, config: EvalConfig, ship_opts: ShipOptions, inputs: list[Path], metric) -> dict:
+    """What makes two ship calls the same question: the inputs (each weight file's path, size and
+    modification time), the grid, the evaluation settings and the flags that change the decision."""
+    import hashlib
+
+    files = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in inputs if f.is_file()]
+    evaluation = {k: v for k, v in vars(config).items() if k not in ("out", "log_samples", "force")}
+    doc = {"inputs": files, "grid": sorted(repr(s) for s in stab.schedules), "evaluation": evaluation,
+           "metric": metric.name, "holdout": ship_opts.holdout, "at": ship_opts.at, "fits": list(ship_opts.fits),
+           "resamples": ship_opts.resamples, "seed": ship_opts.seed}  # fmt: skip
+    flat = {k: v for k, v in doc.items() if k != "inputs"}
+    digest = hashlib.sha256(output.to_json(doc).encode()).hexdigest()[:32]
+    return {
+        "digest": digest,
+        "inputs": hashlib.sha256(output.to_json(files).encode()).hexdigest()[:32],
+        **flat,
+    }
+
+
+def _up_to_date(out: Path, request: dict, ship_opts: ShipOptions) -> dict:
+    """DIR holds a shipped model: the same request is answered from its record (and still pushed with
+    --push); any other request is refused naming what differs, since its answer is not that one."""
+    from bema_cli.errors import InputError, OutputError
+
+    path = out / WORK / "ship.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path}: not a ship record ({exc}); --overwrite decides again") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("verdict"), str):
+        raise InputError(f"{path}: not a ship record (no verdict); --overwrite decides again")
+    old = doc.get("request") if isinstance(doc.get("request"), dict) else {}
+    if old.get("digest") != request["digest"]:
+        differs = [k for k in request if k != "digest" and old.get(k) != request[k]] or ["the request"]
+        raise OutputError(
+            f"{out}: holds a model shipped for another request (differs in: {', '.join(differs)}); "
+            "--overwrite decides again, reusing the records"
+        )
+    output.log(f"up to date: {out} holds the shipped model for this request (--overwrite decides again)")
+    doc = {**doc, "up_to_date": True}
+    if ship_opts.push:
+        from bema_cli.decide.push import push
+
+        with stages.stage("push"):
+            doc["pushed"] = push(out, ship_opts.push)
+    return doc
 
 
 def _records(path: Path) -> list[dict]:

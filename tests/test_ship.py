@@ -133,3 +133,16 @@ def test_the_shipped_folder_loads_in_vllm(runs, tmp_path):
     assert r.returncode == 0, r.stderr
     (record,) = json.loads(r.stdout)["records"]
     assert record["model_path"] == str(out) and record["metrics"]["loss"] > 0
+
+
+def test_too_few_report_items_ship_vanilla_and_say_it_cannot_decide(runs, tmp_path):
+    """A 4-record held-out file (2 report items): no interval is trusted, whatever the averages score."""
+    from ship_runs import heldout
+
+    few = heldout(tmp_path / "few.jsonl", n=4)
+    r = run_bema("ship", runs["noisy"], "--base", runs["base"], "--out", tmp_path / "m", "--tasks", "loss",
+                 "--loss-data", few, "--backend", "transformers", "--fit", "none", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["decision"]["kind"] == "vanilla" and "fewer than 10" in doc["decision"]["undecided"]
+    assert "cannot decide on" in doc["verdict"] and "report item" in doc["verdict"]

@@ -48,6 +48,11 @@ DEFAULT_GRID = {"methods": ["ema", "bema", "lawa", "wsm"], "kappas": [0.5], "eta
 FITS = ("soup", "simplex")
 SOUP_CHECKPOINTS = 4  # the last saved checkpoints that join the menu as soup ingredients
 SIMPLEX_K = 4  # the simplex weights span the last K checkpoints
+# Fewer report items than this and the paired bootstrap's "95% interval" means nothing (one item
+# gives one resample value: an interval of zero width); ship then writes vanilla and says it cannot
+# decide. A floor against degenerate intervals, not a power guarantee: with 10 items a percentile
+# bootstrap of a mean already covers below its level (docs/eval-protocol.md).
+MIN_REPORT_ITEMS = 10
 
 
 @dataclass
@@ -282,6 +287,14 @@ def _decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[
     (and vanilla) beyond the interval on the report items."""
     w = chosen["winner"]
     vanilla_row = next(c for c in chosen["candidates"] if c["run"] == "vanilla" and c["step"] == w["step"])
+    reported = chosen["selection"]["reported_on"]
+    if reported < MIN_REPORT_ITEMS:  # no interval to trust: the raw checkpoint, and why
+        return (
+            {"run": "vanilla", "step": w["step"], "kind": "vanilla", "value": vanilla_row["value"],
+             "undecided": f"{reported} report items, fewer than {MIN_REPORT_ITEMS}"},  # fmt: skip
+            f"ship vanilla at step {w['step']}: cannot decide on {reported} report item(s) (at least "
+            f"{MIN_REPORT_ITEMS} are needed for an interval; give more held-out records or a larger --holdout)",
+        )
     menu = w if verdict.beats_vanilla(chosen) else vanilla_row
     name = metric.name if metric.name != "loss" else "held-out loss"
     fmt_v, fmt_d = verdict.fmt_value, verdict.fmt_diff

@@ -104,7 +104,7 @@ def test_up_to_date_answers_only_the_same_request(runs, tmp_path):
     (out / ".bema-ship" / "ship.json").write_text("[]")
     line = one_line_error(run_bema("ship", runs["drift"], "--base", runs["base"], "--out", out, "--tasks", "loss",
                                    "--loss-data", runs["data"], "--backend", "transformers", "--fit", "none"))  # fmt: skip
-    assert "ship.json: not a ship record" in line, line
+    assert "ship.json: the ship's record changed since bema sealed it" in line, line
 
 
 def test_a_killed_ship_resumes_evaluating_nothing_twice(runs, tmp_path):
@@ -146,3 +146,27 @@ def test_too_few_report_items_ship_vanilla_and_say_it_cannot_decide(runs, tmp_pa
     doc = json.loads(r.stdout)
     assert doc["decision"]["kind"] == "vanilla" and "fewer than 10" in doc["decision"]["undecided"]
     assert "cannot decide on" in doc["verdict"] and "report item" in doc["verdict"]
+
+
+def test_records_are_sealed_and_no_fitted_model_is_kept(runs, tmp_path):
+    """DIR/.bema-ship keeps the records and ship.json, never a fitted candidate (DIR is the shipped
+    model); records edited by hand (two configs' scores swapped) are refused by --overwrite, not
+    reused, and the edited ship.json is refused by a plain re-run."""
+    out = tmp_path / "model"
+    doc, _ = ship(runs, "noisy", out)
+    work = out / ".bema-ship"
+    assert doc["fitted"]["candidates"] and not (work / "fit" / "models").exists()
+    assert (work / "seal.json").is_file()
+    results = work / "sweep" / "results.jsonl"
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    rows[0]["items"], rows[1]["items"] = rows[1]["items"], rows[0]["items"]
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = (out / "model.safetensors").read_bytes()
+    r = run_bema("ship", runs["noisy"], "--base", runs["base"], "--out", out, "--tasks", "loss",
+                 "--loss-data", runs["data"], "--backend", "transformers", "--overwrite")  # fmt: skip
+    line = one_line_error(r)
+    assert f"{results}: the ship's record changed since bema sealed it" in line, line
+    assert (out / "model.safetensors").read_bytes() == before
+    r = run_bema("ship", runs["noisy"], "--base", runs["base"], "--out", out, "--tasks", "loss",
+                 "--loss-data", runs["data"], "--backend", "transformers")  # fmt: skip
+    assert "the ship's record changed" in one_line_error(r)

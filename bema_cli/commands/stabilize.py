@@ -88,7 +88,11 @@ def stabilize(
         str, typer.Option("--max-shard-size", help="Largest output shard (e.g. 5GB).")
     ] = "5GB",
     device: Annotated[
-        str, typer.Option("--device", help="auto (the device projected faster for this grid on this machine; said on stderr and in --json), cpu or cuda.")
+        str,
+        typer.Option(
+            "--device",
+            help="auto (the device projected faster for this grid on this machine; said on stderr and in --json), cpu or cuda.",
+        ),
     ] = "auto",
     readers: Annotated[
         int | None,

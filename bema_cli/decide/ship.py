@@ -24,6 +24,7 @@ from pathlib import Path
 
 from bema_cli import output, stages
 from bema_cli.decide import fit, select, verdict
+from bema_cli.decide import records as sealed
 from bema_cli.decide.write import (
     WORK,
     check_apart_from,
@@ -96,12 +97,13 @@ def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, v
     out = Path(ship_opts.out).expanduser()
     inputs = _inputs(stab)
     check_apart_from(out, inputs, "--out")  # before any answer, record or evaluation
-    request = _request(stab, config, ship_opts, inputs, metric)
+    request = sealed.request(stab, config, ship_opts, inputs, metric)
     if (out / WORK / "ship.json").is_file() and not ship_opts.overwrite:
-        return _up_to_date(out, request, ship_opts)
+        return sealed.up_to_date(out, request, ship_opts.push)
     check_target(out, ship_opts.overwrite)
     work = out.parent / f".{out.name}.bema-ship"
     if ship_opts.overwrite and (out / WORK).is_dir() and not work.exists():
+        sealed.check_sealed(out / WORK)  # records edited by hand are never reused
         shutil.copytree(out / WORK, work)  # decide again from the records already made
     work.mkdir(parents=True, exist_ok=True)
     swept = sweep(stab, replace(config, out=str(work / "sweep")), engine, replace(sweep_opts, at=ship_opts.at),
@@ -139,54 +141,6 @@ def _inputs(stab) -> list[Path]:
     return inputs_of(prepare(sweep_options(stab)), stab.checkpoint_dir)
 
 
-def _request(stab, config: EvalConfig, ship_opts: ShipOptions, inputs: list[Path], metric) -> dict:
-    """What makes two ship calls the same question: the inputs (each weight file's path, size and
-    modification time), the grid, the evaluation settings and the flags that change the decision."""
-    import hashlib
-
-    files = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in inputs if f.is_file()]
-    evaluation = {k: v for k, v in vars(config).items() if k not in ("out", "log_samples", "force")}
-    doc = {"inputs": files, "grid": sorted(repr(s) for s in stab.schedules), "evaluation": evaluation,
-           "metric": metric.name, "holdout": ship_opts.holdout, "at": ship_opts.at, "fits": list(ship_opts.fits),
-           "resamples": ship_opts.resamples, "seed": ship_opts.seed}  # fmt: skip
-    flat = {k: v for k, v in doc.items() if k != "inputs"}
-    digest = hashlib.sha256(output.to_json(doc).encode()).hexdigest()[:32]
-    return {
-        "digest": digest,
-        "inputs": hashlib.sha256(output.to_json(files).encode()).hexdigest()[:32],
-        **flat,
-    }
-
-
-def _up_to_date(out: Path, request: dict, ship_opts: ShipOptions) -> dict:
-    """DIR holds a shipped model: the same request is answered from its record (and still pushed with
-    --push); any other request is refused naming what differs, since its answer is not that one."""
-    from bema_cli.errors import InputError, OutputError
-
-    path = out / WORK / "ship.json"
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{path}: not a ship record ({exc}); --overwrite decides again") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("verdict"), str):
-        raise InputError(f"{path}: not a ship record (no verdict); --overwrite decides again")
-    old = doc.get("request") if isinstance(doc.get("request"), dict) else {}
-    if old.get("digest") != request["digest"]:
-        differs = [k for k in request if k != "digest" and old.get(k) != request[k]] or ["the request"]
-        raise OutputError(
-            f"{out}: holds a model shipped for another request (differs in: {', '.join(differs)}); "
-            "--overwrite decides again, reusing the records"
-        )
-    output.log(f"up to date: {out} holds the shipped model for this request (--overwrite decides again)")
-    doc = {**doc, "up_to_date": True}
-    if ship_opts.push:
-        from bema_cli.decide.push import push
-
-        with stages.stage("push"):
-            doc["pushed"] = push(out, ship_opts.push)
-    return doc
-
-
 def _records(path: Path) -> list[dict]:
     return [{**r, "_where": f"{path} ({r.get('run')}@{r.get('step')})"} for r in read_jsonl(path)]
 
@@ -207,18 +161,16 @@ def _fit(stab, config, engine, ship_opts, metric, chosen, records, work) -> dict
     basis = [plan.base_index.folder, *folders]
     evaluation = Evaluation(replace(config, out=str(work / "fit"), log_samples=False), engine)
     backend, scores, made = None, {}, []
+    kept: dict[str, tuple[float, Path]] = {}  # per fit: its best written candidate so far (the rest go)
 
-    def score(c: list[float], name: str, method: str, **extra) -> float:
-        """`c`'s pick score: a saved checkpoint (one-hot c) evaluated where it is, any other vector
-        written first (fit.combine) into the work folder."""
-        nonlocal backend
+    def write(c: list[float], name: str, method: str, **extra) -> Path:
+        """`c` as a model folder: a saved checkpoint (one-hot c) where it is, any other vector written
+        (fit.combine, deterministic: a rewrite is the same bytes) into the work folder."""
         key = fit.digest(c)
-        if key in scores:
-            return scores[key][0]
         folder = work / "fit" / "models" / f"{name}-{key}"
         if c.count(0.0) == n - 1 and c.count(1.0) == 1 and c[0] != 1.0:
-            folder = basis[c.index(1.0)]  # a checkpoint of the run: nothing to write
-        elif not (folder / "bema.json").is_file():
+            return basis[c.index(1.0)]  # a checkpoint of the run: nothing to write
+        if not (folder / "bema.json").is_file():
             tmp = staging(folder, "fit")
             record = fit.fitted_record(f"{name}-{key}", method, step, c, folders, plan.base_source,
                                        folders[-1], **extra)  # fmt: skip
@@ -227,6 +179,15 @@ def _fit(stab, config, engine, ship_opts, metric, chosen, records, work) -> dict
             folder.parent.mkdir(parents=True, exist_ok=True)
             (tmp / "m").rename(folder)
             shutil.rmtree(tmp, ignore_errors=True)
+        return folder
+
+    def score(c: list[float], name: str, method: str, **extra) -> float:
+        """`c`'s pick score, evaluated from its model folder (`write`)."""
+        nonlocal backend
+        key = fit.digest(c)
+        if key in scores:
+            return scores[key][0]
+        folder = write(c, name, method, **extra)
         target = expand_inputs([str(folder)])
         if backend is None:
             backend = evaluation.start(lambda b: b.load(folder))
@@ -240,6 +201,13 @@ def _fit(stab, config, engine, ship_opts, metric, chosen, records, work) -> dict
         value = select.pick_value(rec, metric, ship_opts.holdout, ship_opts.seed)
         scores[key] = (value, folder, rec)
         made.append({"run": rec["run"], "step": rec["step"], "pick_value": value})
+        if folder.parent == work / "fit" / "models":  # a written candidate: keep its fit's best only
+            prev = kept.get(name)
+            if prev is None or sign * value > sign * prev[0]:
+                kept[name] = (value, folder)
+                folder = prev[1] if prev is not None else None
+            if folder is not None:  # a resume rewrites it (its records stand: nothing is evaluated twice)
+                shutil.rmtree(folder, ignore_errors=True)
         return value
 
     sign = 1.0 if metric.higher_is_better else -1.0
@@ -257,7 +225,7 @@ def _fit(stab, config, engine, ship_opts, metric, chosen, records, work) -> dict
             names, c, value = fit.greedy_soup(ingredients, lambda c: score(c, "soup", "soup"), sign)
             if len(names) > 1:  # a soup of one ingredient is that ingredient
                 score(c, "soup", "soup", ingredients=names)
-                best = ("soup", c, value)
+                best = ("soup", c, value, "soup")
             result["soup"] = {"ingredients": names, "pick_value": value}
         if "simplex" in ship_opts.fits and metric.key == "loss" and n > 2:
             k = min(SIMPLEX_K, n - 1)
@@ -269,13 +237,15 @@ def _fit(stab, config, engine, ship_opts, metric, chosen, records, work) -> dict
                 "search": "coordinate search on softmax logits",
             }
             if best is None or sign * value > sign * best[2]:
-                best = ("simplex", c, value)
+                best = ("simplex", c, value, f"simplex-k{k}")
     finally:
         if backend is not None:
             backend.close()
     out = {"doc": result, "best": None}
     if best is not None:
         value, folder, rec = scores[fit.digest(best[1])]
+        if not folder.is_dir():  # removed as a fit's non-best (a tie): written again, the same bytes
+            folder = write(best[1], best[0], best[3])
         out["best"] = {"kind": best[0], "coefficients": best[1], "folder": folder, "record": rec}
         result["best"] = {"kind": best[0], "run": rec["run"], "pick_value": value}
     return out
@@ -290,8 +260,13 @@ def _decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[
     reported = chosen["selection"]["reported_on"]
     if reported < MIN_REPORT_ITEMS:  # no interval to trust: the raw checkpoint, and why
         return (
-            {"run": "vanilla", "step": w["step"], "kind": "vanilla", "value": vanilla_row["value"],
-             "undecided": f"{reported} report items, fewer than {MIN_REPORT_ITEMS}"},  # fmt: skip
+            {
+                "run": "vanilla",
+                "step": w["step"],
+                "kind": "vanilla",
+                "value": vanilla_row["value"],
+                "undecided": f"{reported} report items, fewer than {MIN_REPORT_ITEMS}",
+            },  # fmt: skip
             f"ship vanilla at step {w['step']}: cannot decide on {reported} report item(s) (at least "
             f"{MIN_REPORT_ITEMS} are needed for an interval; give more held-out records or a larger --holdout)",
         )
@@ -360,7 +335,11 @@ def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work) -> d
     out = Path(ship_opts.out).expanduser()
 
     def keep(folder: Path) -> None:
+        # what stays (docs/eval-protocol.md): the records and ship.json, never a fitted model (DIR is the
+        # shipped one; an --overwrite that needs a candidate again rewrites it, evaluating nothing twice)
+        shutil.rmtree(work / "fit" / "models", ignore_errors=True)
         (work / "ship.json").write_text(output.to_json(_public(doc)) + "\n")
+        sealed.seal(work)
         shutil.move(str(work), str(folder / WORK))
 
     if decision["kind"] != "fitted":
@@ -373,7 +352,7 @@ def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work) -> d
     tmp = staging(out, "ship")
     try:
         folder = tmp / "model"
-        shutil.copytree(best["folder"], folder)
+        shutil.move(str(best["folder"]), str(folder))  # the shipped candidate itself, not a copy
         rec = best["record"]
         lo_hi = select.report_interval(rec, metric, ship_opts.holdout, ship_opts.seed)
         write_card(folder, chosen, evaluation_rows(chosen, decision["value"], lo_hi, decision["vs_vanilla"]),

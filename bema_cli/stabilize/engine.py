@@ -43,6 +43,11 @@ def _out_dir(text: str) -> Path:
     return Path(text).expanduser().resolve()
 
 
+def _idle_device(opts: Options) -> dict:
+    """`device` of a call with nothing to do (the --json keys of a working run)."""
+    return {"asked": opts.device, "device": None, "reason": "nothing to stabilize"}
+
+
 def _recovered(out: Path, txn: OutputTransaction) -> None:
     if txn.recovered:
         output.log(f"{out}: cleaned up after {len(txn.recovered)} interrupted bema run(s)")
@@ -124,7 +129,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
         return {"outputs": [], "read_bytes": 0, "written_bytes": 0, "state_bytes": 0,
                 "executor": {"executor": executor.executor, "workers": executor.workers},
                 "up_to_date": True, "last_step": last, "seconds": time.perf_counter() - t0,
-                "projection": None, "stages": stages.report()}  # fmt: skip
+                "projection": None, "stages": stages.report(), "device": _idle_device(opts)}  # fmt: skip
     try:
         _check_out(out, plan.runs, opts.overwrite, _restarted(plan, opts))
     except OutputError as exc:
@@ -138,7 +143,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
             "outputs": [], "read_bytes": 0, "written_bytes": 0, "state_bytes": 0,
             "executor": {"executor": executor.executor, "workers": executor.workers},
             "up_to_date": True, "last_step": last_step, "seconds": time.perf_counter() - t0,
-            "projection": None, "stages": stages.report(),
+            "projection": None, "stages": stages.report(), "device": _idle_device(opts),
         }  # fmt: skip
     # the first check that needs torch (~1-2 s to import), so other errors come first; none in a dry run
     torch_device(opts.device, need_torch=not opts.dry_run)

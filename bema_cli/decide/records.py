@@ -1,0 +1,99 @@
+"""`bema ship`'s records: the request a shipped DIR answers, and the seal over DIR/.bema-ship.
+
+A shipped DIR answers "up to date" only to the request that made it (the same inputs, grid,
+evaluation settings and decision flags); `--overwrite` decides again from its records, which are
+reused only while they are byte for byte what bema wrote: ship.json and every results file are
+summed (xxh3_128) into seal.json, itself sealed as the stabilize state is (stabilize/state_doc.py).
+Like that seal, it guards against edits and accidents, not a forger who recomputes it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bema_cli import output, stages
+from bema_cli.decide.write import WORK
+from bema_cli.errors import InputError, OutputError
+from bema_cli.io.fingerprint import file_digest
+from bema_cli.stabilize.state_doc import seal as seal_of
+
+SEAL = "seal.json"
+SEALED = ("ship.json", "*.jsonl")  # what a decision is made from again: the verdict and every record
+
+
+def _sealed_files(work: Path) -> list[Path]:
+    return sorted({p for pattern in SEALED for p in work.rglob(pattern) if p.is_file()})
+
+
+def seal(work: Path) -> None:
+    """Sum every record of a finished ship into `work`/seal.json (the last file written)."""
+    doc = {"format": 1, "files": {str(p.relative_to(work)): file_digest(p) for p in _sealed_files(work)}}
+    doc["seal"] = seal_of(doc)
+    (work / SEAL).write_text(output.to_json(doc) + "\n")
+
+
+def check_sealed(work: Path) -> None:
+    """The records in `work` are exactly those bema sealed; one line naming the first that is not."""
+    fix = f"delete {work} to decide again from scratch"
+    path = work / SEAL
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise InputError(
+            f"{path}: no seal over the ship's records (an older bema, or edited); {fix}"
+        ) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict) or doc.get("seal") != seal_of(doc):
+        raise InputError(f"{path}: edited since bema wrote it (its seal does not match); {fix}")
+    files = {str(p.relative_to(work)) for p in _sealed_files(work)}
+    for name in sorted(files | set(doc["files"])):
+        p = work / name
+        if name not in doc["files"] or not p.is_file() or file_digest(p) != doc["files"][name]:
+            raise InputError(f"{p}: the ship's record changed since bema sealed it; {fix}")
+
+
+def request(stab, config, ship_opts, inputs: list[Path], metric) -> dict:
+    """What makes two ship calls the same question: the inputs (each weight file's path, size and
+    modification time), the grid, the evaluation settings and the flags that change the decision."""
+    import hashlib
+
+    files = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in inputs if f.is_file()]
+    evaluation = {k: v for k, v in vars(config).items() if k not in ("out", "log_samples", "force")}
+    doc = {"inputs": files, "grid": sorted(repr(s) for s in stab.schedules), "evaluation": evaluation,
+           "metric": metric.name, "holdout": ship_opts.holdout, "at": ship_opts.at, "fits": list(ship_opts.fits),
+           "resamples": ship_opts.resamples, "seed": ship_opts.seed}  # fmt: skip
+    flat = {k: v for k, v in doc.items() if k != "inputs"}
+    digest = hashlib.sha256(output.to_json(doc).encode()).hexdigest()[:32]
+    return {
+        "digest": digest,
+        "inputs": hashlib.sha256(output.to_json(files).encode()).hexdigest()[:32],
+        **flat,
+    }
+
+
+def up_to_date(out: Path, request: dict, push_to: str | None) -> dict:
+    """DIR holds a shipped model: the same request is answered from its record (and still pushed with
+    --push); any other request is refused naming what differs, since its answer is not that one."""
+    path = out / WORK / "ship.json"
+    check_sealed(out / WORK)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path}: not a ship record ({exc}); --overwrite decides again") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("verdict"), str):
+        raise InputError(f"{path}: not a ship record (no verdict); --overwrite decides again")
+    old = doc.get("request") if isinstance(doc.get("request"), dict) else {}
+    if old.get("digest") != request["digest"]:
+        differs = [k for k in request if k != "digest" and old.get(k) != request[k]] or ["the request"]
+        raise OutputError(
+            f"{out}: holds a model shipped for another request (differs in: {', '.join(differs)}); "
+            "--overwrite decides again, reusing the records"
+        )
+    output.log(f"up to date: {out} holds the shipped model for this request (--overwrite decides again)")
+    doc = {**doc, "up_to_date": True}
+    if push_to:
+        from bema_cli.decide.push import push
+
+        with stages.stage("push"):
+            doc["pushed"] = push(out, push_to)
+    return doc

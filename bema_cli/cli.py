@@ -257,8 +257,8 @@ def _fail(message: str, code: int) -> None:
 
 
 def _exit_interrupted(signum: int) -> None:
-    output.error(f"interrupted by {signal.Signals(signum).name}; nothing half-written was kept")
-    sys.exit(128 + signum)
+    """Exit 128 + signum with the one error line, and under --json its JSON document, as any error."""
+    _fail(f"interrupted by {signal.Signals(signum).name}; nothing half-written was kept", 128 + signum)
 
 
 if __name__ == "__main__":

@@ -753,19 +753,22 @@ def test_disk_full_names_the_file(traj, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("json_flag", [[], ["--json"]], ids=["plain", "json"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-def test_sigterm_sighup_during_walk_clean_up(tmp_path, sig):
-    """What SLURM/Kubernetes (SIGTERM) and a closed terminal (SIGHUP) send: handled like Ctrl-C."""
+def test_sigterm_sighup_during_walk_clean_up(tmp_path, sig, json_flag):
+    """What SLURM/Kubernetes (SIGTERM) and a closed terminal (SIGHUP) send: handled like Ctrl-C; under
+    --json stdout holds one JSON error document, as for every other error."""
     base, run = write_trajectory(tmp_path, STEPS, shapes={"w": (3000, 4)}, with_int=False)
     out = tmp_path / "out"
-    proc = _start(run, "--base", base, "--out", out, "--max-memory", "200B")
+    proc = _start(run, "--base", base, "--out", out, "--max-memory", "200B", *json_flag)
     assert _wait_for(lambda: list(out.glob(".bema-tmp-*/*/checkpoint-*")), proc), proc.communicate()
     proc.send_signal(sig)
-    _, stderr = proc.communicate(timeout=60)
+    stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig, stderr
-    assert stderr.splitlines() == [
-        f"error: interrupted by {signal.Signals(sig).name}; nothing half-written was kept"
-    ]
+    line = f"interrupted by {signal.Signals(sig).name}; nothing half-written was kept"
+    assert stderr.splitlines() == [f"error: {line}"]
+    if json_flag:
+        assert json.loads(stdout) == {"error": line, "exit_code": 128 + sig}
     assert not out.exists(), "the temp folder, the lock and the OUT this run created are gone"
 
 

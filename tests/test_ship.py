@@ -170,3 +170,39 @@ def test_records_are_sealed_and_no_fitted_model_is_kept(runs, tmp_path):
     r = run_bema("ship", runs["noisy"], "--base", runs["base"], "--out", out, "--tasks", "loss",
                  "--loss-data", runs["data"], "--backend", "transformers")  # fmt: skip
     assert "the ship's record changed" in one_line_error(r)
+
+
+def test_a_stale_work_folder_says_overwrite_and_overwrite_starts_afresh(runs, tmp_path):
+    """An interrupted ship's records made with another setup: the refusal names ship's own fix
+    (--overwrite, not eval's --force), and --overwrite is not blocked by them."""
+    out = tmp_path / "model"
+    ship(runs, "drift", out, "--fit", "none")
+    work = tmp_path / ".model.bema-ship"
+    shutil.move(str(out / ".bema-ship"), str(work))  # killed before the final rename
+    (work / "ship.json").unlink()
+    shutil.rmtree(out)
+    args = ["ship", runs["drift"], "--base", runs["base"], "--out", out, "--tasks", "loss",
+            "--loss-data", runs["data"], "--backend", "transformers", "--fit", "none", "--loss-samples", "30"]  # fmt: skip
+    line = one_line_error(run_bema(*args))
+    assert f"{work}: records of an earlier, interrupted ship made with another setup" in line, line
+    assert "--overwrite starts this one afresh" in line and "--force" not in line.split("(")[0]
+    r = run_bema(*args, "--overwrite", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["decision"]["kind"] in ("vanilla", "menu", "fitted") and not work.exists()
+
+
+def test_what_a_killed_ship_left_half_written_is_removed(runs, tmp_path):
+    """SIGKILL runs no cleanup: the next ship removes dead processes' staging folders beside DIR and
+    in its records, and puts back a DIR that was moved aside between place()'s two renames."""
+    out = tmp_path / "model"
+    dead = 2**22 + 12345  # above pid_max's default: no such process
+    stale = [tmp_path / f".bema-tmp-ship-model-{dead}", tmp_path / ".model.bema-ship" / "fit" / "models" / f".bema-tmp-fit-soup-ab-{dead}"]  # fmt: skip
+    for folder in stale:
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"half")
+    ship(runs, "drift", out, "--fit", "none")
+    assert not any(p.exists() for p in stale)
+    old = tmp_path / f".bema-tmp-old-model-{dead}"
+    out.rename(old)  # killed after moving the old DIR aside, before the new one came in
+    doc, r = ship(runs, "drift", out, "--fit", "none")
+    assert out.is_dir() and not old.exists() and doc.get("up_to_date") is True, r.stderr

@@ -97,3 +97,18 @@ def up_to_date(out: Path, request: dict, push_to: str | None) -> dict:
         with stages.stage("push"):
             doc["pushed"] = push(out, push_to)
     return doc
+
+
+REQUEST = "request.json"
+
+
+def write_request(work: Path, request: dict) -> None:
+    """The request a work folder's records are being made for (a resume checks it)."""
+    (work / REQUEST).write_text(output.to_json(request) + "\n")
+
+
+def same_request(work: Path, request: dict) -> bool:
+    try:
+        return json.loads((work / REQUEST).read_text()).get("digest") == request["digest"]
+    except (OSError, ValueError, AttributeError):
+        return False

@@ -29,14 +29,15 @@ from bema_cli.decide.write import (
     WORK,
     check_apart_from,
     check_target,
+    clean_staging,
     evaluation_rows,
     place,
     staging,
     write_card,
     write_winner,
 )
-from bema_cli.errors import UsageError
-from bema_cli.eval.evaluate import Evaluation
+from bema_cli.errors import OutputError, UsageError
+from bema_cli.eval.evaluate import Evaluation, StaleRecords
 from bema_cli.eval.job import EvalConfig, run_job
 from bema_cli.eval.results import read_jsonl
 from bema_cli.eval.targets import expand_inputs
@@ -98,16 +99,27 @@ def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, v
     inputs = _inputs(stab)
     check_apart_from(out, inputs, "--out")  # before any answer, record or evaluation
     request = sealed.request(stab, config, ship_opts, inputs, metric)
+    clean_staging(out, out.parent / f".{out.name}.bema-ship")  # what a killed ship left half-written
     if (out / WORK / "ship.json").is_file() and not ship_opts.overwrite:
         return sealed.up_to_date(out, request, ship_opts.push)
     check_target(out, ship_opts.overwrite)
     work = out.parent / f".{out.name}.bema-ship"
+    if ship_opts.overwrite and work.exists() and not sealed.same_request(work, request):
+        shutil.rmtree(work)  # an interrupted ship of another request: --overwrite starts this one afresh
     if ship_opts.overwrite and (out / WORK).is_dir() and not work.exists():
         sealed.check_sealed(out / WORK)  # records edited by hand are never reused
         shutil.copytree(out / WORK, work)  # decide again from the records already made
-    work.mkdir(parents=True, exist_ok=True)
-    swept = sweep(stab, replace(config, out=str(work / "sweep")), engine, replace(sweep_opts, at=ship_opts.at),
-                  validated=validated)  # fmt: skip
+    if not (work / sealed.REQUEST).is_file():  # a resume keeps the request its records were made for
+        work.mkdir(parents=True, exist_ok=True)
+        sealed.write_request(work, request)
+    try:
+        swept = sweep(stab, replace(config, out=str(work / "sweep")), engine,
+                      replace(sweep_opts, at=ship_opts.at), validated=validated)  # fmt: skip
+    except StaleRecords as exc:
+        raise OutputError(
+            f"{work}: records of an earlier, interrupted ship made with another setup ({exc.detail}); "
+            "--overwrite starts this one afresh"
+        ) from None
     records = _records(work / "sweep" / "results.jsonl")
     chosen = select.select(records, metric, "last", ship_opts.holdout, ship_opts.resamples, ship_opts.seed)
     step = chosen["winner"]["step"]
@@ -172,13 +184,15 @@ def _fit(stab, config, engine, ship_opts, metric, chosen, records, work) -> dict
             return basis[c.index(1.0)]  # a checkpoint of the run: nothing to write
         if not (folder / "bema.json").is_file():
             tmp = staging(folder, "fit")
-            record = fit.fitted_record(f"{name}-{key}", method, step, c, folders, plan.base_source,
-                                       folders[-1], **extra)  # fmt: skip
-            with stages.stage("combine"):
-                fit.combine([(basis[j], w) for j, w in enumerate(c)], folders[-1], tmp / "m", record)
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            (tmp / "m").rename(folder)
-            shutil.rmtree(tmp, ignore_errors=True)
+            try:  # an error or a signal leaves no half-written candidate
+                record = fit.fitted_record(f"{name}-{key}", method, step, c, folders, plan.base_source,
+                                           folders[-1], **extra)  # fmt: skip
+                with stages.stage("combine"):
+                    fit.combine([(basis[j], w) for j, w in enumerate(c)], folders[-1], tmp / "m", record)
+                folder.parent.mkdir(parents=True, exist_ok=True)
+                (tmp / "m").rename(folder)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
         return folder
 
     def score(c: list[float], name: str, method: str, **extra) -> float:

@@ -38,6 +38,34 @@ def check_apart_from(out: Path, inputs: list[Path], flag: str) -> None:
         check_apart(path, inputs, flag=flag)
 
 
+def clean_staging(out: Path, work: Path | None = None) -> None:
+    """Remove the staging folders a killed writer of `out` left (a SIGKILL runs no cleanup): the
+    `.bema-tmp-*-DIR-<pid>` siblings of `out` and the fitted candidates' in `work`, each only when its
+    process is gone."""
+    places = [(out.parent, f".bema-tmp-*-{out.name}-*")]
+    if work is not None:
+        places.append((work / "fit" / "models", ".bema-tmp-fit-*"))
+    for folder, pattern in places:
+        for tmp in folder.glob(pattern) if folder.is_dir() else []:
+            pid = tmp.name.rsplit("-", 1)[-1]
+            if not pid.isdigit() or _alive(int(pid)):
+                continue
+            if tmp.name.startswith(".bema-tmp-old-") and not out.exists():
+                tmp.rename(out)  # killed between place()'s two renames: the old DIR comes back
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def check_target(out: Path, overwrite: bool) -> None:
     """DIR must be new, or (with --overwrite) a model folder bema wrote; nothing else is replaced."""
     if not out.exists():

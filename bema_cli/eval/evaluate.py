@@ -107,6 +107,14 @@ def _seeds(config: EvalConfig, name: str) -> dict:
     }
 
 
+class StaleRecords(OutputError):
+    """OUT's results were made with another setup (`bema ship` words its own fix: --overwrite)."""
+
+    def __init__(self, message: str, detail: str):
+        super().__init__(message)
+        self.detail = detail
+
+
 class Evaluation:
     """Prepared once (data, protocols, resume keys), then run checkpoint by checkpoint on one backend."""
 
@@ -283,9 +291,10 @@ class Evaluation:
                 jobs.append(Job(target, todo, self.config, fingerprint))
         if refused:
             more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
-            raise OutputError(
+            raise StaleRecords(
                 f"{self.results.path}: results made with another setup ({refused[0]}){more}; "
-                "--force re-evaluates them into this file, replacing them, or use another --out"
+                "--force re-evaluates them into this file, replacing them, or use another --out",
+                f"{refused[0]}{more}",
             )
         self.results.write(copies)  # the base stands in for every run: no second generation of it
         return jobs

@@ -42,3 +42,27 @@ def test_ship_out_is_refused_where_it_would_touch_an_input(world, where, what):
     line = one_line_error(r)
     assert f"--out {out.resolve()}: {what}" in line, line
     assert _tree(world["root"]) == before  # no work folder, no staging sibling, no record
+
+
+def test_a_second_writer_of_one_out_is_refused(world, tmp_path):
+    """eval, sweep and ship lock their OUT (ship: DIR) as stabilize does: a second writer is refused
+    with one line, and the holder's files are untouched."""
+    from bema_cli.io.commit import locked
+
+    data = tmp_path / "heldout.jsonl"
+    data.write_text("".join(json.dumps({"text": f"count {i} and {i + 1}"}) + "\n" for i in range(6)))
+    loss = ["--tasks", "loss", "--loss-data", data, "--backend", "transformers"]
+    out = tmp_path / "res"
+    with locked(out):
+        for cmd in (
+            ["eval", world["run"] / "checkpoint-10"],
+            ["sweep", world["run"], "--base", world["base"], "--method", "ema"],
+        ):
+            line = one_line_error(run_bema(*cmd, "--out", out, *loss))
+            assert f"{out}: another bema process" in line and "is writing here" in line, line
+        assert sorted(p.name for p in out.iterdir()) == [".bema-lock"]
+    model = tmp_path / "model"
+    with locked(tmp_path, ".model.bema-lock", label=model):
+        line = one_line_error(run_bema("ship", world["run"], "--base", world["base"], "--out", model, *loss))
+        assert f"{model}: another bema process" in line, line
+    assert not model.exists() and not (tmp_path / ".model.bema-ship").exists()

@@ -41,6 +41,7 @@ from bema_cli.eval.evaluate import Evaluation, StaleRecords
 from bema_cli.eval.job import EvalConfig, run_job
 from bema_cli.eval.results import read_jsonl
 from bema_cli.eval.targets import expand_inputs
+from bema_cli.io.commit import locked
 
 # The default search space (docs/math.md, "Which average when"): EMA and BEMA at the language-model
 # defaults (kappa 0.5; eta 0.2, the paper's, and 0.5, a stronger correction), LAWA and WSM windows
@@ -92,12 +93,20 @@ def check(ship_opts: ShipOptions, config: EvalConfig) -> select.Metric:
 
 def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, validated=None) -> dict:
     """The whole loop; returns the --json document (the verdict, the decision and how it was made)."""
-    from bema_cli.sweep.run import sweep
-
     metric = check(ship_opts, config)
     out = Path(ship_opts.out).expanduser()
     inputs = _inputs(stab)
     check_apart_from(out, inputs, "--out")  # before any answer, record or evaluation
+    # one ship into DIR at a time: its records, staging siblings and the final rename are DIR's
+    with locked(out.parent, f".{out.name}.bema-lock", label=out):
+        return _ship(stab, config, engine, ship_opts, sweep_opts, validated, metric, out, inputs)
+
+
+def _ship(
+    stab, config, engine, ship_opts, sweep_opts, validated, metric, out: Path, inputs: list[Path]
+) -> dict:
+    from bema_cli.sweep.run import sweep
+
     request = sealed.request(stab, config, ship_opts, inputs, metric)
     clean_staging(out, out.parent / f".{out.name}.bema-ship")  # what a killed ship left half-written
     if (out / WORK / "ship.json").is_file() and not ship_opts.overwrite:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from bema_cli.eval.results import ResultsFile, SamplesLog
 from bema_cli.eval.targets import Target, base_target, check_model_dir, expand_inputs
 from bema_cli.eval.tasks import LOSS_TASKS, get_task, is_lm_eval
 from bema_cli.eval.tasks import common as scoring
-from bema_cli.io.commit import check_apart
+from bema_cli.io.commit import check_apart, locked
 from bema_cli.machine import PeakRss, return_freed_memory
 
 PER_MESSAGE_TOKENS = 16  # a chat template's role markers around each message
@@ -351,9 +352,11 @@ def run_eval(
         check_model_dir(target.path)
     if config.out is not None:  # results.jsonl never lands in a model folder it evaluates
         check_apart(Path(config.out).expanduser(), [t.path for t in targets], may_contain=True)
-    if validated is not None:
-        validated()  # the CLI: the libraries' own stderr output goes to OUT/libraries.log from here on
-    return Evaluation(config, engine, executor).run(targets)
+    # one writer of OUT at a time (results, samples, libraries.log): taken before anything lands there
+    with nullcontext() if config.out is None else locked(Path(config.out).expanduser()):
+        if validated is not None:
+            validated()  # the CLI: the libraries' own stderr output goes to OUT/libraries.log from here on
+        return Evaluation(config, engine, executor).run(targets)
 
 
 def eval_document(inputs: list[str], base: str | None, config: EvalConfig, engine: EngineOptions,

@@ -30,6 +30,8 @@ import shutil
 import stat
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from bema_cli import signals
@@ -141,9 +143,22 @@ def _open_lock(path: Path) -> int:
     return fd
 
 
-def _lock(out: Path) -> int:
+@contextmanager
+def locked(folder: Path, name: str = LOCK_NAME, label: Path | None = None) -> Iterator[None]:
+    """Hold `folder`/`name`'s lock for the block (made with its folder): `bema eval`, `sweep` and
+    `ship` writing into one OUT (or DIR) at once, as stabilize does (OutputTransaction); a second
+    writer is refused naming `label` (default `folder`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = _lock(folder, name, label)
+    try:
+        yield
+    finally:
+        _unlock(folder, fd, name)
+
+
+def _lock(out: Path, name: str = LOCK_NAME, label: Path | None = None) -> int:
     """flock OUT/.bema-lock (the kernel drops it when its holder dies), write our pid; refuse if held."""
-    path = out / LOCK_NAME
+    path = out / name
     while True:
         fd = _open_lock(path)
         try:
@@ -155,7 +170,7 @@ def _lock(out: Path) -> int:
             pid = _read_pid(path)
             who = f"bema process {pid}" if pid else "bema process"
             raise OutputError(
-                f"{out}: another {who} is writing here (wait for it to finish or choose another --out)"
+                f"{label or out}: another {who} is writing here (wait for it to finish or choose another --out)"
             ) from None
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
@@ -168,9 +183,9 @@ def _lock(out: Path) -> int:
         os.close(fd)
 
 
-def _unlock(out: Path, fd: int) -> None:
+def _unlock(out: Path, fd: int, name: str = LOCK_NAME) -> None:
     try:
-        os.unlink(out / LOCK_NAME)  # while still holding it (see the inode check in _lock)
+        os.unlink(out / name)  # while still holding it (see the inode check in _lock)
     except OSError:
         pass
     os.close(fd)

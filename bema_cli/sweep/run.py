@@ -13,6 +13,8 @@ theta0, docs/performance.md measures the cost) and evaluating only what results.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
+from pathlib import Path
 
 from bema_cli import output, stages
 from bema_cli.cluster import ExecutorOptions, import_ray
@@ -20,6 +22,7 @@ from bema_cli.errors import UsageError
 from bema_cli.eval.backends.base import EngineOptions
 from bema_cli.eval.evaluate import Evaluation, validate
 from bema_cli.eval.job import EvalConfig
+from bema_cli.io.commit import locked
 from bema_cli.machine import PeakRss, return_freed_memory
 from bema_cli.stabilize.plan import Options
 from bema_cli.sweep.follow import Follow
@@ -98,30 +101,38 @@ def _sweep(stab, config, engine, sweep_opts, executor, follow, validated) -> dic
     folder_of = {c.step: c.path for c in plan.checkpoints}
     steps = at_steps(sweep_opts.at, sorted(folder_of))
     check_inputs(config, folder_of, plan, steps)
-    if validated is not None:
-        validated()
-    evaluation = Evaluation(config, engine, executor)
-    doc, stab = memory_doc(plan, stab, config, engine, evaluation, sweep_opts)
-    at = targets(plan, stab, steps, folder_of)
-    jobs = evaluation.plan(at, fingerprints(plan, at, input_prints(folder_of)))
-    say_resumed(evaluation, at, jobs)
-    doc["projection"] = (
-        projection(plan, evaluation, jobs, doc, config) if jobs or sweep_opts.dry_run else None
-    )
-    if sweep_opts.dry_run:
-        doc.update(dry_run=True, backend=evaluation.backend_name, pending=sum(len(j.tasks) for j in jobs))
-        return finish_doc(doc, evaluation, at, t0)
-    if not jobs:
-        output.log(f"up to date: every (config, step, task) is in {evaluation.results.path}")
-    elif executor.executor == "ray":
-        doc.update(run_split(plan, stab, evaluation, jobs, folder_of, executor))
-    else:
-        walk = Walk(
-            evaluation.backend_name, evaluation.engine, stab, plan, folder_of, jobs, starter=evaluation.start
+    # one writer of OUT at a time (results, samples, libraries.log): a second sweep or eval is refused
+    with nullcontext() if sweep_opts.dry_run else locked(Path(config.out).expanduser()):
+        if validated is not None:
+            validated()
+        evaluation = Evaluation(config, engine, executor)
+        doc, stab = memory_doc(plan, stab, config, engine, evaluation, sweep_opts)
+        at = targets(plan, stab, steps, folder_of)
+        jobs = evaluation.plan(at, fingerprints(plan, at, input_prints(folder_of)))
+        say_resumed(evaluation, at, jobs)
+        doc["projection"] = (
+            projection(plan, evaluation, jobs, doc, config) if jobs or sweep_opts.dry_run else None
         )
-        try:
-            walk.run(jobs, evaluation.write)
-        finally:
-            walk.close()
-        doc.update(walk.summary(), backend=evaluation.backend_name)
-    return finish_doc(doc, evaluation, at, t0)
+        if sweep_opts.dry_run:
+            doc.update(dry_run=True, backend=evaluation.backend_name, pending=sum(len(j.tasks) for j in jobs))
+            return finish_doc(doc, evaluation, at, t0)
+        if not jobs:
+            output.log(f"up to date: every (config, step, task) is in {evaluation.results.path}")
+        elif executor.executor == "ray":
+            doc.update(run_split(plan, stab, evaluation, jobs, folder_of, executor))
+        else:
+            walk = Walk(
+                evaluation.backend_name,
+                evaluation.engine,
+                stab,
+                plan,
+                folder_of,
+                jobs,
+                starter=evaluation.start,
+            )
+            try:
+                walk.run(jobs, evaluation.write)
+            finally:
+                walk.close()
+            doc.update(walk.summary(), backend=evaluation.backend_name)
+        return finish_doc(doc, evaluation, at, t0)

@@ -207,3 +207,57 @@ def test_a_failed_start_names_the_root_cause_and_auto_falls_back(tiny_model_dir,
     assert again.returncode == 0, again.stderr
     assert "--backend auto: transformers, as the records already in" in again.stderr
     assert [x["eval_id"] for x in json.loads(again.stdout)["records"]] == [x["eval_id"] for x in records]
+
+
+@needs_vllm
+def test_an_engine_that_dies_while_generating_is_one_line_exit_5(tiny_model_dir, data, tmp_path):
+    """vLLM's engine core (its own process, the user's default) killed mid-generation: one line naming
+    the engine's death and vLLM's log, exit 5, instead of an internal error or a hang (vLLM 0.32's
+    client notices the death but leaves generate() waiting: vllm_backend._dead_engine_watch)."""
+    import signal
+
+    from conftest import BEMA
+
+    out, err = tmp_path / "out", tmp_path / "stderr"
+    env = {**os.environ, **USER_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    long = ["--tasks", "gsm8k", "--limit", "4", "--n-samples", "64", "--max-new-tokens", "512"]
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen([str(BEMA), "eval", tiny_model_dir, "--data-dir", data, "--backend", "vllm",
+                                 "--out", out, *long, "-q"], stderr=stderr, stdout=subprocess.DEVNULL, env=env)  # fmt: skip
+    deadline, core = time.time() + 240, None
+    while time.time() < deadline and proc.poll() is None and core is None:
+        time.sleep(0.5)
+        if "VLLM::EngineCore" in subprocess.run(["ps", "-o", "args=", "--ppid", str(proc.pid)],
+                                                capture_output=True, text=True).stdout and (out / "vllm.log").is_file() and "init engine" in (out / "vllm.log").read_text(errors="replace"):  # fmt: skip
+            time.sleep(4)  # generating by now
+            found = subprocess.run(
+                ["pgrep", "-P", str(proc.pid), "-f", "VLLM::EngineCore"], capture_output=True, text=True
+            )
+            core = int(found.stdout.split()[0]) if found.stdout.split() else None
+    assert core is not None, err.read_text()
+    os.kill(core, signal.SIGKILL)
+    proc.wait(timeout=120)
+    line = one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, "", err.read_text()), 5)
+    assert "vLLM's engine died while generating (its engine core process exited unexpectedly" in line, line
+    assert f"vLLM's log: {out / 'vllm.log'}" in line
+
+
+def test_n_samples_past_vllms_limit_is_refused_before_any_engine(tiny_model_dir, data, tmp_path):
+    """vLLM takes at most VLLM_MAX_N_SEQUENCES (16384) samples per prompt and said so only after
+    sizing its KV cache for the run (8.3 GB here): bema refuses up front, exit 2, nothing written."""
+    out = tmp_path / "out"
+    r = run_bema(
+        "eval",
+        tiny_model_dir,
+        "--data-dir",
+        data,
+        "--out",
+        out,
+        "--tasks",
+        "gsm8k",
+        "--n-samples",
+        "1000000000000",
+    )
+    line = one_line_error(r, 2)
+    assert "--n-samples: at most 16384 samples per prompt" in line and "1000000000000" in line, line
+    assert not out.exists()

@@ -12,6 +12,7 @@ pool of engines (ray_pool.py), calls `run_job` there and hands the results to
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -44,6 +45,16 @@ PER_MESSAGE_TOKENS = 16  # a chat template's role markers around each message
 LIBRARY_LOG = "libraries.log"  # OUT/libraries.log: what the libraries print on stderr (shown with -v)
 
 
+def _max_n_samples() -> int:
+    try:
+        return int(os.environ.get("VLLM_MAX_N_SEQUENCES", "16384"))
+    except ValueError:
+        return 16384
+
+
+MAX_N_SAMPLES = _max_n_samples()  # vLLM's own limit on n per request (its env var, default 16384)
+
+
 def validate(config: EvalConfig, engine: EngineOptions) -> None:
     """Nonsense values are usage errors (exit 2), before anything is loaded or written."""
     c = config
@@ -67,6 +78,11 @@ def validate(config: EvalConfig, engine: EngineOptions) -> None:
     for flag, value, least in checks:
         if value is not None and value < least:
             raise UsageError(f"{flag}: must be at least {least}, got {value}")
+    if c.n_samples > MAX_N_SAMPLES:  # vLLM refuses past it only after sizing its KV cache for the run
+        raise UsageError(
+            f"--n-samples: at most {MAX_N_SAMPLES} samples per prompt (vLLM's VLLM_MAX_N_SEQUENCES), "
+            f"got {c.n_samples}"
+        )
     if not (math.isfinite(c.temperature) and c.temperature >= 0):
         raise UsageError(f"--temperature: must be a finite number >= 0 (0 = greedy), got {c.temperature}")
     if not 0 < engine.gpu_memory_utilization <= 1:

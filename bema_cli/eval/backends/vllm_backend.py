@@ -10,6 +10,9 @@ from __future__ import annotations
 import math
 import pickle
 import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from bema_cli import output
@@ -197,7 +200,7 @@ class VllmBackend:
                     f"a prompt of {len(ids)} tokens does not fit --max-model-len {self.max_model_len}"
                 )
             requests.append({"prompt_token_ids": ids})
-        outs = self.llm.generate(requests, params, use_tqdm=output.progress_enabled())
+        outs = self._run(requests, params)
         results = []
         for out in outs:
             texts = [
@@ -223,7 +226,7 @@ class VllmBackend:
                     f"{self.max_model_len} (lower --loss-max-tokens)"
                 )
         requests = [{"prompt_token_ids": list(sequences[i])} for i in todo]
-        outs = self.llm.generate(requests, params, use_tqdm=output.progress_enabled()) if requests else []
+        outs = self._run(requests, params) if requests else []
         pairs: list[tuple[float, int]] = [(0.0, 0)] * len(sequences)
         for i, out in zip(todo, outs, strict=True):
             ids = sequences[i]
@@ -231,8 +234,52 @@ class VllmBackend:
             pairs[i] = (-math.fsum(step[token].logprob for step, token in steps), len(ids) - 1)
         return pairs
 
+    def _run(self, requests: list, params):
+        """`llm.generate`, with an engine that dies on the way (EngineDeadError: its core process was
+        killed, ran out of memory, crashed) turned into one line naming the cause from vLLM's log."""
+        log_file = self.options.log_file if not self.options.debug else None
+        offset = vllm_engine.log_size(log_file)
+        try:
+            with _dead_engine_watch(self.llm):
+                return self.llm.generate(requests, params, use_tqdm=output.progress_enabled())
+        except Exception as exc:
+            if type(exc).__name__ not in ("EngineDeadError", "EngineGenerateError"):
+                raise
+            root = vllm_engine.root_cause(log_file, offset, exc, cause)
+            if root.startswith("EngineDeadError"):  # nothing logged: the process was killed outright
+                root = "its engine core process exited unexpectedly: killed, out of memory, or crashed"
+            where = f"; vLLM's log: {log_file}" if log_file and Path(log_file).is_file() else ""
+            raise BackendError(
+                f"{self.path}: vLLM's engine died while generating ({root}); {vllm_engine.fix_for(root)}{where}"
+            ) from None
+
     def close(self) -> None:
         self.llm = None
+
+
+@contextmanager
+def _dead_engine_watch(llm) -> Iterator[None]:
+    """Wake a generate() whose engine core process died. vLLM's client (0.32, engine core in its own
+    process) notices the death (its monitor sets `resources.engine_dead` and shuts the client down)
+    but its output thread then exits without a word, so `get_output` waits on its queue forever.
+    This thread puts an exception on that queue once the flag is set; vLLM raises it as
+    EngineDeadError. Without those internals (another vLLM, or the engine in-process) it does nothing."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    resources, queue = getattr(client, "resources", None), getattr(client, "outputs_queue", None)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.5):
+            if getattr(resources, "engine_dead", False):
+                queue.put_nowait(RuntimeError("the engine core process died"))
+                return
+
+    if resources is not None and queue is not None:
+        threading.Thread(target=watch, name="bema-engine-watch", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def cause(exc: BaseException) -> str:

@@ -19,6 +19,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote
 
 import yaml
 
@@ -107,7 +108,7 @@ class HubStandIn:
                 if self._faulty("GET"):
                     return
                 m = re.fullmatch(
-                    r"/api/(models|datasets|spaces)/([^/]+/[^/?]+)(?:/revision/[^?]+)?(\?.*)?", self.path
+                    r"/api/(models|datasets|spaces)/([^/]+/[^/?]+)(?:/revision/([^?]+))?(\?.*)?", self.path
                 )
                 if m:
                     repo = hub.repos.get(m.group(2))
@@ -116,7 +117,9 @@ class HubStandIn:
                             404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"}
                         )
                     files = repo.branches["main"]
-                    return self._send(200, {"id": m.group(2), "private": repo.private, "sha": "0" * 40,
+                    branch = unquote(m.group(3) or "main")  # the branch head: its last commit's oid
+                    sha = next((c["oid"] for c in reversed(repo.commits) if c["branch"] == branch), "0" * 40)
+                    return self._send(200, {"id": m.group(2), "private": repo.private, "sha": sha,
                                             "siblings": [{"rfilename": f} for f in files]})  # fmt: skip
                 self._send(404, {"error": f"no route {self.path}"})
 

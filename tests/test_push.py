@@ -39,6 +39,7 @@ def hub_env(url: str, token: str | None = TOKEN) -> dict:
 
 
 def test_push_uploads_every_file_in_one_commit(checkpoint):
+    local = {p.name: p.read_bytes() for p in checkpoint.iterdir() if p.is_file()}
     with HubStandIn() as hub:
         proc = run_bema(
             "push", checkpoint, "--repo-id", "org/bema-tiny", "--private", "--json", env=hub_env(hub.url)
@@ -47,18 +48,25 @@ def test_push_uploads_every_file_in_one_commit(checkpoint):
         doc = json.loads(proc.stdout)
         repo = hub.repos["org/bema-tiny"]
         assert repo.kind == "model" and repo.private
-        local = {p.name: p.read_bytes() for p in checkpoint.iterdir() if p.is_file()}
         assert repo.branches["main"] == local  # every byte, weights (LFS) and text (inline) alike
         assert {"bema.json", "README.md", "model.safetensors", "config.json"} <= set(local)
         (commit,) = repo.commits
         assert commit["header"]["summary"] == "bema: bema-k0.5-e0.2 at checkpoint-20" == doc["commit_message"]
         assert doc["commit_oid"] == commit["oid"] and doc["bytes"] == sum(map(len, local.values()))
         assert any(c.startswith("PUT /lfs-upload/") for c in hub.calls)  # the safetensors went by LFS
+        # the revision it made, read back from the branch's head, in --json and in the local bema.json
+        assert doc["revision_sha"] == commit["oid"]
+        pushed = json.loads((checkpoint / "bema.json").read_text())["pushed"][-1]
+        assert pushed == {"repo_id": "org/bema-tiny", "revision": "main", "revision_sha": commit["oid"],
+                          "commit_url": doc["commit_url"]}  # fmt: skip
+        local = {p.name: p.read_bytes() for p in checkpoint.iterdir() if p.is_file()}
         # a second push to a branch: the repo is kept, the branch made, a new commit lands there
         proc = run_bema("push", checkpoint, "--repo-id", "org/bema-tiny", "--revision", "v2",
                         "--commit-message", "again", env=hub_env(hub.url))  # fmt: skip
         assert proc.returncode == 0, proc.stderr
         assert repo.branches["v2"] == local and repo.commits[-1]["header"]["summary"] == "again"
+        recorded = json.loads((checkpoint / "bema.json").read_text())["pushed"][-1]
+        assert recorded["revision"] == "v2" and recorded["revision_sha"] == repo.commits[-1]["oid"]
         assert "pushed" in proc.stdout
 
 
@@ -138,6 +146,26 @@ def test_a_hub_that_hangs_or_fails_is_one_line_exit_8(checkpoint, fault, where):
         assert f"the Hub at {hub.url}" in line and f"({where}:" in line, line
         if fault[0] == "hang":
             assert sum(c.startswith(fault[1]) for c in hub.calls) >= 2  # tried again before giving up
+
+
+def test_the_whole_push_is_bounded_by_timeout_and_retries(checkpoint):
+    """A Hub that stops answering mid-upload (the large file's PUT): the client's own retries run
+    inside bema's, yet the push ends within its stated bound, (retries + 1) x timeout + bema's
+    backoffs + the client's last backoff (docs/usage.md); it took 1545 s with the defaults before."""
+    import time
+
+    from bema_cli.decide.push import CLIENT_BACKOFF, budget
+
+    with HubStandIn() as hub:
+        hub.fault = ("hang", "PUT /lfs-upload/")
+        t = time.monotonic()
+        proc = run_bema("push", checkpoint, "--repo-id", "org/m", "--timeout", "2", "--retries", "1",
+                        env=hub_env(hub.url), timeout=300)  # fmt: skip
+        took = time.monotonic() - t
+    line = one_line_error(proc, 8)
+    assert "(upload:" in line, line
+    assert took <= budget(2, 1) + CLIENT_BACKOFF + 10, took  # 10 s: the interpreter's start and the hashing
+    assert budget(60, 3) == 247
 
 
 def test_a_bad_repo_id_is_a_usage_error_before_any_request(checkpoint):

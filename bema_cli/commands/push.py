@@ -27,7 +27,11 @@ def push(
         bool, typer.Option("--dry-run", help="List what would be uploaded and its size; contact nobody.")
     ] = False,
     timeout: Annotated[
-        float, typer.Option("--timeout", help="Seconds to wait for each answer from the Hub.")
+        float,
+        typer.Option(
+            "--timeout",
+            help="Seconds to wait for each answer from the Hub; with --retries it bounds the whole push: (retries + 1) x timeout + the backoffs (247 s by default), plus at most 30 s of the client's own retries.",
+        ),
     ] = 60.0,
     retries: Annotated[
         int, typer.Option("--retries", help="Tries again (after 1, 2, 4... s) when the Hub does not answer.")

@@ -19,6 +19,16 @@ from bema_cli import output
 from bema_cli.errors import HubAuthError, HubNetworkError, HubRepoError, InputError, UsageError
 
 CONNECT_TIMEOUT = 10.0  # seconds to open a connection; --timeout bounds each wait for an answer
+CLIENT_BACKOFF = 30.0  # huggingface_hub's own retries of an LFS part after the deadline: at most its backoff
+
+
+def budget(timeout: float, retries: int) -> float:
+    """The whole push's bound in seconds: every try waiting its full --timeout, and bema's backoffs
+    between them ((retries + 1) x timeout + 1 + 2 + 4 ...); with the defaults 247 s. Past it every
+    request fails at once; the client's own retry loop adds at most CLIENT_BACKOFF of sleeps."""
+    return (retries + 1) * timeout + sum(min(2**a, 30) for a in range(retries))
+
+
 HIDDEN = (".bema-", ".cache", ".git")  # never uploaded: bema's own state and lock files, caches
 
 
@@ -92,7 +102,8 @@ def push(
             "no Hugging Face token: set HF_TOKEN or run `hf auth login` (--dry-run needs none)"
         )
     api = HfApi(endpoint=endpoint, token=token)
-    _bound_waits(get_session(), timeout)
+    deadline = time.monotonic() + budget(timeout, retries)
+    _bound_waits(get_session(), timeout, deadline)
     from huggingface_hub.utils import disable_progress_bars, logging
 
     if not output.progress_enabled():  # the client's upload bars: on a terminal only, as bema's own
@@ -104,7 +115,7 @@ def push(
 
     def call(what: str, fn, *args, **kwargs):
         with _hub_errors(repo_id, hub, what):
-            return _retry(lambda: fn(*args, **kwargs), retries)
+            return _retry(lambda: fn(*args, **kwargs), retries, deadline)
 
     if not call("repo info", api.repo_exists, repo_id, repo_type="model"):
         for other in ("dataset", "space"):
@@ -125,8 +136,37 @@ def push(
         commit_message=message,
         ignore_patterns=[f"{h}*" for h in HIDDEN] + [f"**/{h}*" for h in HIDDEN],
     )
-    doc.update(url=str(url), commit_url=commit.commit_url, commit_oid=commit.oid, commit_message=message)
+    # the revision the push made: upload_folder's answer names the last commit it created (a large
+    # upload may be split into several); the branch's head, read back, is checked against it
+    head = call("revision", api.repo_info, repo_id, repo_type="model", revision=revision or "main").sha
+    doc.update(url=str(url), commit_url=commit.commit_url, commit_oid=commit.oid, commit_message=message,
+               revision_sha=head or commit.oid)  # fmt: skip
+    if head and commit.oid and head != commit.oid:
+        output.warn(f"{repo_id}@{revision or 'main'} is at {head}, not the push's last commit {commit.oid}: "
+                    "another writer pushed since")  # fmt: skip
+    _record_push(folder, doc)
     return doc
+
+
+def _record_push(folder: Path, doc: dict) -> None:
+    """The Hub revision the folder was pushed as, in its bema.json's `pushed` list (the local copy;
+    the uploaded bema.json cannot name the commit that contains it)."""
+    import json
+
+    path = folder / "bema.json"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(record, dict):
+        return
+    entry = {k: doc[k] for k in ("repo_id", "revision", "revision_sha", "commit_url")}
+    record["pushed"] = (
+        [*record.get("pushed", []), entry] if isinstance(record.get("pushed"), list) else [entry]
+    )
+    tmp = path.with_name(".bema-tmp-bema.json")
+    tmp.write_text(output.to_json(record) + "\n")
+    os.replace(tmp, path)
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -143,31 +183,38 @@ def check_repo_id(repo_id: str) -> None:
         raise UsageError(f"--repo-id: {repo_id!r} is not a valid Hub repo id ({first})") from None
 
 
-def _bound_waits(session, timeout: float) -> None:
-    """Every request of the client's shared session waits at most `timeout` s for an answer: it
-    passes timeout=None (no limit) on some calls, so a request hook sets the limit on each request."""
-    limits = {"connect": min(timeout, CONNECT_TIMEOUT), "read": timeout, "write": timeout, "pool": timeout}
+def _bound_waits(session, timeout: float, deadline: float) -> None:
+    """Every request of the client's shared session waits at most `timeout` s for an answer, and none
+    past `deadline` (the whole push's bound): the client passes timeout=None (no limit) on some calls
+    and retries some itself, so a request hook sets the limit on each request, and after the
+    deadline fails it at once."""
 
     def bound(request) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the push's --timeout/--retries budget is spent")
+        wait = min(timeout, left)
+        limits = {"connect": min(wait, CONNECT_TIMEOUT), "read": wait, "write": wait, "pool": wait}
         given = request.extensions.get("timeout") or {}
         request.extensions = {**request.extensions,
-                              "timeout": {k: given.get(k) or v for k, v in limits.items()}}  # fmt: skip
+                              "timeout": {k: min(given.get(k) or v, v) for k, v in limits.items()}}  # fmt: skip
 
     hooks = session.event_hooks
-    if not any(getattr(h, "__name__", "") == "bound" for h in hooks.get("request", [])):
-        session.event_hooks = {**hooks, "request": [*hooks.get("request", []), bound]}
+    kept = [h for h in hooks.get("request", []) if getattr(h, "__name__", "") != "bound"]
+    session.event_hooks = {**hooks, "request": [*kept, bound]}
 
 
-def _retry(fn, retries: int):
+def _retry(fn, retries: int, deadline: float = float("inf")):
     """`fn()`, tried again after 1, 2, 4, ... s while the Hub does not answer (the client retries
-    some calls itself too); its last failure raised."""
+    some calls itself too), never past `deadline`; its last failure raised."""
     for attempt in range(retries + 1):
         try:
             return fn()
         except _transport_errors():
-            if attempt == retries:
+            pause = min(2**attempt, 30)
+            if attempt == retries or time.monotonic() + pause >= deadline:
                 raise
-            time.sleep(min(2**attempt, 30))
+            time.sleep(pause)
 
 
 def _default_message(folder: Path) -> str:

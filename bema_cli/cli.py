@@ -20,7 +20,19 @@ import typer
 import typer._click.exceptions as click  # typer's own copy of click's exception classes
 
 from bema_cli import __version__, output, signals
-from bema_cli.commands import demo, env, evaluate, push, report, select, ship, simulate, stabilize, sweep
+from bema_cli.commands import (
+    demo,
+    env,
+    evaluate,
+    push,
+    report,
+    select,
+    ship,
+    simulate,
+    stabilize,
+    sweep,
+    verify,
+)
 from bema_cli.errors import BemaError
 
 app = typer.Typer(
@@ -81,6 +93,7 @@ app.command("report")(report.report)
 app.command("rescore")(evaluate.rescore)
 app.command("simulate")(simulate.simulate)
 app.command("env")(env.env)
+app.command("verify")(verify.verify)
 
 
 _KINDS = {"int_parsing": "an integer", "float_parsing": "a number", "bool_parsing": "true or false"}

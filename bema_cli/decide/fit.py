@@ -27,6 +27,7 @@ from pathlib import Path
 
 from bema_cli import __version__
 from bema_cli.errors import InputError
+from bema_cli.io import provenance
 
 THETA0 = 0  # the basis index of theta0; checkpoint j (in step order) is j + 1
 SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -79,7 +80,10 @@ def combine(terms: list[tuple[Path, float]], template: Path, out: Path, record: 
             extra = sorted(set(index.tensors) ^ set(like.tensors))[:1]
             raise InputError(f"{index.folder}: tensors differ from {template}'s (e.g. {extra[0]!r})")
     tensors = list(like.tensors.values())
-    writer = ShardedWriter(out, plan_shards(tensors, 5 * 10**9), {"format": "pt"}).open()
+    inputs = {str(folder): provenance.input_print(folder) for folder, c in terms if c != 0}
+    coefficients = {str(folder): c for folder, c in terms if c != 0}
+    meta = {"format": "pt", **provenance.metadata(record, inputs, coefficients)}
+    writer = ShardedWriter(out, plan_shards(tensors, 5 * 10**9), meta).open()
     readers = [index.open() for index, _ in indexes]
     template_reader = like.open()
     for reader in (*readers, template_reader):

@@ -124,22 +124,37 @@ def _number(value):
 
 def stabilized(winner: dict, records: list[dict], tmp: Path) -> Path:
     """The winner at its step written by the streaming stabilize engine under `tmp`; its folder."""
+    source, base, stab = source_of(winner, records)
+    return _stabilize_one(source, base, stab, winner["step"], tmp)
+
+
+def rebuild_average(record: dict, tmp: Path) -> Path:
+    """An output of `bema stabilize` written again from its bema.json record (`bema verify`): the
+    same settings, step, theta0, accumulation and output dtypes, gaps allowed as they were."""
+    out_dtype = record.get("out_dtype") if record.get("out_dtype") not in (None, "mixed", "input") else None
+    return _stabilize_one(Path(record["source_checkpoint"]), record.get("theta0_source"), record,
+                          int(record["step"]), tmp, out_dtype=out_dtype,
+                          allow_gaps=bool(record.get("allow_gaps")))  # fmt: skip
+
+
+def _stabilize_one(source: Path, base, stab: dict, step: int, tmp: Path, **more) -> Path:
     from bema_cli.schedule import Schedule
     from bema_cli.stabilize import Options, stabilize
 
-    source, base, stab = source_of(winner, records)
     names = {"schedule": "merge_schedule"}
     keys = ("method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min", "window",
             "schedule", "swa_start", "sigma_rel", "power_gamma")  # fmt: skip
     params = {names.get(k, k): _number(stab[k]) for k in keys if stab.get(k) is not None}
     if params.get("sigma_rel") is not None:
         params.pop("power_gamma", None)  # derived from sigma_rel, as on the command line
+    if not source.is_dir():
+        raise InputError(f"{source}: the source checkpoint is gone; rebuilding needs it (and its run)")
     opts = Options(
         checkpoint_dir=str(source.parent), schedules=[Schedule(**params).resolved()], out=str(tmp / "out"),
-        base=base, steps=[winner["step"]], accum_dtype=stab.get("accum_dtype", "float32"), no_state=True,
+        base=base, steps=[step], accum_dtype=stab.get("accum_dtype", "float32"), no_state=True, **more,
     )  # fmt: skip
     result = stabilize(opts)
-    (written,) = [o for o in result["outputs"] if o["step"] == winner["step"]]
+    (written,) = [o for o in result["outputs"] if o["step"] == step]
     return Path(written["path"])
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from bema_cli import __version__, output, stages
 from bema_cli.cluster import ExecutorOptions, import_ray
 from bema_cli.errors import BemaError, InputError, OutputError, UsageError
+from bema_cli.io import provenance
 from bema_cli.io.commit import TMP_PREFIX, OutputTransaction, check_apart
 from bema_cli.io.fingerprint import fingerprint
 from bema_cli.io.safetensors import ModelIndex
@@ -336,7 +337,7 @@ def _fingerprints(
 
 def _walk(plan: Plan, opts: Options, tmp: Path, executor: ExecutorOptions) -> int:
     """The tensor-major pass; writes every output folder under tmp; returns safetensors bytes written."""
-    outputs = open_outputs(plan, tmp)
+    outputs = open_outputs(plan, opts, tmp)
     plan.state_writers = state_store.open_writers(plan, opts, tmp)
     if opts.allow_nonfinite:
         output.warn("--allow-nonfinite: NaN/Inf in inputs are not checked and propagate to the outputs")
@@ -347,14 +348,25 @@ def _walk(plan: Plan, opts: Options, tmp: Path, executor: ExecutorOptions) -> in
     return finish_outputs(plan, opts, outputs)
 
 
-def open_outputs(plan: Plan, tmp: Path) -> Outputs:
-    """Pre-create every output's files at full size, headers included (the layout is planned up front)."""
+def open_outputs(plan: Plan, opts: Options, tmp: Path) -> Outputs:
+    """Pre-create every output's files at full size, headers included (the layout is planned up front),
+    each header carrying the output's provenance (io/provenance.py: its record, the fingerprints of
+    its inputs, its coefficients)."""
     outputs = {}
+    ckpt = {c.step: c.path for c in plan.checkpoints}
+    prints = {"theta0": provenance.input_print(plan.base_index.folder)} if plan.lora is None else {}
+    prints.update({str(s): provenance.input_print(ckpt[s]) for s in plan.read_steps if plan.lora is None})
+    vectors = meta.coefficient_vectors(plan) if plan.lora is None else None
+    out_dtype = meta.out_dtype_name(plan, opts)
     for run in plan.runs:
         for step in run.out_steps:
-            provenance = {"bema_version": __version__, "bema_run": run.name, "bema_step": str(step)}
+            record = meta.record(run, step, ckpt[step], plan.base_source, opts, out_dtype)
+            inputs = {k: v for k, v in prints.items() if k == "theta0" or int(k) in record["averaged_steps"]}
+            coefficients = (vectors or {}).get((run.name, step))
+            provenance_doc = {"bema_version": __version__, "bema_run": run.name, "bema_step": str(step),
+                              **provenance.metadata(record, inputs, coefficients)}  # fmt: skip
             outputs[run.name, step] = ShardedWriter(
-                tmp / run.name / f"checkpoint-{step}", plan.shards, provenance
+                tmp / run.name / f"checkpoint-{step}", plan.shards, provenance_doc
             ).open()
     return outputs
 

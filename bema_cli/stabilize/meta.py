@@ -255,3 +255,48 @@ def dry_run_plan(plan: Plan, opts: Options) -> dict:
         "accum_dtype": opts.accum_dtype,
         "device": opts.device,
     }
+
+
+def coefficient_vectors(plan: Plan) -> dict[tuple[str, int], dict[str, float]] | None:
+    """{(run, step): {"theta0": c0, "<step>": cj, ...}}: every output as the linear combination of
+    (theta0, the checkpoints) it is, from the fused pass's own code (state_store.start_unit,
+    unit.step_updates, unit.run_estimate) run in float64 on a basis (theta0 = e_0, theta_sj = e_j).
+    None for a call continued from a state: its earlier steps' part lives in that state."""
+    import torch
+
+    from bema_cli.stabilize import state_store
+    from bema_cli.stabilize.unit import run_estimate, step_updates
+
+    if any(t.start is not None for t in plan.tracks) or plan.theta0_index is not plan.base_index:
+        return None
+    steps = plan.read_steps
+    n = len(steps) + 1
+    eye = torch.eye(n, dtype=torch.float64)
+    theta0 = eye[0].clone()
+    stabs = state_store.start_unit(plan, [], theta0)
+    track_of = {r.name: i for i, t in enumerate(plan.tracks) for r in t.runs}
+    tau, names = plan.runs[0].schedule.tau, ["theta0", *map(str, steps)]
+    out = {}
+    for j, step in enumerate(steps, start=1):
+        th = eye[j]
+        advancing, after = step_updates(plan, stabs, step)
+        if step <= tau:
+            theta0.copy_(th)
+        for stab, event in advancing:
+            stab.view(0, n).advance(event, theta0 if event.action == "burnin" else th)
+        for run in plan.runs:
+            if step in run.out_steps:
+                event = run.events[step]
+                drift = th - theta0 if run.schedule.method == "bema" and event.action == "update" else None
+                result = run_estimate(
+                    stabs[track_of[run.name]].view(0, n),
+                    run,
+                    event,
+                    th,
+                    drift,
+                    torch.empty(n, dtype=torch.float64),
+                )
+                out[run.name, step] = {k: float(v) for k, v in zip(names, result.tolist(), strict=True) if v}
+        for ring, event in after:
+            ring.view(0, n).advance(event, th)
+    return out

@@ -1,0 +1,50 @@
+"""`bema verify`: a model bema wrote, rebuilt from the provenance in its weights (decide/verify.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from bema_cli import output
+from bema_cli.errors import BemaError
+from bema_cli.options import JsonOpt
+
+
+class Differs(BemaError):
+    """The folder's weights are not what its record rebuilds."""
+
+    exit_code = 1
+
+
+def verify(
+    folder: Annotated[
+        str, typer.Argument(help="A model folder bema wrote (stabilize, select --write, ship).")
+    ],
+    json: JsonOpt = False,
+) -> None:
+    """Rebuild FOLDER from the record inside its safetensors files (the method and its settings, the steps, the coefficients, the inputs' fingerprints) and the inputs it names, and say bitwise which tensors differ. Exit 0 when every tensor is identical, 1 when any differs (the inputs that changed since are named), 3 when there is no record or an input is gone."""
+    from bema_cli.decide.verify import verify as run
+
+    doc = run(Path(folder))
+    if json:  # one document on stdout, the difference said on stderr, exit 1
+        output.print_json(doc)
+        if not doc["identical"]:
+            output.error(
+                f"{folder}: {len(doc['differ'])} of {doc['tensors']} tensors differ from its rebuild"
+            )
+            raise typer.Exit(1)
+        return
+    changed = "; ".join(doc["changed_inputs"])
+    if doc["identical"]:
+        said = f" ({len(doc['changed_inputs'])} input(s) changed since: {changed})" if changed else ""
+        output.stdout.print(f"{folder}: bitwise identical to its rebuild ({doc['tensors']} tensors){said}",
+                            highlight=False, markup=False)  # fmt: skip
+        return
+    more = f" and {len(doc['differ']) - 5} more" if len(doc["differ"]) > 5 else ""
+    raise Differs(
+        f"{folder}: {len(doc['differ'])} of {doc['tensors']} tensors differ from its rebuild: "
+        f"{', '.join(doc['differ'][:5])}{more}"
+        + (f"; inputs changed since it was written: {changed}" if changed else "")
+    )

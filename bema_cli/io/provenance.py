@@ -1,0 +1,59 @@
+"""Provenance that travels inside the weights: every safetensors file bema writes carries, in its
+header's `__metadata__["bema"]`, the record of how it was made (as Megatron-LM's merge tool stores
+its inputs and weights inside the checkpoint). A copy or an upload of the weight files alone keeps
+it; `bema verify DIR` rebuilds the model from it and says bitwise which tensors differ.
+
+The record: bema.json's content (the version, the method and its settings, the steps averaged,
+theta0's source), the coefficient vector over (theta0, each input step) where the run computed it
+from theta0 (stabilize/meta.coefficient_vectors; a fitted average's are its definition), and a
+fingerprint per input (io/fingerprint.py's cheap one: header and sampled bytes of each weight file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from bema_cli.errors import InputError
+
+KEY = "bema"
+
+
+def input_print(folder: Path) -> str:
+    """A short fingerprint of one input model folder (its weight files' sizes, headers, samples)."""
+    from bema_cli.io.fingerprint import fingerprint, weight_files
+
+    prints = fingerprint(weight_files(Path(folder)))
+    return hashlib.sha256(json.dumps(prints, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def metadata(record: dict, inputs: dict[str, str], coefficients: dict[str, float] | None) -> dict[str, str]:
+    """The header entry: {"bema": compact JSON of record, inputs and coefficients}."""
+    from bema_cli import output
+
+    doc = {"record": json.loads(output.to_json(record)), "inputs": inputs, "coefficients": coefficients}
+    return {KEY: json.dumps(doc, separators=(",", ":"))}  # insertion order: theta0 first, steps in order
+
+
+def read(folder: Path) -> dict:
+    """The provenance of a model folder, from its first safetensors file's header."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise InputError(f"{folder}: no safetensors weights to verify")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(files[0]), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as exc:  # noqa: BLE001 - a foreign or broken file: one line naming it
+        raise InputError(f"{files[0]}: not a readable safetensors file ({exc})") from None
+    if KEY not in meta:
+        raise InputError(f"{files[0]}: carries no bema provenance (written by another tool or an older bema)")
+    try:
+        doc = json.loads(meta[KEY])
+    except ValueError:
+        raise InputError(f"{files[0]}: its bema provenance is not JSON (edited?)") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("record"), dict):
+        raise InputError(f"{files[0]}: its bema provenance has no record (edited?)")
+    return doc

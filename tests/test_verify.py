@@ -1,0 +1,147 @@
+"""Provenance inside the weights (io/provenance.py) and `bema verify`: every safetensors file bema
+writes carries its record, its inputs' fingerprints and its coefficients over (theta0, checkpoints);
+the coefficients are checked against the paper's recurrence in float64, and `bema verify` rebuilds
+the model from the header alone (bema.json may be lost in a copy) and names what differs."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from conftest import one_line_error, run_bema
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from trajectory import write_trajectory
+
+from bema_cli.io import provenance
+
+STEPS = [10, 20, 30, 40]
+
+
+@pytest.fixture(scope="module")
+def stabilized(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verify")
+    base, run = write_trajectory(root / "t", STEPS, with_int=True)
+    out = root / "out"
+    r = run_bema(
+        "stabilize", run, "--base", base, "--out", out, "--method", "ema,bema,dema,lawa", "--window", "3"
+    )
+    assert r.returncode == 0, r.stderr
+    return {"base": base, "run": run, "out": out, "root": root}
+
+
+def _reference(method: str, step: int, kappa=0.5, eta=0.2, rho=10.0, gamma=1.0) -> dict[str, float]:
+    """The paper's EMA/BEMA as coefficients over (theta0, theta_s), in float64, written out here."""
+    ema = {"theta0": 1.0}
+    last = None
+    for s in [x for x in STEPS if x <= step]:
+        w = rho + gamma * s
+        beta = w**-kappa
+        ema = {k: (1 - beta) * v for k, v in ema.items()}
+        ema[str(s)] = ema.get(str(s), 0.0) + beta
+        last = s
+    if method == "ema":
+        return ema
+    alpha = (rho + gamma * last) ** -eta
+    out = dict(ema)
+    out[str(last)] = out.get(str(last), 0.0) + alpha
+    out["theta0"] = out["theta0"] - alpha
+    return out
+
+
+@pytest.mark.parametrize("run_name", ["ema-k0.5", "bema-k0.5-e0.2"])
+@pytest.mark.parametrize("step", [10, 40])
+def test_coefficients_in_the_header_match_the_paper_in_float64(stabilized, run_name, step):
+    folder = stabilized["out"] / run_name / f"checkpoint-{step}"
+    doc = provenance.read(folder)
+    want = _reference(run_name.split("-")[0], step)
+    got = doc["coefficients"]
+    assert set(got) == {k for k, v in want.items() if v}, got
+    for k, v in want.items():
+        assert got.get(k, 0.0) == pytest.approx(v, rel=1e-12, abs=1e-15), k  # float64 both: to rounding
+    assert math.fsum(got.values()) == pytest.approx(1.0, abs=1e-12)
+    assert doc["record"]["run"] == run_name and doc["record"]["step"] == step
+    assert set(doc["inputs"]) == {"theta0", *(str(s) for s in STEPS if s <= step)}
+    # the written float32 weights are that combination of the inputs (float32 arithmetic: 1e-5)
+    inputs = {"theta0": load_file(stabilized["base"] / "model.safetensors")}
+    inputs.update(
+        {str(s): load_file(stabilized["run"] / f"checkpoint-{s}" / "model.safetensors") for s in STEPS}
+    )
+    written = load_file(folder / "model.safetensors")
+    for name, t in written.items():
+        if t.is_floating_point():
+            combo = sum(c * inputs[k][name].double() for k, c in got.items())
+            torch.testing.assert_close(t.double(), combo, rtol=1e-5, atol=1e-6)
+
+
+def test_every_window_and_dema_output_is_a_combination_summing_to_one(stabilized):
+    for folder in sorted(stabilized["out"].glob("*/checkpoint-*")):
+        c = provenance.read(folder)["coefficients"]
+        assert math.fsum(c.values()) == pytest.approx(1.0, abs=1e-12), folder
+    lawa = provenance.read(stabilized["out"] / "lawa-w3" / "checkpoint-40")["coefficients"]
+    assert lawa == pytest.approx({"20": 1 / 3, "30": 1 / 3, "40": 1 / 3})
+
+
+def test_verify_rebuilds_from_the_weights_alone_and_names_what_differs(stabilized, tmp_path):
+    src = stabilized["out"] / "bema-k0.5-e0.2" / "checkpoint-30"
+    r = run_bema("verify", src)
+    assert r.returncode == 0 and "bitwise identical to its rebuild (5 tensors)" in r.stdout, r.stderr
+    copy = tmp_path / "copied"  # only the weights travelled (an upload of the safetensors alone)
+    copy.mkdir()
+    shutil.copy(src / "model.safetensors", copy)
+    r = run_bema("verify", copy, "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["identical"] and doc["differ"] == [] and doc["changed_inputs"] == []
+    path = copy / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    weights = load_file(path)
+    name = sorted(k for k, v in weights.items() if v.is_floating_point())[0]
+    weights[name].view(-1)[3] += 1e-3
+    save_file(weights, str(path), metadata=meta)
+    line = one_line_error(run_bema("verify", copy), 1)
+    assert f"1 of 5 tensors differ from its rebuild: {name}" in line, line
+
+
+def test_verify_lays_a_difference_at_an_input_that_changed(tmp_path):
+    base, run = write_trajectory(tmp_path / "t", STEPS, with_int=False)
+    out = tmp_path / "out"
+    assert run_bema("stabilize", run, "--base", base, "--out", out, "--method", "ema").returncode == 0
+    ckpt = run / "checkpoint-20" / "model.safetensors"
+    weights = load_file(ckpt)
+    save_file({k: v * 1.01 for k, v in weights.items()}, str(ckpt))  # retrained since
+    line = one_line_error(run_bema("verify", out / "ema-k0.5" / "checkpoint-40"), 1)
+    assert (
+        "tensors differ from its rebuild" in line and "inputs changed since it was written: 20 (" in line
+    ), line
+
+
+def test_a_fitted_average_carries_its_coefficients_and_verifies(stabilized, tmp_path):
+    from bema_cli.decide import fit
+
+    run = stabilized["run"]
+    folders = [run / f"checkpoint-{s}" for s in STEPS]
+    c = [0.1, 0.0, 0.2, 0.3, 0.4]
+    record = fit.fitted_record("soup-x", "soup", 40, c, folders, str(stabilized["base"]), folders[-1])
+    out = fit.combine(
+        [(stabilized["base"], c[0]), *zip(folders, c[1:], strict=True)],
+        folders[-1],
+        tmp_path / "soup",
+        record,
+    )
+    doc = provenance.read(out)
+    assert doc["coefficients"] == {
+        str(stabilized["base"]): 0.1,
+        **{str(f): w for f, w in zip(folders, c[1:], strict=True) if w},
+    }
+    r = run_bema("verify", out)
+    assert r.returncode == 0 and "bitwise identical" in r.stdout, r.stderr
+
+
+def test_a_folder_without_provenance_is_one_line(tmp_path, tiny_model_dir):
+    line = one_line_error(run_bema("verify", tiny_model_dir), 3)
+    assert "carries no bema provenance" in line, line

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import BEMA, one_line_error, run_bema
-from trajectory import write_trajectory
+from trajectory import tensor_section, write_trajectory
 
 STEPS = [10, 20, 30, 40, 50, 60, 70, 80]
 GRID = ["--method", "vanilla,ema,bema,dema,ouema"]
@@ -41,10 +41,11 @@ def copy_steps(src: Path, dst: Path, steps: list[int]) -> None:
         shutil.copytree(src / f"checkpoint-{s}", dst / f"checkpoint-{s}")
 
 
-def weight_files(out: Path) -> dict[str, bytes]:
-    """Every output safetensors file under OUT (state excluded), by relative path."""
+def weight_files(out: Path) -> dict[str, tuple]:
+    """Every output safetensors file under OUT (state excluded), by relative path: its tensors' layout
+    and bytes (the header's provenance names the run folder, which differs between these runs)."""
     return {
-        str(p.relative_to(out)): p.read_bytes()
+        str(p.relative_to(out)): tensor_section(p)
         for p in sorted(out.glob("*/checkpoint-*/*.safetensors"))
         if not p.relative_to(out).parts[0].startswith(".")
     }
@@ -94,6 +95,14 @@ def test_four_then_four_is_bitwise_one_shot(traj, one_shot, tmp_path, tau):
     assert second["state_bytes"] > 0
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in before} == before  # earlier outputs untouched
     assert weight_files(out) == one_shot[tau]
+    # the continued run's weights carry what a one-shot run's carry: the coefficients over the whole
+    # trajectory and a fingerprint of every input, those rotated away too (from the state's record)
+    from bema_cli.io import provenance
+
+    doc = provenance.read(out / "ema-k0.5" / f"checkpoint-{STEPS[-1]}")
+    assert set(doc["inputs"]) == {"theta0", *map(str, STEPS)}
+    assert abs(sum(doc["coefficients"].values()) - 1) < 1e-12
+    assert (str(STEPS[0]) in doc["coefficients"]) == (tau == 0)  # a burn-in to step 20 drops step 10
     manifest = json.loads((out / "manifest.json").read_text())
     assert {r["run"]: [o["step"] for o in r["outputs"]] for r in manifest["runs"]} == {
         r: STEPS for r in ("vanilla", "ema-k0.5", "bema-k0.5-e0.2", "dema-k0.5", "ouema-k0.5-e0.2")

@@ -102,3 +102,16 @@ def finetune_trajectory(
         shutil.copytree(base_dir, folder)
         save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     return run_dir
+
+
+def tensor_section(path: Path) -> tuple[dict, bytes]:
+    """A safetensors file as (its header without __metadata__, its data bytes): what a bitwise
+    comparison of two runs' weights compares when their inputs sit at other paths (the metadata
+    carries each output's provenance, paths included: io/provenance.py)."""
+    import json
+
+    raw = Path(path).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    header.pop("__metadata__", None)
+    return header, raw[8 + n :]

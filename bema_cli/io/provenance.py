@@ -20,12 +20,21 @@ from bema_cli.errors import InputError
 KEY = "bema"
 
 
+CHEAP = ("name", "size", "header_sha256", "sample_sha256")  # fingerprint's keys that need no full read
+
+
+def print_of(files: list[dict]) -> str:
+    """A short fingerprint from io/fingerprint.fingerprint's list (full or cheap: the cheap keys only,
+    so a state's recorded fingerprint of a checkpoint gone since gives the same as one read now)."""
+    cheap = [{k: f.get(k) for k in CHEAP} for f in sorted(files, key=lambda f: f["name"])]
+    return hashlib.sha256(json.dumps(cheap, sort_keys=True).encode()).hexdigest()[:32]
+
+
 def input_print(folder: Path) -> str:
     """A short fingerprint of one input model folder (its weight files' sizes, headers, samples)."""
     from bema_cli.io.fingerprint import fingerprint, weight_files
 
-    prints = fingerprint(weight_files(Path(folder)))
-    return hashlib.sha256(json.dumps(prints, sort_keys=True).encode()).hexdigest()[:32]
+    return print_of(fingerprint(weight_files(Path(folder))))
 
 
 def metadata(record: dict, inputs: dict[str, str], coefficients: dict[str, float] | None) -> dict[str, str]:

@@ -354,8 +354,7 @@ def open_outputs(plan: Plan, opts: Options, tmp: Path) -> Outputs:
     its inputs, its coefficients)."""
     outputs = {}
     ckpt = {c.step: c.path for c in plan.checkpoints}
-    prints = {"theta0": provenance.input_print(plan.base_index.folder)} if plan.lora is None else {}
-    prints.update({str(s): provenance.input_print(ckpt[s]) for s in plan.read_steps if plan.lora is None})
+    prints = meta.input_prints(plan) if plan.lora is None else {}
     vectors = meta.coefficient_vectors(plan) if plan.lora is None else None
     out_dtype = meta.out_dtype_name(plan, opts)
     for run in plan.runs:

@@ -257,29 +257,52 @@ def dry_run_plan(plan: Plan, opts: Options) -> dict:
     }
 
 
-def coefficient_vectors(plan: Plan) -> dict[tuple[str, int], dict[str, float]] | None:
+def input_prints(plan: Plan) -> dict[str, str]:
+    """{"theta0": print, "<step>": print} of every input of the trajectory (io/provenance.print_of):
+    read from disk, or for a step an earlier call consumed, from the state's record of it (the
+    checkpoint may be gone), so a continued run's outputs name the same inputs as a one-shot run's."""
+    from bema_cli.io import provenance
+
+    stored = (plan.resume.stored or {}) if plan.resume is not None else {}
+    consumed = {int(s["step"]): s.get("files", []) for s in stored.get("steps", [])}
+    ckpt = {c.step: c.path for c in plan.checkpoints}
+    prints = {"theta0": provenance.input_print(plan.base_index.folder)}
+    for step in sorted(plan.runs[0].events):
+        if step in ckpt:
+            prints[str(step)] = provenance.input_print(ckpt[step])
+        elif step in consumed:
+            prints[str(step)] = provenance.print_of(consumed[step])
+    return prints
+
+
+def coefficient_vectors(plan: Plan) -> dict[tuple[str, int], dict[str, float]]:
     """{(run, step): {"theta0": c0, "<step>": cj, ...}}: every output as the linear combination of
     (theta0, the checkpoints) it is, from the fused pass's own code (state_store.start_unit,
-    unit.step_updates, unit.run_estimate) run in float64 on a basis (theta0 = e_0, theta_sj = e_j).
-    None for a call continued from a state: its earlier steps' part lives in that state."""
+    unit.step_updates, unit.run_estimate) run in float64 on a basis (theta0 = e_0, theta_sj = e_j)
+    over the whole trajectory: a call continued from a state replays its earlier steps here (the
+    coefficients depend on the schedule and the steps only), so its outputs say what a one-shot
+    run's say."""
+    from dataclasses import replace
+
     import torch
 
     from bema_cli.stabilize import state_store
     from bema_cli.stabilize.unit import run_estimate, step_updates
 
-    if any(t.start is not None for t in plan.tracks) or plan.theta0_index is not plan.base_index:
-        return None
-    steps = plan.read_steps
+    steps = sorted(plan.runs[0].events)
+    fresh = [replace(t, start=None, source=None, ring_sources={}, last=steps[-1] if steps else t.last)
+             for t in plan.tracks]  # fmt: skip
+    basis_plan = replace(plan, tracks=fresh, read_steps=steps)
     n = len(steps) + 1
     eye = torch.eye(n, dtype=torch.float64)
     theta0 = eye[0].clone()
-    stabs = state_store.start_unit(plan, [], theta0)
-    track_of = {r.name: i for i, t in enumerate(plan.tracks) for r in t.runs}
+    stabs = state_store.start_unit(basis_plan, [], theta0)
+    track_of = {r.name: i for i, t in enumerate(fresh) for r in t.runs}
     tau, names = plan.runs[0].schedule.tau, ["theta0", *map(str, steps)]
     out = {}
     for j, step in enumerate(steps, start=1):
         th = eye[j]
-        advancing, after = step_updates(plan, stabs, step)
+        advancing, after = step_updates(basis_plan, stabs, step)
         if step <= tau:
             theta0.copy_(th)
         for stab, event in advancing:
@@ -288,14 +311,8 @@ def coefficient_vectors(plan: Plan) -> dict[tuple[str, int], dict[str, float]] |
             if step in run.out_steps:
                 event = run.events[step]
                 drift = th - theta0 if run.schedule.method == "bema" and event.action == "update" else None
-                result = run_estimate(
-                    stabs[track_of[run.name]].view(0, n),
-                    run,
-                    event,
-                    th,
-                    drift,
-                    torch.empty(n, dtype=torch.float64),
-                )
+                part = stabs[track_of[run.name]].view(0, n)
+                result = run_estimate(part, run, event, th, drift, torch.empty(n, dtype=torch.float64))
                 out[run.name, step] = {k: float(v) for k, v in zip(names, result.tolist(), strict=True) if v}
         for ring, event in after:
             ring.view(0, n).advance(event, th)

@@ -59,6 +59,9 @@ def test_noisy_iterates_ship_an_average_as_a_model_folder(runs, tmp_path):
     if decision["kind"] == "fitted":  # then its coefficients stream into bema.json, summing to 1
         c = record["coefficients"]
         assert abs(sum(c.values()) - 1) < 1e-9
+    # the shipped weights carry their provenance: rebuilt from it alone, bitwise
+    v = run_bema("verify", out)
+    assert v.returncode == 0 and "bitwise identical to its rebuild" in v.stdout, v.stderr
     # push --dry-run ships DIR as it is (the records under .bema-ship stay home)
     dry = run_bema("push", out, "--repo-id", "org/m", "--dry-run", "--json")
     names = {f["path"] for f in json.loads(dry.stdout)["files"]}
@@ -81,6 +84,8 @@ def test_steady_drift_ships_vanilla_and_says_so(runs, tmp_path):
     )  # the raw checkpoint
     text = (out / "README.md").read_text()
     assert "The raw checkpoint at step 80, selected by bema" in text and "kappa" not in text
+    v = run_bema("verify", out)
+    assert v.returncode == 0 and "bitwise identical to its rebuild" in v.stdout, v.stderr
     plain = run_bema("ship", runs["drift"], "--base", runs["base"], "--out", out, "--tasks", "loss",
                      "--loss-data", runs["data"], "--backend", "transformers")  # fmt: skip
     assert plain.returncode == 0 and "up to date" in plain.stderr
@@ -94,6 +99,16 @@ def test_up_to_date_answers_only_the_same_request(runs, tmp_path):
     ship(runs, "drift", out, "--fit", "none")
     same, r = ship(runs, "drift", out, "--fit", "none")
     assert same["up_to_date"] is True and "up to date" in r.stderr
+    from hub_standin import HubStandIn
+    from test_push import hub_env
+
+    with HubStandIn() as hub:  # the README's one-liner re-run with --push: it still pushes
+        pushed = run_bema("ship", runs["drift"], "--base", runs["base"], "--out", out, "--tasks", "loss",
+                          "--loss-data", runs["data"], "--backend", "transformers", "--fit", "none",
+                          "--push", "org/m", "--json", env=hub_env(hub.url))  # fmt: skip
+        assert pushed.returncode == 0, pushed.stderr
+        assert len(hub.repos["org/m"].commits) == 1
+        assert json.loads(pushed.stdout)["pushed"]["revision_sha"] == hub.repos["org/m"].commits[0]["oid"]
     other = run_bema("ship", runs["drift"], "--base", runs["base"], "--out", out, "--tasks", "loss",
                      "--loss-data", runs["data"], "--backend", "transformers", "--fit", "none", "--holdout", "0.3")  # fmt: skip
     line = one_line_error(other)

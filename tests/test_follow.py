@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import BEMA, run_bema
 from safetensors.torch import save_file
-from trajectory import write_trajectory
+from trajectory import tensor_section, write_trajectory
 
 from bema_cli.io.watch import Watcher, declared_size, wait_for
 
@@ -38,9 +38,11 @@ def follow_cmd(run: Path, base: Path, out: Path, *args) -> list[str]:
     ]
 
 
-def weight_files(out: Path) -> dict[str, bytes]:
+def weight_files(out: Path) -> dict[str, tuple]:
+    """Every output's tensors, bitwise (its header's provenance names the run folder it was read from)."""
     return {
-        str(p.relative_to(out)): p.read_bytes() for p in sorted(out.glob("[!.]*/checkpoint-*/*.safetensors"))
+        str(p.relative_to(out)): tensor_section(p)
+        for p in sorted(out.glob("[!.]*/checkpoint-*/*.safetensors"))
     }
 
 

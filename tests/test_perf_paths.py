@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import one_line_error, run_bema
-from trajectory import write_trajectory
+from trajectory import tensor_section, write_trajectory
 
 from bema_cli.io import commit
 from bema_cli.io.commit import OutputTransaction
@@ -28,8 +28,11 @@ def traj(tmp_path_factory):
     return write_trajectory(tmp_path_factory.mktemp("traj"), STEPS)
 
 
-def outputs(out: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.glob("*/checkpoint-*/*.safetensors"))}
+def outputs(out: Path) -> dict[str, tuple]:
+    """Every output's tensors, bitwise (the header's provenance records how each run was asked for)."""
+    return {
+        str(p.relative_to(out)): tensor_section(p) for p in sorted(out.glob("*/checkpoint-*/*.safetensors"))
+    }
 
 
 def stabilize(traj, out: Path, *args: str):

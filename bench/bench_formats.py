@@ -30,7 +30,7 @@ from bema_cli.options import parse_size
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_stabilize import COLUMNS, ENGINE_IMPORTS, MiB, interpreter_overhead, log, render, timed_tool  # noqa: E402
-from measure import report, run_measured  # noqa: E402
+from measure import report, run_measured, tensor_bytes  # noqa: E402
 from synth import Trajectory, make_trajectory  # noqa: E402
 
 BEMA = Path(sys.executable).with_name("bema")
@@ -123,13 +123,13 @@ def best(name: str, cmd: list[str], inputs: list[Path], out: Path, repeats: int)
 
 
 def same_outputs(out: Path, ref: Path) -> bool:
-    """Every safetensors file of every output byte-identical to the reference run's."""
+    """Every safetensors file of every output bitwise the reference run's tensors (measure.tensor_bytes)."""
     files = sorted(
         p.relative_to(ref)
         for p in ref.rglob("*.safetensors")
         if not p.relative_to(ref).parts[0].startswith(".")
     )  # the run folders; hidden state (follow mode's .bema-state) is keyed by the inputs' fingerprints
-    return bool(files) and all((out / f).read_bytes() == (ref / f).read_bytes() for f in files)
+    return bool(files) and all(tensor_bytes(out / f) == tensor_bytes(ref / f) for f in files)
 
 
 def rows(res: dict, args) -> list[tuple[str, str, str, str]]:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_stabilize import COLUMNS, MiB, interpreter_overhead, log, render  # noqa: E402
-from measure import run_measured, set_cache  # noqa: E402
+from measure import run_measured, set_cache, tensor_bytes  # noqa: E402
 from synth import Trajectory, make_trajectory  # noqa: E402
 
 BEMA = Path(sys.executable).with_name("bema")
@@ -86,12 +86,12 @@ def bench_cost(traj: Trajectory, work: Path, args) -> dict:
             log(f"{name}: {run.seconds:.2f} s, peak RSS {run.max_rss / MiB:.0f} MiB")
             if i == args.repeats - 1:
                 last = out / RUN / f"checkpoint-{traj.steps[-1]}" / "model.safetensors"
-                res[f"{name}_last"] = last.read_bytes() if name == "incremental" else None
+                res[f"{name}_last"] = tensor_bytes(last) if name == "incremental" else None
                 if name == "one_shot":
                     res["one_shot_last_path"] = str(last)
                 continue
             shutil.rmtree(out)
-    res["identical"] = res.pop("incremental_last") == Path(res["one_shot_last_path"]).read_bytes()
+    res["identical"] = res.pop("incremental_last") == tensor_bytes(Path(res["one_shot_last_path"]))
     res.pop("one_shot_last")
     return res
 

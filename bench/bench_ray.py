@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import common_args, run_measured, set_cache  # noqa: E402
+from measure import common_args, run_measured, set_cache, tensor_bytes  # noqa: E402
 from synth import make_trajectory  # noqa: E402
 
 BEMA = Path(sys.executable).with_name("bema")
@@ -41,7 +41,7 @@ def log(msg: str) -> None:
 def digest(out: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(out.rglob("*.safetensors")):
-        h.update(str(p.relative_to(out)).encode() + p.read_bytes())
+        h.update(str(p.relative_to(out)).encode() + tensor_bytes(p))
     return h.hexdigest()
 
 

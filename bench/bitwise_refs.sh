@@ -1,7 +1,8 @@
 #!/bin/bash
 # Bitwise regression check for performance work: run a fixed set of `bema stabilize` configurations
-# into OUTROOT and print the sha256 of every safetensors file (outputs and state). Run it with the
-# old code and the new (PYTHONPATH), then diff the two listings.
+# into OUTROOT and print the sha256 of every safetensors file's tensors (outputs and state; the header's
+# provenance, which names versions and paths, left out). Run it with the old code and the new
+# (PYTHONPATH), then diff the two listings.
 #   usage: bench/bitwise_refs.sh OUTROOT > sums    (BEMA_REF_TRAJ: a bench/synth.py trajectory, base + 4 checkpoints)
 set -e
 R=$1; rm -rf $R; mkdir -p $R
@@ -25,4 +26,6 @@ run inc $R/part --base $T/base --method bema --kappa 0.2,0.5 --tau 100
 for s in 300 400; do ln -s $T/run/checkpoint-$s $R/part/checkpoint-$s; done
 run inc $R/part --base $T/base --method bema --kappa 0.2,0.5 --tau 100
 run incd $R/part --base $T/base --method dema,ouema --max-memory 1MiB
-cd $R && find . -path ./part -prune -o -name '*.safetensors' -print | grep -v '\.err' | sort | xargs sha256sum
+PY=${PYTHON:-$(pwd)/.venv/bin/python}
+cd $R && find . -path ./part -prune -o -name '*.safetensors' -print | grep -v '\.err' | sort | \
+  PYTHONPATH=$OLDPWD/bench xargs $PY -c 'import hashlib, sys; from measure import tensor_bytes; [print(hashlib.sha256(tensor_bytes(f)).hexdigest(), f) for f in sys.argv[1:]]'

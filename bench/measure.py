@@ -142,3 +142,14 @@ def report(table: str, doc: dict, as_json: bool) -> None:
     print(table, file=sys.stderr if as_json else sys.stdout, flush=True)
     if as_json:
         print(json.dumps(doc, indent=2))
+
+
+def tensor_bytes(path: Path) -> bytes:
+    """A safetensors file's tensors and their layout, without the header's __metadata__: what two runs
+    over inputs at other paths (or in other formats) share bitwise (the metadata carries each
+    output's provenance, its inputs' paths included)."""
+    raw = Path(path).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    header.pop("__metadata__", None)
+    return json.dumps(header, sort_keys=True).encode() + raw[8 + n :]

@@ -48,7 +48,7 @@ def test_noisy_iterates_ship_an_average_as_a_model_folder(runs, tmp_path):
     assert record["run"] == decision["run"]
     assert json.loads((out / ".bema-ship" / "ship.json").read_text())["verdict"] == doc["verdict"]
     # where the whole command's time went: the sweep's stages, the fits' candidates, the write
-    assert {"loss", "combine", "write"} <= set(doc["stages"]), sorted(doc["stages"])
+    assert {"walk", "loss", "fit_basis", "combine", "write"} <= set(doc["stages"]), sorted(doc["stages"])
     assert doc["stages"]["combine"]["seconds"] > 0 and "stages: " in r.stderr
     card = ModelCard.load(out / "README.md")
     assert card.data.eval_results[0].metric_type == "loss"

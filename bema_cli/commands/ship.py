@@ -31,7 +31,7 @@ from bema_cli.commands.eval_options import (
     TemperatureOpt,
     eval_settings,
 )
-from bema_cli.commands.select import CardPathsOpt, HoldoutOpt
+from bema_cli.commands.select import CardPathsOpt
 from bema_cli.options import (
     AccumDtypeOpt,
     AllowGapsOpt,
@@ -73,7 +73,12 @@ def ship(
             "--metric", help="Default: loss with --loss-data, else the first task (gsm8k:strict, ...)."
         ),
     ] = None,
-    holdout: HoldoutOpt = 0.5,
+    holdout: Annotated[
+        float,
+        typer.Option(
+            "--holdout", help="Pick on this seeded fraction of the items, report every number on the rest."
+        ),
+    ] = 0.5,
     fit: Annotated[
         str,
         typer.Option(

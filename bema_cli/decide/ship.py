@@ -140,7 +140,7 @@ def _ship(
         doc["fitted"] = fitted["doc"]
     decision, why = _decide(chosen, fitted, metric, ship_opts, records)
     doc["decision"], doc["verdict"] = decision, why
-    with stages.stage("write"):
+    with stages.stage("write"), stages.kept():  # stabilize's own reset would drop the sweep's stages
         doc["written"] = _write(decision, chosen, fitted, records, metric, ship_opts, doc, work)
     if ship_opts.push:
         from bema_cli.decide.push import push
@@ -177,7 +177,8 @@ def _fit(stab, config, engine, ship_opts, metric, chosen, records, work) -> dict
     step = chosen["winner"]["step"]
     folders = [c.path for c in plan.checkpoints if c.step <= step]
     steps = [c.step for c in plan.checkpoints if c.step <= step]
-    menu = fit.coefficients(stab.schedules, steps, step, work / "basis")
+    with stages.stage("fit_basis"), stages.kept():  # a stabilize on the basis: keep the sweep's stages
+        menu = fit.coefficients(stab.schedules, steps, step, work / "basis")
     n = len(steps) + 1
     basis = [plan.base_index.folder, *folders]
     evaluation = Evaluation(replace(config, out=str(work / "fit"), log_samples=False), engine)

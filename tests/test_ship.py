@@ -221,3 +221,14 @@ def test_what_a_killed_ship_left_half_written_is_removed(runs, tmp_path):
     out.rename(old)  # killed after moving the old DIR aside, before the new one came in
     doc, r = ship(runs, "drift", out, "--fit", "none")
     assert out.is_dir() and not old.exists() and doc.get("up_to_date") is True, r.stderr
+
+
+def test_loss_data_without_tasks_decides_on_loss_and_generates_nothing(runs, tmp_path):
+    """`bema ship RUN --loss-data F` (no --tasks): offline there is no gsm8k data, and none is needed."""
+    r = run_bema("ship", runs["drift"], "--base", runs["base"], "--out", tmp_path / "m", "--loss-data",
+                 runs["data"], "--backend", "transformers", "--fit", "none", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["metric"] == "loss" and "generate" not in doc["stages"]
+    records = (tmp_path / "m" / ".bema-ship" / "sweep" / "results.jsonl").read_text().splitlines()
+    assert {json.loads(x)["task"] for x in records} == {"loss"}

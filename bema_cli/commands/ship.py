@@ -27,7 +27,6 @@ from bema_cli.commands.eval_options import (
     NumFewshotOpt,
     SeedOpt,
     SelectionSeedOpt,
-    TasksOpt,
     TemperatureOpt,
     eval_settings,
 )
@@ -104,7 +103,13 @@ def ship(
     phi: PhiOpt = None,
     beta_min: BetaMinOpt = None,
     preset: PresetOpt = "paper",
-    tasks: TasksOpt = "gsm8k",
+    tasks: Annotated[
+        str | None,
+        typer.Option(
+            "--tasks",
+            help="Comma list of tasks, as bema eval takes them (default: loss alone with --loss-data, which then decides; else gsm8k).",
+        ),
+    ] = None,
     data_dir: DataDirOpt = None,
     loss_data: LossDataOpt = None,
     loss_train_data: LossTrainDataOpt = None,
@@ -172,6 +177,8 @@ def ship(
     if push:
         check_repo_id(push)
     fits = () if fit.strip() == "none" else tuple(parse_str_list(fit, "--fit"))
+    if tasks is None:  # the decision is made on loss when there is held-out data: no generation task
+        tasks = "loss" if loss_data is not None else "gsm8k"
     flags = {**locals(), "out": str(Path(out).parent / f".{Path(out).name}.bema-ship" / "sweep"),
              "log_samples": False, "force": False,
              "verify_swap": False, "tensor_parallel_size": 1, "data_parallel_size": 1, "enforce_eager": False}  # fmt: skip

@@ -35,7 +35,7 @@ def seal(work: Path) -> None:
 
 def check_sealed(work: Path) -> None:
     """The records in `work` are exactly those bema sealed; one line naming the first that is not."""
-    fix = f"delete {work} to decide again from scratch"
+    fix = "--overwrite decides again from scratch"
     path = work / SEAL
     try:
         doc = json.loads(path.read_text())

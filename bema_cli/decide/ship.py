@@ -36,7 +36,7 @@ from bema_cli.decide.write import (
     write_card,
     write_winner,
 )
-from bema_cli.errors import OutputError, UsageError
+from bema_cli.errors import InputError, OutputError, UsageError
 from bema_cli.eval.evaluate import Evaluation, StaleRecords
 from bema_cli.eval.job import EvalConfig, run_job
 from bema_cli.eval.results import read_jsonl
@@ -116,8 +116,11 @@ def _ship(
     if ship_opts.overwrite and work.exists() and not sealed.same_request(work, request):
         shutil.rmtree(work)  # an interrupted ship of another request: --overwrite starts this one afresh
     if ship_opts.overwrite and (out / WORK).is_dir() and not work.exists():
-        sealed.check_sealed(out / WORK)  # records edited by hand are never reused
-        shutil.copytree(out / WORK, work)  # decide again from the records already made
+        try:
+            sealed.check_sealed(out / WORK)  # records edited by hand (or unsealed) are never reused
+            shutil.copytree(out / WORK, work)  # decide again from the records already made
+        except InputError as exc:
+            output.warn(f"{exc}: its records are not reused; deciding afresh")
     if not (work / sealed.REQUEST).is_file():  # a resume keeps the request its records were made for
         work.mkdir(parents=True, exist_ok=True)
         sealed.write_request(work, request)

@@ -145,3 +145,17 @@ def test_a_fitted_average_carries_its_coefficients_and_verifies(stabilized, tmp_
 def test_a_folder_without_provenance_is_one_line(tmp_path, tiny_model_dir):
     line = one_line_error(run_bema("verify", tiny_model_dir), 3)
     assert "carries no bema provenance" in line, line
+
+
+def test_inputs_are_found_in_any_checkpoint_layout(tmp_path):
+    """step_N folders (not checkpoint-N): an unchanged run verifies with no input called changed."""
+    base, run = write_trajectory(tmp_path / "t", STEPS, with_int=False)
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    for s in STEPS:
+        shutil.copytree(run / f"checkpoint-{s}", steps / f"step_{s}")
+    out = tmp_path / "out"
+    assert run_bema("stabilize", steps, "--base", base, "--out", out, "--method", "ema").returncode == 0
+    r = run_bema("verify", out / "ema-k0.5" / "checkpoint-40", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["changed_inputs"] == []

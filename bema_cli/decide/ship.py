@@ -54,7 +54,7 @@ SIMPLEX_K = 4  # the simplex weights span the last K checkpoints
 # Fewer report items than this and the paired bootstrap's "95% interval" means nothing (one item
 # gives one resample value: an interval of zero width); ship then writes vanilla and says it cannot
 # decide. A floor against degenerate intervals, not a power guarantee: with 10 items a percentile
-# bootstrap of a mean already covers below its level (docs/eval-protocol.md).
+# bootstrap of a mean covers 0.90 at 10 items, 0.93 at 20 (simulated: docs/eval-protocol.md).
 MIN_REPORT_ITEMS = 10
 
 

@@ -9,13 +9,13 @@ are compared first, so a difference is laid at the right door: an input changed 
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
 from bema_cli.decide.write import rebuild_average
 from bema_cli.errors import InputError
 from bema_cli.io import provenance
+from bema_cli.io.checkpoints import step_of
 
 
 def _input_folders(record: dict, doc: dict) -> dict[str, Path]:
@@ -23,7 +23,8 @@ def _input_folders(record: dict, doc: dict) -> dict[str, Path]:
     if isinstance(record.get("coefficients"), dict):  # a fitted average: keyed by folder
         return {k: Path(k) for k in doc.get("inputs", {})}
     run = Path(record["source_checkpoint"]).parent
-    folders = {k: run / f"checkpoint-{k}" for k in doc.get("inputs", {}) if k != "theta0"}
+    by_step = {str(_step(p)): p for p in run.iterdir() if p.is_dir()} if run.is_dir() else {}  # any layout
+    folders = {k: by_step.get(k, run / f"checkpoint-{k}") for k in doc.get("inputs", {}) if k != "theta0"}
     if "theta0" in doc.get("inputs", {}):
         folders["theta0"] = Path(record["theta0_source"])
     return folders
@@ -42,9 +43,12 @@ def changed_inputs(record: dict, doc: dict) -> list[str]:
     return out
 
 
-def _step_of(folder: str) -> int:
-    digits = re.search(r"(\d+)$", Path(folder).name)
-    return int(digits.group(1)) if digits else -1
+def _step(folder: str) -> int:
+    try:
+        step = step_of(Path(folder))
+    except InputError:
+        step = None
+    return -1 if step is None else step
 
 
 def rebuild(record: dict, tmp: Path) -> Path:
@@ -53,7 +57,7 @@ def rebuild(record: dict, tmp: Path) -> Path:
 
     if isinstance(record.get("coefficients"), dict):  # a fitted average
         # summed in the order it was: theta0, then the checkpoints by step (float64 sums depend on it)
-        keys = sorted(record["coefficients"], key=lambda k: (k != "theta0", _step_of(k), k))
+        keys = sorted(record["coefficients"], key=lambda k: (k != "theta0", _step(k), k))
         terms = [(Path(record["theta0_source"]) if k == "theta0" else Path(k), float(record["coefficients"][k]))
                  for k in keys]  # fmt: skip
         for folder, _ in terms:

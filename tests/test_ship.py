@@ -47,9 +47,9 @@ def test_noisy_iterates_ship_an_average_as_a_model_folder(runs, tmp_path):
     record = json.loads((out / "bema.json").read_text())
     assert record["run"] == decision["run"]
     assert json.loads((out / ".bema-ship" / "ship.json").read_text())["verdict"] == doc["verdict"]
-    # where the whole command's time went: the sweep's stages, the fits' candidates, the write
-    assert {"walk", "loss", "fit_basis", "combine", "write"} <= set(doc["stages"]), sorted(doc["stages"])
-    assert doc["stages"]["combine"]["seconds"] > 0 and "stages: " in r.stderr
+    # where the whole command's time went: the sweep's stages, the fits' swaps from memory, the write
+    assert {"walk", "loss", "fit_basis", "swap", "write"} <= set(doc["stages"]), sorted(doc["stages"])
+    assert doc["stages"]["swap"]["seconds"] > 0 and "stages: " in r.stderr
     card = ModelCard.load(out / "README.md")
     assert card.data.eval_results[0].metric_type == "loss"
     assert str(runs["root"]) not in (out / "README.md").read_text()  # no absolute local path
@@ -72,7 +72,9 @@ def test_steady_drift_ships_vanilla_and_says_so(runs, tmp_path):
     out = tmp_path / "model"
     doc, _ = ship(runs, "drift", out)
     assert doc["decision"]["kind"] == "vanilla" and doc["decision"]["step"] == 80
-    assert "no average beats vanilla beyond its interval" in doc["verdict"]
+    assert "vanilla was the best on the 22 pick items" in doc["verdict"]
+    assert "no average beats vanilla beyond its interval on the report items" in doc["verdict"]
+    assert "18 report items: differences under " in doc["verdict"]  # what they can resolve
     from safetensors.torch import load_file
 
     written, raw = (

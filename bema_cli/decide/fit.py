@@ -13,7 +13,9 @@ Two fits, both only ever evaluated on the pick items:
   pick score improves;
 - simplex weights over the last K checkpoints minimising held-out loss: coordinate search on
   softmax logits (start uniform = LAWA; try +-step on each logit, halve the step when nothing
-  improves), a fixed budget of evaluations. Derivative-free, deterministic, a handful of calls.
+  improves), a fixed budget of trials. Derivative-free, deterministic, a handful of trials.
+Each "improves" is a race on the pick items (race.duel): a trial stops being evaluated as soon as
+an anytime-valid interval tells it apart from the incumbent, else it is decided on every pick item.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import hashlib
 import json
 import math
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from bema_cli import __version__
@@ -63,15 +65,14 @@ def coefficients(schedules: list, steps: list[int], at: int, work: Path) -> dict
     return out
 
 
-def combine(terms: list[tuple[Path, float]], template: Path, out: Path, record: dict) -> Path:
-    """sum_j c_j theta_j (`terms`: (model folder, c_j)) written to `out` tensor by tensor in float64,
-    cast to the template checkpoint's dtypes; its small files (config, tokenizer) and `record` as
-    bema.json beside the weights. Non-floating tensors are the template's."""
+def combined(terms: list[tuple[Path, float]], template: Path) -> Iterator[tuple[object, object]]:
+    """(tensor info, sum_j c_j theta_j) tensor by tensor (`terms`: (model folder, c_j)), summed in
+    float64 and cast once to the template checkpoint's dtype; non-floating tensors are the template's.
+    What `combine` writes and what `Combiner` streams into an engine: the same bytes."""
     import torch
 
     from bema_cli.io.reader import open_checkpoint
     from bema_cli.io.safetensors import DTYPES, FLOATING
-    from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
 
     like = open_checkpoint(template)
     indexes = [(open_checkpoint(folder), c) for folder, c in terms if c != 0]
@@ -79,36 +80,64 @@ def combine(terms: list[tuple[Path, float]], template: Path, out: Path, record: 
         if set(index.tensors) != set(like.tensors):
             extra = sorted(set(index.tensors) ^ set(like.tensors))[:1]
             raise InputError(f"{index.folder}: tensors differ from {template}'s (e.g. {extra[0]!r})")
-    tensors = list(like.tensors.values())
-    inputs = {str(folder): provenance.input_print(folder) for folder, c in terms if c != 0}
-    coefficients = {str(folder): c for folder, c in terms if c != 0}
-    meta = {"format": "pt", **provenance.metadata(record, inputs, coefficients)}
-    writer = ShardedWriter(out, plan_shards(tensors, 5 * 10**9), meta).open()
     readers = [index.open() for index, _ in indexes]
     template_reader = like.open()
     for reader in (*readers, template_reader):
         reader.__enter__()
     try:
-        with writer.held():
-            for info in tensors:
-                rows = info.shape[0] if info.shape else 1
-                if info.dtype not in FLOATING:
-                    value = template_reader.read(info.name, 0, rows)
-                else:
-                    value = torch.zeros(info.shape, dtype=torch.float64)
-                    for reader, (_, c) in zip(readers, indexes, strict=True):
-                        value.add_(reader.read(info.name, 0, rows).reshape(info.shape).double(), alpha=c)
-                    value = value.to(getattr(torch, DTYPES[info.dtype][0]))
-                writer.write(info.name, 0, tensor_bytes(value))
-        writer.close()
+        for info in like.tensors.values():
+            rows = info.shape[0] if info.shape else 1
+            if info.dtype not in FLOATING:
+                yield info, template_reader.read(info.name, 0, rows).reshape(info.shape)
+                continue
+            value = torch.zeros(info.shape, dtype=torch.float64)
+            for reader, (_, c) in zip(readers, indexes, strict=True):
+                value.add_(reader.read(info.name, 0, rows).reshape(info.shape).double(), alpha=c)
+            yield info, value.to(getattr(torch, DTYPES[info.dtype][0]))
     finally:
         for reader in (*readers, template_reader):
             reader.__exit__(None, None, None)
+
+
+def combine(terms: list[tuple[Path, float]], template: Path, out: Path, record: dict) -> Path:
+    """`combined(terms, template)` written to `out` through the sharded writer; the template's small
+    files (config, tokenizer) and `record` as bema.json beside the weights."""
+    from bema_cli.io.reader import open_checkpoint
+    from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
+
+    tensors = list(open_checkpoint(template).tensors.values())
+    inputs = {str(folder): provenance.input_print(folder) for folder, c in terms if c != 0}
+    coefficients = {str(folder): c for folder, c in terms if c != 0}
+    meta = {"format": "pt", **provenance.metadata(record, inputs, coefficients)}
+    writer = ShardedWriter(out, plan_shards(tensors, 5 * 10**9), meta).open()
+    with writer.held():
+        for info, value in combined(terms, template):
+            writer.write(info.name, 0, tensor_bytes(value))
+    writer.close()
     for name in SMALL_FILES:
         if (template / name).is_file():
             shutil.copy2(template / name, out / name)
     (out / "bema.json").write_text(json.dumps(record, indent=2) + "\n")
     return out
+
+
+class Combiner:
+    """An engine's weight source (as the sweep's Walker is): any coefficient vector over the basis
+    (theta0, checkpoints), streamed into the engine with nothing written. `set` names a vector;
+    `weights(key)` yields exactly the tensors `combine` would write for it."""
+
+    def __init__(self, basis: list[Path], template: Path):
+        self.basis, self.template, self.vectors = [Path(b) for b in basis], Path(template), {}
+
+    def set(self, key: str, c: list[float]) -> None:
+        self.vectors[key] = list(c)
+
+    def weights(self, key: str | None, dtype=None) -> Iterator[tuple[str, object]]:
+        terms = list(zip(self.basis, self.vectors[key], strict=True))
+        for info, value in combined(terms, self.template):
+            if dtype is not None and value.is_floating_point() and value.dtype != dtype:
+                value = value.to(dtype)
+            yield info.name, value
 
 
 def fitted_record(name: str, method: str, step: int, c: list[float], folders: list[Path], base_source: str,
@@ -127,29 +156,33 @@ def digest(c: list[float]) -> str:
 
 
 def greedy_soup(
-    ingredients: list[tuple[str, list[float], float]], score: Callable[[list[float]], float], sign: float
-) -> tuple[list[str], list[float], float]:
-    """Wortsman et al.'s greedy soup: `ingredients` (name, coefficient vector, pick score); `score(c)`
-    evaluates a soup on the pick items; `sign` +1 when higher is better. Returns the kept names,
-    the soup's coefficients (the mean of the kept vectors) and its pick score."""
+    ingredients: list[tuple[str, list[float], float]],
+    better: Callable[[list[float], list[float]], bool],
+    sign: float,
+) -> tuple[list[str], list[float]]:
+    """Wortsman et al.'s greedy soup: `ingredients` (name, coefficient vector, pick score), tried best
+    first; `better(trial, soup)` says whether a trial soup beats the current one on the pick items
+    (a race on them: race.duel); `sign` +1 when higher is better. Returns the kept names and the
+    soup's coefficients (the mean of the kept vectors)."""
     order = sorted(ingredients, key=lambda x: -sign * x[2])
-    kept, best = [order[0]], order[0][2]
+    kept = [order[0]]
     for name, c, _ in order[1:]:
         trial = [*kept, (name, c, 0.0)]
-        value = score(_mean([x[1] for x in trial]))
-        if sign * value > sign * best:
-            kept, best = trial, value
-    return [x[0] for x in kept], _mean([x[1] for x in kept]), best
+        if better(_mean([x[1] for x in trial]), _mean([x[1] for x in kept])):
+            kept = trial
+    return [x[0] for x in kept], _mean([x[1] for x in kept])
 
 
 def _mean(vectors: list[list[float]]) -> list[float]:
     return [sum(col) / len(vectors) for col in zip(*vectors, strict=True)]
 
 
-def simplex_fit(k: int, n: int, score: Callable[[list[float]], float]) -> tuple[list[float], float, int]:
-    """Weights on the simplex over the last `k` of n-1 checkpoints (basis indices n-k..n-1) that
-    minimise `score` (held-out loss on the pick items): coordinate search on softmax logits from the
-    uniform start. Returns (c over the whole basis, its score, evaluations made)."""
+def simplex_fit(
+    k: int, n: int, better: Callable[[list[float], list[float]], bool]
+) -> tuple[list[float], int]:
+    """Weights on the simplex over the last `k` of n-1 checkpoints (basis indices n-k..n-1) with the
+    lowest held-out loss on the pick items: coordinate search on softmax logits from the uniform
+    start, a trial kept when `better(trial, best)`. Returns (c over the whole basis, trials made)."""
     logits, step, calls = [0.0] * k, SIMPLEX_STEP, 0
 
     def vector(z: list[float]) -> list[float]:
@@ -158,7 +191,6 @@ def simplex_fit(k: int, n: int, score: Callable[[list[float]], float]) -> tuple[
         total = sum(w)
         return [0.0] * (n - k) + [x / total for x in w]
 
-    best = score(vector(logits))
     while calls < SIMPLEX_BUDGET and step > 1e-3:
         improved = False
         for i in range(k):
@@ -167,11 +199,10 @@ def simplex_fit(k: int, n: int, score: Callable[[list[float]], float]) -> tuple[
                     break
                 trial = logits.copy()
                 trial[i] += move
-                value = score(vector(trial))
                 calls += 1
-                if value < best:
-                    logits, best, improved = trial, value, True
+                if better(vector(trial), vector(logits)):
+                    logits, improved = trial, True
                     break
         if not improved:
             step /= 2
-    return vector(logits), best, calls + 1
+    return vector(logits), calls

@@ -357,10 +357,19 @@ def _sides(record: dict, metric: Metric, holdout: float | None, seed: int):
     return (items, *sides(list(items["ids"]), holdout, seed))
 
 
-def pick_value(record: dict, metric: Metric, holdout: float | None, seed: int) -> float:
-    """The record's metric on the pick items (what a fit may look at)."""
-    items, pick, _ = _sides(record, metric, holdout, seed)
-    return float(_value(items, metric, pick[None, :])[0])
+def metric_value(record: dict, metric: Metric) -> float:
+    """The metric on every item of the record."""
+    return float(_value(_items(record, metric, record.get("_where", "a record")), metric))
+
+
+def restrict(record: dict, ids: list, metric: Metric) -> dict:
+    """The record on `ids` alone (its per-item scores in that order): what a finalist scored only on
+    the report items is compared with."""
+    items = _items(record, metric, record.get("_where", record.get("model_path", "a record")))
+    pos = {i: n for n, i in enumerate(items["ids"])}
+    keys = ("nll", "tokens") if metric.key == "loss" else (metric.key,)
+    picked = {"ids": list(ids), **{k: [items[k][pos[i]] for i in ids] for k in keys}}
+    return {**record, "items": picked, "n_prompts": len(ids)}
 
 
 def report_interval(

@@ -23,8 +23,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bema_cli import output, stages
-from bema_cli.decide import fit, select, verdict
+from bema_cli.decide import fit, select
 from bema_cli.decide import records as sealed
+from bema_cli.decide.decision import decide
+from bema_cli.decide.search import FITS, search
 from bema_cli.decide.write import (
     WORK,
     check_apart_from,
@@ -37,10 +39,9 @@ from bema_cli.decide.write import (
     write_winner,
 )
 from bema_cli.errors import InputError, OutputError, UsageError
-from bema_cli.eval.evaluate import Evaluation, StaleRecords
-from bema_cli.eval.job import EvalConfig, run_job
+from bema_cli.eval.evaluate import StaleRecords
+from bema_cli.eval.job import EvalConfig
 from bema_cli.eval.results import read_jsonl
-from bema_cli.eval.targets import expand_inputs
 from bema_cli.io.commit import locked
 
 # The default search space (docs/math.md, "Which average when"): EMA and BEMA at the language-model
@@ -48,14 +49,6 @@ from bema_cli.io.commit import locked
 # of 4 and 8 checkpoints. Vanilla is always a candidate.
 DEFAULT_GRID = {"methods": ["ema", "bema", "lawa", "wsm"], "kappas": [0.5], "etas": [0.2, 0.5],
                 "windows": [4, 8], "schedules": ["minus-sqrt"]}  # fmt: skip
-FITS = ("soup", "simplex")
-SOUP_CHECKPOINTS = 4  # the last saved checkpoints that join the menu as soup ingredients
-SIMPLEX_K = 4  # the simplex weights span the last K checkpoints
-# Fewer report items than this and the paired bootstrap's "95% interval" means nothing (one item
-# gives one resample value: an interval of zero width); ship then writes vanilla and says it cannot
-# decide. A floor against degenerate intervals, not a power guarantee: with 10 items a percentile
-# bootstrap of a mean covers 0.90 at 10 items, 0.93 at 20 (simulated: docs/eval-protocol.md).
-MIN_REPORT_ITEMS = 10
 
 
 @dataclass
@@ -139,9 +132,9 @@ def _ship(
            "holdout": ship_opts.holdout, "sweep": {k: swept[k] for k in ("runs", "evaluated", "backend")}}  # fmt: skip
     fitted = None
     if ship_opts.fits:
-        fitted = _fit(stab, config, engine, ship_opts, metric, chosen, records, work)
+        fitted = search(stab, config, engine, ship_opts, metric, chosen, records, work)
         doc["fitted"] = fitted["doc"]
-    decision, why = _decide(chosen, fitted, metric, ship_opts, records)
+    decision, why = decide(chosen, fitted, metric, ship_opts, records)
     doc["decision"], doc["verdict"] = decision, why
     with stages.stage("write"), stages.kept():  # stabilize's own reset would drop the sweep's stages
         doc["written"] = _write(decision, chosen, fitted, records, metric, ship_opts, doc, work)
@@ -169,192 +162,6 @@ def _records(path: Path) -> list[dict]:
     return [{**r, "_where": f"{path} ({r.get('run')}@{r.get('step')})"} for r in read_jsonl(path)]
 
 
-def _fit(stab, config, engine, ship_opts, metric, chosen, records, work) -> dict:
-    """Greedy soup over the menu at the chosen step and the last checkpoints, then (loss) simplex
-    weights over the last K checkpoints; each candidate written (fit.combine) and evaluated on disk
-    with `bema eval`'s own code in one engine, scored on the pick items only."""
-    from bema_cli.stabilize.prepare import prepare
-    from bema_cli.sweep.walk import sweep_options
-
-    plan = prepare(sweep_options(stab))
-    step = chosen["winner"]["step"]
-    folders = [c.path for c in plan.checkpoints if c.step <= step]
-    steps = [c.step for c in plan.checkpoints if c.step <= step]
-    with stages.stage("fit_basis"), stages.kept():  # a stabilize on the basis: keep the sweep's stages
-        menu = fit.coefficients(stab.schedules, steps, step, work / "basis")
-    n = len(steps) + 1
-    basis = [plan.base_index.folder, *folders]
-    evaluation = Evaluation(replace(config, out=str(work / "fit"), log_samples=False), engine)
-    backend, scores, made = None, {}, []
-    kept: dict[str, tuple[float, Path]] = {}  # per fit: its best written candidate so far (the rest go)
-
-    def write(c: list[float], name: str, method: str, **extra) -> Path:
-        """`c` as a model folder: a saved checkpoint (one-hot c) where it is, any other vector written
-        (fit.combine, deterministic: a rewrite is the same bytes) into the work folder."""
-        key = fit.digest(c)
-        folder = work / "fit" / "models" / f"{name}-{key}"
-        if c.count(0.0) == n - 1 and c.count(1.0) == 1 and c[0] != 1.0:
-            return basis[c.index(1.0)]  # a checkpoint of the run: nothing to write
-        if not (folder / "bema.json").is_file():
-            tmp = staging(folder, "fit")
-            try:  # an error or a signal leaves no half-written candidate
-                record = fit.fitted_record(f"{name}-{key}", method, step, c, folders, plan.base_source,
-                                           folders[-1], **extra)  # fmt: skip
-                with stages.stage("combine"):
-                    fit.combine([(basis[j], w) for j, w in enumerate(c)], folders[-1], tmp / "m", record)
-                folder.parent.mkdir(parents=True, exist_ok=True)
-                (tmp / "m").rename(folder)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-        return folder
-
-    def score(c: list[float], name: str, method: str, **extra) -> float:
-        """`c`'s pick score, evaluated from its model folder (`write`)."""
-        nonlocal backend
-        key = fit.digest(c)
-        if key in scores:
-            return scores[key][0]
-        folder = write(c, name, method, **extra)
-        target = expand_inputs([str(folder)])
-        if backend is None:
-            backend = evaluation.start(lambda b: b.load(folder))
-        for job in evaluation.plan(target):
-            for recs, samples in run_job(backend, job):
-                evaluation.write(recs, samples)
-        where = str(target[0].path)
-        rec = [
-            r for r in evaluation.results.records if r["model_path"] == where and r["task"] == metric.task
-        ][-1]
-        value = select.pick_value(rec, metric, ship_opts.holdout, ship_opts.seed)
-        scores[key] = (value, folder, rec)
-        made.append({"run": rec["run"], "step": rec["step"], "pick_value": value})
-        if folder.parent == work / "fit" / "models":  # a written candidate: keep its fit's best only
-            prev = kept.get(name)
-            if prev is None or sign * value > sign * prev[0]:
-                kept[name] = (value, folder)
-                folder = prev[1] if prev is not None else None
-            if folder is not None:  # a resume rewrites it (its records stand: nothing is evaluated twice)
-                shutil.rmtree(folder, ignore_errors=True)
-        return value
-
-    sign = 1.0 if metric.higher_is_better else -1.0
-    picked = {c["run"]: c["picked_value"] for c in chosen["candidates"] if c["step"] == step}
-    ingredients = [(run, menu[run], picked[run]) for run in menu if run in picked]
-    ingredients.append(("vanilla", [0.0] * (n - 1) + [1.0], picked["vanilla"]))
-    for j in range(max(1, n - SOUP_CHECKPOINTS), n - 1):  # earlier saved checkpoints, scored from disk
-        e = [0.0] * n
-        e[j] = 1.0
-        ingredients.append((f"checkpoint-{steps[j - 1]}", e, score(e, "checkpoint", "vanilla")))
-    try:
-        result = {"candidates": made}
-        best = None
-        if "soup" in ship_opts.fits:
-            names, c, value = fit.greedy_soup(ingredients, lambda c: score(c, "soup", "soup"), sign)
-            if len(names) > 1:  # a soup of one ingredient is that ingredient
-                score(c, "soup", "soup", ingredients=names)
-                best = ("soup", c, value, "soup")
-            result["soup"] = {"ingredients": names, "pick_value": value}
-        if "simplex" in ship_opts.fits and metric.key == "loss" and n > 2:
-            k = min(SIMPLEX_K, n - 1)
-            c, value, calls = fit.simplex_fit(k, n, lambda c: score(c, "simplex", f"simplex-k{k}"))
-            result["simplex"] = {
-                "k": k,
-                "evaluations": calls,
-                "pick_value": value,
-                "search": "coordinate search on softmax logits",
-            }
-            if best is None or sign * value > sign * best[2]:
-                best = ("simplex", c, value, f"simplex-k{k}")
-    finally:
-        if backend is not None:
-            backend.close()
-    out = {"doc": result, "best": None}
-    if best is not None:
-        value, folder, rec = scores[fit.digest(best[1])]
-        if not folder.is_dir():  # removed as a fit's non-best (a tie): written again, the same bytes
-            folder = write(best[1], best[0], best[3])
-        out["best"] = {"kind": best[0], "coefficients": best[1], "folder": folder, "record": rec}
-        result["best"] = {"kind": best[0], "run": rec["run"], "pick_value": value}
-    return out
-
-
-def _decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[dict]) -> tuple[dict, str]:
-    """What is shipped, and the one-line verdict. Menu: the select winner if it beats vanilla beyond
-    its interval on the report items, else vanilla. A fitted average replaces it only if it beats it
-    (and vanilla) beyond the interval on the report items."""
-    w = chosen["winner"]
-    vanilla_row = next(c for c in chosen["candidates"] if c["run"] == "vanilla" and c["step"] == w["step"])
-    reported = chosen["selection"]["reported_on"]
-    if reported < MIN_REPORT_ITEMS:  # no interval to trust: the raw checkpoint, and why
-        return (
-            {
-                "run": "vanilla",
-                "step": w["step"],
-                "kind": "vanilla",
-                "value": vanilla_row["value"],
-                "undecided": f"{reported} report items, fewer than {MIN_REPORT_ITEMS}",
-            },  # fmt: skip
-            f"ship vanilla at step {w['step']}: cannot decide on {reported} report item(s) (at least "
-            f"{MIN_REPORT_ITEMS} are needed for an interval; give more held-out records or a larger --holdout)",
-        )
-    menu = w if verdict.beats_vanilla(chosen) else vanilla_row
-    name = metric.name if metric.name != "loss" else "held-out loss"
-    fmt_v, fmt_d = verdict.fmt_value, verdict.fmt_diff
-    if fitted and fitted.get("best"):
-        rec = fitted["best"]["record"]
-        menu_rec = _record_of(records, menu, metric)
-        vanilla_rec = _record_of(records, vanilla_row, metric)
-        vs_menu = select.versus(rec, menu_rec, metric, ship_opts.holdout, ship_opts.seed, ship_opts.resamples)
-        vs_vanilla = select.versus(
-            rec, vanilla_rec, metric, ship_opts.holdout, ship_opts.seed, ship_opts.resamples
-        )
-        fitted["doc"]["best"].update(vs_menu=vs_menu, vs_vanilla=vs_vanilla)
-        better = metric.higher_is_better
-        if verdict.is_better(vs_menu, better) and verdict.is_better(vs_vanilla, better):
-            value = vanilla_row["value"] + vs_vanilla["value"]  # both on the report items
-            return (
-                {
-                    "run": rec["run"],
-                    "step": w["step"],
-                    "kind": "fitted",
-                    "value": value,
-                    "vs_vanilla": vs_vanilla,
-                },
-                f"ship {rec['run']} at step {w['step']}: {name} {fmt_v(value)} vs vanilla "
-                f"{fmt_v(value - vs_vanilla['value'])} ({fmt_d(vs_vanilla)}); it beats {menu['run']} "
-                f"({fmt_d(vs_menu)}), the best of the menu",
-            )
-    if menu is vanilla_row:
-        best = w if w["run"] != "vanilla" else None
-        best = best or min(
-            (c for c in chosen["candidates"] if c["run"] != "vanilla" and c["vs_vanilla"]),
-            key=lambda c: (-1 if metric.higher_is_better else 1) * c["value"], default=None,
-        )  # fmt: skip
-        closest = f" (the best, {best['run']}: {fmt_d(best['vs_vanilla'])})" if best else ""
-        return (
-            {"run": "vanilla", "step": w["step"], "kind": "vanilla", "value": vanilla_row["value"]},
-            f"ship vanilla at step {w['step']}: {name} {fmt_v(vanilla_row['value'])}; no average beats "
-            f"vanilla beyond its interval{closest}",
-        )
-    return (
-        {
-            "run": menu["run"],
-            "step": w["step"],
-            "kind": "menu",
-            "value": menu["value"],
-            "vs_vanilla": menu["vs_vanilla"],
-        },
-        chosen["verdict"],
-    )
-
-
-def _record_of(records: list[dict], row: dict, metric) -> dict:
-    """The newest record of a select row (run, step) on the metric's task."""
-    return [r for r in records if (r["run"], r["step"], r["task"]) == (row["run"], row["step"], metric.task)][
-        -1
-    ]
-
-
 def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work) -> dict:
     """DIR as the model folder: the menu's pick or vanilla through the streaming stabilize engine,
     a fitted average through fit.combine; the records and ship.json go inside (DIR/.bema-ship)."""
@@ -362,9 +169,7 @@ def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work) -> d
     out = Path(ship_opts.out).expanduser()
 
     def keep(folder: Path) -> None:
-        # what stays (docs/eval-protocol.md): the records and ship.json, never a fitted model (DIR is the
-        # shipped one; an --overwrite that needs a candidate again rewrites it, evaluating nothing twice)
-        shutil.rmtree(work / "fit" / "models", ignore_errors=True)
+        # what stays (docs/eval-protocol.md): the records and ship.json; no candidate was ever written
         (work / "ship.json").write_text(output.to_json(_public(doc)) + "\n")
         sealed.seal(work)
         shutil.move(str(work), str(folder / WORK))
@@ -379,9 +184,14 @@ def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work) -> d
     tmp = staging(out, "ship")
     try:
         folder = tmp / "model"
-        shutil.move(str(best["folder"]), str(folder))  # the shipped candidate itself, not a copy
-        rec = best["record"]
-        lo_hi = select.report_interval(rec, metric, ship_opts.holdout, ship_opts.seed)
+        record = fit.fitted_record(decision["run"], best["method"], decision["step"], best["coefficients"],
+                                   best["folders"], best["base_source"], best["folders"][-1],
+                                   **({"ingredients": best["ingredients"]} if best["kind"] == "soup" else {}))  # fmt: skip
+        with stages.stage("combine"):  # the one fitted model written: the shipped one
+            fit.combine(list(zip(best["basis"], best["coefficients"], strict=True)), best["folders"][-1], folder,
+                        record)  # fmt: skip
+        rec = best["record"]  # scored on the report items alone
+        lo_hi = select.report_interval(rec, metric, None, ship_opts.seed)
         write_card(folder, chosen, evaluation_rows(chosen, decision["value"], lo_hi, decision["vs_vanilla"]),
                    ship_opts.card_paths)  # fmt: skip
         keep(folder)

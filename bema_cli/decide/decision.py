@@ -1,0 +1,154 @@
+"""What `bema ship` ships, and the one sentence that says why, with numbers that say what they are.
+
+The rule (docs/eval-protocol.md): the menu's pick (select's winner on the pick items, tie rule
+included) ships if it beats vanilla beyond its interval on the report items; a fitted average
+replaces it only if it beats both beyond their intervals there; else vanilla ships. The verdict
+names which candidate was picked on which half and what the report half showed, the smallest
+difference the report items can resolve (power.mdd), and beside a shipped difference its
+winner's-curse-corrected estimate (power.corrected): it passed a test on the items that report it.
+"""
+
+from __future__ import annotations
+
+from bema_cli.decide import power, select, verdict
+
+# Fewer report items than this and the paired bootstrap's "95% interval" means nothing (one item
+# gives one resample value: an interval of zero width); ship then writes vanilla and says it cannot
+# decide. A floor against degenerate intervals, not a power guarantee: a percentile bootstrap of a
+# mean covers 0.90 at 10 items, 0.93 at 20 (simulated: docs/eval-protocol.md).
+MIN_REPORT_ITEMS = 10
+Z95 = 1.959964
+
+
+def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[dict]) -> tuple[dict, str]:
+    """(the decision, the verdict sentence)."""
+    w = chosen["winner"]
+    step = w["step"]
+    vanilla_row = _row(chosen, "vanilla", step)
+    reported = chosen["selection"]["reported_on"]
+    name = metric.name if metric.name != "loss" else "held-out loss"
+    fmt_v, fmt_d = verdict.fmt_value, verdict.fmt_diff
+    if reported < MIN_REPORT_ITEMS:  # no interval to trust: the raw checkpoint, and why
+        return (
+            {"run": "vanilla", "step": step, "kind": "vanilla", "value": vanilla_row["value"],
+             "undecided": f"{reported} report items, fewer than {MIN_REPORT_ITEMS}"},
+            f"ship vanilla at step {step}: cannot decide on {reported} report item(s) (at least "
+            f"{MIN_REPORT_ITEMS} are needed for an interval; give more held-out records or a larger --holdout)",
+        )  # fmt: skip
+    vanilla_rec = record_of(records, vanilla_row, metric)
+    report_ids = _report_ids(vanilla_rec, ship_opts)
+    van = select.restrict(vanilla_rec, report_ids, metric)
+    better = metric.higher_is_better
+    menu = w if verdict.beats_vanilla(chosen) else vanilla_row
+    if fitted and fitted.get("best"):
+        rec = fitted["best"]["record"]  # scored on the report items alone
+        menu_rec = select.restrict(record_of(records, menu, metric), report_ids, metric)
+        vs_menu = select.versus(rec, menu_rec, metric, None, ship_opts.seed, ship_opts.resamples)
+        vs_vanilla = select.versus(rec, van, metric, None, ship_opts.seed, ship_opts.resamples)
+        fitted["doc"]["best"].update(vs_menu=vs_menu, vs_vanilla=vs_vanilla)
+        if verdict.is_better(vs_menu, better) and verdict.is_better(vs_vanilla, better):
+            value = vanilla_row["value"] + vs_vanilla["value"]  # both on the report items
+            numbers = resolution(rec, van, metric, vs_vanilla)
+            return (
+                {"run": rec["run"], "step": step, "kind": "fitted", "value": value, "vs_vanilla": vs_vanilla,
+                 **numbers},
+                f"ship {rec['run']} at step {step}: {name} {fmt_v(value)} vs vanilla "
+                f"{fmt_v(value - vs_vanilla['value'])} ({fmt_d(vs_vanilla)}; {_corrected(numbers)}); it beats "
+                f"{menu['run']} ({fmt_d(vs_menu)}), the best of the menu; {_mdd(numbers, reported, metric)}",
+            )  # fmt: skip
+    if menu is not vanilla_row:
+        numbers = resolution(select.restrict(record_of(records, w, metric), report_ids, metric), van, metric,
+                             w["vs_vanilla"])  # fmt: skip
+        vs = w["vs_vanilla"]
+        return (
+            {"run": w["run"], "step": step, "kind": "menu", "value": w["value"], "vs_vanilla": vs, **numbers},
+            f"ship {w['run']} at step {step}: {name} {fmt_v(w['value'])} vs vanilla {fmt_v(w['value'] - vs['value'])} "
+            f"({fmt_d(vs)}; {_corrected(numbers)}); {_mdd(numbers, reported, metric)}",
+        )  # fmt: skip
+    # vanilla ships: say which candidate each half pointed at
+    picked_on = chosen["selection"]["picked_on"]
+    best = w if w["run"] != "vanilla" else _best_average(chosen, step, better)
+    if w["run"] != "vanilla":  # picked on the pick items, not beyond vanilla on the report items
+        why = (f"{w['run']} was picked on the {picked_on} pick items, and on the {reported} report items it "
+               f"reads {fmt_d(w['vs_vanilla'])} against vanilla, not beyond its interval")  # fmt: skip
+    elif best and best["tied_with_best"]:  # the tie rule chose vanilla on the pick items
+        why = (f"on the {picked_on} pick items no average was better than vanilla beyond its interval "
+               f"({best['run']}, the best there, tied with it: the tie rule picks vanilla)")  # fmt: skip
+    else:
+        why = f"vanilla was the best on the {picked_on} pick items"
+    beaten = [c for c in chosen["candidates"] if c["step"] == step and c["run"] != w["run"] and c["vs_vanilla"]
+              and verdict.is_better(c["vs_vanilla"], better)]  # fmt: skip
+    if not beaten:
+        why += "; no average beats vanilla beyond its interval on the report items"
+    else:  # what the report half showed, said, and why it does not ship
+        b = beaten[0]
+        why += (f"; on the report items {b['run']} reads {fmt_d(b['vs_vanilla'])} against vanilla, but it was not "
+                "picked, and choosing it now would pick on the items that report it")  # fmt: skip
+    numbers = (
+        resolution(select.restrict(record_of(records, best, metric), report_ids, metric), van, metric)
+        if best
+        else {}
+    )
+    tail = f"; {_mdd(numbers, reported, metric)}" if numbers else ""
+    return (
+        {"run": "vanilla", "step": step, "kind": "vanilla", "value": vanilla_row["value"], **numbers},
+        f"ship vanilla at step {step}: {name} {fmt_v(vanilla_row['value'])}; {why}{tail}",
+    )
+
+
+def resolution(rec: dict, vanilla_rec: dict, metric, vs: dict | None = None) -> dict:
+    """The minimum detectable difference of the report items (from the paired item differences of
+    `rec` and vanilla), and, for a shipped difference `vs`, its winner's-curse-corrected estimate."""
+    a, b = rec["items"], vanilla_rec["items"]
+    if metric.key == "loss":
+        diffs = [x - y for x, y in zip(a["nll"], b["nll"], strict=True)]
+        scale = sum(b["tokens"]) / len(b["tokens"])  # loss = sum(nll) / sum(tokens)
+    else:
+        diffs = [x - y for x, y in zip(a[metric.key], b[metric.key], strict=True)]
+        scale = 1.0
+    out = {"mdd": power.mdd(diffs, scale)}
+    if vs is not None:
+        se = (vs["high"] - vs["low"]) / (2 * Z95)  # the bootstrap interval's width as a standard error
+        sign = 1.0 if metric.higher_is_better else -1.0
+        out["corrected"] = sign * power.corrected(sign * vs["value"], se)
+    return out
+
+
+def _corrected(numbers: dict) -> str:
+    return f"{numbers['corrected']:+.4g} after the winner's-curse correction"
+
+
+def _mdd(numbers: dict, reported: int, metric) -> str:
+    if metric.key == "loss":
+        return (
+            f"{reported} report items: differences under {numbers['mdd']:.2g} nats/token cannot be told apart"
+        )
+    return (
+        f"{reported} report prompts: differences under {100 * numbers['mdd']:.1f} points cannot be told apart"
+    )
+
+
+def _report_ids(rec: dict, ship_opts) -> list:
+    ids = list(rec["items"]["ids"])
+    _, report = select.sides(ids, ship_opts.holdout, ship_opts.seed)
+    return [ids[i] for i in report]
+
+
+def _row(chosen: dict, run: str, step: int) -> dict:
+    return next(c for c in chosen["candidates"] if c["run"] == run and c["step"] == step)
+
+
+def _best_average(chosen: dict, step: int, higher_is_better: bool) -> dict | None:
+    """The best average on the pick items (what the tie rule passed over for vanilla)."""
+    rows = [
+        c for c in chosen["candidates"] if c["run"] != "vanilla" and c["step"] == step and c["vs_vanilla"]
+    ]
+    sign = 1.0 if higher_is_better else -1.0
+    return max(rows, key=lambda c: sign * c["picked_value"], default=None)
+
+
+def record_of(records: list[dict], row: dict, metric) -> dict:
+    """The newest record of a select row (run, step) on the metric's task."""
+    return [r for r in records if (r["run"], r["step"], r["task"]) == (row["run"], row["step"], metric.task)][
+        -1
+    ]

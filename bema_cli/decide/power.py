@@ -1,0 +1,55 @@
+"""What a number of items can resolve, and what a shipped difference is worth once it was tested.
+
+- Minimum detectable difference (MDD): the smallest true difference a paired two-sided test at
+  level 0.05 finds with probability 0.80 on n items, (z_0.975 + z_0.80) * sd(d) / sqrt(n), with sd(d)
+  the spread of the per-item differences (Cohen 1988, ch. 2; the normal approximation).
+- Winner's-curse correction: a difference is shipped only because its interval cleared 0 on the
+  report items, so the shipped value is drawn from a normal *truncated* at the test's threshold
+  c = 1.96 se. Its conditionally median-unbiased estimate (Zhong & Prentice 2008, "Bias-reduced
+  estimators and confidence intervals for odds ratios in genome-wide association studies",
+  Biostatistics 9; Ghosh, Zou & Wright 2008 give the conditional MLE, which runs to -inf when x sits
+  on c) is the mu with P(X > x | X > c; mu) = 1/2. docs/eval-protocol.md, "What the numbers mean".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+Z_TEST = 1.959964  # two-sided 0.05
+Z_POWER = 0.841621  # 0.80
+
+
+def mdd(diffs: Sequence[float], scale: float = 1.0) -> float:
+    """Minimum detectable difference at 80% power of a paired test on these per-item differences
+    (each divided by `scale`: loss items are summed NLLs, the metric is NLL per token)."""
+    n = len(diffs)
+    if n < 2:
+        return math.inf
+    mean = sum(diffs) / n
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) / scale
+    return (Z_TEST + Z_POWER) * sd / math.sqrt(n)
+
+
+def _log_tail(z: float) -> float:
+    """log(1 - Phi(z)), accurate far into the tail (erfc underflows past z ~ 38: Mills' series there)."""
+    if z < 30:
+        return math.log(0.5 * math.erfc(z / math.sqrt(2)))
+    return -z * z / 2 - math.log(z * math.sqrt(2 * math.pi)) + math.log1p(-1 / z**2 + 3 / z**4)
+
+
+def corrected(x: float, se: float) -> float:
+    """The conditionally median-unbiased estimate of the true difference mu, given that x (oriented:
+    better is positive) was reported only because x > 1.96 se: the mu under which half of the
+    differences that pass the test exceed x. Always below x; far below when x barely passed."""
+    if not se > 0 or not math.isfinite(se) or x <= Z_TEST * se:
+        return x
+
+    def above(mu: float) -> float:  # log P(X > x | X > c; mu), increasing in mu
+        return _log_tail((x - mu) / se) - _log_tail((Z_TEST * se - mu) / se)
+
+    lo, hi = x - 40 * se, x
+    for _ in range(100):  # bisection on log P(X > x | X > c) = log 1/2
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if above(mid) < math.log(0.5) else (lo, mid)
+    return (lo + hi) / 2

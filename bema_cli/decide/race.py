@@ -1,0 +1,117 @@
+"""Racing on the pick items: candidates are evaluated in rounds of items, and one that cannot win
+stops being evaluated (Maron & Moore 1994, "Hoeffding races"), with an interval that stays valid
+however often it is looked at.
+
+The interval is the asymptotic confidence sequence of Waudby-Smith, Arbour, Sinha, Kennedy and
+Ramdas, "Time-uniform central limit theory and asymptotic confidence sequences" (Ann. Statist. 52,
+2024, Theorem 2.2), Robbins' normal-mixture boundary (Howard et al. 2021, eq. 14) with the sample
+variance plugged in. For the mean of t paired per-item differences d_1..d_t, with probability
+>= 1 - a it holds at *every* t at once:
+
+    mean_t +- sd_t * sqrt( 2 (t rho^2 + 1) / (t^2 rho^2) * log( sqrt(t rho^2 + 1) / a ) )
+
+rho sets the t where it is tightest (here: all the pick items, where a fixed-n test would look).
+A candidate is dropped when the sequence for (leader - candidate) lies above 0. Each comparison
+runs at a / (K - 1) (Bonferroni over the K - 1 rivals of whichever candidate is truly best), so the
+best is dropped with probability <= a over the whole race. docs/eval-protocol.md, "Racing".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+ALPHA = 0.05  # chance, over a whole race, of dropping the truly best candidate
+ROUND_ITEMS = 16  # items per round: a swap per candidate and round, next to 16 prompts' generation
+MIN_ITEMS = 8  # no elimination before this many items: a variance of 2 items is not a variance
+
+
+def radius(sd: float, t: int, a: float, horizon: int) -> float:
+    """Half-width of the two-sided level-(1 - a) confidence sequence at t items (tightest at `horizon`)."""
+    if t < 2:
+        return math.inf
+    log_term = -2 * math.log(a)
+    rho2 = (log_term + math.log(log_term + 1)) / max(horizon, 2)  # Waudby-Smith et al., eq. (2.11)
+    return sd * math.sqrt(2 * (t * rho2 + 1) / (t * t * rho2) * math.log(math.sqrt(t * rho2 + 1) / a))
+
+
+def sequence(diffs: Sequence[float], a: float, horizon: int) -> tuple[float, float]:
+    """(low, high) of the confidence sequence for the mean of the paired differences seen so far."""
+    t = len(diffs)
+    if t < 2:
+        return -math.inf, math.inf
+    mean = sum(diffs) / t
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (t - 1))
+    r = radius(sd, t, a, horizon)
+    return mean - r, mean + r
+
+
+class Race:
+    """Candidates scored item by item (oriented: higher is better); `protect`ed ones are never dropped."""
+
+    def __init__(self, names: Sequence[str], horizon: int, protect: Sequence[str] = (), alpha: float = ALPHA):
+        self.scores: dict[str, list[float]] = {n: [] for n in names}
+        self.alive = list(names)
+        self.dropped: dict[
+            str, dict
+        ] = {}  # name -> {"after": items seen, "by": leader, "interval": [lo, hi]}
+        self.horizon, self.protect, self.alpha = horizon, set(protect), alpha
+
+    def add(self, name: str, values: Sequence[float]) -> None:
+        self.scores[name].extend(values)
+
+    def leader(self) -> str:
+        t = min(len(self.scores[n]) for n in self.alive)
+        return max(self.alive, key=lambda n: sum(self.scores[n][:t]))
+
+    def eliminate(self) -> list[str]:
+        """Drop every candidate whose sequence against the leader lies above 0; returns those dropped."""
+        t = min(len(self.scores[n]) for n in self.alive)
+        if t < MIN_ITEMS or len(self.alive) < 2:
+            return []
+        lead = self.leader()
+        a = self.alpha / max(len(self.scores) - 1, 1)
+        out = []
+        for name in self.alive:
+            if name == lead or name in self.protect:
+                continue
+            diffs = [x - y for x, y in zip(self.scores[lead][:t], self.scores[name][:t], strict=True)]
+            lo, hi = sequence(diffs, a, self.horizon)
+            if lo > 0:
+                out.append(name)
+                self.dropped[name] = {"after": t, "by": lead, "interval": [lo, hi]}
+        self.alive = [n for n in self.alive if n not in out]
+        return out
+
+
+def duel(
+    trial: Callable[[list], list[float]],
+    incumbent: Callable[[list], list[float]],
+    ids: Sequence,
+    alpha: float = ALPHA,
+    round_items: int = ROUND_ITEMS,
+) -> tuple[bool, int, float]:
+    """Is `trial` better than `incumbent` on the pick items (oriented scores, higher is better)?
+    Rounds of items until the confidence sequence of their difference excludes 0, else the point
+    estimate on every item (what the exhaustive search decides on). Returns (better, items used,
+    mean difference on them)."""
+    diffs: list[float] = []
+    for lo in range(0, len(ids), round_items):
+        batch = list(ids[lo : lo + round_items])
+        diffs += [x - y for x, y in zip(trial(batch), incumbent(batch), strict=True)]
+        if len(diffs) >= MIN_ITEMS and len(diffs) < len(ids):
+            low, high = sequence(diffs, alpha, len(ids))
+            if low > 0 or high < 0:
+                return low > 0, len(diffs), sum(diffs) / len(diffs)
+    mean = sum(diffs) / len(diffs) if diffs else 0.0
+    return mean > 0, len(diffs), mean
+
+
+def exhaustive(
+    trial: Callable[[list], list[float]], incumbent: Callable[[list], list[float]], ids: Sequence, **_
+) -> tuple[bool, int, float]:
+    """`duel` without racing: every item, then the point estimate (the search as it was before racing,
+    kept as the benchmark's reference)."""
+    diffs = [x - y for x, y in zip(trial(list(ids)), incumbent(list(ids)), strict=True)]
+    mean = sum(diffs) / len(diffs) if diffs else 0.0
+    return mean > 0, len(diffs), mean

@@ -1,0 +1,119 @@
+"""`bema ship`'s fitted averages: the search on the pick items, raced, from memory.
+
+Greedy soup over the menu at the chosen step and the last checkpoints, then (loss) simplex weights
+over the last K checkpoints (fit.py). Each candidate is a coefficient vector evaluated from memory
+(scorer.ItemScorer: nothing written) on the metric's task alone and on the pick items alone; each
+"does it improve" is a race on them (race.duel). The best is evaluated on the report items, as a
+finalist beside the menu's pick and vanilla (decision.py compares them there).
+"""
+
+from __future__ import annotations
+
+from bema_cli import stages
+from bema_cli.decide import fit, race, select
+from bema_cli.decide.decision import record_of
+from bema_cli.decide.scorer import ItemScorer
+
+FITS = ("soup", "simplex")
+SOUP_CHECKPOINTS = 4  # the last saved checkpoints that join the menu as soup ingredients
+SIMPLEX_K = 4  # the simplex weights span the last K checkpoints
+
+
+def search(stab, config, engine, ship_opts, metric, chosen, records, work) -> dict:
+    """Greedy soup over the menu at the chosen step and the last checkpoints, then (loss) simplex
+    weights over the last K checkpoints. Each candidate is a coefficient vector evaluated from memory
+    (scorer.ItemScorer: nothing written) on the metric's task alone, on the pick items, every "does it
+    improve" a race on them (race.duel); the best is then evaluated on the report items."""
+    from bema_cli.stabilize.prepare import prepare
+    from bema_cli.sweep.walk import sweep_options
+
+    plan = prepare(sweep_options(stab))
+    step = chosen["winner"]["step"]
+    folders = [c.path for c in plan.checkpoints if c.step <= step]
+    steps = [c.step for c in plan.checkpoints if c.step <= step]
+    with stages.stage("fit_basis"), stages.kept():  # a stabilize on the basis: keep the sweep's stages
+        menu = fit.coefficients(stab.schedules, steps, step, work / "basis")
+    n = len(steps) + 1
+    vanilla = [0.0] * (n - 1) + [1.0]
+    pick_ids, report_ids = _item_sides(records, chosen, metric, ship_opts)
+    scorer = ItemScorer(
+        config, engine, metric, [plan.base_index.folder, *folders], folders[-1], work / "fit", step
+    )
+    picked = {c["run"] for c in chosen["candidates"] if c["step"] == step}
+    for run, c in [*((r, menu[r]) for r in menu if r in picked), ("vanilla", vanilla)]:
+        scorer.seed(c, record_of(records, {"run": run, "step": step}, metric))  # the sweep scored them
+    ingredients = [(run, menu[run]) for run in menu if run in picked] + [("vanilla", vanilla)]
+    for j in range(max(1, n - SOUP_CHECKPOINTS), n - 1):  # earlier saved checkpoints: ingredients too
+        ingredients.append((f"checkpoint-{steps[j - 1]}", [float(i == j) for i in range(n)]))
+    try:
+        result, found = fit_search(
+            scorer.scores, ingredients, pick_ids, ship_opts.fits, n, metric.key == "loss"
+        )
+        best = None
+        for kind, c, method in found:  # its value on every pick item (the search may have stopped early)
+            value = select.metric_value(scorer.record(c, pick_ids, kind), metric)
+            result[kind]["pick_value"] = value
+            if best is None or (value > best[2]) == metric.higher_is_better and value != best[2]:
+                best = (kind, c, value, method)
+        out = {"doc": result, "best": None}
+        if best is not None:
+            name = f"{best[0]}-{fit.digest(best[1])}"
+            rec = scorer.record(best[1], report_ids, name)  # the finalist on the report items
+            out["best"] = {"kind": best[0], "coefficients": best[1], "method": best[3], "record": rec,
+                           "basis": scorer.basis, "folders": folders, "base_source": plan.base_source,
+                           "ingredients": result.get("soup", {}).get("ingredients")}  # fmt: skip
+            result["best"] = {"kind": best[0], "run": name, "pick_value": best[2]}
+    finally:
+        scorer.close()
+    exhaustive = (len(result["candidates"]) + len(found)) * (len(pick_ids) + len(report_ids))
+    tasks = len([t for t in config.tasks if t != "train_loss"])  # every candidate on every task, as before
+    result["evaluations"] = {"items": scorer.evaluated, "exhaustive": exhaustive * tasks}
+    return out
+
+
+def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, duel=race.duel):
+    """The search itself on any `scores(c, ids, name)` (oriented per-item scores, higher is better):
+    the engine's (ship) or a simulated world's (bench/bench_decide.py). `ingredients`: (name, c).
+    `duel` decides each "does it improve" (race.duel; race.exhaustive: every pick item, as before).
+    Returns (the search's document, the fits found as (kind, c, method))."""
+    trials: list[dict] = []
+
+    def better(kind: str):
+        def compare(trial: list[float], incumbent: list[float]) -> bool:
+            name = f"{kind}-{fit.digest(trial)}"
+            won, used, diff = duel(lambda ids: scores(trial, ids, name),
+                                   lambda ids: scores(incumbent, ids, name), pick_ids)  # fmt: skip
+            trials.append({"run": name, "pick_items": used, "better": won, "mean_item_difference": diff})
+            return won
+
+        return compare
+
+    scored = [(name, c, sum(scores(c, pick_ids, name))) for name, c in ingredients]
+    result: dict = {"candidates": trials, "pick_items": len(pick_ids), "race": RACE_NOTE}
+    found = []
+    if "soup" in fits:
+        names, c = fit.greedy_soup(scored, better("soup"), 1.0)
+        if len(names) > 1:  # a soup of one ingredient is that ingredient
+            found.append(("soup", c, "soup"))
+        result["soup"] = {"ingredients": names}
+    if "simplex" in fits and loss and n > 2:
+        k = min(SIMPLEX_K, n - 1)
+        c, calls = fit.simplex_fit(k, n, better("simplex"))
+        result["simplex"] = {"k": k, "trials": calls, "search": "coordinate search on softmax logits"}
+        found.append(("simplex", c, f"simplex-k{k}"))
+    return result, found
+
+
+RACE_NOTE = (
+    "each trial raced against the incumbent on the pick items in rounds of "
+    f"{race.ROUND_ITEMS}, stopped when an anytime-valid confidence sequence (Waudby-Smith et al. 2024) "
+    "told them apart"
+)
+
+
+def _item_sides(records: list[dict], chosen: dict, metric, ship_opts) -> tuple[list, list]:
+    """The metric task's item ids on the pick side and on the report side (select's own split)."""
+    rec = record_of(records, {"run": "vanilla", "step": chosen["winner"]["step"]}, metric)
+    ids = list(rec["items"]["ids"])
+    pick, report = select.sides(ids, ship_opts.holdout, ship_opts.seed)
+    return [ids[i] for i in pick], [ids[i] for i in report]

@@ -42,9 +42,7 @@ def search(stab, config, engine, ship_opts, metric, chosen, records, work) -> di
     picked = {c["run"] for c in chosen["candidates"] if c["step"] == step}
     for run, c in [*((r, menu[r]) for r in menu if r in picked), ("vanilla", vanilla)]:
         scorer.seed(c, record_of(records, {"run": run, "step": step}, metric))  # the sweep scored them
-    ingredients = [(run, menu[run]) for run in menu if run in picked] + [("vanilla", vanilla)]
-    for j in range(max(1, n - SOUP_CHECKPOINTS), n - 1):  # earlier saved checkpoints: ingredients too
-        ingredients.append((f"checkpoint-{steps[j - 1]}", [float(i == j) for i in range(n)]))
+    ingredients = ingredients_of(menu, picked, steps)
     try:
         result, found = fit_search(
             scorer.scores, ingredients, pick_ids, ship_opts.fits, n, metric.key == "loss"
@@ -75,7 +73,8 @@ def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, du
     """The search itself on any `scores(c, ids, name)` (oriented per-item scores, higher is better):
     the engine's (ship) or a simulated world's (bench/bench_decide.py). `ingredients`: (name, c).
     `duel` decides each "does it improve" (race.duel; race.exhaustive: every pick item, as before).
-    Returns (the search's document, the fits found as (kind, c, method))."""
+    Returns (the search's document, the fits found as (kind, c, method), the best of them on every
+    pick item or None)."""
     trials: list[dict] = []
 
     def better(kind: str):
@@ -101,7 +100,22 @@ def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, du
         c, calls = fit.simplex_fit(k, n, better("simplex"))
         result["simplex"] = {"k": k, "trials": calls, "search": "coordinate search on softmax logits"}
         found.append(("simplex", c, f"simplex-k{k}"))
-    return result, found
+    best = max(found, key=lambda f: sum(scores(f[1], pick_ids, f[0])), default=None)  # the first of equals
+    return result, found, best
+
+
+def ingredients_of(
+    menu: dict[str, list[float]], picked: set, steps: list[int]
+) -> list[tuple[str, list[float]]]:
+    """The soup's ingredients: the menu's configs evaluated at the step, vanilla, and the last
+    SOUP_CHECKPOINTS saved checkpoints before it, each as (name, coefficient vector)."""
+    n = len(steps) + 1
+    out = [(run, menu[run]) for run in menu if run in picked] + [
+        ("vanilla", [float(i == n - 1) for i in range(n)])
+    ]
+    for j in range(max(1, n - SOUP_CHECKPOINTS), n - 1):
+        out.append((f"checkpoint-{steps[j - 1]}", [float(i == j) for i in range(n)]))
+    return out
 
 
 RACE_NOTE = (

@@ -1,0 +1,258 @@
+"""Benchmark `bema ship`'s decision: the raced fit search against the exhaustive one, on simulated
+runs whose truth is known, through ship's own decision code (select, search.fit_search, decision).
+
+A world is a run of 8 checkpoints (steps 10..80) and N held-out records. Record i's loss per token
+under the average with coefficients c over (theta0, checkpoints) is
+    b_i + sum_j c_j z_ij + 1 + A c_0^2 + lam * sum_{j >= 1} c_j^2
+b_i: the record's difficulty; z_ij: how checkpoint j happens to do on record i (the sampling noise
+an evaluation sees); A c_0^2: the checkpoints sit near an optimum that theta0 is far from, so
+weight on theta0, either sign (BEMA's is negative), moves the average off it; lam * sum c_j^2: the
+loss that noise in the weights adds, which averaging removes (the paper's regime). Its NLL is that
+times the record's tokens. The truth of c is the population mean (z averages out).
+- null world: lam = 0 and every checkpoint equally good: no average beats the last checkpoint,
+  so shipping one is a false claim;
+- power world: lam > 0: averages over more checkpoints are truly better.
+
+Every repetition draws a world, makes the menu's records (the sweep's, exhaustive in both
+designs), and decides twice on the same draw: the fit search raced (race.duel, today) and
+exhaustive (every candidate on every pick item, the design before racing; it also evaluated each
+fitted candidate on the report items). It prints the evaluations (item x candidate) of each, the
+false-claim rate and power with Wilson 95% intervals, and how often both decide the same.
+
+    .venv/bin/python bench/bench_decide.py [--reps 200] [--items 200] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+STEPS = [10, 20, 30, 40, 50, 60, 70, 80]
+SIGMA_ITEM = 0.15  # z_ij's spread (per token)
+SIGMA_B = 0.3  # the records' difficulty spread
+THETA0_COST = 0.6  # A: the loss per token of moving all the way back to theta0
+LAM_POWER = 0.045  # the power world's weight-noise loss (exhaustive power near the paper's 80%)
+
+
+def menu_vectors(work: Path) -> dict[str, list[float]]:
+    """The default menu's coefficient vectors at the last step, from bema's own stabilize (fit.py)."""
+    from bema_cli.decide import fit
+    from bema_cli.decide.ship import DEFAULT_GRID
+    from bema_cli.stabilize import grid
+
+    return fit.coefficients(grid(**DEFAULT_GRID), STEPS, STEPS[-1], work)
+
+
+class World:
+    def __init__(self, rng, items: int, lam: float):
+        n = len(STEPS) + 1
+        self.ids = list(range(items))
+        self.tokens = rng.integers(20, 61, size=items).astype(float)
+        self.b = rng.normal(1.0, SIGMA_B, size=items)
+        self.z = rng.normal(0.0, SIGMA_ITEM, size=(items, n))
+        self.z[:, 0] = 0.0
+        self.lam = lam
+        self.evaluated: set[tuple] = set()  # (vector, item) pairs a design paid for
+
+    def nll(self, c, ids) -> np.ndarray:
+        c = np.asarray(c, float)
+        ids = np.asarray(ids, int)
+        return (self.b[ids] + self.z[ids] @ c + self.mean(c)) * self.tokens[ids]
+
+    def mean(self, c: np.ndarray) -> float:
+        return 1.0 + THETA0_COST * c[0] ** 2 + self.lam * float((c[1:] ** 2).sum())
+
+    def truth(self, c) -> float:
+        c = np.asarray(c, float)
+        return float(self.b.mean()) + self.mean(c)
+
+    def scores(self, c, ids, name=None) -> list[float]:
+        key = tuple(round(x, 12) for x in c)
+        self.evaluated.update((key, i) for i in ids)
+        return [-x for x in self.nll(c, ids)]
+
+    def record(self, run: str, c, ids) -> dict:
+        return {"run": run, "step": STEPS[-1], "task": "loss", "model_path": run, "_where": run, "is_base": False,
+                "items": {"ids": list(ids), "nll": self.nll(c, ids).tolist(), "tokens": self.tokens[ids].tolist()},
+                "protocol": {}, "seeds": None, "n_samples": 1, "n_prompts": len(ids), "backend": "sim",
+                "dtype": "float64"}  # fmt: skip
+
+
+def decide_once(world: World, menu: dict, duel, opts) -> dict:
+    """ship's decision on this world: select on the menu's records, the fit search with `duel`, the rule."""
+    from bema_cli.decide import decision, search, select
+
+    metric = select.Metric("loss", "loss", False)
+    n = len(STEPS) + 1
+    vanilla = [float(i == n - 1) for i in range(n)]
+    records = [world.record(run, c, world.ids) for run, c in [*menu.items(), ("vanilla", vanilla)]]
+    chosen = select.select(records, metric, "last", opts.holdout, opts.resamples, opts.seed)
+    pick, report = select.sides(world.ids, opts.holdout, opts.seed)
+    pick_ids, report_ids = [world.ids[i] for i in pick], [world.ids[i] for i in report]
+    world.evaluated = set()
+    for _, c in [*menu.items(), ("vanilla", vanilla)]:  # the sweep scored these: not the search's cost
+        world.scores(c, world.ids)
+    paid_before = len(world.evaluated)
+    picked = {c["run"] for c in chosen["candidates"]}
+    ingredients = search.ingredients_of(menu, picked, STEPS)
+    result, found, best = search.fit_search(
+        world.scores, ingredients, pick_ids, search.FITS, n, True, duel=duel
+    )
+    fitted = None
+    if best is not None:
+        name = f"{best[0]}-fit"
+        rec = world.record(name, best[1], report_ids)
+        world.scores(best[1], report_ids)
+        result["best"] = {"kind": best[0], "run": name}
+        fitted = {"doc": result, "best": {"record": rec}}
+    made, why = decision.decide(chosen, fitted, metric, opts, records)
+    shipped = {"vanilla": vanilla, "fitted": best[1] if best else None}.get(made["kind"]) or menu.get(
+        made["run"]
+    )
+    # the design before racing: every fitted candidate on every pick and report item
+    trials = len(result["candidates"]) + len(found)
+    return {"kind": made["kind"], "average": made["kind"] != "vanilla", "truth": world.truth(shipped),
+            "vanilla_truth": world.truth(vanilla), "fit_items": len(world.evaluated) - paid_before,
+            "fit_items_exhaustive": trials * len(world.ids), "menu_items": (len(menu) + 1) * len(world.ids),
+            "verdict": why}  # fmt: skip
+
+
+def wilson(k: int, n: int) -> tuple[float, float]:
+    if n == 0:
+        return math.nan, math.nan
+    z, p = 1.959964, k / n
+    mid, half = (
+        (p + z * z / (2 * n)) / (1 + z * z / n),
+        z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n),
+    )
+    return mid - half, mid + half
+
+
+def run(reps: int, items: int, seed: int, lam_power: float = LAM_POWER) -> dict:
+    from bema_cli.decide import race
+    from bema_cli.decide.ship import ShipOptions
+
+    opts = ShipOptions(out=Path("unused"), resamples=1000)
+    with tempfile.TemporaryDirectory() as tmp:
+        menu = menu_vectors(Path(tmp) / "basis")
+    out = {}
+    for world_name, lam in (("null", 0.0), ("power", lam_power)):
+        rows = []
+        for r in range(reps):
+            pair = {}
+            for design, duel in (("raced", race.duel), ("exhaustive", race.exhaustive)):
+                world = World(np.random.default_rng([seed, r, int(lam * 1e6)]), items, lam)
+                pair[design] = decide_once(world, menu, duel, opts)
+            rows.append(pair)
+        out[world_name] = rows
+    return out
+
+
+def summarise(res: dict) -> list[tuple[str, str, str, str]]:
+    table = []
+
+    def add(check, measured, target="(info)", ok=None):
+        table.append((check, measured, target, "" if ok is None else ("PASS" if ok else "FAIL")))
+
+    both = res["null"] + res["power"]
+    fit_raced = sum(p["raced"]["fit_items"] for p in both)
+    fit_exh = sum(p["exhaustive"]["fit_items_exhaustive"] for p in both)
+    menu = sum(p["raced"]["menu_items"] for p in both)
+    add(
+        "fit search: item evaluations, raced / exhaustive",
+        f"{fit_raced / fit_exh:.2f}",
+        "<= 0.3",
+        fit_raced / fit_exh <= 0.3,
+    )
+    whole = (menu + fit_raced) / (menu + fit_exh)
+    add("whole ship (menu swept in full): raced / exhaustive", f"{whole:.2f}", "<= 0.3", whole <= 0.3)
+    for world, rows in res.items():
+        n = len(rows)
+        same = sum(p["raced"]["average"] == p["exhaustive"]["average"] for p in rows)
+        lo, hi = wilson(same, n)
+        add(
+            f"{world}: same decision (an average, or vanilla)",
+            f"{same / n:.3f} [{lo:.3f}, {hi:.3f}]",
+            ">= 0.95",
+            same / n >= 0.95,
+        )
+        gap = [p["raced"]["truth"] - p["exhaustive"]["truth"] for p in rows]
+        mean, se = float(np.mean(gap)), float(np.std(gap, ddof=1) / math.sqrt(n)) if n > 1 else 0.0
+        add(
+            f"{world}: true loss shipped, raced - exhaustive",
+            f"{mean:+.2e} (se {se:.1e})",
+            "<= 2 se",
+            mean <= 2 * se + 1e-15,
+        )
+        for design in ("raced", "exhaustive"):
+            if world == "null":
+                k = sum(
+                    p[design]["average"] and p[design]["truth"] >= p[design]["vanilla_truth"] - 1e-12
+                    for p in rows
+                )
+                lo, hi = wilson(k, n)
+                add(
+                    f"null: false claims, {design}",
+                    f"{k / n:.3f} [{lo:.3f}, {hi:.3f}]",
+                    "<= 0.05",
+                    k / n <= 0.05,
+                )
+            else:
+                k = sum(
+                    p[design]["average"] and p[design]["truth"] < p[design]["vanilla_truth"] for p in rows
+                )
+                lo, hi = wilson(k, n)
+                add(f"power: ships a truly better average, {design}", f"{k / n:.3f} [{lo:.3f}, {hi:.3f}]")
+        if world == "power":
+            kr = sum(
+                p["raced"]["average"] and p["raced"]["truth"] < p["raced"]["vanilla_truth"] for p in rows
+            )
+            ke = sum(
+                p["exhaustive"]["average"] and p["exhaustive"]["truth"] < p["exhaustive"]["vanilla_truth"]
+                for p in rows
+            )
+            add(
+                "power: raced - exhaustive",
+                f"{(kr - ke) / n:+.3f}",
+                ">= 0 within noise",
+                kr >= ke - 2 * math.sqrt(max(ke, 1)),
+            )
+    return table
+
+
+def main(argv=None) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_stabilize import COLUMNS, render
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--items", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lam", type=float, default=LAM_POWER, help="the power world's weight-noise loss")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    t = time.perf_counter()
+    res = run(a.reps, a.items, a.seed, a.lam)
+    table = summarise(res)
+    head = (f"bema ship decision benchmark: {a.reps} repetitions per world, {a.items} held-out records "
+            f"(holdout 0.5), {time.perf_counter() - t:.0f} s")  # fmt: skip
+    text = render(table, [head])
+    print(text, file=sys.stderr if a.json else sys.stdout)
+    if a.json:
+        example = res["power"][0]["raced"]["verdict"]
+        print(
+            json.dumps(
+                {"rows": [dict(zip(COLUMNS, r, strict=True)) for r in table], "example_verdict": example}
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""ship's verdict says what each half showed, and never contradicts its own JSON; the decision
+benchmark runs through ship's own decision code (select, the fit search, the rule)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from bema_cli.decide import decision, select
+from bema_cli.decide.ship import ShipOptions
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_decide.py"
+
+
+def record(run: str, nll: list[float], tokens: list[float]) -> dict:
+    ids = list(range(len(nll)))
+    return {"run": run, "step": 80, "task": "loss", "model_path": run, "_where": run, "is_base": False,
+            "items": {"ids": ids, "nll": nll, "tokens": tokens}, "protocol": {}, "seeds": None,
+            "n_samples": 1, "n_prompts": len(ids), "backend": "t", "dtype": "float32"}  # fmt: skip
+
+
+def test_vanilla_picked_by_the_tie_rule_while_the_report_half_favours_an_average_says_so():
+    """lawa-w8 equals vanilla on the pick items (tied: the tie rule picks vanilla) and is clearly
+    better on the report items: the verdict must not say that no average beats vanilla; it names
+    the halves and why lawa-w8 is not shipped."""
+    rng = np.random.default_rng(0)
+    n = 200
+    opts = ShipOptions(out=Path("unused"))
+    pick, report = select.sides(list(range(n)), opts.holdout, opts.seed)
+    tokens = rng.integers(20, 60, size=n).astype(float)
+    van = rng.normal(1.0, 0.2, size=n) * tokens
+    lawa = van.copy()
+    lawa[pick] += rng.normal(0, 0.5, size=len(pick))  # a tie on the pick items
+    lawa[report] -= 0.3 * tokens[report]  # far better on the report items
+    records = [
+        record("vanilla", van.tolist(), tokens.tolist()),
+        record("lawa-w8", lawa.tolist(), tokens.tolist()),
+    ]
+    metric = select.parse_metric("loss")
+    chosen = select.select(records, metric, "last", opts.holdout, opts.resamples, opts.seed)
+    assert chosen["winner"]["run"] == "vanilla"
+    made, why = decision.decide(chosen, None, metric, opts, records)
+    assert made["kind"] == "vanilla"
+    assert "no average beats vanilla" not in why, why
+    assert "lawa-w8, the best there, tied with it: the tie rule picks vanilla" in why, why
+    row = next(c for c in chosen["candidates"] if c["run"] == "lawa-w8")
+    assert row["vs_vanilla"]["high"] < 0  # the JSON: better on the report items, and the verdict says it
+    assert "on the report items lawa-w8 reads" in why and "not picked" in why, why
+    assert f"{len(report)} report items: differences under " in why and made["mdd"] > 0
+
+
+def test_the_decision_benchmark_runs_ship_s_decision_code():
+    proc = subprocess.run([sys.executable, str(BENCH), "--reps", "30", "--json"], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    rows = {r["check"]: r for r in doc["rows"]}
+    assert rows["null: false claims, raced"]["result"] == "PASS"
+    assert rows["null: same decision (an average, or vanilla)"]["result"] == "PASS"
+    ratio = float(rows["fit search: item evaluations, raced / exhaustive"]["measured"])
+    assert ratio < 0.8  # racing saves items (the 0.3 target is the benchmark's, printed there)
+    assert doc["example_verdict"].startswith("ship ")

@@ -44,15 +44,12 @@ def search(stab, config, engine, ship_opts, metric, chosen, records, work) -> di
         scorer.seed(c, record_of(records, {"run": run, "step": step}, metric))  # the sweep scored them
     ingredients = ingredients_of(menu, picked, steps)
     try:
-        result, found = fit_search(
-            scorer.scores, ingredients, pick_ids, ship_opts.fits, n, metric.key == "loss"
-        )
-        best = None
-        for kind, c, method in found:  # its value on every pick item (the search may have stopped early)
-            value = select.metric_value(scorer.record(c, pick_ids, kind), metric)
-            result[kind]["pick_value"] = value
-            if best is None or (value > best[2]) == metric.higher_is_better and value != best[2]:
-                best = (kind, c, value, method)
+        loss = metric.key == "loss"
+        result, found, best = fit_search(scorer.scores, ingredients, pick_ids, ship_opts.fits, n, loss)
+        for kind, c, _ in found:  # in the metric's units, on every pick item
+            result[kind]["pick_value"] = select.metric_value(scorer.record(c, pick_ids, kind), metric)
+        if best is not None:
+            best = (best[0], best[1], result[best[0]]["pick_value"], best[2])
         out = {"doc": result, "best": None}
         if best is not None:
             name = f"{best[0]}-{fit.digest(best[1])}"

@@ -85,42 +85,71 @@ class World:
                 "dtype": "float64"}  # fmt: skip
 
 
-def decide_once(world: World, menu: dict, duel, opts) -> dict:
-    """ship's decision on this world: select on the menu's records, the fit search with `duel`, the rule."""
-    from bema_cli.decide import decision, search, select
+class SimScorer:
+    """What ship's race and search ask of their scorer (scorer.ItemScorer), on a simulated world:
+    a candidate by menu name (c None) or by vector; every (vector, item) paid for is counted."""
+
+    def __init__(self, world: World, menu: dict):
+        self.world, self.menu, self.evaluated = world, menu, 0
+
+    def vector(self, c, name):
+        return c if c is not None else self.menu[name]
+
+    def scores(self, c, ids, name=None) -> list[float]:
+        before = len(self.world.evaluated)
+        out = self.world.scores(self.vector(c, name), ids)
+        self.evaluated += len(self.world.evaluated) - before
+        return out
+
+    def record(self, c, ids, name) -> dict:
+        self.scores(c, ids, name)
+        return self.world.record(name, self.vector(c, name), ids)
+
+
+def decide_once(world: World, menu: dict, raced: bool, opts) -> dict:
+    """ship's decision on this world. Raced (today): the menu raced on the pick items, the fits
+    raced, the finalists on the report items (menu.race_menu, search.fit_search, decision.decide).
+    Exhaustive (the design before): every menu config on every item, select, the fits on every
+    pick item (race.exhaustive), each fitted candidate paid on every item, the same rule."""
+    from bema_cli.decide import decision, race, search, select
+    from bema_cli.decide.menu import race_menu
 
     metric = select.Metric("loss", "loss", False)
     n = len(STEPS) + 1
     vanilla = [float(i == n - 1) for i in range(n)]
-    records = [world.record(run, c, world.ids) for run, c in [*menu.items(), ("vanilla", vanilla)]]
-    chosen = select.select(records, metric, "last", opts.holdout, opts.resamples, opts.seed)
+    menu = {**menu, "vanilla": vanilla}
+    scorer = SimScorer(world, menu)
     pick, report = select.sides(world.ids, opts.holdout, opts.seed)
     pick_ids, report_ids = [world.ids[i] for i in pick], [world.ids[i] for i in report]
-    world.evaluated = set()
-    for _, c in [*menu.items(), ("vanilla", vanilla)]:  # the sweep scored these: not the search's cost
-        world.scores(c, world.ids)
-    paid_before = len(world.evaluated)
-    picked = {c["run"] for c in chosen["candidates"]}
-    ingredients = search.ingredients_of(menu, picked, STEPS)
-    result, found, best = search.fit_search(
-        world.scores, ingredients, pick_ids, search.FITS, n, True, duel=duel
+    if raced:
+        made = race_menu(scorer, list(menu), pick_ids, report_ids, opts, metric)
+        chosen, records, survivors = made["chosen"], made["records"], made["race"]["survivors"]
+    else:
+        records = [scorer.record(None, world.ids, run) for run in menu]
+        chosen = select.select(records, metric, "last", opts.holdout, opts.resamples, opts.seed)
+        survivors = list(menu)
+    ingredients = search.ingredients_of(
+        {k: v for k, v in menu.items() if k != "vanilla"}, set(survivors), STEPS
     )
+    duel = race.duel if raced else race.exhaustive
+    result, found, best = search.fit_search(scorer.scores, ingredients, pick_ids, search.FITS, n, True, duel=duel,
+                                            report_n=len(report_ids))  # fmt: skip
     fitted = None
     if best is not None:
         name = f"{best[0]}-fit"
-        rec = world.record(name, best[1], report_ids)
-        world.scores(best[1], report_ids)
+        rec = scorer.record(best[1], report_ids, name)
         result["best"] = {"kind": best[0], "run": name}
         fitted = {"doc": result, "best": {"record": rec}}
     made, why = decision.decide(chosen, fitted, metric, opts, records)
-    shipped = {"vanilla": vanilla, "fitted": best[1] if best else None}.get(made["kind"]) or menu.get(
-        made["run"]
-    )
-    # the design before racing: every fitted candidate on every pick and report item
-    trials = len(result["candidates"]) + len(found)
+    shipped = best[1] if made["kind"] == "fitted" else menu[made["run"]]
+    items = scorer.evaluated
+    if not raced:  # it also paid every fitted candidate on every item (written, then evaluated whole)
+        items = len(menu) * len(world.ids) + (len(result["candidates"]) + len(found)) * len(world.ids)
+    # a second task (the README's --tasks gsm8k,loss), as many items: before, every candidate ran it;
+    # now the shipped model and vanilla only (contest._other_tasks)
+    second = items if not raced else 2 * len(world.ids)
     return {"kind": made["kind"], "average": made["kind"] != "vanilla", "truth": world.truth(shipped),
-            "vanilla_truth": world.truth(vanilla), "fit_items": len(world.evaluated) - paid_before,
-            "fit_items_exhaustive": trials * len(world.ids), "menu_items": (len(menu) + 1) * len(world.ids),
+            "vanilla_truth": world.truth(vanilla), "items": items, "items_two_tasks": items + second,
             "verdict": why}  # fmt: skip
 
 
@@ -136,7 +165,6 @@ def wilson(k: int, n: int) -> tuple[float, float]:
 
 
 def run(reps: int, items: int, seed: int, lam_power: float = LAM_POWER) -> dict:
-    from bema_cli.decide import race
     from bema_cli.decide.ship import ShipOptions
 
     opts = ShipOptions(out=Path("unused"), resamples=1000)
@@ -147,9 +175,9 @@ def run(reps: int, items: int, seed: int, lam_power: float = LAM_POWER) -> dict:
         rows = []
         for r in range(reps):
             pair = {}
-            for design, duel in (("raced", race.duel), ("exhaustive", race.exhaustive)):
+            for design in ("raced", "exhaustive"):
                 world = World(np.random.default_rng([seed, r, int(lam * 1e6)]), items, lam)
-                pair[design] = decide_once(world, menu, duel, opts)
+                pair[design] = decide_once(world, menu, design == "raced", opts)
             rows.append(pair)
         out[world_name] = rows
     return out
@@ -162,17 +190,13 @@ def summarise(res: dict) -> list[tuple[str, str, str, str]]:
         table.append((check, measured, target, "" if ok is None else ("PASS" if ok else "FAIL")))
 
     both = res["null"] + res["power"]
-    fit_raced = sum(p["raced"]["fit_items"] for p in both)
-    fit_exh = sum(p["exhaustive"]["fit_items_exhaustive"] for p in both)
-    menu = sum(p["raced"]["menu_items"] for p in both)
-    add(
-        "fit search: item evaluations, raced / exhaustive",
-        f"{fit_raced / fit_exh:.2f}",
-        "<= 0.3",
-        fit_raced / fit_exh <= 0.3,
+    raced = sum(p["raced"]["items"] for p in both)
+    whole = raced / sum(p["exhaustive"]["items"] for p in both)
+    add("item evaluations, raced / exhaustive (menu, fits, report)", f"{whole:.2f}", "<= 0.3", whole <= 0.3)
+    two = sum(p["raced"]["items_two_tasks"] for p in both) / sum(
+        p["exhaustive"]["items_two_tasks"] for p in both
     )
-    whole = (menu + fit_raced) / (menu + fit_exh)
-    add("whole ship (menu swept in full): raced / exhaustive", f"{whole:.2f}", "<= 0.3", whole <= 0.3)
+    add("  same with a second task reported (gsm8k,loss)", f"{two:.2f}", "<= 0.3", two <= 0.3)
     for world, rows in res.items():
         n = len(rows)
         same = sum(p["raced"]["average"] == p["exhaustive"]["average"] for p in rows)

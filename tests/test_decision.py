@@ -61,6 +61,6 @@ def test_the_decision_benchmark_runs_ship_s_decision_code():
     rows = {r["check"]: r for r in doc["rows"]}
     assert rows["null: false claims, raced"]["result"] == "PASS"
     assert rows["null: same decision (an average, or vanilla)"]["result"] == "PASS"
-    ratio = float(rows["fit search: item evaluations, raced / exhaustive"]["measured"])
-    assert ratio < 0.8  # racing saves items (the 0.3 target is the benchmark's, printed there)
+    ratio = float(rows["item evaluations, raced / exhaustive (menu, fits, report)"]["measured"])
+    assert ratio < 0.7  # racing saves items (the 0.3 target is the benchmark's, printed there)
     assert doc["example_verdict"].startswith("ship ")

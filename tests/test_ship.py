@@ -131,11 +131,11 @@ def test_a_killed_ship_resumes_evaluating_nothing_twice(runs, tmp_path):
     shutil.move(str(out / ".bema-ship"), str(work))  # killed before the final rename: records kept
     (work / "ship.json").unlink()
     shutil.rmtree(out)
-    results = work / "sweep" / "results.jsonl"
+    results = work / "race" / "loss" / "results.jsonl"  # one record per (candidate, slice of items)
     lines = results.read_text().splitlines(keepends=True)
+    assert len(lines) > 8  # the race's rounds and the finalists' report items
     results.write_text("".join(lines[:-2]))  # and before its last two evaluations
     again, r = ship(runs, "drift", out, "--fit", "none")
-    assert "resuming: 6 of 8 evaluations already in" in r.stderr  # vanilla + 7 configs
     assert sum(line.startswith("loss: ") for line in r.stderr.splitlines()) == 2  # only the missing two
     assert again["verdict"] == first["verdict"] and again["decision"] == first["decision"]
 
@@ -174,8 +174,9 @@ def test_records_are_sealed_and_no_fitted_model_is_kept(runs, tmp_path):
     work = out / ".bema-ship"
     assert doc["fitted"]["candidates"] and not (work / "fit" / "models").exists()
     assert (work / "seal.json").is_file()
-    results = work / "sweep" / "results.jsonl"
+    results = work / "race" / "loss" / "results.jsonl"
     rows = [json.loads(x) for x in results.read_text().splitlines()]
+    assert rows[0]["items"]["ids"] == rows[1]["items"]["ids"]  # two candidates' first round
     rows[0]["items"], rows[1]["items"] = rows[1]["items"], rows[0]["items"]
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     r = run_bema("ship", runs["noisy"], "--base", runs["base"], "--out", out, "--tasks", "loss",
@@ -235,5 +236,5 @@ def test_loss_data_without_tasks_decides_on_loss_and_generates_nothing(runs, tmp
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["metric"] == "loss" and "generate" not in doc["stages"]
-    records = (tmp_path / "m" / ".bema-ship" / "sweep" / "results.jsonl").read_text().splitlines()
+    records = (tmp_path / "m" / ".bema-ship" / "race" / "loss" / "results.jsonl").read_text().splitlines()
     assert {json.loads(x)["task"] for x in records} == {"loss"}

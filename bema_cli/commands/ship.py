@@ -88,6 +88,15 @@ def ship(
     select_seed: Annotated[
         int, typer.Option("--select-seed", help="Seed of the pick/report split and the bootstrap.")
     ] = 0,
+    max_evaluations: Annotated[
+        int | None,
+        typer.Option(
+            "--max-evaluations",
+            help="Stop the menu's race once this many (candidate, item) pairs are evaluated, and decide on "
+            "what it has (no fits).",
+            min=1,
+        ),
+    ] = None,
     method: MethodOpt = None,
     kappa: KappaOpt = None,
     eta: EtaOpt = None,
@@ -179,12 +188,12 @@ def ship(
     fits = () if fit.strip() == "none" else tuple(parse_str_list(fit, "--fit"))
     if tasks is None:  # the decision is made on loss when there is held-out data: no generation task
         tasks = "loss" if loss_data is not None else "gsm8k"
-    flags = {**locals(), "out": str(Path(out).parent / f".{Path(out).name}.bema-ship" / "sweep"),
+    flags = {**locals(), "out": str(Path(out).parent / f".{Path(out).name}.bema-ship" / "race"),
              "log_samples": False, "force": False,
              "verify_swap": False, "tensor_parallel_size": 1, "data_parallel_size": 1, "enforce_eager": False}  # fmt: skip
     evaluation, engine = eval_settings(flags)
     ship_opts = ShipOptions(
-        Path(out), metric, holdout, at, fits, resamples, select_seed, card_paths, overwrite, push
+        Path(out), metric, holdout, at, fits, resamples, select_seed, card_paths, overwrite, push, max_evaluations
     )
     check(ship_opts, evaluation)
     given = [method, kappa, eta, window, schedule, swa_start, sigma_rel, power_gamma, config]

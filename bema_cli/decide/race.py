@@ -92,18 +92,24 @@ def duel(
     ids: Sequence,
     alpha: float = ALPHA,
     round_items: int = ROUND_ITEMS,
+    report_n: int | None = None,
 ) -> tuple[bool, int, float]:
     """Is `trial` better than `incumbent` on the pick items (oriented scores, higher is better)?
-    Rounds of items until the confidence sequence of their difference excludes 0, else the point
-    estimate on every item (what the exhaustive search decides on). Returns (better, items used,
-    mean difference on them)."""
+    Rounds of items until the confidence sequence of their difference excludes 0 (kept, or
+    dropped), or, given `report_n`, until it shows the trial's gain is below what `report_n` report
+    items could resolve (power.mdd of the differences seen: a gain no report can confirm cannot
+    change the decision; dropped as futile); else the point estimate on every item. Returns
+    (better, items used, mean difference on them)."""
+    from bema_cli.decide.power import mdd
+
     diffs: list[float] = []
     for lo in range(0, len(ids), round_items):
         batch = list(ids[lo : lo + round_items])
         diffs += [x - y for x, y in zip(trial(batch), incumbent(batch), strict=True)]
         if len(diffs) >= MIN_ITEMS and len(diffs) < len(ids):
             low, high = sequence(diffs, alpha, len(ids))
-            if low > 0 or high < 0:
+            futile = report_n is not None and high < mdd(diffs) * math.sqrt(len(diffs) / report_n)
+            if low > 0 or high < 0 or futile:
                 return low > 0, len(diffs), sum(diffs) / len(diffs)
     mean = sum(diffs) / len(diffs) if diffs else 0.0
     return mean > 0, len(diffs), mean

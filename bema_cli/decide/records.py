@@ -112,3 +112,15 @@ def same_request(work: Path, request: dict) -> bool:
         return json.loads((work / REQUEST).read_text()).get("digest") == request["digest"]
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def differences(work: Path, request: dict) -> list[str]:
+    """What the request a work folder's records were made for differs in from `request` (none: the same)."""
+    try:
+        old = json.loads((work / REQUEST).read_text())
+    except (OSError, ValueError):
+        return ["the request (none recorded)"]
+    if not isinstance(old, dict) or old.get("digest") != request["digest"]:
+        old = old if isinstance(old, dict) else {}
+        return [k for k in request if k != "digest" and old.get(k) != request[k]] or ["the request"]
+    return []

@@ -11,62 +11,46 @@ from __future__ import annotations
 
 from bema_cli import stages
 from bema_cli.decide import fit, race, select
-from bema_cli.decide.decision import record_of
-from bema_cli.decide.scorer import ItemScorer
 
 FITS = ("soup", "simplex")
 SOUP_CHECKPOINTS = 4  # the last saved checkpoints that join the menu as soup ingredients
 SIMPLEX_K = 4  # the simplex weights span the last K checkpoints
 
 
-def search(stab, config, engine, ship_opts, metric, chosen, records, work) -> dict:
-    """Greedy soup over the menu at the chosen step and the last checkpoints, then (loss) simplex
-    weights over the last K checkpoints. Each candidate is a coefficient vector evaluated from memory
-    (scorer.ItemScorer: nothing written) on the metric's task alone, on the pick items, every "does it
-    improve" a race on them (race.duel); the best is then evaluated on the report items."""
-    from bema_cli.stabilize.prepare import prepare
-    from bema_cli.sweep.walk import sweep_options
-
-    plan = prepare(sweep_options(stab))
-    step = chosen["winner"]["step"]
-    folders = [c.path for c in plan.checkpoints if c.step <= step]
-    steps = [c.step for c in plan.checkpoints if c.step <= step]
-    with stages.stage("fit_basis"), stages.kept():  # a stabilize on the basis: keep the sweep's stages
+def search(scorer, stab, checkpoints, base_source: str, survivors: list[str], pick_ids: list, report_ids: list,
+           ship_opts, metric, work) -> dict:  # fmt: skip
+    """The fits at the decision's step, scored by `scorer` (the arena's engine: nothing written) on
+    the pick items, raced; the best of them then on the report items (a finalist)."""
+    step = scorer.arena.step
+    steps, folders = [c.step for c in checkpoints], [c.path for c in checkpoints]
+    with stages.stage("fit_basis"), stages.kept():  # a stabilize on the basis: keep the ship's stages
         menu = fit.coefficients(stab.schedules, steps, step, work / "basis")
     n = len(steps) + 1
-    vanilla = [0.0] * (n - 1) + [1.0]
-    pick_ids, report_ids = _item_sides(records, chosen, metric, ship_opts)
-    scorer = ItemScorer(
-        config, engine, metric, [plan.base_index.folder, *folders], folders[-1], work / "fit", step
-    )
-    picked = {c["run"] for c in chosen["candidates"] if c["step"] == step}
-    for run, c in [*((r, menu[r]) for r in menu if r in picked), ("vanilla", vanilla)]:
-        scorer.seed(c, record_of(records, {"run": run, "step": step}, metric))  # the sweep scored them
-    ingredients = ingredients_of(menu, picked, steps)
-    try:
-        loss = metric.key == "loss"
-        result, found, best = fit_search(scorer.scores, ingredients, pick_ids, ship_opts.fits, n, loss)
-        for kind, c, _ in found:  # in the metric's units, on every pick item
-            result[kind]["pick_value"] = select.metric_value(scorer.record(c, pick_ids, kind), metric)
-        if best is not None:
-            best = (best[0], best[1], result[best[0]]["pick_value"], best[2])
-        out = {"doc": result, "best": None}
-        if best is not None:
-            name = f"{best[0]}-{fit.digest(best[1])}"
-            rec = scorer.record(best[1], report_ids, name)  # the finalist on the report items
-            out["best"] = {"kind": best[0], "coefficients": best[1], "method": best[3], "record": rec,
-                           "basis": scorer.basis, "folders": folders, "base_source": plan.base_source,
-                           "ingredients": result.get("soup", {}).get("ingredients")}  # fmt: skip
-            result["best"] = {"kind": best[0], "run": name, "pick_value": best[2]}
-    finally:
-        scorer.close()
-    exhaustive = (len(result["candidates"]) + len(found)) * (len(pick_ids) + len(report_ids))
-    tasks = len([t for t in config.tasks if t != "train_loss"])  # every candidate on every task, as before
-    result["evaluations"] = {"items": scorer.evaluated, "exhaustive": exhaustive * tasks}
+    kept = set(survivors)  # the configs the race dropped are worse than the leader: no ingredient
+    for run, c in [
+        *((r, menu[r]) for r in menu if r in kept),
+        ("vanilla", [float(i == n - 1) for i in range(n)]),
+    ]:
+        scorer.same(c, run)  # the race scored these averages by name: not evaluated again
+    ingredients = ingredients_of(menu, kept, steps)
+    loss = metric.key == "loss"
+    result, found, best = fit_search(scorer.scores, ingredients, pick_ids, ship_opts.fits, n, loss,
+                                     report_n=len(report_ids))  # fmt: skip
+    for kind, c, _ in found:  # in the metric's units, on every pick item
+        result[kind]["pick_value"] = select.metric_value(scorer.record(c, pick_ids, kind), metric)
+    out = {"doc": result, "best": None}
+    if best is not None:
+        kind, c, method = best
+        name = f"{kind}-{fit.digest(c)}"
+        rec = scorer.record(c, report_ids, name)  # the finalist on the report items
+        out["best"] = {"kind": kind, "coefficients": c, "method": method, "record": rec, "basis": scorer.arena.basis,
+                       "folders": folders, "base_source": base_source,
+                       "ingredients": result.get("soup", {}).get("ingredients")}  # fmt: skip
+        result["best"] = {"kind": kind, "run": name, "pick_value": result[kind]["pick_value"]}
     return out
 
 
-def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, duel=race.duel):
+def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, duel=race.duel, report_n=None):
     """The search itself on any `scores(c, ids, name)` (oriented per-item scores, higher is better):
     the engine's (ship) or a simulated world's (bench/bench_decide.py). `ingredients`: (name, c).
     `duel` decides each "does it improve" (race.duel; race.exhaustive: every pick item, as before).
@@ -78,7 +62,7 @@ def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, du
         def compare(trial: list[float], incumbent: list[float]) -> bool:
             name = f"{kind}-{fit.digest(trial)}"
             won, used, diff = duel(lambda ids: scores(trial, ids, name),
-                                   lambda ids: scores(incumbent, ids, name), pick_ids)  # fmt: skip
+                                   lambda ids: scores(incumbent, ids, name), pick_ids, report_n=report_n)  # fmt: skip
             trials.append({"run": name, "pick_items": used, "better": won, "mean_item_difference": diff})
             return won
 
@@ -120,11 +104,3 @@ RACE_NOTE = (
     f"{race.ROUND_ITEMS}, stopped when an anytime-valid confidence sequence (Waudby-Smith et al. 2024) "
     "told them apart"
 )
-
-
-def _item_sides(records: list[dict], chosen: dict, metric, ship_opts) -> tuple[list, list]:
-    """The metric task's item ids on the pick side and on the report side (select's own split)."""
-    rec = record_of(records, {"run": "vanilla", "step": chosen["winner"]["step"]}, metric)
-    ids = list(rec["items"]["ids"])
-    pick, report = select.sides(ids, ship_opts.holdout, ship_opts.seed)
-    return [ids[i] for i in pick], [ids[i] for i in report]

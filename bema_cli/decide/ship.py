@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from bema_cli import output, stages
 from bema_cli.decide import fit, select
 from bema_cli.decide import records as sealed
-from bema_cli.decide.decision import decide
-from bema_cli.decide.search import FITS, search
+from bema_cli.decide.contest import contest
+from bema_cli.decide.search import FITS
 from bema_cli.decide.write import (
     WORK,
     check_apart_from,
@@ -39,9 +39,7 @@ from bema_cli.decide.write import (
     write_winner,
 )
 from bema_cli.errors import InputError, OutputError, UsageError
-from bema_cli.eval.evaluate import StaleRecords
 from bema_cli.eval.job import EvalConfig
-from bema_cli.eval.results import read_jsonl
 from bema_cli.io.commit import locked
 
 # The default search space (docs/math.md, "Which average when"): EMA and BEMA at the language-model
@@ -63,6 +61,7 @@ class ShipOptions:
     card_paths: str = "short"
     overwrite: bool = False
     push: str | None = None
+    max_evaluations: int | None = None  # (candidate, item) pairs the race may evaluate; None: no bound
 
 
 def default_metric(config: EvalConfig) -> str:
@@ -98,15 +97,18 @@ def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, v
 def _ship(
     stab, config, engine, ship_opts, sweep_opts, validated, metric, out: Path, inputs: list[Path]
 ) -> dict:
-    from bema_cli.sweep.run import sweep
-
     request = sealed.request(stab, config, ship_opts, inputs, metric)
     clean_staging(out, out.parent / f".{out.name}.bema-ship")  # what a killed ship left half-written
     if (out / WORK / "ship.json").is_file() and not ship_opts.overwrite:
         return sealed.up_to_date(out, request, ship_opts.push)
     check_target(out, ship_opts.overwrite)
     work = out.parent / f".{out.name}.bema-ship"
-    if ship_opts.overwrite and work.exists() and not sealed.same_request(work, request):
+    if work.exists() and (work / sealed.REQUEST).is_file() and (differs := sealed.differences(work, request)):
+        if not ship_opts.overwrite:  # its records were made for another request: never reused silently
+            raise OutputError(
+                f"{work}: records of an earlier, interrupted ship made with another setup (differs in: "
+                f"{', '.join(differs)}); --overwrite starts this one afresh"
+            )
         shutil.rmtree(work)  # an interrupted ship of another request: --overwrite starts this one afresh
     if ship_opts.overwrite and (out / WORK).is_dir() and not work.exists():
         try:
@@ -117,25 +119,18 @@ def _ship(
     if not (work / sealed.REQUEST).is_file():  # a resume keeps the request its records were made for
         work.mkdir(parents=True, exist_ok=True)
         sealed.write_request(work, request)
-    try:
-        swept = sweep(stab, replace(config, out=str(work / "sweep")), engine,
-                      replace(sweep_opts, at=ship_opts.at), validated=validated)  # fmt: skip
-    except StaleRecords as exc:
-        raise OutputError(
-            f"{work}: records of an earlier, interrupted ship made with another setup ({exc.detail}); "
-            "--overwrite starts this one afresh"
-        ) from None
-    records = _records(work / "sweep" / "results.jsonl")
-    chosen = select.select(records, metric, "last", ship_opts.holdout, ship_opts.resamples, ship_opts.seed)
-    step = chosen["winner"]["step"]
-    doc = {"request": request, "metric": metric.name, "step": step, "select": chosen, "tie_rule": select.TIE_RULE,
-           "holdout": ship_opts.holdout, "sweep": {k: swept[k] for k in ("runs", "evaluated", "backend")}}  # fmt: skip
-    fitted = None
-    if ship_opts.fits:
-        fitted = search(stab, config, engine, ship_opts, metric, chosen, records, work)
+    stages.reset()
+    made = contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work)
+    chosen, records, fitted = made["chosen"], made["records"], made["fitted"]
+    doc = {"request": request, "metric": metric.name, "step": chosen["winner"]["step"], "select": chosen,
+           "tie_rule": select.TIE_RULE, "holdout": ship_opts.holdout, "race": made["race"],
+           "backend": made["backend"], "memory": made["memory"]}  # fmt: skip
+    if fitted:
         doc["fitted"] = fitted["doc"]
-    decision, why = decide(chosen, fitted, metric, ship_opts, records)
-    doc["decision"], doc["verdict"] = decision, why
+    doc["decision"], doc["verdict"] = made["decision"], made["verdict"]
+    if made["other_tasks"]:
+        doc["other_tasks"] = made["other_tasks"]
+    decision = made["decision"]
     with stages.stage("write"), stages.kept():  # stabilize's own reset would drop the sweep's stages
         doc["written"] = _write(decision, chosen, fitted, records, metric, ship_opts, doc, work)
     if ship_opts.push:
@@ -143,8 +138,7 @@ def _ship(
 
         with stages.stage("push"):
             doc["pushed"] = push(out, ship_opts.push)
-    # where the whole command's time went: the sweep's stages (from its start), then the fits'
-    # (`combine`: candidates written; their evaluation adds to engine_start, swap, loss, generate)
+    # where the whole command's time went: engine_start, walk, swap, loss/generate, fit_basis, write, push
     doc["stages"] = stages.report()
     return doc
 
@@ -156,10 +150,6 @@ def _inputs(stab) -> list[Path]:
     from bema_cli.sweep.walk import sweep_options
 
     return inputs_of(prepare(sweep_options(stab)), stab.checkpoint_dir)
-
-
-def _records(path: Path) -> list[dict]:
-    return [{**r, "_where": f"{path} ({r.get('run')}@{r.get('step')})"} for r in read_jsonl(path)]
 
 
 def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work) -> dict:

@@ -1,0 +1,91 @@
+"""ship's evaluations, spent only where they can change the decision, in one engine.
+
+1. the menu raced on the pick items of the metric's task at the decision's step (menu.py);
+2. the fits searched on the pick items, raced too (search.py);
+3. the finalists on the report items; the rule (decision.py);
+4. every other task for the shipped model and vanilla only, on all their items (reported, never
+   used to decide).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from bema_cli.decide import select
+from bema_cli.decide.decision import decide
+from bema_cli.decide.menu import race_menu
+from bema_cli.decide.scorer import Arena, ItemScorer, arena_targets
+from bema_cli.decide.search import search
+from bema_cli.errors import UsageError
+from bema_cli.eval.evaluate import Evaluation
+from bema_cli.eval.tasks import LOSS_TASKS
+
+
+def item_ids(task) -> list:
+    """A task's item ids as its records name them (loss: positions in the file's prefix)."""
+    return list(range(len(task.loss_records))) if task.loss_records else [d["_id"] for d in task.docs]
+
+
+def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work) -> dict:
+    from bema_cli.sweep.session import at_steps, check_inputs, memory_doc
+    from bema_cli.sweep.walk import plan_sweep, sweep_options
+
+    stab = sweep_options(stab)
+    plan = plan_sweep(stab)
+    folder_of = {c.step: c.path for c in plan.checkpoints}
+    step = at_steps(ship_opts.at, sorted(folder_of))[-1]
+    if step == 0:
+        raise UsageError("--at: ship decides at a checkpoint's step, not at theta0 (0)")
+    race_config = replace(config, out=str(work / "race"))
+    check_inputs(race_config, folder_of, plan, [step])
+    if validated is not None:
+        validated()
+    evaluation = Evaluation(race_config, engine)
+    memory, stab = memory_doc(plan, stab, race_config, engine, evaluation, sweep_opts)
+    checkpoints = [c for c in plan.checkpoints if c.step <= step]
+    basis = [plan.base_index.folder, *(c.path for c in checkpoints)]
+    targets = arena_targets(plan, stab, step, folder_of)
+    arena = Arena(evaluation, plan, stab, basis, step, targets)
+    try:
+        scorer = ItemScorer(arena, config, metric, work / "race")
+        ids = item_ids(scorer.task)
+        pick, report = select.sides(ids, ship_opts.holdout, ship_opts.seed)
+        pick_ids, report_ids = [ids[i] for i in pick], [ids[i] for i in report]
+        names = ["vanilla", *(n for n in targets if n != "vanilla")]
+        raced = race_menu(scorer, names, pick_ids, report_ids, ship_opts, metric, ship_opts.max_evaluations)
+        chosen, records = raced["chosen"], raced["records"]
+        fitted = None
+        if ship_opts.fits and raced["race"]["stopped"] is None:
+            fitted = search(scorer, stab, checkpoints, plan.base_source, raced["race"]["survivors"],
+                            pick_ids, report_ids, ship_opts, metric, work)  # fmt: skip
+        decision, why = decide(chosen, fitted, metric, ship_opts, records)
+        if raced["race"]["stopped"]:
+            why += f" ({raced['race']['stopped']}: the fits were not searched)"
+        others, other_items = _other_tasks(arena, config, metric, decision, fitted, work)
+    finally:
+        arena.close()
+    trials = len(fitted["doc"]["candidates"]) + 2 if fitted else 0
+    tasks = [t for t in config.tasks if t != "train_loss"]
+    exhaustive = (len(names) + trials) * len(ids) * len(tasks)  # every candidate, every item, every task
+    raced["race"]["evaluations"] = {"items": scorer.evaluated + other_items, "exhaustive_design": exhaustive}
+    return {"chosen": chosen, "records": records, "fitted": fitted, "decision": decision, "verdict": why,
+            "race": raced["race"], "other_tasks": others, "memory": memory, "backend": evaluation.backend_name}  # fmt: skip
+
+
+def _other_tasks(arena, config, metric, decision, fitted, work) -> tuple[dict, int]:
+    """Each task other than the metric's, for the shipped model and vanilla only: their values and
+    the paired difference on every item (nothing here decides)."""
+    out, evaluated = {}, 0
+    c = fitted["best"]["coefficients"] if decision["kind"] == "fitted" else None
+    shipped = decision["run"]
+    for task in config.tasks:
+        if task == metric.task or task == "train_loss":
+            continue
+        m = select.Metric(task, "loss", False) if task in LOSS_TASKS else select.parse_metric(task)
+        scorer = ItemScorer(arena, config, m, work / "race")
+        ids = item_ids(scorer.task)
+        mine, van = scorer.record(c, ids, shipped), scorer.record(None, ids, "vanilla")
+        evaluated += scorer.evaluated
+        out[task] = {"metric": m.name, "shipped": select.metric_value(mine, m), "vanilla": select.metric_value(van, m),
+                     "vs_vanilla": None if shipped == "vanilla" else select.versus(mine, van, m, None, 0)}  # fmt: skip
+    return out, evaluated

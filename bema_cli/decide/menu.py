@@ -1,0 +1,64 @@
+"""The menu's race on the pick items, and its finalists on the report items.
+
+Every menu config and vanilla is scored at the decision's step in rounds of pick items
+(race.Race: a config is dropped once the confidence sequence puts it below the leader; vanilla
+never is). The survivors run to the last pick item, and `select`'s own rule picks among them on
+the pick items (best, the paired-bootstrap tie with it, the tie rule). Only the finalists, the
+pick and vanilla (and, when the tie rule picked vanilla, the best average it passed over), are
+scored on the report items, where `select` reports every number. docs/eval-protocol.md, "Racing".
+"""
+
+from __future__ import annotations
+
+from bema_cli import output
+from bema_cli.decide import race, select
+
+
+class Budget(Exception):
+    """--max-evaluations reached: the race stops where it is."""
+
+
+def race_menu(
+    scorer, names: list[str], pick_ids: list, report_ids: list, ship_opts, metric, limit=None
+) -> dict:
+    """{"chosen": select's document on the finalists (winner: the pick among the survivors), "race":
+    what happened, "records": the finalists' records on every item}."""
+    contest = race.Race(names, horizon=len(pick_ids), protect=["vanilla"])
+    rounds = [pick_ids[i : i + race.ROUND_ITEMS] for i in range(0, len(pick_ids), race.ROUND_ITEMS)]
+    stopped = None
+    with output.progress("rounds") as bar:
+        task = bar.add_task("racing the menu (pick items)", total=len(rounds))
+        for n, batch in enumerate(rounds):
+            if limit is not None and scorer.evaluated + len(batch) * len(contest.alive) > limit:
+                stopped = f"--max-evaluations {limit} reached after {n} of {len(rounds)} rounds"
+                break
+            for name in contest.alive:
+                contest.add(name, scorer.scores(None, batch, name))
+            contest.eliminate()
+            bar.advance(task)
+    seen = pick_ids[: min(len(contest.scores[n]) for n in contest.alive)]
+    picked = select.select([scorer.record(None, seen, n) for n in contest.alive], metric, "last", None,
+                           ship_opts.resamples, ship_opts.seed)  # fmt: skip
+    pick = picked["winner"]["run"]
+    finalists = ["vanilla"] + ([pick] if pick != "vanilla" else [])
+    if pick == "vanilla":  # the best average it passed over (or the race dropped last): the verdict
+        sign = 1.0 if metric.higher_is_better else -1.0  # says how it read, and the report's MDD needs a pair
+        rows = [r for r in picked["candidates"] if r["run"] != "vanilla"]
+        if rows:
+            finalists.append(max(rows, key=lambda r: sign * r["value"])["run"])
+        elif contest.dropped:
+            finalists.append(max(contest.dropped, key=lambda n: contest.dropped[n]["after"]))
+    ids = seen + report_ids
+    records = [scorer.record(None, ids, n) for n in finalists]
+    for r in records:
+        r["_where"] = f"{r['run']}@{r['step']}"
+    # each id's side is a hash of (seed, id): `seen` stays the pick side, the report items the other
+    chosen = select.select(records, metric, "last", ship_opts.holdout, ship_opts.resamples, ship_opts.seed)
+    if chosen["winner"]["run"] != pick:  # the pick among every survivor, not among the finalists alone
+        row = next(r for r in chosen["candidates"] if r["run"] == pick)
+        chosen["winner"] = {k: row[k] for k in select.WINNER_KEYS} | {"tied_with": []}
+        chosen["verdict"] = select.verdict(chosen)
+    doc = {"survivors": contest.alive, "dropped": contest.dropped, "pick_items_seen": len(seen),
+           "pick_items": len(pick_ids), "finalists": finalists, "stopped": stopped,
+           "pick": [{k: r[k] for k in ("run", "value", "tied_with_best")} for r in picked["candidates"]]}  # fmt: skip
+    return {"chosen": chosen, "race": doc, "records": records}

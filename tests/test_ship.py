@@ -238,3 +238,38 @@ def test_loss_data_without_tasks_decides_on_loss_and_generates_nothing(runs, tmp
     assert doc["metric"] == "loss" and "generate" not in doc["stages"]
     records = (tmp_path / "m" / ".bema-ship" / "race" / "loss" / "results.jsonl").read_text().splitlines()
     assert {json.loads(x)["task"] for x in records} == {"loss"}
+
+
+def test_max_evaluations_stops_the_race_and_says_so(runs, tmp_path):
+    """--max-evaluations N: the menu's race stops before it would pass N (candidate, item) pairs, the
+    fits are not searched, and the verdict says where it stopped; without it the race runs on."""
+    doc, _ = ship(runs, "noisy", tmp_path / "m", "--max-evaluations", "60")
+    race = doc["race"]
+    assert race["stopped"].startswith("--max-evaluations 60 reached after 1 of 2 rounds"), race
+    assert race["pick_items_seen"] == 16  # the first round always runs (8 candidates x 16 items)
+    assert race["evaluations"]["items"] <= 8 * 16 + 3 * 18  # that round, then the finalists' report items
+    assert "fitted" not in doc and "--max-evaluations 60 reached" in doc["verdict"]
+    full, _ = ship(runs, "noisy", tmp_path / "full")
+    assert full["race"]["stopped"] is None and full["race"]["pick_items_seen"] == 22
+
+
+def test_dry_run_says_the_budget_and_writes_nothing(runs, tmp_path):
+    """--dry-run: evaluations at most (below the every-candidate-every-item design), a projected
+    time, and the report items' MDD once earlier records exist; nothing evaluated or written."""
+    out = tmp_path / "m"
+    args = ["ship", runs["noisy"], "--base", runs["base"], "--out", out, "--tasks", "loss", "--loss-data",
+            runs["data"], "--backend", "transformers", "--dry-run"]  # fmt: skip
+    r = run_bema(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    ev = doc["evaluations"]
+    assert doc["items"] == {"pick": 22, "report": 18, "other_tasks": 0}
+    # 8 candidates (7 configs, vanilla) and 22 fit trials (10 soup, 12 simplex) at most on the pick
+    # items, 3 finalists on the report items; before: every one (and the 2 fits) on every item
+    assert ev["at_most"] == (8 + 22) * 22 + 3 * 18 < ev["exhaustive_design"] == (8 + 22 + 2) * 40
+    assert doc["projection"]["seconds"] > 0 and doc["mdd"]["value"] is None  # loss: no spread known yet
+    assert list(tmp_path.iterdir()) == []  # nothing written beside DIR either
+    ship(runs, "noisy", out)
+    r = run_bema(*args, "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert "18 report items resolve differences of " in r.stdout and "nats/token and up" in r.stdout

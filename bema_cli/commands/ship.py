@@ -72,6 +72,14 @@ def ship(
             "--metric", help="Default: loss with --loss-data, else the first task (gsm8k:strict, ...)."
         ),
     ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Say what the decision will cost (evaluations at most, generated tokens, projected time) "
+            "and the smallest difference its report items can resolve; evaluate nothing.",
+        ),
+    ] = False,
     holdout: Annotated[
         float,
         typer.Option(
@@ -92,8 +100,8 @@ def ship(
         int | None,
         typer.Option(
             "--max-evaluations",
-            help="Stop the menu's race once this many (candidate, item) pairs are evaluated, and decide on "
-            "what it has (no fits).",
+            help="Stop the menu's race before a round would pass this many (candidate, item) pairs, and "
+            "decide on what it has (no fits); the first round always runs.",
             min=1,
         ),
     ] = None,
@@ -172,6 +180,7 @@ def ship(
 
     from bema_cli.card import CARD_PATHS
     from bema_cli.commands.stabilize import schedules_from_flags
+    from bema_cli.decide.budget import budget_line
     from bema_cli.decide.push import check_repo_id
     from bema_cli.decide.ship import DEFAULT_GRID, ShipOptions, check
     from bema_cli.decide.ship import ship as run
@@ -193,7 +202,18 @@ def ship(
              "verify_swap": False, "tensor_parallel_size": 1, "data_parallel_size": 1, "enforce_eager": False}  # fmt: skip
     evaluation, engine = eval_settings(flags)
     ship_opts = ShipOptions(
-        Path(out), metric, holdout, at, fits, resamples, select_seed, card_paths, overwrite, push, max_evaluations
+        Path(out),
+        metric,
+        holdout,
+        at,
+        fits,
+        resamples,
+        select_seed,
+        card_paths,
+        overwrite,
+        push,
+        max_evaluations,
+        dry_run,
     )
     check(ship_opts, evaluation)
     given = [method, kappa, eta, window, schedule, swa_start, sigma_rel, power_gamma, config]
@@ -212,4 +232,5 @@ def ship(
     if json_:
         output.print_json(doc)
     else:
-        output.stdout.print(doc["verdict"], highlight=False, markup=False)
+        text = budget_line(doc) if doc.get("dry_run") else doc["verdict"]
+        output.stdout.print(text, highlight=False, markup=False)

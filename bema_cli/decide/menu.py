@@ -29,7 +29,8 @@ def race_menu(
     with output.progress("rounds") as bar:
         task = bar.add_task("racing the menu (pick items)", total=len(rounds))
         for n, batch in enumerate(rounds):
-            if limit is not None and scorer.evaluated + len(batch) * len(contest.alive) > limit:
+            # the first round always runs: a pick needs items (said in --max-evaluations' help)
+            if n and limit is not None and scorer.evaluated + len(batch) * len(contest.alive) > limit:
                 stopped = f"--max-evaluations {limit} reached after {n} of {len(rounds)} rounds"
                 break
             for name in contest.alive:

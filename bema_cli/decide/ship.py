@@ -62,6 +62,7 @@ class ShipOptions:
     overwrite: bool = False
     push: str | None = None
     max_evaluations: int | None = None  # (candidate, item) pairs the race may evaluate; None: no bound
+    dry_run: bool = False  # say the budget (budget.py), evaluate nothing
 
 
 def default_metric(config: EvalConfig) -> str:
@@ -89,6 +90,10 @@ def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, v
     out = Path(ship_opts.out).expanduser()
     inputs = _inputs(stab)
     check_apart_from(out, inputs, "--out")  # before any answer, record or evaluation
+    if ship_opts.dry_run:
+        from bema_cli.decide.budget import budget
+
+        return budget(stab, config, engine, ship_opts, metric, out.parent / f".{out.name}.bema-ship")
     # one ship into DIR at a time: its records, staging siblings and the final rename are DIR's
     with locked(out.parent, f".{out.name}.bema-lock", label=out):
         return _ship(stab, config, engine, ship_opts, sweep_opts, validated, metric, out, inputs)

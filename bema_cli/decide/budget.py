@@ -1,0 +1,159 @@
+"""`bema ship --dry-run`: what the decision will cost, and what its items can resolve, before any
+engine starts or any checkpoint is read past its header.
+
+The evaluations are counted at most (no candidate dropped by the race, every duel run to the last
+pick item), beside the design that scored every candidate on every item of every task; generated
+tokens bound by n_samples x max_new_tokens per prompt; the wall time projected by the sweep's model
+(sweep/project.py: the machine probe, the headers) on those evaluations, in rounds. The minimum
+detectable difference of the report items comes from earlier records of this ship when there are
+some (a resumed or repeated one), else, for accuracy, from the bound sd(d) <= 1 of a difference
+of two scores in [0, 1].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from bema_cli.decide import power, race, select
+from bema_cli.decide.search import SOUP_CHECKPOINTS
+from bema_cli.eval.job import Job
+from bema_cli.eval.tasks import LOSS_TASKS
+
+SIMPLEX_TRIALS = 12  # fit.SIMPLEX_BUDGET
+
+
+def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
+    from bema_cli.decide.contest import item_ids
+    from bema_cli.decide.scorer import arena_targets
+    from bema_cli.eval.evaluate import Evaluation
+    from bema_cli.machine import engine_speeds, probe
+    from bema_cli.stabilize.project import probe_sample
+    from bema_cli.sweep.project import project
+    from bema_cli.sweep.session import at_steps
+    from bema_cli.sweep.walk import plan_sweep, sweep_options
+
+    stab = sweep_options(stab)
+    plan = plan_sweep(stab)
+    folder_of = {c.step: c.path for c in plan.checkpoints}
+    step = at_steps(ship_opts.at, sorted(folder_of))[-1]
+    evaluation = Evaluation(replace(config, out=None), engine)  # a dry run writes nothing
+    task = evaluation.inputs[metric.task]
+    ids = item_ids(task)
+    pick, report = select.sides(ids, ship_opts.holdout, ship_opts.seed)
+    targets = arena_targets(plan, stab, step, folder_of)
+    menu = len(targets)
+    n_ckpt = len([c for c in plan.checkpoints if c.step <= step])
+    soup = (
+        menu + min(SOUP_CHECKPOINTS, n_ckpt) - 2 if "soup" in ship_opts.fits else 0
+    )  # trials: ingredients - 1
+    simplex = SIMPLEX_TRIALS if "simplex" in ship_opts.fits and metric.key == "loss" and n_ckpt > 1 else 0
+    fits = soup + simplex
+    others = [t for t in config.tasks if t not in (metric.task, "train_loss")]
+    other_items = sum(len(item_ids(evaluation.inputs[t])) for t in others)
+    at_most = (menu + fits) * len(pick) + (3 if fits else 2) * len(report) + 2 * other_items
+    tasks_items = len(ids) + other_items
+    exhaustive = (menu + fits + (2 if fits else 0)) * tasks_items
+    doc = {"dry_run": True, "metric": metric.name, "step": step, "candidates": {"menu": menu, "fit_trials_at_most": fits},
+           "items": {"pick": len(pick), "report": len(report), "other_tasks": other_items},
+           "evaluations": {"at_most": at_most, "exhaustive_design": exhaustive},
+           "round_items": race.ROUND_ITEMS}  # fmt: skip
+    gen = [t for t in config.tasks if t not in LOSS_TASKS and not t.startswith("lm_eval:")]
+    if gen:
+        samples = 1 if config.temperature == 0 else config.n_samples
+        per = {t: samples * (config.max_new_tokens or _max_new(t)) for t in gen}
+        tokens = (per.get(metric.task, 0) * (at_most - 2 * other_items)) + sum(
+            2 * per[t] * len(item_ids(evaluation.inputs[t])) for t in gen if t != metric.task
+        )
+        doc["generated_tokens_at_most"] = tokens
+    sample = probe_sample(plan)
+    if sample is not None:
+        jobs = _jobs(evaluation, targets, task, pick, report, ids, menu + fits, others)
+        speeds = {**probe(sample, work.parent), **engine_speeds()}
+        model_bytes = plan.base_index.nbytes
+        doc["projection"] = project(plan, evaluation, jobs, model_bytes, speeds)
+    shipped = work.parent / work.name.removeprefix(".").removesuffix(".bema-ship") / ".bema-ship"
+    doc["mdd"] = _mdd(work if (work / "race").is_dir() else shipped, metric, len(report))
+    return doc
+
+
+def _max_new(task: str) -> int:
+    from bema_cli.eval.tasks import get_task
+
+    return get_task(task).MAX_NEW_TOKENS
+
+
+def _jobs(evaluation, targets: dict, task, pick, report, ids, candidates: int, others: list) -> list[Job]:
+    """The evaluations at most, as jobs the sweep's projection reads: a round of pick items per
+    candidate and round (a swap each), the finalists' report items, the other tasks for two."""
+    vanilla = targets["vanilla"]
+
+    def sliced(positions):
+        chosen = [ids[i] for i in positions]
+        if task.loss_records:
+            return replace(task, loss_records=[task.loss_records[i] for i in chosen])
+        wanted = set(chosen)
+        return replace(task, docs=[d for d in task.docs if d["_id"] in wanted])
+
+    rounds = [pick[i : i + race.ROUND_ITEMS] for i in range(0, len(pick), race.ROUND_ITEMS)]
+    out = [Job(vanilla, [sliced(r)], evaluation.config, "") for r in rounds for _ in range(candidates)]
+    out += [Job(vanilla, [sliced(report)], evaluation.config, "") for _ in range(3)]
+    out += [
+        Job(vanilla, [evaluation.inputs[t] for t in others], evaluation.config, "")
+        for _ in range(2)
+        if others
+    ]
+    return out
+
+
+def _mdd(work: Path, metric, report_n: int) -> dict:
+    """From an earlier attempt's records of vanilla and another candidate on the same report items,
+    else the bound for accuracy, else unknown."""
+    from bema_cli.eval.results import read_jsonl
+
+    path = work / "race" / metric.task / "results.jsonl"
+    if path.is_file():
+        key = "nll" if metric.key == "loss" else metric.key
+        by_model: dict[str, dict] = {}
+        tokens: dict = {}
+        for rec in read_jsonl(path):
+            items = rec.get("items") or {}
+            by_model.setdefault(rec["run"], {}).update(
+                zip(items.get("ids", []), items.get(key, []), strict=False)
+            )
+            tokens.update(zip(items.get("ids", []), items.get("tokens", []), strict=False))
+        van = by_model.pop("vanilla", {})
+        for scores in by_model.values():
+            common = [i for i in van if i in scores]
+            if len(common) >= 10:
+                diffs = [scores[i] - van[i] for i in common]
+                scale = sum(tokens[i] for i in common) / len(common) if metric.key == "loss" else 1.0
+                value = power.mdd(diffs, scale) * math.sqrt(len(diffs) / report_n)  # at the report's size
+                return {"value": value, "from": f"{len(common)} items of earlier records ({path})"}
+    if metric.key != "loss":
+        return {"value": (power.Z_TEST + power.Z_POWER) / math.sqrt(report_n), "from": "the bound sd(d) <= 1"}
+    return {"value": None, "from": "unknown before any record is evaluated (loss spreads are the data's)"}
+
+
+def budget_line(doc: dict) -> str:
+    """The dry run in one line (stdout without --json)."""
+    ev, items = doc["evaluations"], doc["items"]
+    parts = [f"at most {ev['at_most']} (candidate, item) evaluations (every candidate on every item: "
+             f"{ev['exhaustive_design']})"]  # fmt: skip
+    if "generated_tokens_at_most" in doc:
+        parts.append(f"at most {doc['generated_tokens_at_most']:,} generated tokens")
+    if doc.get("projection"):
+        parts.append(f"~{doc['projection']['seconds']:.0f} s projected")
+    mdd = doc["mdd"]
+    if mdd["value"] is None:
+        parts.append(f"{items['report']} report items: what they resolve is {mdd['from']}")
+    else:
+        value = (
+            f"{mdd['value']:.2g} nats/token"
+            if doc["metric"] == "loss"
+            else f"{100 * mdd['value']:.1f} points"
+        )
+        parts.append(f"{items['report']} report items resolve differences of {value} and up "
+                     f"(80% power; {mdd['from']})")  # fmt: skip
+    return f"ship --dry-run at step {doc['step']}: " + "; ".join(parts)

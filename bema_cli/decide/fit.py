@@ -34,8 +34,9 @@ from bema_cli.io import provenance
 THETA0 = 0  # the basis index of theta0; checkpoint j (in step order) is j + 1
 SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")  # fmt: skip
-SIMPLEX_BUDGET = 12  # evaluations of the simplex search after its uniform start
+SIMPLEX_BUDGET = 12  # trials of the simplex search after its uniform start
 SIMPLEX_STEP = 1.0  # the first step on a softmax logit (a factor e on that checkpoint's weight)
+COMBINE_BLOCK = 1 << 22  # elements summed at a time (32 MB of float64), not a whole embedding
 
 
 def coefficients(schedules: list, steps: list[int], at: int, work: Path) -> dict[str, list[float]]:
@@ -90,10 +91,17 @@ def combined(terms: list[tuple[Path, float]], template: Path) -> Iterator[tuple[
             if info.dtype not in FLOATING:
                 yield info, template_reader.read(info.name, 0, rows).reshape(info.shape)
                 continue
-            value = torch.zeros(info.shape, dtype=torch.float64)
-            for reader, (_, c) in zip(readers, indexes, strict=True):
-                value.add_(reader.read(info.name, 0, rows).reshape(info.shape).double(), alpha=c)
-            yield info, value.to(getattr(torch, DTYPES[info.dtype][0]))
+            dtype = getattr(torch, DTYPES[info.dtype][0])
+            value = torch.empty(info.shape, dtype=dtype)
+            flat, row = value.view(rows, -1), max(1, info.numel // rows)
+            step = max(1, COMBINE_BLOCK // row)  # rows at a time: float64 scratch bounded, same sums
+            for lo in range(0, rows, step):
+                hi = min(rows, lo + step)
+                acc = torch.zeros((hi - lo, row), dtype=torch.float64)
+                for reader, (_, c) in zip(readers, indexes, strict=True):
+                    acc.add_(reader.read(info.name, lo, hi).reshape(hi - lo, row).double(), alpha=c)
+                flat[lo:hi] = acc.to(dtype)
+            yield info, value
     finally:
         for reader in (*readers, template_reader):
             reader.__exit__(None, None, None)

@@ -49,7 +49,9 @@ def test_menu_coefficients_equal_the_recurrences_by_hand(tmp_path):
         assert got["lawa-w4"][-1] == pytest.approx(0.25 if at == 50 else 0.0)
 
 
-def test_combine_is_the_float64_sum_of_the_checkpoints(tmp_path):
+@pytest.mark.parametrize("block", [fit.COMBINE_BLOCK, 7])  # 7: every tensor summed a few rows at a time
+def test_combine_is_the_float64_sum_of_the_checkpoints(tmp_path, monkeypatch, block):
+    monkeypatch.setattr(fit, "COMBINE_BLOCK", block)
     base, run = write_trajectory(tmp_path, STEPS, dtype=torch.bfloat16, with_int=True)
     folders = [base, *(run / f"checkpoint-{s}" for s in STEPS)]
     c = [0.1, -0.05, 0.0, 0.3, 0.25, 0.4]

@@ -35,7 +35,10 @@ def test_the_confidence_sequence_covers_at_every_look_at_once():
     for _ in range(paths):
         d = rng.exponential(1.0, size=t_max) - 1.0  # mean 0, skewed
         missed = fixed = False
-        for t in range(race.MIN_ITEMS, t_max + 1, race.ROUND_ITEMS):
+        looks = [
+            len(sum(race.rounds(range(t_max))[: k + 1], [])) for k in range(len(race.rounds(range(t_max))))
+        ]
+        for t in [*range(race.MIN_ITEMS, t_max + 1, race.ROUND_ITEMS), *looks]:  # every 16 items: stricter
             lo, hi = race.sequence(d[:t].tolist(), a, t_max)
             missed |= not lo <= 0 <= hi
             sd = d[:t].std(ddof=1)
@@ -60,9 +63,9 @@ def test_a_race_keeps_the_best_and_drops_the_clearly_worse():
         means = {"best": 0.3, "a": 0.0, "b": 0.0, "c": 0.0, "worst": -1.0}
         scores = {k: shared + m + rng.normal(0, 0.5, size=items) for k, m in means.items()}
         r = race.Race(list(means), horizon=items, protect=["a"])
-        for lo in range(0, items, race.ROUND_ITEMS):
+        for batch in race.rounds(range(items)):
             for name in r.alive:
-                r.add(name, scores[name][lo : lo + race.ROUND_ITEMS].tolist())
+                r.add(name, scores[name][batch].tolist())
             r.eliminate()
         best_dropped += "best" in r.dropped
         worst_dropped_early += r.dropped.get("worst", {}).get("after", items) < items

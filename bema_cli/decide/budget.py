@@ -96,7 +96,7 @@ def _jobs(evaluation, targets: dict, task, pick, report, ids, candidates: int, o
         wanted = set(chosen)
         return replace(task, docs=[d for d in task.docs if d["_id"] in wanted])
 
-    rounds = [pick[i : i + race.ROUND_ITEMS] for i in range(0, len(pick), race.ROUND_ITEMS)]
+    rounds = race.rounds(pick)
     out = [Job(vanilla, [sliced(r)], evaluation.config, "") for r in rounds for _ in range(candidates)]
     out += [Job(vanilla, [sliced(report)], evaluation.config, "") for _ in range(3)]
     out += [

@@ -24,7 +24,7 @@ def race_menu(
     """{"chosen": select's document on the finalists (winner: the pick among the survivors), "race":
     what happened, "records": the finalists' records on every item}."""
     contest = race.Race(names, horizon=len(pick_ids), protect=["vanilla"])
-    rounds = [pick_ids[i : i + race.ROUND_ITEMS] for i in range(0, len(pick_ids), race.ROUND_ITEMS)]
+    rounds = race.rounds(pick_ids)
     stopped = None
     with output.progress("rounds") as bar:
         task = bar.add_task("racing the menu (pick items)", total=len(rounds))

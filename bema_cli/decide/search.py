@@ -100,7 +100,6 @@ def ingredients_of(
 
 
 RACE_NOTE = (
-    "each trial raced against the incumbent on the pick items in rounds of "
-    f"{race.ROUND_ITEMS}, stopped when an anytime-valid confidence sequence (Waudby-Smith et al. 2024) "
-    "told them apart"
+    "each trial raced against the incumbent on the pick items, looking after 16, 32, 64, ... of them; "
+    "stopped when an anytime-valid confidence sequence (Waudby-Smith et al. 2024) told them apart"
 )

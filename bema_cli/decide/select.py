@@ -247,15 +247,8 @@ def select(
     return doc
 
 
-WINNER_KEYS = (
-    "run",
-    "step",
-    "value",
-    "interval",
-    "vs_vanilla",
-    "path",
-    "stabilizer",
-)  # a row's, as the winner
+# a row's keys, as the winner
+WINNER_KEYS = ("run", "step", "value", "interval", "vs_vanilla", "path", "stabilizer")
 
 
 def sides(ids: list, holdout: float | None, seed: int):

@@ -78,7 +78,7 @@ def test_greedy_soup_keeps_only_what_improves():
 
     a, b, c = [0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]
     ingredients = [("c", c, score(c) - 1), ("a", a, score(a)), ("b", b, score(b) - 0.1)]
-    names, coef = fit.greedy_soup(ingredients, lambda t, soup: score(t) > score(soup), sign=1.0)
+    names, coef = fit.greedy_soup(ingredients, lambda t, soup: score(t) > score(soup))
     assert names == ["a", "b"] and coef == target
 
 

@@ -87,14 +87,12 @@ def _max_new(task: str) -> int:
 def _jobs(evaluation, targets: dict, task, pick, report, ids, candidates: int, others: list) -> list[Job]:
     """The evaluations at most, as jobs the sweep's projection reads: a round of pick items per
     candidate and round (a swap each), the finalists' report items, the other tasks for two."""
+    from bema_cli.decide.scorer import slice_task
+
     vanilla = targets["vanilla"]
 
     def sliced(positions):
-        chosen = [ids[i] for i in positions]
-        if task.loss_records:
-            return replace(task, loss_records=[task.loss_records[i] for i in chosen])
-        wanted = set(chosen)
-        return replace(task, docs=[d for d in task.docs if d["_id"] in wanted])
+        return slice_task(task, [ids[i] for i in positions])
 
     rounds = race.rounds(pick)
     out = [Job(vanilla, [sliced(r)], evaluation.config, "") for r in rounds for _ in range(candidates)]

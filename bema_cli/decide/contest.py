@@ -47,7 +47,7 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
     targets = arena_targets(plan, stab, step, folder_of)
     arena = Arena(evaluation, plan, stab, basis, step, targets)
     try:
-        scorer = ItemScorer(arena, config, metric, work / "race")
+        scorer = ItemScorer(arena, metric, work / "race")
         ids = item_ids(scorer.task)
         pick, report = select.sides(ids, ship_opts.holdout, ship_opts.seed)
         pick_ids, report_ids = [ids[i] for i in pick], [ids[i] for i in report]
@@ -82,7 +82,7 @@ def _other_tasks(arena, config, metric, decision, fitted, work) -> tuple[dict, i
         if task == metric.task or task == "train_loss":
             continue
         m = select.Metric(task, "loss", False) if task in LOSS_TASKS else select.parse_metric(task)
-        scorer = ItemScorer(arena, config, m, work / "race")
+        scorer = ItemScorer(arena, m, work / "race")
         ids = item_ids(scorer.task)
         mine, van = scorer.record(c, ids, shipped), scorer.record(None, ids, "vanilla")
         evaluated += scorer.evaluated

@@ -164,15 +164,13 @@ def digest(c: list[float]) -> str:
 
 
 def greedy_soup(
-    ingredients: list[tuple[str, list[float], float]],
-    better: Callable[[list[float], list[float]], bool],
-    sign: float,
+    ingredients: list[tuple[str, list[float], float]], better: Callable[[list[float], list[float]], bool]
 ) -> tuple[list[str], list[float]]:
-    """Wortsman et al.'s greedy soup: `ingredients` (name, coefficient vector, pick score), tried best
-    first; `better(trial, soup)` says whether a trial soup beats the current one on the pick items
-    (a race on them: race.duel); `sign` +1 when higher is better. Returns the kept names and the
-    soup's coefficients (the mean of the kept vectors)."""
-    order = sorted(ingredients, key=lambda x: -sign * x[2])
+    """Wortsman et al.'s greedy soup: `ingredients` (name, coefficient vector, pick score: higher is
+    better), tried best first; `better(trial, soup)` says whether a trial soup beats the current one
+    on the pick items (a race on them: race.duel). Returns the kept names and the soup's
+    coefficients (the mean of the kept vectors)."""
+    order = sorted(ingredients, key=lambda x: -x[2])
     kept = [order[0]]
     for name, c, _ in order[1:]:
         trial = [*kept, (name, c, 0.0)]

@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from bema_cli.decide.power import mdd
+
 ALPHA = 0.05  # chance, over a whole race, of dropping the truly best candidate
 ROUND_ITEMS = 16  # the first round's items; each later round doubles what was seen (16, 32, 64, ...)
 MIN_ITEMS = (
@@ -111,8 +113,6 @@ def duel(
     items could resolve (power.mdd of the differences seen: a gain no report can confirm cannot
     change the decision; dropped as futile); else the point estimate on every item. Returns
     (better, items used, mean difference on them)."""
-    from bema_cli.decide.power import mdd
-
     diffs: list[float] = []
     for batch in rounds(ids):
         diffs += [x - y for x, y in zip(trial(batch), incumbent(batch), strict=True)]

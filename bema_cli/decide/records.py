@@ -107,13 +107,6 @@ def write_request(work: Path, request: dict) -> None:
     (work / REQUEST).write_text(output.to_json(request) + "\n")
 
 
-def same_request(work: Path, request: dict) -> bool:
-    try:
-        return json.loads((work / REQUEST).read_text()).get("digest") == request["digest"]
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def differences(work: Path, request: dict) -> list[str]:
     """What the request a work folder's records were made for differs in from `request` (none: the same)."""
     try:

@@ -17,7 +17,8 @@ from pathlib import Path
 from bema_cli import output, stages
 from bema_cli.decide import fit
 from bema_cli.eval.evaluate import Evaluation
-from bema_cli.eval.job import EvalConfig, Job, evaluate_task
+from bema_cli.eval.job import Job, evaluate_task
+from bema_cli.eval.results import ResultsFile
 from bema_cli.eval.targets import VANILLA, Target
 
 SOURCE = "bema_cli.decide.scorer:ShipSource"
@@ -83,7 +84,7 @@ class Arena:
         else:
             key = f"fit:{fit.digest(c)}"
             target = Target(Path(key), name, self.step, {"method": "fitted", "coefficients": c})
-        if self.loaded is _NONE or self.loaded != key:
+        if self.loaded != key:
             if c is not None:
                 backend.source_call("set", key, c)
             with stages.stage("swap"):
@@ -104,19 +105,16 @@ def candidate_path(arena: Arena, name: str, c: list[float] | None) -> str:
 class ItemScorer:
     """One task's per-item scores for candidates named by menu run or given as vectors."""
 
-    def __init__(self, arena: Arena, config: EvalConfig, metric, out: Path):
+    def __init__(self, arena: Arena, metric, out: Path):
         self.arena, self.metric = arena, metric
-        task_config = replace(config, tasks=[metric.task], out=str(out / metric.task), log_samples=False)
-        self.evaluation = Evaluation(task_config, arena.evaluation.engine)
-        self.task = self.evaluation.inputs[metric.task]
-        self.task.resume_key = arena.evaluation.inputs[metric.task].resume_key  # the engine's backend
+        self.task = arena.evaluation.inputs[metric.task]  # prepared once, with the engine's resume key
+        self.results = ResultsFile(out / metric.task)
         self.evaluated = 0  # (candidate, item) pairs evaluated by this process
         self.cache: dict[str, dict] = {}  # model_path -> {item id: (score, tokens)}
         self.records: dict[str, dict] = {}  # model_path -> a record (its protocol, for select)
         self.alias: dict[str, str] = {}  # a menu config's vector -> its name's model_path
-        for rec in self.evaluation.results.records:  # a resumed ship's
-            if rec.get("task") == metric.task:
-                self._keep(rec["model_path"], rec)
+        for rec in self.results.records:  # a resumed ship's
+            self._keep(rec["model_path"], rec)
 
     def same(self, c: list[float], name: str) -> None:
         """Vector `c` is menu config `name`: its scores are that config's, not evaluated again."""
@@ -160,21 +158,24 @@ class ItemScorer:
 
     def _evaluate(self, c, name: str, ids: list, path: str) -> None:
         target = self.arena.load(name, c)
-        if self.metric.key == "loss":
-            part = replace(self.task, loss_records=[self.task.loss_records[i] for i in ids])
-        else:
-            wanted = set(ids)
-            part = replace(self.task, docs=[d for d in self.task.docs if d["_id"] in wanted])
+        part = slice_task(self.task, ids)
         key = path.removeprefix("fit:") if c is not None else f"{path}@{self.arena.step}"
-        records, samples = evaluate_task(
-            self.arena.backend, Job(target, [part], self.evaluation.config, key), part
-        )
+        job = Job(target, [part], self.arena.evaluation.config, key)
+        records, _ = evaluate_task(self.arena.backend, job, part)  # samples are not logged by ship
         for rec in records:
             if self.metric.key == "loss":  # positions in the slice -> positions in the loss file
                 rec["items"]["ids"] = list(ids)
-        self.evaluation.write(records, samples)
+        self.results.write(records)
         self._keep(path, records[0])
         self.evaluated += len(ids)
+
+
+def slice_task(task, ids: list):
+    """The task's inputs on `ids` alone (loss: positions in the file's prefix; else the docs' ids)."""
+    if task.loss_records:
+        return replace(task, loss_records=[task.loss_records[i] for i in ids])
+    wanted = set(ids)
+    return replace(task, docs=[d for d in task.docs if d["_id"] in wanted])
 
 
 def arena_targets(plan, stab, step: int, folder_of: dict) -> dict:

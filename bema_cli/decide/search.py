@@ -72,7 +72,7 @@ def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, du
     result: dict = {"candidates": trials, "pick_items": len(pick_ids), "race": RACE_NOTE}
     found = []
     if "soup" in fits:
-        names, c = fit.greedy_soup(scored, better("soup"), 1.0)
+        names, c = fit.greedy_soup(scored, better("soup"))
         if len(names) > 1:  # a soup of one ingredient is that ingredient
             found.append(("soup", c, "soup"))
         result["soup"] = {"ingredients": names}

@@ -44,6 +44,7 @@ app = typer.Typer(
         "130/143/129 interrupted by SIGINT/SIGTERM/SIGHUP; 141 stdout closed by its reader."
     ),
     no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},  # -h as hf, lm-eval and vLLM take it
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
@@ -93,6 +94,7 @@ app.command("report")(report.report)
 app.command("rescore")(evaluate.rescore)
 app.command("simulate")(simulate.simulate)
 app.command("env")(env.env)
+app.command("version")(env.version)
 app.command("verify")(verify.verify)
 
 
@@ -259,6 +261,10 @@ def _fail(message: str, code: int) -> None:
     """The one error line on stderr, and under --json also one JSON document on stdout, so a
     pipeline into `jq` sees the failure (and its exit code) instead of an empty input."""
     output.error(message)
+    output.drop_empty_library_log()
+    from bema_cli.io.commit import remove_empty_made
+
+    remove_empty_made()  # an OUT made for a command that wrote nothing there
     if "--json" in sys.argv[1:]:
         import json
 

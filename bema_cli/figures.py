@@ -10,11 +10,11 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from bema_cli.errors import OutputError, UsageError
+from bema_cli.io import modes
 
 DPI = 100  # pixels per inch: a figure of w x h inches is a PNG of (100 w) x (100 h) pixels
 
@@ -115,7 +115,7 @@ def check_target(path: str | Path, flag: str) -> Path:
 def save(fig: Any, path: str | Path, flag: str) -> Path:
     """Write `fig` to `path` through a temp file + rename: never a half-written figure."""
     target = check_target(path, flag)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix, dir=target.parent)
+    fd, tmp = modes.mkstemp(target.parent, prefix=f".{target.name}.", suffix=target.suffix)
     os.close(fd)
     try:
         fig.savefig(tmp, format=target.suffix[1:].lower(), dpi=DPI)

@@ -91,17 +91,37 @@ def send_library_output(path: str | Path | None) -> None:
     bema's own lines keep the real stderr. Left in place until the process ends, so nothing they
     print at interpreter teardown reaches the terminal either. With -v (or --debug) it does nothing.
     """
-    global _real_stderr
+    global _real_stderr, _library_log
     if _verbose or _real_stderr is not None:
         return
     sys.stderr.flush()
     _real_stderr = os.dup(2)
     stderr.file = os.fdopen(_real_stderr, "w", encoding="utf-8", errors="replace", buffering=1)
     if path is not None:
+        made = [p for p in reversed(Path(path).parents) if not p.exists()]  # the folders made for the log
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        _library_log = (Path(path), made) if not Path(path).exists() else None
     target = os.open(os.devnull if path is None else path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(target, 2)
     os.close(target)
+
+
+_library_log: tuple[Path, list[Path]] | None = None  # a log send_library_output created, and its folders
+
+
+def drop_empty_library_log() -> None:
+    """A failed command leaves no trace of its library log when the libraries said nothing: the
+    empty log it created goes, and the folders made for it if nothing else landed there."""
+    if _library_log is None:
+        return
+    log, made = _library_log
+    try:
+        if log.is_file() and log.stat().st_size == 0:
+            log.unlink()
+        for folder in reversed(made):
+            folder.rmdir()  # only when empty
+    except OSError:
+        pass
 
 
 def size(n: int) -> str:

@@ -124,6 +124,21 @@ def test_the_mkl_pin_stays_in_training(own):
     assert run.stdout.strip() == expected, run.stderr
 
 
+@pytest.mark.parametrize("own", [None, "ACTIVE"])
+def test_the_demo_threads_sleep_at_barriers_in_every_process(own):
+    """On cores shared with other jobs, spinning OpenMP threads collapsed the demo (bench/bench_busy.py):
+    `bema demo` makes them sleep, in its own training and in the bema subprocesses it runs; a policy
+    the user set is theirs."""
+    script = (
+        "import os; from bema_cli.demo.pins import pin_instruction_set, subprocess_env; "
+        "pin_instruction_set(); print(os.environ['OMP_WAIT_POLICY'], subprocess_env(dict(os.environ))['OMP_WAIT_POLICY'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": own} if own else {})
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    expected = own or "PASSIVE"
+    assert run.stdout.split() == [expected, expected], run.stderr
+
+
 def test_refuses_a_folder_that_is_not_a_demo(tmp_path):
     target = tmp_path / "mine"
     target.mkdir()
@@ -157,7 +172,7 @@ def test_quick_demo_end_to_end(tmp_path):
 
     environment = summary["environment"]
     assert environment["bema"] == bema_cli.__version__ and environment["torch"] == torch.__version__
-    assert environment["pins"] == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}
+    assert environment["pins"] == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "OMP_WAIT_POLICY": "PASSIVE"}
     assert environment["mkl_branch"] == "COMPATIBLE"  # what MKL ran, by its own account
     assert environment["train_threads"] == 2 and environment["cpu"] and environment["cpu_vector"]
     assert json.loads((out / "summary.json").read_text())["environment"] == environment

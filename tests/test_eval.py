@@ -49,6 +49,12 @@ def write_data(root: Path) -> Path:
                 {"role": "assistant", "content": "#### 4"},
             ]
         },
+        # TRL's prompt-completion rows, standard and conversational: scored on the completion only
+        {"prompt": "the cat sees", "completion": " the bird. 2 + 3 = 5"},
+        {
+            "prompt": [{"role": "user", "content": "what is 3 plus 4"}],
+            "completion": [{"role": "assistant", "content": "3 + 4 = 7 #### 7"}],
+        },
     ]
     (root / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in loss))
     return root
@@ -110,7 +116,7 @@ def test_records_follow_the_contract(evaluated):
         "boolq": LIMIT,
         "gsm8k": LIMIT,
         "mmlu_hs": 2 * LIMIT,
-        "loss": 3,
+        "loss": 5,
     }
     assert set(by_task["mmlu_hs"]["per_subject"]) == {"high_school_biology", "high_school_physics"}
     ways = ("strict", "flexible")
@@ -194,19 +200,29 @@ def test_loss_matches_independent_float64_computation(evaluated):
     path = evaluated["raw"]
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-    total, count = 0.0, 0
+    def chat(messages, generation_prompt=False):
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tok(text, add_special_tokens=False).input_ids
+
+    total, count, formats = 0.0, 0, set()
     for rec in read_jsonl(evaluated["data"] / "heldout.jsonl"):
+        first = 1  # whole sequences: every token after the first; prompt-completion: the completion's
         if "messages" in rec:
-            ids = tok(
-                tok.apply_chat_template(rec["messages"], tokenize=False), add_special_tokens=False
-            ).input_ids
-        else:
+            ids = chat(rec["messages"])
+        elif "text" in rec:
             ids = tok(rec["text"]).input_ids
+        elif isinstance(rec["prompt"], str):
+            ids, first = tok(rec["prompt"] + rec["completion"]).input_ids, len(tok(rec["prompt"]).input_ids)
+        else:
+            ids, first = chat(rec["prompt"] + rec["completion"]), len(chat(rec["prompt"], True))
+        assert first < len(ids) - 2  # the completion is there, and scored
+        formats.add(next(iter(rec)) + ("-chat" if isinstance(rec.get("prompt"), list) else ""))
         x = torch.tensor([ids])
         with torch.no_grad():
             logp = torch.log_softmax(model(x).logits[0, :-1].double(), dim=-1)
-        total -= float(logp.gather(1, x[0, 1:, None]).sum())
-        count += len(ids) - 1
+        total -= float(logp.gather(1, x[0, 1:, None])[first - 1 :].sum())
+        count += len(ids) - first
+    assert formats == {"messages", "text", "prompt", "prompt-chat"}
     record = next(r for r in evaluated["records"] if r["model_path"] == str(path) and r["task"] == "loss")
     assert record["metrics"]["tokens"] == count
     # fp32 forward pass vs float64: agreement to 1e-5 relative

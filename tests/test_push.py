@@ -17,6 +17,8 @@ from conftest import one_line_error, run_bema
 from hub_standin import TOKEN, HubStandIn, Repo
 from trajectory import write_trajectory
 
+from bema_cli import card
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
@@ -48,11 +50,24 @@ def test_push_uploads_every_file_in_one_commit(checkpoint):
         doc = json.loads(proc.stdout)
         repo = hub.repos["org/bema-tiny"]
         assert repo.kind == "model" and repo.private
-        assert repo.branches["main"] == local  # every byte, weights (LFS) and text (inline) alike
-        assert {"bema.json", "README.md", "model.safetensors", "config.json"} <= set(local)
+        uploaded = repo.branches["main"]
+        record = json.loads(uploaded.pop("bema.json"))
+        mine = json.loads(local.pop("bema.json"))
+        assert uploaded == local  # every byte, weights (LFS) and text (inline) alike
+        assert {"README.md", "model.safetensors", "config.json"} <= set(local)
+        # bema.json names the run's folders as the card does, never the absolute local paths
+        assert record["source_checkpoint"] == "run/checkpoint-20" and mine["source_checkpoint"].endswith(
+            "/run/checkpoint-20"
+        )
+        assert record["theta0_source"] == f"{checkpoint.parents[2].name}/base" and str(checkpoint.parents[2]) in mine["theta0_source"]
+        assert {k: v for k, v in record.items() if k not in card.PATH_KEYS} == {
+            k: v for k, v in mine.items() if k not in card.PATH_KEYS
+        }
+        assert str(checkpoint.parents[2]) not in json.dumps(record)
         (commit,) = repo.commits
         assert commit["header"]["summary"] == "bema: bema-k0.5-e0.2 at checkpoint-20" == doc["commit_message"]
-        assert doc["commit_oid"] == commit["oid"] and doc["bytes"] == sum(map(len, local.values()))
+        sizes = sum(map(len, local.values())) + len(json.dumps(record, indent=2)) + 1
+        assert doc["commit_oid"] == commit["oid"] and doc["bytes"] == sizes
         assert any(c.startswith("PUT /lfs-upload/") for c in hub.calls)  # the safetensors went by LFS
         # the revision it made, read back from the branch's head, in --json and in the local bema.json
         assert doc["revision_sha"] == commit["oid"]
@@ -60,11 +75,14 @@ def test_push_uploads_every_file_in_one_commit(checkpoint):
         assert pushed == {"repo_id": "org/bema-tiny", "revision": "main", "revision_sha": commit["oid"],
                           "commit_url": doc["commit_url"]}  # fmt: skip
         local = {p.name: p.read_bytes() for p in checkpoint.iterdir() if p.is_file()}
-        # a second push to a branch: the repo is kept, the branch made, a new commit lands there
-        proc = run_bema("push", checkpoint, "--repo-id", "org/bema-tiny", "--revision", "v2",
+        # a second push to a branch, --paths full: the repo is kept, the branch made, a new commit lands
+        # there, with bema.json as it is here
+        proc = run_bema("push", checkpoint, "--repo-id", "org/bema-tiny", "--revision", "v2", "--paths", "full",
                         "--commit-message", "again", env=hub_env(hub.url))  # fmt: skip
         assert proc.returncode == 0, proc.stderr
-        assert repo.branches["v2"] == local and repo.commits[-1]["header"]["summary"] == "again"
+        uploaded = repo.branches["v2"]
+        assert json.loads(uploaded.pop("bema.json")) == json.loads(local.pop("bema.json"))
+        assert uploaded == local and repo.commits[-1]["header"]["summary"] == "again"
         recorded = json.loads((checkpoint / "bema.json").read_text())["pushed"][-1]
         assert recorded["revision"] == "v2" and recorded["revision_sha"] == repo.commits[-1]["oid"]
         assert "pushed" in proc.stdout
@@ -78,7 +96,9 @@ def test_dry_run_lists_files_and_contacts_nobody(checkpoint):
         assert proc.returncode == 0, proc.stderr
         doc = json.loads(proc.stdout)
         sizes = {f["path"]: f["bytes"] for f in doc["files"]}
-        assert sizes == {p.name: p.stat().st_size for p in checkpoint.iterdir() if p.is_file()}
+        local = {p.name: p.stat().st_size for p in checkpoint.iterdir() if p.is_file()}
+        assert sizes.pop("bema.json") < local.pop("bema.json")  # as uploaded: the paths shortened
+        assert sizes == local
         assert hub.calls == [] and not hub.repos
         plain = run_bema(
             "push", checkpoint.parent.parent, "--repo-id", "org/x", "--dry-run", env=hub_env(hub.url)

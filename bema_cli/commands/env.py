@@ -21,3 +21,13 @@ def env(json: JsonOpt = False) -> None:
         output.stdout.print(
             f"- {key}: {value if value is not None else 'not installed'}", highlight=False, markup=False
         )
+
+
+def version(json: JsonOpt = False) -> None:
+    """Print bema's version (as `bema --version`; `bema env` gives the libraries' too)."""
+    from bema_cli import __version__
+
+    if json:
+        output.print_json({"bema": __version__})
+    else:
+        output.stdout.print(f"bema {__version__}", highlight=False, markup=False)

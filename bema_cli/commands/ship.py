@@ -42,7 +42,6 @@ from bema_cli.options import (
     GridConfigOpt,
     JsonOpt,
     KappaOpt,
-    MethodOpt,
     PhiOpt,
     PowerGammaOpt,
     PresetOpt,
@@ -105,7 +104,13 @@ def ship(
             min=1,
         ),
     ] = None,
-    method: MethodOpt = None,
+    method: Annotated[
+        str | None,
+        typer.Option(
+            "--method",
+            help="Replace the menu: bema, ema, dema, ouema, lawa, wsm, swa, power, vanilla; comma list for a grid (default: the menu: vanilla, ema, bema at eta 0.2 and 0.5, lawa and wsm over 4 and 8 checkpoints).",
+        ),
+    ] = None,
     kappa: KappaOpt = None,
     eta: EtaOpt = None,
     window: WindowOpt = None,

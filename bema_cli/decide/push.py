@@ -1,6 +1,6 @@
 """`bema push`: a checkpoint bema wrote, to the Hugging Face Hub, with huggingface_hub's own client.
 
-The calls are the ones a user would make by hand (`HfApi.create_repo`, `HfApi.upload_folder`),
+The calls are the ones a user would make by hand (`HfApi.create_repo`, `HfApi.create_commit` of the folder's files),
 with the token from the usual places (`HF_TOKEN`, `hf auth login`'s cache). Every failure a user
 can cause is one line with its own exit code (errors.py): not a bema output (3), no or a refused
 token (6), a repo of another type under that name (7), the Hub unreachable, silent past
@@ -9,13 +9,14 @@ token (6), a repo of another type under that name (7), the Hub unreachable, sile
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bema_cli import output
+from bema_cli import card, output
 from bema_cli.errors import HubAuthError, HubNetworkError, HubRepoError, InputError, UsageError
 
 CONNECT_TIMEOUT = 10.0  # seconds to open a connection; --timeout bounds each wait for an answer
@@ -78,11 +79,13 @@ def push(
     endpoint: str | None = None,
     timeout: float = 60.0,
     retries: int = 3,
+    paths: str = "short",
 ) -> dict:
     """Create the model repo if needed and upload the checkpoint folder in one commit; the --json document."""
     check_repo_id(repo_id)
     folder = checkpoint_folder(path)
-    files = upload_list(folder)
+    record = published_record(folder, paths)
+    files = [(name, len(record) if name == "bema.json" else size) for name, size in upload_list(folder)]
     doc = {
         "folder": str(folder),
         "repo_id": repo_id,
@@ -126,16 +129,18 @@ def push(
     url = call("create repo", api.create_repo, repo_id, repo_type="model", private=private, exist_ok=True)
     if revision and revision != "main":
         call("create branch", api.create_branch, repo_id, branch=revision, repo_type="model", exist_ok=True)
+    from huggingface_hub import CommitOperationAdd
+
+    operations = [
+        CommitOperationAdd(
+            path_in_repo=name, path_or_fileobj=record if name == "bema.json" else str(folder / name)
+        )
+        for name, _ in files
+    ]  # the folder's files as upload_folder would take them, bema.json as the Hub gets it
     commit = call(
-        "upload",
-        api.upload_folder,
-        repo_id=repo_id,
-        folder_path=folder,
-        repo_type="model",
-        revision=revision,
-        commit_message=message,
-        ignore_patterns=[f"{h}*" for h in HIDDEN] + [f"**/{h}*" for h in HIDDEN],
-    )
+        "upload", api.create_commit, repo_id=repo_id, operations=operations, repo_type="model",
+        revision=revision, commit_message=message,
+    )  # fmt: skip
     # the revision the push made: upload_folder's answer names the last commit it created (a large
     # upload may be split into several); the branch's head, read back, is checked against it
     head = call("revision", api.repo_info, repo_id, repo_type="model", revision=revision or "main").sha
@@ -167,6 +172,21 @@ def _record_push(folder: Path, doc: dict) -> None:
     tmp = path.with_name(".bema-tmp-bema.json")
     tmp.write_text(output.to_json(record) + "\n")
     os.replace(tmp, path)
+
+
+def published_record(folder: Path, paths: str = "short") -> bytes:
+    """bema.json as the Hub gets it: the local folders it names shown as the model card shows them
+    (card.shown_path: run/checkpoint-40 unless `paths` is "full"), so a push publishes no absolute
+    local path. The local copy keeps them: `bema verify` rebuilds from them."""
+    record = json.loads((folder / "bema.json").read_text())
+    for key in card.PATH_KEYS:
+        if isinstance(record.get(key), str):
+            record[key] = card.shown_path(record[key], paths)
+    if isinstance(record.get("coefficients"), dict):  # a fitted average: keyed by input folder
+        record["coefficients"] = {
+            k if k == "theta0" else card.shown_path(k, paths): v for k, v in record["coefficients"].items()
+        }
+    return (output.to_json(record) + "\n").encode()
 
 
 def check_repo_id(repo_id: str) -> None:

@@ -137,7 +137,9 @@ def _ship(
         doc["other_tasks"] = made["other_tasks"]
     decision = made["decision"]
     with stages.stage("write"), stages.kept():  # stabilize's own reset would drop the sweep's stages
-        doc["written"] = _write(decision, chosen, fitted, records, metric, ship_opts, doc, work)
+        doc["written"] = _write(
+            decision, chosen, fitted, records, metric, ship_opts, doc, work, stab.allow_gaps
+        )
     if ship_opts.push:
         from bema_cli.decide.push import push
 
@@ -157,7 +159,7 @@ def _inputs(stab) -> list[Path]:
     return inputs_of(prepare(sweep_options(stab)), stab.checkpoint_dir)
 
 
-def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work) -> dict:
+def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, allow_gaps: bool) -> dict:
     """DIR as the model folder: the menu's pick or vanilla through the streaming stabilize engine,
     a fitted average through fit.combine; the records and ship.json go inside (DIR/.bema-ship)."""
 
@@ -174,14 +176,15 @@ def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work) -> d
             c for c in chosen["candidates"] if (c["run"], c["step"]) == (decision["run"], decision["step"])
         )
         one = {**chosen, "winner": {k: row[k] for k in select.WINNER_KEYS}}
-        return write_winner(one, records, out, ship_opts.card_paths, ship_opts.overwrite, keep=keep)
+        return write_winner(one, records, out, ship_opts.card_paths, ship_opts.overwrite, keep, allow_gaps)
     best = fitted["best"]
     tmp = staging(out, "ship")
     try:
         folder = tmp / "model"
         record = fit.fitted_record(decision["run"], best["method"], decision["step"], best["coefficients"],
                                    best["folders"], best["base_source"], best["folders"][-1],
-                                   **({"ingredients": best["ingredients"]} if best["kind"] == "soup" else {}))  # fmt: skip
+                                   **({"ingredients": best["ingredients"]} if best["kind"] == "soup" else {}),
+                                   **({"allow_gaps": True} if allow_gaps else {}))  # fmt: skip
         with stages.stage("combine"):  # the one fitted model written: the shipped one
             fit.combine(list(zip(best["basis"], best["coefficients"], strict=True)), best["folders"][-1], folder,
                         record)  # fmt: skip

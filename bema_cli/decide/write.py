@@ -109,8 +109,10 @@ def source_of(winner: dict, records: list[dict]) -> tuple[Path, str | None, dict
     else:  # a vanilla checkpoint of the run itself; theta0 is the evaluated base, when there was one
         source, stab = path, {"method": "vanilla"}
         base = next((r.get("model_path") for r in records if r.get("is_base")), None)
-    if stab.get("method") == "vanilla":
-        base = base or "first"  # vanilla is theta_s itself: theta0 only has to exist
+    if stab.get("method") == "vanilla":  # theta_s itself: theta0 only has to exist; the run's is named
+        base = base or next(
+            (t for r in records if (t := (r.get("stabilizer") or {}).get("theta0_source"))), "first"
+        )
     if not source.is_dir():
         raise InputError(
             f"{source}: the winner's source checkpoint is gone; writing it needs it (and its run)"
@@ -122,10 +124,12 @@ def _number(value):
     return float(value) if value in ("inf", "-inf") else value
 
 
-def stabilized(winner: dict, records: list[dict], tmp: Path) -> Path:
-    """The winner at its step written by the streaming stabilize engine under `tmp`; its folder."""
+def stabilized(winner: dict, records: list[dict], tmp: Path, allow_gaps: bool = False) -> Path:
+    """The winner at its step written by the streaming stabilize engine under `tmp`; its folder.
+    `allow_gaps`: the run's missing checkpoints are passed over, as the decision passed over them
+    (and the record says so)."""
     source, base, stab = source_of(winner, records)
-    return _stabilize_one(source, base, stab, winner["step"], tmp)
+    return _stabilize_one(source, base, stab, winner["step"], tmp, allow_gaps=allow_gaps)
 
 
 def rebuild_average(record: dict, tmp: Path) -> Path:
@@ -173,7 +177,13 @@ def write_card(folder: Path, doc: dict, evaluation: list[dict], paths: str) -> N
 
 
 def write_winner(
-    doc: dict, records: list[dict], out: Path, paths: str = "short", overwrite: bool = False, keep=None
+    doc: dict,
+    records: list[dict],
+    out: Path,
+    paths: str = "short",
+    overwrite: bool = False,
+    keep=None,
+    allow_gaps: bool = False,
 ) -> dict:
     """The winner of a `select` document written as `out` itself, with its card; `keep(folder)` is
     called before the final rename (ship moves its records into the folder there)."""
@@ -183,7 +193,7 @@ def write_winner(
     check_target(out, overwrite)
     tmp = staging(out, "write")
     try:
-        folder = stabilized(doc["winner"], records, tmp)
+        folder = stabilized(doc["winner"], records, tmp, allow_gaps)
         w = doc["winner"]
         write_card(folder, doc, evaluation_rows(doc, w["value"], w["interval"], w["vs_vanilla"]), paths)
         if keep is not None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bema_cli import output
 from bema_cli.demo import world
-from bema_cli.demo.pins import subprocess_env
+from bema_cli.demo.pins import PINS, subprocess_env
 from bema_cli.demo.summary import plot_summary, summarize
 from bema_cli.errors import BemaError, OutputError
 from bema_cli.eval.results import read_jsonl, write_jsonl_atomic
@@ -370,7 +370,7 @@ def _stages(out: Path, cfg: DemoConfig, backend: str, quick: bool, marker: dict,
     summary = summarize(read_jsonl(out / "results" / "results.jsonl"))
     from bema_cli.demo.training import TRAIN_THREADS
 
-    pins = {k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}  # set by `bema demo`
+    pins = {k: os.environ.get(k) for k in PINS}  # set by `bema demo`
     summary.update(
         out=str(out), config=asdict(cfg), quick=quick, seconds=seconds,
         total_seconds=round(time.perf_counter() - started, 1),

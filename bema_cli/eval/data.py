@@ -161,7 +161,9 @@ def load_shots(task: ModuleType, files: list[Path], k: int, seed: int) -> dict[s
 
 
 def read_loss_records(path: str | Path, limit: int) -> list[dict]:
-    """The first `limit` records of a loss jsonl: {"messages": [{"role","content"}...]} or {"text": str}."""
+    """The first `limit` records of a loss jsonl, in the formats TRL's SFTTrainer trains on:
+    {"text": str}, {"messages": [{"role","content"}...]}, {"prompt": str, "completion": str}, or
+    {"prompt": [messages], "completion": [messages]} (conversational prompt-completion)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: loss data file not found")
@@ -169,18 +171,39 @@ def read_loss_records(path: str | Path, limit: int) -> list[dict]:
     for where, row in read_rows(path):
         if len(records) >= limit:
             break
-        if isinstance(row, dict) and isinstance(row.get("text"), str):
-            records.append({"text": row["text"]})
-            continue
-        messages = row.get("messages") if isinstance(row, dict) else None
-        if not (isinstance(messages, list) and messages and all(_is_message(m) for m in messages)):
-            raise InputError(
-                f'{where}: expected {{"text": str}} or {{"messages": [{{"role", "content"}}...]}}'
-            )
-        records.append({"messages": messages})
+        record = _loss_record(row)
+        if record is None:
+            raise InputError(f"{where}: expected {LOSS_FORMATS}")
+        records.append(record)
     if not records:
         raise InputError(f"{path}: no records")
     return records
+
+
+LOSS_FORMATS = (
+    '{"text": str}, {"messages": [{"role", "content"}...]}, {"prompt": str, "completion": str} '
+    "or prompt and completion as message lists"
+)
+
+
+def _loss_record(row: object) -> dict | None:
+    """The fields a loss record keeps, or None when the row is in none of the formats."""
+    if not isinstance(row, dict):
+        return None
+    if isinstance(row.get("text"), str):
+        return {"text": row["text"]}
+    if _is_messages(row.get("messages")):
+        return {"messages": row["messages"]}
+    prompt, completion = row.get("prompt"), row.get("completion")
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return {"prompt": prompt, "completion": completion}
+    if _is_messages(prompt) and _is_messages(completion):
+        return {"prompt": prompt, "completion": completion}
+    return None
+
+
+def _is_messages(messages: object) -> bool:
+    return isinstance(messages, list) and bool(messages) and all(_is_message(m) for m in messages)
 
 
 def _is_message(m: object) -> bool:

@@ -27,6 +27,7 @@ from bema_cli.eval.backends.base import (
     BACKENDS,
     SEED_RULE,
     SEED_SCHEME,
+    VLLM_INSTALL_HINT,
     EngineOptions,
     import_vllm,
     make_backend,
@@ -153,7 +154,8 @@ class Evaluation:
         if name in ("auto", "vllm"):  # before vLLM is first imported (here, or when the engine starts)
             route_vllm_logs(self.engine.log_file, self.engine.debug or output.verbose())
         if name == "auto" and all(t in LOSS_TASKS for t in self.config.tasks):
-            return "transformers"  # a loss-only run needs no engine start: one forward per checkpoint
+            output.log("--backend auto: transformers (loss only: one forward per checkpoint, no engine to start)")
+            return "transformers"
         if name == "auto":
             usable = vllm_usable()
             made = {(r.get("resume_key") or {}).get("backend") for r in self.results.records
@@ -162,6 +164,8 @@ class Evaluation:
                 (name,) = made  # as the records already here were made: they resume
                 output.log(f"--backend auto: {name}, as the records already in {self.results.path} were made")
                 return name
+            if not usable:
+                output.log(f"--backend auto: transformers (vLLM is not usable here; {VLLM_INSTALL_HINT})")
             return "vllm" if usable else "transformers"
         if name == "vllm" and self.executor.executor == "local":
             import_vllm()  # a missing vLLM is reported before any model is loaded

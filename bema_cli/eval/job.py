@@ -96,9 +96,10 @@ def evaluate_task(backend, job: Job, item: TaskInput) -> tuple[list[dict], list[
             for x in logged
         ]  # fmt: skip
     elif name in LOSS_TASKS:
-        seqs = [loss_task.encode_record(r, backend.tokenizer, c.loss_max_tokens) for r in item.loss_records]
+        encoded = [loss_task.encode_record(r, backend.tokenizer, c.loss_max_tokens) for r in item.loss_records]
+        seqs, starts = [ids for ids, _ in encoded], [start for _, start in encoded]
         with stages.stage("loss"):
-            pairs = backend.loss(seqs)
+            pairs = backend.loss(seqs, starts)
         metrics = loss_task.loss_metrics(pairs)
         extra["items"] = loss_task.loss_items(pairs)
         n_prompts, n_samples = len(seqs), 1

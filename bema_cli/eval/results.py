@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from bema_cli.errors import InputError, OutputError
 from bema_cli.eval.data import jsonl_rows
+from bema_cli.io import modes
 from bema_cli.output import to_json, warn
 
 RESULTS = "results.jsonl"
@@ -87,7 +87,7 @@ def write_jsonl_atomic(path: Path, objects: list[dict]) -> None:
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = modes.mkstemp(path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for obj in objects:
                 f.write(to_json(obj, indent=None) + "\n")

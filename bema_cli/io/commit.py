@@ -143,11 +143,24 @@ def _open_lock(path: Path) -> int:
     return fd
 
 
+made_for_lock: list[Path] = []  # folders `locked` created: a command that fails removes those left empty
+
+
+def remove_empty_made() -> None:
+    """The folders `locked` made for a command that failed, when nothing landed in them."""
+    for folder in reversed(made_for_lock):
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
+
+
 @contextmanager
 def locked(folder: Path, name: str = LOCK_NAME, label: Path | None = None) -> Iterator[None]:
     """Hold `folder`/`name`'s lock for the block (made with its folder): `bema eval`, `sweep` and
     `ship` writing into one OUT (or DIR) at once, as stabilize does (OutputTransaction); a second
     writer is refused naming `label` (default `folder`)."""
+    made_for_lock.extend(p for p in [*reversed(folder.parents), folder] if not p.exists())
     folder.mkdir(parents=True, exist_ok=True)
     fd = _lock(folder, name, label)
     try:

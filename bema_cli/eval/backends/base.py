@@ -79,7 +79,8 @@ class Backend(Protocol):
 
     def generate(self, prompts: list[str], sampling: Sampling, seeds: list[int]) -> list[list[str]]: ...
 
-    def loss(self, sequences: list[list[int]]) -> list[tuple[float, int]]: ...
+    def loss(self, sequences: list[list[int]], starts: list[int] | None = None) -> list[tuple[float, int]]:
+        """Per sequence: (summed NLL in nats, tokens scored), scoring positions starts[i] (default 1) on."""
 
     def close(self) -> None: ...
 

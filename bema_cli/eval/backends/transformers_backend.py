@@ -166,8 +166,8 @@ class TransformersBackend:
                 results.append(texts * sampling.n if greedy else texts)
         return results
 
-    def loss(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
-        return loss_task.record_losses(self.model, sequences, pad_id=self.tokenizer.pad_token_id or 0)
+    def loss(self, sequences: list[list[int]], starts: list[int] | None = None) -> list[tuple[float, int]]:
+        return loss_task.record_losses(self.model, sequences, starts, pad_id=self.tokenizer.pad_token_id or 0)
 
     def close(self) -> None:
         source, self.source = self.source, None

@@ -210,7 +210,7 @@ class VllmBackend:
             results.append(texts * sampling.n if greedy else texts)
         return results
 
-    def loss(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
+    def loss(self, sequences: list[list[int]], starts: list[int] | None = None) -> list[tuple[float, int]]:
         """Held-out loss from the engine's own forward: each sequence's prompt logprobs (vLLM takes
         them from the logits it samples from, log-softmaxed in float32), so no second copy of the
         model is ever loaded. Agrees with the transformers backend to the tolerance in
@@ -218,7 +218,8 @@ class VllmBackend:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False)
-        todo = [i for i, ids in enumerate(sequences) if len(ids) >= 2]  # one token predicts nothing
+        starts = starts or [1] * len(sequences)
+        todo = [i for i, ids in enumerate(sequences) if len(ids) > starts[i]]  # no token left to score
         for i in todo:
             if len(sequences[i]) >= self.max_model_len:  # the prompt plus the one token vLLM samples
                 raise BackendError(
@@ -229,9 +230,9 @@ class VllmBackend:
         outs = self._run(requests, params) if requests else []
         pairs: list[tuple[float, int]] = [(0.0, 0)] * len(sequences)
         for i, out in zip(todo, outs, strict=True):
-            ids = sequences[i]
-            steps = zip(out.prompt_logprobs[1:], ids[1:], strict=True)  # position 0 has no logprob
-            pairs[i] = (-math.fsum(step[token].logprob for step, token in steps), len(ids) - 1)
+            ids, first = sequences[i], starts[i]  # position 0 has no logprob: first >= 1
+            steps = zip(out.prompt_logprobs[first:], ids[first:], strict=True)
+            pairs[i] = (-math.fsum(step[token].logprob for step, token in steps), len(ids) - first)
         return pairs
 
     def _run(self, requests: list, params):

@@ -1,8 +1,10 @@
 """Held-out (and train) loss: token-weighted mean next-token cross-entropy, in nats.
 
-Records are `{"messages": [...]}` (rendered with the model's chat template) or
-`{"text": ...}`; the first `--loss-samples` records, each truncated to `--loss-max-tokens`
-tokens. `record_losses` is the transformers backend's forward pass, batched, padding masked
+Records come in the formats TRL's SFTTrainer trains on: `{"text": ...}` and `{"messages": [...]}`
+(rendered with the model's chat template) are scored on every token, as SFTTrainer learns them by
+default; `{"prompt", "completion"}` (strings, or message lists) on the completion's tokens only, as
+SFTTrainer does for that format (`completion_only_loss`). The first `--loss-samples` records, each
+truncated to `--loss-max-tokens` tokens. `record_losses` is the transformers backend's forward pass, batched, padding masked
 out; vLLM scores the same sequences from its prompt logprobs (backends/vllm_backend.py).
 """
 
@@ -19,23 +21,44 @@ MAX_TOKENS = 1024  # truncation, as in the paper
 BATCH_SIZE = 4
 
 
-def encode_record(record: dict, tokenizer, max_tokens: int = MAX_TOKENS) -> list[int]:
-    """One record -> its token ids (chat template for messages; the tokenizer's own specials for text)."""
+def encode_record(record: dict, tokenizer, max_tokens: int = MAX_TOKENS) -> tuple[list[int], int]:
+    """One record -> (its token ids, the first position whose token is scored).
+
+    Chat template for messages; the tokenizer's own specials for text. A completion starts where
+    its tokens leave the prompt's (TRL's rule; a tokenizer that merges across the seam moves it)."""
     if "messages" in record:
-        ids = chat.encode(tokenizer, chat.render(tokenizer, record["messages"], generation_prompt=False))
+        ids, start = chat.encode(tokenizer, chat.render(tokenizer, record["messages"], generation_prompt=False)), 1
+    elif "text" in record:
+        ids, start = list(tokenizer(record["text"])["input_ids"]), 1
+    elif isinstance(record["prompt"], str):
+        prompt = list(tokenizer(record["prompt"])["input_ids"])
+        ids = list(tokenizer(record["prompt"] + record["completion"])["input_ids"])
+        start = _shared_prefix(prompt, ids)
     else:
-        ids = list(tokenizer(record["text"])["input_ids"])
-    return ids[:max_tokens]
+        prompt = chat.encode(tokenizer, chat.render(tokenizer, record["prompt"], generation_prompt=True))
+        whole = record["prompt"] + record["completion"]
+        ids = chat.encode(tokenizer, chat.render(tokenizer, whole, generation_prompt=False))
+        start = _shared_prefix(prompt, ids)
+    return ids[:max_tokens], max(1, start)
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def record_losses(
     model,
     sequences: Sequence[list[int]],
+    starts: Sequence[int] | None = None,
     pad_id: int = 0,
     batch_size: int = BATCH_SIZE,
     advance: Callable[[int], None] | None = None,
 ) -> list[tuple[float, int]]:
-    """Per record: (summed next-token cross-entropy in nats, number of predicted tokens).
+    """Per record: (summed next-token cross-entropy in nats, number of scored tokens), scoring
+    positions starts[i] (default 1) to the end.
 
     Batches sequences of similar length (right padding; pad positions carry no loss).
     """
@@ -58,13 +81,13 @@ def record_losses(
         with torch.no_grad():
             logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits  # [B, T, V]
             for row, i in enumerate(idx):
-                n = len(sequences[i]) - 1  # tokens predicted: positions 1..len-1
-                if n < 1:
+                first, end = starts[i] if starts else 1, len(sequences[i])  # tokens scored: first..end-1
+                if end - first < 1:
                     continue
                 nll = F.cross_entropy(
-                    logits[row, :n].float(), ids[row, 1 : n + 1].to(device), reduction="sum"
+                    logits[row, first - 1 : end - 1].float(), ids[row, first:end].to(device), reduction="sum"
                 )
-                out[i] = (float(nll.double()), n)
+                out[i] = (float(nll.double()), end - first)
         if advance:
             advance(len(idx))
     return out

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -275,6 +276,52 @@ def progress(unit: str = "") -> Iterator[Progress]:
     )
     with bar:
         yield bar
+
+
+_countdown: list = []  # the countdown `step` lines belong to (innermost last)
+
+
+@contextmanager
+def countdown(total: int, unit: str) -> Iterator[None]:
+    """Work of `total` units announced one by one with `step(line)`: on a terminal a rich bar (count,
+    time left) under the lines; in a pipe each line starts with its count, and from the second on
+    ends with the time left at the pace so far: `[37/61] gsm8k: ckpt (run@400)  ETA 9 min`."""
+    with progress(unit) as bar:  # the pace counts from the first unit on (not an engine's start)
+        state = {"done": 0, "total": total, "bar": bar, "task": bar.add_task(unit, total=total), "t0": None}
+        _countdown.append(state)
+        try:
+            yield
+        finally:
+            bar.update(state["task"], completed=state["done"])
+            _countdown.remove(state)
+
+
+def step(line: str) -> None:
+    """One unit of the innermost countdown starts: its line (counted, with the time left in a pipe)
+    and a bar that moves on a terminal; a plain `log` line outside any countdown."""
+    if not _countdown:
+        return log(line)
+    state = _countdown[-1]
+    done, total = state["done"], state["total"]
+    state["done"] = done + 1
+    state["t0"] = state["t0"] or time.perf_counter()
+    if progress_enabled():
+        state["bar"].update(state["task"], completed=done)
+        return log(line)
+    left = ""
+    if done:
+        seconds = (time.perf_counter() - state["t0"]) / done * (total - done)
+        left = f"  ETA {duration(seconds)}"
+    log(f"[{done + 1}/{total}] {line}{left}")
+
+
+def duration(seconds: float) -> str:
+    """A time left as people say it: 42 s, 9 min, 1.5 h."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def track(items: Iterable[Any], description: str, total: int | None = None, unit: str = "") -> Iterator[Any]:

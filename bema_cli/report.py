@@ -27,8 +27,6 @@ BEMA_HIGHER_IS_BETTER = {
     "accuracy": True,
 }  # "accuracy": bema 0.1
 MAX_STEP = 2**53  # steps are plotted as float64: larger ones would be rounded (and 10**30 overflows)
-PANEL_W, PANEL_H, LEGEND_W = 5.0, 3.8, 2.5  # inches: the figure is (PANEL_W*cols + LEGEND_W) x PANEL_H*rows
-MAX_COLS = 3
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -234,7 +232,7 @@ def _fmt(value: float, se: float) -> str:
     return f"{value:.4g}" + ("" if math.isnan(se) else f" ± {se:.2g}")
 
 
-def _direction(higher: bool | None) -> str:
+def direction(higher: bool | None) -> str:
     return {True: "higher is better", False: "lower is better", None: "direction unknown: no best picked"}[
         higher
     ]
@@ -256,7 +254,7 @@ def tables(doc: dict) -> list:
                 sign = 1.0 if higher else -1.0
                 top = max(runs, key=lambda r: sign * runs[r]["final"]["value"], default=None)
             table = Table(
-                title=f"{task}: {metric} ({_direction(higher)})",
+                title=f"{task}: {metric} ({direction(higher)})",
                 caption="n: evaluated steps; final: at the last step; vs vanilla: at the same step; "
                 "best: over all steps, @ the step it was reached",
                 box=box.SIMPLE_HEAD,
@@ -290,109 +288,3 @@ def _delta(run: str, versus: dict | None) -> str:
     if versus is None:
         return "no same step"
     return f"{versus['delta']:+.3g}" + ("" if versus["final_step"] else f" @{versus['step']}")
-
-
-def figure_inches(panels: int) -> tuple[float, float]:
-    """Size of the report figure: a grid of at most MAX_COLS panels per row, plus the legend column."""
-    cols = min(MAX_COLS, panels)
-    rows = math.ceil(panels / cols)
-    return PANEL_W * cols + LEGEND_W, PANEL_H * rows
-
-
-SCORINGS = ("flexible", "strict", "both")
-
-
-def plotted(metric: str, scoring: str) -> bool:
-    """Generation tasks record accuracy_strict and accuracy_flexible; the plot shows one unless 'both'."""
-    other = {"flexible": "_strict", "strict": "_flexible"}.get(scoring)
-    return other is None or not metric.endswith(other)
-
-
-# Axis labels in words. A metric not named here is spelled out from its key ("acc_norm" -> "acc norm").
-METRIC_LABELS = {
-    "loss": "loss (nats/token)", "accuracy_flexible": "accuracy, flexible scoring (share of samples)",
-    "accuracy_strict": "accuracy, strict scoring (share of samples)", "acc": "accuracy",
-    "acc_norm": "length-normalized accuracy", "exact_match": "exact match (share of items)",
-    "word_perplexity": "word perplexity", "byte_perplexity": "byte perplexity", "bits_per_byte": "bits per byte",
-    "brier_score": "Brier score", "f1": "F1", "mcc": "Matthews correlation",
-}  # fmt: skip
-TASK_LABELS = {"loss": "held-out", "train_loss": "training-data"}
-
-
-def axis_label(task: str, metric: str) -> str:
-    name, _, rest = metric.partition("[")
-    words = METRIC_LABELS.get(name, name.replace("_", " "))
-    words = f"{TASK_LABELS[task]} {words}" if task in TASK_LABELS else words
-    return f"{words}, {rest.rstrip(']')}" if rest else words
-
-
-def log_scale(task: str, metric: str) -> bool:
-    """Losses and perplexities span orders of magnitude between theta0 and a trained model."""
-    return metric == "loss" or "perplexity" in metric
-
-
-def gapped(steps: list[int], values: list[float], grid: list[int]) -> tuple[list[int], list[float]]:
-    """The run's points with NaN at every step of `grid` (all the panel's steps) it lacks between its
-    first and last: matplotlib breaks the line there instead of drawing across the gap."""
-    have = dict(zip(steps, values, strict=True))
-    inside = [s for s in grid if steps[0] <= s <= steps[-1]]
-    return inside, [have.get(s, math.nan) for s in inside]
-
-
-def plot(doc: dict, path: str, scoring: str = "flexible", theta0: bool = True) -> None:
-    """One panel per task/metric: value vs training step, one line per run, stderr band, vanilla dashed.
-
-    `scoring` picks which accuracy of the generation tasks is drawn (flexible by default: see
-    docs/eval-protocol.md); other metrics (loss, lm-eval metrics) are always drawn. theta0=False
-    leaves the base model's points out (its loss can dwarf the rest). A run's colour is the same in
-    every figure bema draws (figures.run_color); a line never crosses a step the run lacks.
-    """
-    import numpy as np
-    from matplotlib.lines import Line2D
-
-    from bema_cli import figures
-
-    panels = [
-        (task, metric, entry)
-        for task, metrics in doc["tasks"].items()
-        for metric, entry in metrics.items()
-        if plotted(metric, scoring)
-    ]
-    refs = {label for *_, e in panels for label in e.get("references", {})}
-    all_runs = sorted({run for *_, e in panels for run in e["runs"]} | refs, key=run_order)
-    fig = figures.new_figure(*figure_inches(len(panels)))
-    cols = min(MAX_COLS, len(panels))
-    axes = fig.subplots(math.ceil(len(panels) / cols), cols, squeeze=False).ravel()
-    for ax, (task, metric, entry) in zip(axes, panels, strict=False):
-        series = {}
-        for run, r in entry["runs"].items():
-            keep = [i for i, s in enumerate(r["steps"]) if theta0 or s != r.get("theta0_step")]
-            if keep:
-                series[run] = [[r[k][i] for i in keep] for k in ("steps", "values", "stderr")]
-        grid = sorted({s for steps, _, _ in series.values() for s in steps})
-        for run, (steps, values, errors) in series.items():
-            x, y = gapped(steps, values, grid)
-            _, se = gapped(steps, [math.nan if e is None else e for e in errors], grid)
-            x, y, se = np.array(x), np.array(y, dtype=float), np.array(se, dtype=float)
-            ax.plot(x, y, ms=4, lw=1.6, label=run, **figures.run_style(run))
-            if np.isfinite(se).any():  # NaN rows break the band at the same gaps
-                ax.fill_between(x, y - se, y + se, color=figures.run_color(run), alpha=0.15, lw=0)
-        for label, ref in entry.get("references", {}).items():  # a step-less model: a horizontal line
-            ax.axhline(ref["value"], color=figures.run_color(label), ls=":", lw=1.4)
-        name = task if metric == task else f"{task}: {axis_label(task, metric)}"
-        ax.set_title(f"{name}\n({_direction(entry['higher_is_better'])}; band: ±1 s.e.)", fontsize=10)
-        ax.set_xlabel("training step")
-        ax.set_ylabel(axis_label(task, metric))
-        if log_scale(task, metric) and all(v > 0 for _, vals, _ in series.values() for v in vals):
-            ax.set_yscale("log")
-        ax.grid(True, alpha=0.3)
-    for ax in axes[len(panels) :]:
-        ax.set_visible(False)
-    handles = [
-        Line2D([], [], color=figures.run_color(r), ls=":", label=f"{r} (no step)")
-        if r in refs
-        else Line2D([], [], ms=4, label=figures.run_label(r), **figures.run_style(r))
-        for r in all_runs
-    ]
-    fig.legend(handles=handles, loc="outside right upper", title="run", ncols=1 if len(all_runs) <= 16 else 2)
-    figures.save(fig, path, "--plot")

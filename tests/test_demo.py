@@ -133,7 +133,9 @@ def test_the_demo_threads_sleep_at_barriers_in_every_process(own):
         "import os; from bema_cli.demo.pins import pin_instruction_set, subprocess_env; "
         "pin_instruction_set(); print(os.environ['OMP_WAIT_POLICY'], subprocess_env(dict(os.environ))['OMP_WAIT_POLICY'])"
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": own} if own else {})
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | (
+        {"OMP_WAIT_POLICY": own} if own else {}
+    )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     expected = own or "PASSIVE"
     assert run.stdout.split() == [expected, expected], run.stderr
@@ -172,7 +174,11 @@ def test_quick_demo_end_to_end(tmp_path):
 
     environment = summary["environment"]
     assert environment["bema"] == bema_cli.__version__ and environment["torch"] == torch.__version__
-    assert environment["pins"] == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert environment["pins"] == {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_CBWR": "COMPATIBLE",
+        "OMP_WAIT_POLICY": "PASSIVE",
+    }
     assert environment["mkl_branch"] == "COMPATIBLE"  # what MKL ran, by its own account
     assert environment["train_threads"] == 2 and environment["cpu"] and environment["cpu_vector"]
     assert json.loads((out / "summary.json").read_text())["environment"] == environment
@@ -251,7 +257,7 @@ def test_quick_demo_end_to_end(tmp_path):
     image = matplotlib.image.imread(out / "curves.png")
     assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 200
     image = matplotlib.image.imread(out / "summary.png")
-    assert image.shape[:2] == (360, 1000)  # 10 x 3.6 inches at 100 dpi
+    assert image.shape[:2] == (380, 1400)  # 14 x 3.8 inches at 100 dpi: the lag, the tail, gsm8k
     assert json.loads((out / "summary.json").read_text())["loss"] == summary["loss"]
 
 

@@ -200,6 +200,7 @@ def test_loss_matches_independent_float64_computation(evaluated):
     path = evaluated["raw"]
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+
     def chat(messages, generation_prompt=False):
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
         return tok(text, add_special_tokens=False).input_ids

@@ -59,7 +59,10 @@ def test_push_uploads_every_file_in_one_commit(checkpoint):
         assert record["source_checkpoint"] == "run/checkpoint-20" and mine["source_checkpoint"].endswith(
             "/run/checkpoint-20"
         )
-        assert record["theta0_source"] == f"{checkpoint.parents[2].name}/base" and str(checkpoint.parents[2]) in mine["theta0_source"]
+        assert (
+            record["theta0_source"] == f"{checkpoint.parents[2].name}/base"
+            and str(checkpoint.parents[2]) in mine["theta0_source"]
+        )
         assert {k: v for k, v in record.items() if k not in card.PATH_KEYS} == {
             k: v for k, v in mine.items() if k not in card.PATH_KEYS
         }

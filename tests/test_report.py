@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import run_bema
 
-from bema_cli import figures, output, report
+from bema_cli import figures, output, report, report_plot
 from bema_cli.errors import InputError
 
 STEPS = [0, 100, 200, 300]
@@ -104,7 +104,7 @@ def test_plot_renders(results, tmp_path):
     r = run_bema("report", results, "--plot", png)
     assert r.returncode == 0, r.stderr
     img = matplotlib.image.imread(png)
-    w, h = report.figure_inches(2)
+    w, h = report_plot.figure_inches(2)
     assert img.shape[:2] == (round(h * 100), round(w * 100)) == (380, 1250)
     rgb = img[..., :3]
     assert rgb.std() > 0.05
@@ -131,7 +131,7 @@ def test_plot_grid_of_panels(tmp_path):
     doc = report.build([str(tmp_path)])  # a folder: both results.jsonl below it
     assert len(doc["inputs"]) == 2 and set(doc["tasks"]) == {"boolq", "gsm8k", "mmlu_hs", "loss"}
     png = tmp_path / "grid.png"
-    report.plot(doc, str(png))
+    report_plot.plot(doc, str(png))
     assert matplotlib.image.imread(png).shape[:2] == (760, 1750)  # 2 rows x 3 columns + legend
 
 
@@ -151,7 +151,7 @@ def test_plot_draws_flexible_accuracy_by_default(tmp_path):
         r = run_bema("report", path, "--plot", png, "--scoring", scoring)
         assert r.returncode == 0, r.stderr
         shapes[scoring] = matplotlib.image.imread(png).shape[:2]
-    one, two = report.figure_inches(1), report.figure_inches(2)
+    one, two = report_plot.figure_inches(1), report_plot.figure_inches(2)
     assert shapes["flexible"] == shapes["strict"] == (round(one[1] * 100), round(one[0] * 100))
     assert shapes["both"] == (round(two[1] * 100), round(two[0] * 100))
     r = run_bema("report", path, "--json")
@@ -317,12 +317,15 @@ def test_tables_never_cut_a_value_in_a_pipe_or_on_a_narrow_terminal(tmp_path, mo
 def test_plot_breaks_lines_at_missing_steps_and_labels_axes_in_words(tmp_path):
     """A run lacking step 200 of the panel's grid gets a NaN there (matplotlib breaks the line);
     axes read in words; --no-theta0 leaves the base point out and still draws."""
-    x, y = report.gapped([100, 300], [1.0, 2.0], [0, 100, 200, 300, 400])
+    x, y = report_plot.gapped([100, 300], [1.0, 2.0], [0, 100, 200, 300, 400])
     assert x == [100, 200, 300] and y[0] == 1.0 and math.isnan(y[1]) and y[2] == 2.0
-    assert report.axis_label("loss", "loss") == "held-out loss (nats/token)"
-    assert report.axis_label("gsm8k", "accuracy_flexible") == "accuracy, flexible scoring (share of samples)"
+    assert report_plot.axis_label("loss", "loss") == "held-out loss (nats/token)"
     assert (
-        report.axis_label("lm_eval:gsm8k", "exact_match[flexible-extract]")
+        report_plot.axis_label("gsm8k", "accuracy_flexible")
+        == "accuracy, flexible scoring (share of samples)"
+    )
+    assert (
+        report_plot.axis_label("lm_eval:gsm8k", "exact_match[flexible-extract]")
         == "exact match (share of items), flexible-extract"
     )
     path = tmp_path / "results.jsonl"

@@ -273,3 +273,19 @@ def test_dry_run_says_the_budget_and_writes_nothing(runs, tmp_path):
     r = run_bema(*args, "--overwrite")
     assert r.returncode == 0, r.stderr
     assert "18 report items resolve differences of " in r.stdout and "nats/token and up" in r.stdout
+
+
+def test_allow_gaps_is_recorded_in_the_shipped_folder_and_theta0_is_the_base(runs, tmp_path):
+    """A run whose middle checkpoint is gone ships with --allow-gaps (it failed at the write before),
+    and says so in bema.json and the card; a vanilla or an average names the run's theta0, the base."""
+    run = tmp_path / "run"
+    shutil.copytree(runs["noisy"], run)
+    steps = sorted(int(p.name.split("-")[1]) for p in run.glob("checkpoint-*"))
+    shutil.rmtree(run / f"checkpoint-{steps[len(steps) // 2]}")
+    out = tmp_path / "model"
+    r = run_bema("ship", run, "--base", runs["base"], "--out", out, "--tasks", "loss", "--loss-data", runs["data"],
+                 "--backend", "transformers", "--allow-gaps", "--fit", "none")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    record = json.loads((out / "bema.json").read_text())
+    assert record["allow_gaps"] is True and record["theta0_source"] == str(runs["base"])
+    assert "| allow gaps | true" in (out / "README.md").read_text()

@@ -39,17 +39,17 @@ def report(
 
     Records are grouped by run (vanilla, ema-k..., bema-k...-e...) and ordered by training step. A metric X with an X_stderr companion (accuracy, loss) is reported; best = highest accuracy / lowest loss (lm-eval metrics: lm-eval's own higher_is_better); "vs vanilla" compares at the same step. --plot draws one panel per task: metric vs step, a line per run with a +-1 standard-error band, vanilla dashed, one colour per run in every figure.
     """
-    from bema_cli import figures
+    from bema_cli import figures, report_plot
     from bema_cli import report as rep
 
-    if scoring not in rep.SCORINGS:
-        raise UsageError(f"--scoring: {scoring!r} is not one of {', '.join(rep.SCORINGS)}")
+    if scoring not in report_plot.SCORINGS:
+        raise UsageError(f"--scoring: {scoring!r} is not one of {', '.join(report_plot.SCORINGS)}")
     if plot is not None:
         figures.check_target(plot, "--plot")
     doc = rep.build(inputs)
     doc["plot"] = plot
     if plot:
-        rep.plot(doc, plot, scoring, theta0)
+        report_plot.plot(doc, plot, scoring, theta0)
         output.log(f"wrote {plot}")
     if json:
         output.print_json(doc)

@@ -63,33 +63,43 @@ def print_summary(summary: dict, out: Path) -> None:
 
 
 def plot_summary(summary: dict, path: Path) -> Path:
-    """Two panels for the README: held-out loss from the first fine-tuning step on (log scale; the
-    base model's loss would dwarf the rest) and gsm8k accuracy vs step, vanilla dashed.
-    `bema report` draws every task (curves.png)."""
-    from bema_cli import figures, report
+    """Three panels for the README: held-out loss from the first fine-tuning step on (log scale: the
+    lag), the same loss over the run's second half on a linear scale (where the end-of-run gain
+    lives, a few thousandths of a nat that the log axis flattens), and gsm8k accuracy; vanilla dashed.
+    The base model's loss is off every scale and only named. `bema report` draws every task (curves.png)."""
+    from bema_cli import figures, report, report_plot
 
-    fig = figures.new_figure(10.0, 3.6)
-    axes = fig.subplots(1, 2)
+    steps = summary["steps"]
+    tail_from = steps[len(steps) // 2] if steps else 0
+    fig = figures.new_figure(14.0, 3.8)
+    axes = fig.subplots(1, 3)
     panels = [
-        ("loss", summary["loss"], "held-out loss (nats/token)"),
-        ("gsm8k", summary["accuracy"].get("gsm8k", {}), "gsm8k accuracy"),
+        (summary["loss"], "held-out loss (nats/token)", lambda s: s > 0),
+        (summary["loss"], "held-out loss (nats/token)", lambda s: s >= tail_from),
+        (summary["accuracy"].get("gsm8k", {}), "gsm8k accuracy", lambda s: True),
     ]
-    for ax, (name, values, label) in zip(axes, panels, strict=True):
-        grid = sorted({s for run in summary["runs"] for s in values.get(run, {}) if s > 0 or name != "loss"})
+    for ax, (values, label, shown) in zip(axes, panels, strict=True):
+        grid = sorted({s for run in summary["runs"] for s in values.get(run, {}) if shown(s)})
         for run in summary["runs"]:
-            steps = sorted(s for s in values.get(run, {}) if s > 0 or name != "loss")  # base: off the scale
-            if steps:
-                x, y = report.gapped(steps, [values[run][s] for s in steps], grid)
+            run_steps = sorted(s for s in values.get(run, {}) if shown(s))
+            if run_steps:
+                x, y = report_plot.gapped(run_steps, [values[run][s] for s in run_steps], grid)
                 ax.plot(x, y, ms=4, lw=1.6, label=run, **figures.run_style(run))
         ax.set_xlabel("training step")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
-        if name == "loss":
-            ax.set_yscale("log")
+    axes[0].set_yscale("log")
+    last = steps[-1] if steps else None
+    final = {run: summary["loss"].get(run, {}).get(last) for run in summary["runs"]}
+    best = min((v, run) for run, v in final.items() if v is not None) if any(final.values()) else None
     base = summary["loss"].get("vanilla", {}).get(0)
     note = f"; base model {base:.2f}, not shown" if base is not None else ""
-    axes[0].set_title(f"held-out loss (lower is better{note})", fontsize=10)
-    axes[1].set_title("gsm8k-style task accuracy (higher is better)", fontsize=10)
+    axes[0].set_title(f"held-out loss, log scale: the lag\n(lower is better{note})", fontsize=10)
+    tail = f"steps {tail_from}-{last}, linear scale: the end of the run"
+    if best is not None and final.get("vanilla") is not None:
+        tail += f"\nat {last}: {best[1]} {best[0]:.4f}, vanilla {final['vanilla']:.4f}"
+    axes[1].set_title(tail, fontsize=10)
+    axes[2].set_title("gsm8k-style task accuracy\n(higher is better)", fontsize=10)
     handles, labels = axes[0].get_legend_handles_labels()
     order = sorted(range(len(labels)), key=lambda i: report.run_order(labels[i]))
     fig.legend(

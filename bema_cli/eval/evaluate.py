@@ -154,7 +154,9 @@ class Evaluation:
         if name in ("auto", "vllm"):  # before vLLM is first imported (here, or when the engine starts)
             route_vllm_logs(self.engine.log_file, self.engine.debug or output.verbose())
         if name == "auto" and all(t in LOSS_TASKS for t in self.config.tasks):
-            output.log("--backend auto: transformers (loss only: one forward per checkpoint, no engine to start)")
+            output.log(
+                "--backend auto: transformers (loss only: one forward per checkpoint, no engine to start)"
+            )
             return "transformers"
         if name == "auto":
             usable = vllm_usable()
@@ -336,11 +338,12 @@ class Evaluation:
             jobs = []  # all done: the local loop below has nothing left
         backend = None
         try:
-            for job in jobs:
-                if backend is None:  # the engine starts on the first job's model
-                    backend = self.start(lambda b, j=job: b.load(j.target.path))
-                for records, samples in run_job(backend, job):
-                    self.write(records, samples)
+            with output.countdown(sum(len(job.tasks) for job in jobs), "evaluations"):
+                for job in jobs:
+                    if backend is None:  # the engine starts on the first job's model
+                        backend = self.start(lambda b, j=job: b.load(j.target.path))
+                    for records, samples in run_job(backend, job):
+                        self.write(records, samples)
             if self.engine.verify_swap and backend is not None and hasattr(backend, "verify_swaps"):
                 backend.verify_swaps()
         finally:

@@ -77,7 +77,7 @@ def run_job(backend, job: Job) -> Iterator[tuple[list[dict], list[dict]]]:
 
 def evaluate_task(backend, job: Job, item: TaskInput) -> tuple[list[dict], list[dict]]:
     c, target, name = job.config, job.target, item.name
-    output.log(f"{name}: {target.path} ({target.label})")
+    output.step(f"{name}: {target.path} ({target.label})")
     start = time.perf_counter()
     created = datetime.now(timezone.utc).isoformat(timespec="seconds")
     eval_id = uuid.uuid4().hex  # ties samples.jsonl lines to their results.jsonl records (for rescore)
@@ -96,7 +96,9 @@ def evaluate_task(backend, job: Job, item: TaskInput) -> tuple[list[dict], list[
             for x in logged
         ]  # fmt: skip
     elif name in LOSS_TASKS:
-        encoded = [loss_task.encode_record(r, backend.tokenizer, c.loss_max_tokens) for r in item.loss_records]
+        encoded = [
+            loss_task.encode_record(r, backend.tokenizer, c.loss_max_tokens) for r in item.loss_records
+        ]
         seqs, starts = [ids for ids, _ in encoded], [start for _, start in encoded]
         with stages.stage("loss"):
             pairs = backend.loss(seqs, starts)

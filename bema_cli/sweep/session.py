@@ -212,8 +212,7 @@ class Walk:
         last = max(by_step, default=-1)
         done = self.walked[-1] if self.walked else -1
         steps = sorted({s for s in self.plan.read_steps if done < s <= last} | set(by_step))
-        with output.progress("steps") as bar:
-            task = bar.add_task("sweeping (checkpoints walked)", total=len(steps))
+        with output.countdown(sum(len(j.tasks) for js in by_step.values() for j in js), "evaluations"):
             for step in steps:
                 t = time.perf_counter()
                 with stages.stage("walk", self.plan.indexes[step].nbytes if step in self.plan.indexes else 0):
@@ -231,7 +230,6 @@ class Walk:
                 with stages.stage("walk"):
                     self.backend.source_call("finish")
                 self.walk_s += time.perf_counter() - t
-                bar.advance(task)
 
     def _folder(self, step: int) -> Path:
         """Where the tokenizer and config files of `step` are: the checkpoint (--follow: their copy)."""

@@ -18,6 +18,7 @@ FIELDS = {"question": str, "passage": str, "answer": bool}
 MAX_NEW_TOKENS = 256
 DEFAULT_LIMIT = 64  # prompts, as in the paper
 PROMPT_VERSION = 1
+CHANCE = 0.5  # accuracy of a coin toss: yes or no
 
 _BOTH = r"(?!\s*(?:,\s*)?(?:and|or|nor|/)\s*(?:not\s+)?(?:true|false)\b)"  # "true or false" is no verdict
 _STRICT = re.compile(rf"\banswer\s*:\s*\**\s*(true|false)\b{_BOTH}", re.I)

@@ -23,6 +23,7 @@ FIELDS = {"question": str, "answer": str}
 MAX_NEW_TOKENS = 512
 DEFAULT_LIMIT = 128  # prompts, as in the paper
 PROMPT_VERSION = 1
+CHANCE = None  # a number to write: no guess scores
 SCORING_VERSION = 2  # 2: flexible is lm-eval's flexible-extract (1: strict, else the last number read whole)
 
 # One number as people write it. Not preceded by a word character or '.', so "5-3" is 5 and 3 and

@@ -27,7 +27,10 @@ def encode_record(record: dict, tokenizer, max_tokens: int = MAX_TOKENS) -> tupl
     Chat template for messages; the tokenizer's own specials for text. A completion starts where
     its tokens leave the prompt's (TRL's rule; a tokenizer that merges across the seam moves it)."""
     if "messages" in record:
-        ids, start = chat.encode(tokenizer, chat.render(tokenizer, record["messages"], generation_prompt=False)), 1
+        ids, start = (
+            chat.encode(tokenizer, chat.render(tokenizer, record["messages"], generation_prompt=False)),
+            1,
+        )
     elif "text" in record:
         ids, start = list(tokenizer(record["text"])["input_ids"]), 1
     elif isinstance(record["prompt"], str):

@@ -28,6 +28,7 @@ MAX_NEW_TOKENS = 256
 DEFAULT_LIMIT = 64  # prompts per subject, as in the paper
 PER_SUBJECT = True
 PROMPT_VERSION = 1
+CHANCE = 0.25  # accuracy of a guess among four letters
 LETTERS = "ABCD"
 
 # A bare letter: B-D end at any non-word character; "A" is also an article, so it must stand alone

@@ -1,0 +1,156 @@
+"""What a newcomer met in the first hour (issue: the first hour on a real machine), each as a test:
+files readable as any file the user writes, TRL's data formats read, -h and `bema version`, help
+that says the real defaults, the backend `auto` chose said on stderr, counted evaluation lines with
+the time left, nothing left behind by a refused run, at-chance panels marked."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+from conftest import run_bema
+
+from bema_cli import report_plot
+from bema_cli.errors import InputError
+from bema_cli.eval import data
+from bema_cli.eval.results import write_jsonl_atomic
+
+CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+def test_files_written_through_a_temp_file_keep_the_users_mode(tmp_path):
+    """mkstemp makes 0600 files, and the rename kept it: the demo's data and plots were private."""
+    from bema_cli import figures
+
+    old = os.umask(0o022)
+    try:
+        write_jsonl_atomic(tmp_path / "rows.jsonl", [{"a": 1}])
+        fig = figures.new_figure(2, 2)
+        fig.subplots().plot([0, 1], [0, 1])
+        figures.save(fig, tmp_path / "plot.png", "--plot")
+        os.umask(0o027)
+        write_jsonl_atomic(tmp_path / "group.jsonl", [{"a": 1}])
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert modes == {"rows.jsonl": 0o644, "plot.png": 0o644, "group.jsonl": 0o640}
+
+
+def test_loss_rows_in_trls_formats_are_read_and_others_refused_naming_the_line(tmp_path):
+    rows = [
+        {"text": "plain"},
+        {"messages": CHAT},
+        {"prompt": "2 + 2 =", "completion": " 4"},
+        {"prompt": CHAT[:1], "completion": CHAT[1:]},
+    ]
+    path = tmp_path / "heldout.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert data.read_loss_records(path, 10) == rows
+    path.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"prompt": "only a prompt"}) + "\n")
+    with pytest.raises(InputError) as err:
+        data.read_loss_records(path, 10)
+    assert str(err.value).startswith(f"{path}:2: expected ") and '{"prompt": str, "completion": str}' in str(
+        err.value
+    )
+
+
+def test_prompt_completion_scores_the_completion_tokens_only(tiny_model_dir):
+    """TRL's completion_only_loss: the prompt's tokens are context, not targets; a whole text scores all."""
+    from bema_cli.eval import chat
+    from bema_cli.eval.tasks import loss
+
+    tokenizer, _ = chat.load_tokenizer(tiny_model_dir)
+    ids, first = loss.encode_record({"prompt": "the cat", "completion": " sees the dog"}, tokenizer)
+    assert ids == tokenizer("the cat sees the dog")["input_ids"]
+    assert ids[:first] == tokenizer("the cat")["input_ids"] and 1 < first < len(ids)
+    ids, first = loss.encode_record({"prompt": CHAT[:1], "completion": CHAT[1:]}, tokenizer)
+    prompt = chat.encode(tokenizer, chat.render(tokenizer, CHAT[:1], generation_prompt=True))
+    assert ids == chat.encode(tokenizer, chat.render(tokenizer, CHAT, generation_prompt=False))
+    assert first == len(prompt) and ids[:first] == prompt
+    assert loss.encode_record({"text": "the cat"}, tokenizer)[1] == 1
+
+
+def test_h_is_help_and_version_is_a_command():
+    for args in (["-h"], ["ship", "-h"], ["stabilize", "-h"]):
+        r = run_bema(*args)
+        assert r.returncode == 0 and "Usage: bema" in r.stdout, (args, r.stderr)
+    r = run_bema("version")
+    assert r.returncode == 0 and r.stdout.split()[0] == "bema" and r.stdout == run_bema("--version").stdout
+    assert json.loads(run_bema("version", "--json").stdout)["bema"] == r.stdout.split()[1]
+
+
+def test_ship_help_says_the_menu_is_the_default():
+    text = " ".join(run_bema("ship", "--help", env={"COLUMNS": "300"}).stdout.split())
+    assert (
+        "(default: the menu: vanilla, ema, bema at eta 0.2 and 0.5" in text and "(default: bema)" not in text
+    )
+
+
+def test_backend_auto_says_its_choice_and_evaluations_are_counted(tiny_model_dir, tmp_path):
+    """In a pipe: `[k/N]` on every evaluation line, the time left from the second on."""
+    path = tmp_path / "heldout.jsonl"
+    path.write_text(json.dumps({"messages": CHAT}) + "\n")
+    r = run_bema("eval", tiny_model_dir, "--tasks", "loss", "--loss-data", path,
+                 "--out", tmp_path / "out")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "--backend auto: transformers (loss only" in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("[")]
+    assert len(lines) == 1 and lines[0].startswith("[1/1] loss: ") and "ETA" not in lines[0]
+
+
+def test_countdown_lines_in_a_pipe(capsys, monkeypatch):
+    from bema_cli import output
+
+    monkeypatch.setattr(output, "progress_enabled", lambda: False)
+    with output.countdown(3, "evaluations"):
+        for name in ("a", "b", "c"):
+            output.step(name)
+    lines = capsys.readouterr().err.splitlines()
+    assert (
+        lines[0] == "[1/3] a"
+        and lines[1].startswith("[2/3] b  ETA ")
+        and lines[2].startswith("[3/3] c  ETA ")
+    )
+    assert (
+        output.duration(42) == "42 s" and output.duration(540) == "9 min" and output.duration(5400) == "1.5 h"
+    )
+
+
+def test_a_refused_eval_leaves_nothing_behind(tiny_model_dir, tmp_path):
+    """Offline, no data for gsm8k: refused before any record; no ./results with an empty libraries.log."""
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    r = run_bema("eval", tiny_model_dir, "--tasks", "gsm8k", cwd=tmp_path, env=env)
+    assert r.stderr.splitlines()[-1].startswith("error: no data") and r.returncode == 3
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "mine").mkdir()  # a folder the user made stays, empty
+    r = run_bema("eval", tiny_model_dir, "--tasks", "gsm8k", "--out", tmp_path / "mine", env=env)
+    assert r.returncode == 3 and [p.name for p in tmp_path.iterdir()] == ["mine"]
+    assert list((tmp_path / "mine").iterdir()) == []
+
+
+def _panel(values: list[float]) -> dict:
+    steps = list(range(0, 100 * len(values), 100))
+    return {"runs": {"vanilla": {"steps": steps, "values": values, "stderr": [0.01] * len(values),
+                                 "theta0_step": 0}}, "higher_is_better": True}  # fmt: skip
+
+
+def test_panels_that_never_rise_above_chance_are_marked(tmp_path):
+    doc = {"tasks": {
+        "boolq": {"accuracy_flexible": _panel([0.0, 0.1, 0.52, 0.49])},  # format first, then guessing
+        "mmlu_hs": {"accuracy_flexible": _panel([0.0, 0.25, 0.45, 0.6])},  # learned
+        "gsm8k": {"accuracy_flexible": _panel([0.0, 0.0, 0.0, 0.0])},  # no chance level to compare
+    }}  # fmt: skip
+    titles = report_plot.plot(doc, str(tmp_path / "curves.png"))
+    marked = [t.startswith(("boolq", "mmlu_hs", "gsm8k")) and "NEVER ABOVE CHANCE" in t for t in titles]
+    assert [t.split(":")[0] for t in titles] == ["boolq", "mmlu_hs", "gsm8k"] and marked == [
+        True,
+        False,
+        False,
+    ]
+    assert report_plot.chance("boolq", "accuracy_flexible") == 0.5
+    assert (
+        report_plot.chance("mmlu_hs", "accuracy_strict") == 0.25
+        and report_plot.chance("loss", "loss") is None
+    )

@@ -10,6 +10,11 @@ PYTEST := $(PY) -m pytest
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 export TOKENIZERS_PARALLELISM ?= false
+# torch's CPU build on a machine without a GPU: PyPI's own torch is a multi-GB CUDA build, so the
+# PyTorch CPU wheel index is added where it answers (its +cpu build then wins over PyPI's). Where it
+# does not (an offline mirror, a local wheelhouse in pip's config), pip's own sources decide.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+torch_source = $(shell command -v nvidia-smi >/dev/null 2>&1 || $(PYTHON) -c "import urllib.request; urllib.request.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5); print('--extra-index-url $(TORCH_CPU_INDEX)')" 2>/dev/null)
 
 .PHONY: install install-base install-vllm demo-seeds demo-fresh install-vllm-cpu install-vllm-gpu demo demo-quick test test-slow test-all bench bench-quick gpu-check lint clean
 
@@ -18,10 +23,10 @@ export TOKENIZERS_PARALLELISM ?= false
 install-base: $(VENV)/.base
 
 $(VENV)/.base: pyproject.toml
-	@echo "make: installing torch 2.13.0 (CPU) and bema with its dependencies into .venv (1-2 minutes)"
+	@echo "make: installing torch 2.13.0 (the CPU build where no GPU is) and bema with its dependencies into .venv (1-2 minutes)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q torch==2.13.0 $(torch_source)
 	$(PIP) install -q -e .
 	touch $@
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
 from conftest import run_bema
@@ -17,6 +18,7 @@ from bema_cli.errors import InputError
 from bema_cli.eval import data
 from bema_cli.eval.results import write_jsonl_atomic
 
+ROOT = Path(__file__).resolve().parents[1]
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
 
@@ -154,3 +156,36 @@ def test_panels_that_never_rise_above_chance_are_marked(tmp_path):
         report_plot.chance("mmlu_hs", "accuracy_strict") == 0.25
         and report_plot.chance("loss", "loss") is None
     )
+
+
+def _install_line(env: dict, index: str) -> str:
+    import subprocess
+
+    made = subprocess.run(["make", "-n", "-B", ".venv/.base", f"TORCH_CPU_INDEX={index}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return next(line for line in made.stdout.splitlines() if "install -q torch==" in line)
+
+
+def test_make_takes_torchs_cpu_build_where_no_gpu_is(tmp_path):
+    """PyPI's torch is a multi-GB CUDA build: without a GPU, make adds PyTorch's CPU index where it
+    answers (here a local stand-in); with nvidia-smi on PATH, or no index answering, pip's sources decide."""
+    import http.server
+    import threading
+
+    (tmp_path / "index" / "torch").mkdir(parents=True)
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path / "index"))  # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    index = f"http://127.0.0.1:{server.server_port}"
+    no_gpu = {**os.environ, "PATH": "/usr/bin:/bin"}
+    gpu_bin = tmp_path / "bin"
+    gpu_bin.mkdir()
+    (gpu_bin / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (gpu_bin / "nvidia-smi").chmod(0o755)
+    gpu = {**no_gpu, "PATH": f"{gpu_bin}:/usr/bin:/bin"}
+    try:
+        assert _install_line(no_gpu, index).endswith(f"torch==2.13.0 --extra-index-url {index}")
+        assert _install_line(gpu, index).rstrip().endswith("torch==2.13.0")
+    finally:
+        server.shutdown()
+    assert _install_line(no_gpu, index).rstrip().endswith("torch==2.13.0")  # the index no longer answers

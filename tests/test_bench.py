@@ -174,3 +174,18 @@ def test_bench_fingerprints_quick_prints_every_row_and_json(tmp_path):
     doc, _ = run_quick("bench_fingerprints.py", tmp_path, rows)
     assert set(doc["median_user_cpu_s"]) == {"sampled", "full"}
     assert set(doc["digest_gbps"]) == {"xxh3_128", "sha256"}
+
+
+@pytest.mark.slow  # two quick demos (~2 min on 2 cores)
+def test_bench_busy_runs_the_demo_idle_and_beside_a_hog_with_the_same_weights():
+    """bench/bench_busy.py: no timing assertion (the target is in its own table); the arms ran, their
+    pins were the demo's, and the weights trained beside busy processes are the idle run's, bit for bit."""
+    proc = subprocess.run([sys.executable, str(BENCH.with_name("bench_busy.py")), "--no-spinning", "--hogs", "1",
+                           "--json"], capture_output=True, text=True, timeout=1200)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert [r["hogs"] for r in doc["rows"]] == [0, 1] and doc["same_weights"] is True
+    assert all(r["pins"]["OMP_WAIT_POLICY"] == "PASSIVE" and r["seconds"] > 0 for r in doc["rows"])
+    assert doc["busy_ratio"] == doc["rows"][1]["ratio_to_idle"] and doc["meets_target"] == (
+        doc["busy_ratio"] <= 3
+    )

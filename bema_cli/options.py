@@ -46,13 +46,35 @@ EtaOpt = _grid(
     "--eta", "Bias-correction power: alpha_s = w(s)**-eta ('inf' = no correction, 0 = alpha 1).", "0.2"
 )
 # the window and schedule-weighted averages (docs/math.md)
-WindowOpt = _grid("--window", "lawa, wsm: merge the last K checkpoints.", "8")
+WindowOpt = _grid(
+    "--window",
+    "lawa, wsm: merge the last K checkpoints, or the checkpoints in a span of training: 2000steps, 5Btok, 5%.",
+    "8",
+)
 ScheduleOpt = _grid(
     "--schedule",
     "wsm: the decay g giving the weights: linear, minus-sqrt, cosine, each also NAME:reverse.",
     "minus-sqrt",
 )
-SwaStartOpt = _grid("--swa-start", "swa: average every checkpoint from this step on.", "the first")
+SwaStartOpt = _grid(
+    "--swa-start",
+    "swa: average every checkpoint from this step on (or from 2000steps, 5Btok, 80% of the run).",
+    "the first",
+)
+HalfLifeOpt = _grid(
+    "--half-life",
+    "power: the EMA's half-life as a span of training (5%, 2000steps, 5Btok), torchtitan's half_life_fraction: "
+    "gamma = ln 2 / h - 1.",
+    "from --sigma-rel",
+)
+TokensPerStepOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--tokens-per-step",
+        help="Tokens one optimizer step consumes, for durations in tokens (default: the trainer's own record: "
+        "num_input_tokens_seen, or Megatron-Bridge's run_config.yaml).",
+    ),
+]
 SigmaRelOpt = _grid("--sigma-rel", "power: EDM2's relative width of the power EMA.", "0.05")
 PowerGammaOpt = _grid(
     "--power-gamma", "power: the exponent gamma directly (instead of --sigma-rel).", "from --sigma-rel"

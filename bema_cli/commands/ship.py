@@ -40,6 +40,7 @@ from bema_cli.options import (
     EtaOpt,
     GammaOpt,
     GridConfigOpt,
+    HalfLifeOpt,
     JsonOpt,
     KappaOpt,
     PhiOpt,
@@ -50,6 +51,7 @@ from bema_cli.options import (
     SigmaRelOpt,
     SwaStartOpt,
     TauOpt,
+    TokensPerStepOpt,
     WindowOpt,
     parse_size,
     parse_str_list,
@@ -116,6 +118,8 @@ def ship(
     window: WindowOpt = None,
     schedule: ScheduleOpt = None,
     swa_start: SwaStartOpt = None,
+    half_life: HalfLifeOpt = None,
+    tokens_per_step: TokensPerStepOpt = None,
     sigma_rel: SigmaRelOpt = None,
     power_gamma: PowerGammaOpt = None,
     config: GridConfigOpt = None,
@@ -221,14 +225,14 @@ def ship(
         dry_run,
     )
     check(ship_opts, evaluation)
-    given = [method, kappa, eta, window, schedule, swa_start, sigma_rel, power_gamma, config]
+    given = [method, kappa, eta, window, schedule, swa_start, sigma_rel, power_gamma, half_life, config]
     common = {"preset": preset, "gamma": gamma, "rho": rho, "tau": tau, "phi": phi, "beta_min": beta_min}
     schedules = (
         schedules_from_flags(flags) if any(v is not None for v in given) else grid(**DEFAULT_GRID, **common)
     )
     opts = Options(checkpoint_dir=checkpoint_dir, schedules=schedules, out=flags["out"], base=base, device=device,
                    accum_dtype=accum_dtype, out_dtype=out_dtype, allow_nonfinite=allow_nonfinite,
-                   cast_base=cast_base, allow_gaps=allow_gaps)  # fmt: skip
+                   cast_base=cast_base, allow_gaps=allow_gaps, durations=flags.get("durations") or None)  # fmt: skip
     limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
     doc = run(opts, evaluation, engine, ship_opts, SweepOptions(at=at, memory_limit=limit),
               validated=lambda: output.send_library_output(Path(flags["out"]) / LIBRARY_LOG))  # fmt: skip

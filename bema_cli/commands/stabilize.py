@@ -21,6 +21,7 @@ from bema_cli.options import (
     ExecutorOpt,
     GammaOpt,
     GridConfigOpt,
+    HalfLifeOpt,
     IdleTimeoutOpt,
     JsonOpt,
     KappaOpt,
@@ -38,6 +39,7 @@ from bema_cli.options import (
     SigmaRelOpt,
     SwaStartOpt,
     TauOpt,
+    TokensPerStepOpt,
     UntilStepOpt,
     WindowOpt,
     WorkersOpt,
@@ -72,6 +74,8 @@ def stabilize(
     window: WindowOpt = None,
     schedule: ScheduleOpt = None,
     swa_start: SwaStartOpt = None,
+    half_life: HalfLifeOpt = None,
+    tokens_per_step: TokensPerStepOpt = None,
     sigma_rel: SigmaRelOpt = None,
     power_gamma: PowerGammaOpt = None,
     config: GridConfigOpt = None,
@@ -202,7 +206,8 @@ def stabilize(
             )
         checkpoints = read_checkpoint_list(sys.stdin.read())
 
-    schedules = schedules_from_flags(locals())
+    flags = dict(locals())
+    schedules = schedules_from_flags(flags)
     opts = Options(
         checkpoint_dir=checkpoint_dir,
         schedules=schedules,
@@ -228,6 +233,7 @@ def stabilize(
         keep_last=keep_last,
         fingerprint=fingerprint,
         no_state=None if keep_state is None else not keep_state,
+        durations=flags.get("durations") or None,
     )
     if fingerprint not in ("full", "sampled"):
         raise UsageError(f"--fingerprint: choose full or sampled, got {fingerprint!r}")
@@ -250,6 +256,8 @@ def stabilize(
             _follow(opts, where, json_out, poll, until_step, idle_timeout, settle)
             return
         doc = run(opts, where)
+    if opts.durations:
+        doc["durations"] = opts.durations
     if json_out:
         output.print_json(doc)
     elif dry_run:
@@ -269,26 +277,79 @@ def schedules_from_flags(f: dict) -> list:
     if f["config"] is not None:
         flags = {"--method": f["method"], "--kappa": f["kappa"], "--eta": f["eta"], "--window": f["window"],
                  "--schedule": f["schedule"], "--swa-start": f["swa_start"], "--sigma-rel": f["sigma_rel"],
-                 "--power-gamma": f["power_gamma"]}  # fmt: skip
+                 "--power-gamma": f["power_gamma"], "--half-life": f.get("half_life")}  # fmt: skip
         given = [flag for flag, v in flags.items() if v is not None]
         if given:
             raise UsageError(f"--config: the grid comes from {f['config']}; drop {given[0]}")
         return grid_from_config(f["config"], **common)
 
-    def numbers(key: str, flag: str, parse):
+    def numbers(key: str, flag: str, parse, resolved: str | None = None):
+        if resolved in spans:  # given as spans of training: already resolved on the run
+            return spans[resolved]
         return parse(f[key], flag) if f[key] is not None else None
 
+    methods = parse_str_list(f["method"] or "bema", "--method")
+    spans = resolve_durations(f, methods)
     return grid(
-        parse_str_list(f["method"] or "bema", "--method"),
+        methods,
         numbers("kappa", "--kappa", parse_float_list),
         numbers("eta", "--eta", parse_float_list),
-        windows=numbers("window", "--window", parse_int_list),
+        windows=numbers("window", "--window", parse_int_list, "window"),
         schedules=parse_str_list(f["schedule"], "--schedule") if f["schedule"] is not None else None,
-        swa_starts=numbers("swa_start", "--swa-start", parse_int_list),
+        swa_starts=numbers("swa_start", "--swa-start", parse_int_list, "swa_start"),
         sigma_rels=numbers("sigma_rel", "--sigma-rel", parse_float_list),
-        power_gammas=numbers("power_gamma", "--power-gamma", parse_float_list),
+        power_gammas=numbers("power_gamma", "--power-gamma", parse_float_list, "half_life"),
         **common,
     )
+
+
+DURATION_FLAGS = {"window": "--window", "swa_start": "--swa-start", "half_life": "--half-life"}
+
+
+def resolve_durations(f: dict, methods: list[str]) -> dict:
+    """The grid values of the flags given as spans of training (durations.py), resolved on the run's
+    checkpoints; {} when none is. How each resolved lands in f["durations"] (the outputs' records)."""
+    from bema_cli import durations
+    from bema_cli.io.checkpoints import find_checkpoints
+
+    given = {k: parse_str_list(f[k], flag) for k, flag in DURATION_FLAGS.items() if f.get(k) is not None}
+    spans = {k: [(v, _duration(v, DURATION_FLAGS[k])) for v in vs] for k, vs in given.items()}
+    if "half_life" in spans and ("power" not in methods or f.get("power_gamma") or f.get("sigma_rel")):
+        raise UsageError(
+            "--half-life: sets the power EMA's exponent: with --method power, without --power-gamma or --sigma-rel"
+        )
+    if not any(d for vs in spans.values() for _, d in vs) and "half_life" not in spans:
+        return {}
+    if f.get("follow"):
+        raise UsageError("durations (steps, tokens, %) are resolved on the run as it is: not with --follow")
+    checkpoints = f.get("checkpoints") or find_checkpoints(f["checkpoint_dir"])
+    clock = durations.clock(checkpoints, f.get("tokens_per_step"))
+    resolve = {"window": durations.window_members, "swa_start": durations.swa_start_step,
+               "half_life": durations.half_life_gamma}  # fmt: skip
+    out, records = {}, {}
+    for key, values in spans.items():
+        for text, d in values:
+            if d is None and key == "half_life":
+                raise UsageError(f"--half-life {text}: give a span of training: 5%, 2000steps or 5Btok")
+            value, record = (
+                resolve[key](d, clock)
+                if d is not None
+                else (parse_int_list(text, DURATION_FLAGS[key])[0], None)
+            )
+            out.setdefault(key, []).append(value)
+            if record:
+                records.setdefault(key, []).append(record)
+    f["durations"] = records
+    return out
+
+
+def _duration(text: str, flag: str):
+    from bema_cli import durations
+
+    try:
+        return durations.parse(text)
+    except UsageError as exc:
+        raise UsageError(f"{flag}: {exc}") from None
 
 
 def _follow(opts, executor_opts, json_out: bool, poll: float, until_step, idle_timeout, settle=None) -> None:

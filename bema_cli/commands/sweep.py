@@ -43,6 +43,7 @@ from bema_cli.options import (
     ExecutorOpt,
     GammaOpt,
     GridConfigOpt,
+    HalfLifeOpt,
     IdleTimeoutOpt,
     JsonOpt,
     KappaOpt,
@@ -58,6 +59,7 @@ from bema_cli.options import (
     SigmaRelOpt,
     SwaStartOpt,
     TauOpt,
+    TokensPerStepOpt,
     UntilStepOpt,
     WindowOpt,
     WorkersOpt,
@@ -96,6 +98,8 @@ def sweep(
     window: WindowOpt = None,
     schedule: ScheduleOpt = None,
     swa_start: SwaStartOpt = None,
+    half_life: HalfLifeOpt = None,
+    tokens_per_step: TokensPerStepOpt = None,
     sigma_rel: SigmaRelOpt = None,
     power_gamma: PowerGammaOpt = None,
     config: GridConfigOpt = None,
@@ -180,10 +184,11 @@ def sweep(
     flags = {**locals(), "verify_swap": False, "tensor_parallel_size": 1, "data_parallel_size": 1,
              "enforce_eager": False}  # fmt: skip
     evaluation, engine = eval_settings(flags)
+    schedules = schedules_from_flags(flags)
     opts = Options(
-        checkpoint_dir=checkpoint_dir, schedules=schedules_from_flags(flags), out=str(Path(out) / ".sweep"),
+        checkpoint_dir=checkpoint_dir, schedules=schedules, out=str(Path(out) / ".sweep"),
         base=base, device=device, accum_dtype=accum_dtype, out_dtype=out_dtype, allow_nonfinite=allow_nonfinite,
-        cast_base=cast_base, allow_gaps=allow_gaps,
+        cast_base=cast_base, allow_gaps=allow_gaps, durations=flags.get("durations") or None,
     )  # fmt: skip
     if not follow and (until_step is not None or idle_timeout is not None):
         from bema_cli.errors import UsageError

@@ -2,7 +2,7 @@
 
 A trajectory is the checkpoint folders a trainer writes, ordered by global step s:
 `checkpoint-<s>` (HF Trainer), `step_<s>`/`step-<s>`, `global_step<s>` (DeepSpeed),
-`iter_<s>` (Megatron), zero-padded or not; or `STEP PATH` lines from stdin. Only model weights and the files needed to load a model (config, generation
+`iter_<s>` (Megatron; its `hf/` export when there is one), zero-padded or not; or `STEP PATH` lines from stdin. Only model weights and the files needed to load a model (config, generation
 config, tokenizer, chat template) matter; optimizer/scheduler/rng state is ignored.
 """
 
@@ -204,7 +204,9 @@ def find_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
         if scheme and p.is_symlink() and not p.is_dir():
             _broken_link(p)
         if scheme and p.is_dir():
-            found.setdefault(scheme, []).append((_step_of(p), p.resolve(), p.name))
+            # Megatron-Bridge's HF export beside its native checkpoint: iter_<N>/hf/ is step N's model
+            model = p / "hf" if scheme == "iter_" and (p / "hf" / "config.json").is_file() else p
+            found.setdefault(scheme, []).append((_step_of(p), model.resolve(), p.name))
     if not found:
         others = ", ".join(f"{p}<step>" for p in LAYOUTS[1:])
         what = (

@@ -43,6 +43,7 @@ def record(run: Run, step: int, source: Path, base_source: str, opts: Options, o
         # the checkpoints this output's trajectory read (a gap passed over with --allow-gaps shows here)
         "averaged_steps": sorted(s for s, e in run.events.items() if s <= step and e.action != "skip"),
         "allow_gaps": opts.allow_gaps,
+        **({"durations": opts.durations} if opts.durations else {}),
     }
 
 

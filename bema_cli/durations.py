@@ -170,3 +170,50 @@ def _tokens(d: Duration, clock: RunClock) -> dict:
     if d.unit != "tokens":
         return {}
     return {"tokens_per_step": clock.tokens_per_step, "tokens_source": clock.tokens_source}
+
+
+# -- the flags: --window, --swa-start, --half-life of stabilize, sweep and ship -------------------
+DURATION_FLAGS = {"window": "--window", "swa_start": "--swa-start", "half_life": "--half-life"}
+
+
+def resolve_flags(f: dict, methods: list[str]) -> dict:
+    """The grid values of the flags given as spans of training (durations.py), resolved on the run's
+    checkpoints; {} when none is. How each resolved lands in f["durations"] (the outputs' records)."""
+    from bema_cli.io.checkpoints import find_checkpoints
+    from bema_cli.options import parse_int_list, parse_str_list
+
+    given = {k: parse_str_list(f[k], flag) for k, flag in DURATION_FLAGS.items() if f.get(k) is not None}
+    spans = {k: [(v, _duration(v, DURATION_FLAGS[k])) for v in vs] for k, vs in given.items()}
+    if "half_life" in spans and ("power" not in methods or f.get("power_gamma") or f.get("sigma_rel")):
+        raise UsageError(
+            "--half-life: sets the power EMA's exponent: with --method power, without --power-gamma or --sigma-rel"
+        )
+    if not any(d for vs in spans.values() for _, d in vs) and "half_life" not in spans:
+        return {}
+    if f.get("follow"):
+        raise UsageError("durations (steps, tokens, %) are resolved on the run as it is: not with --follow")
+    checkpoints = f.get("checkpoints") or find_checkpoints(f["checkpoint_dir"])
+    run_clock = clock(checkpoints, f.get("tokens_per_step"))
+    resolve = {"window": window_members, "swa_start": swa_start_step, "half_life": half_life_gamma}
+    out, records = {}, {}
+    for key, values in spans.items():
+        for text, d in values:
+            if d is None and key == "half_life":
+                raise UsageError(f"--half-life {text}: give a span of training: 5%, 2000steps or 5Btok")
+            value, record = (
+                resolve[key](d, run_clock)
+                if d is not None
+                else (parse_int_list(text, DURATION_FLAGS[key])[0], None)
+            )
+            out.setdefault(key, []).append(value)
+            if record:
+                records.setdefault(key, []).append(record)
+    f["durations"] = records
+    return out
+
+
+def _duration(text: str, flag: str):
+    try:
+        return parse(text)
+    except UsageError as exc:
+        raise UsageError(f"{flag}: {exc}") from None

@@ -35,7 +35,9 @@ SPINNING = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}  # libgomp'
 def demo(out: Path, args: list[str], env: dict) -> tuple[float, dict, str]:
     """One `bema demo` run: wall seconds, its summary, a digest of the fine-tuned last checkpoint."""
     t = time.perf_counter()
-    r = subprocess.run([str(BEMA), "demo", "--out", str(out), "--json", *args], capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [str(BEMA), "demo", "--out", str(out), "--json", *args], capture_output=True, text=True, env=env
+    )
     seconds = time.perf_counter() - t
     if r.returncode != 0:
         raise SystemExit(f"bema demo failed ({r.returncode}): {r.stderr[-2000:]}")
@@ -86,11 +88,15 @@ def main(argv=None) -> None:
     if a.json:
         print(json.dumps(doc, indent=2))
         return
-    print(f"bema demo {'' if a.full else '--quick '}on {os.cpu_count()} CPUs, idle and beside {a.hogs} busy processes")
+    print(
+        f"bema demo {'' if a.full else '--quick '}on {os.cpu_count()} CPUs, idle and beside {a.hogs} busy processes"
+    )
     for row in rows:
         print(f"  {row['arm']:>28}: {row['seconds']:7.1f} s  {row['ratio_to_idle']:5.2f}x idle")
     verdict = "meets" if busy <= TARGET else "MISSES"
-    print(f"  busy / idle {busy:.2f}x: {verdict} the target <= {TARGET}x; weights bit-equal in every arm: {same_weights}")
+    print(
+        f"  busy / idle {busy:.2f}x: {verdict} the target <= {TARGET}x; weights bit-equal in every arm: {same_weights}"
+    )
 
 
 if __name__ == "__main__":

@@ -197,7 +197,10 @@ def test_megatron_bridge_iter_folders_are_read_from_their_hf_export(run10, tmp_p
         )
     doc = _stabilize(mb, base, tmp_path / "out", "--method", "lawa", "--window", "61440tok", "--final-only")
     record = json.loads((tmp_path / "out" / "lawa-w2" / "checkpoint-30" / "bema.json").read_text())
-    assert record["source_checkpoint"] == str(mb / "iter_0000030" / "hf") and record["member_steps"] == [20, 30]
+    assert record["source_checkpoint"] == str(mb / "iter_0000030" / "hf") and record["member_steps"] == [
+        20,
+        30,
+    ]
     (resolved,) = doc["durations"]["window"]
     assert resolved["checkpoints"] == 2 and resolved["tokens_per_step"] == 8 * 512
     assert "run_config.yaml" in resolved["tokens_source"]

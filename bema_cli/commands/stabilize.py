@@ -270,6 +270,7 @@ def stabilize(
 
 def schedules_from_flags(f: dict) -> list:
     """The grid (stabilize and sweep alike): --config FILE, or --method and the parameter lists."""
+    from bema_cli.durations import resolve_flags
     from bema_cli.stabilize import grid
     from bema_cli.stabilize.grids import grid_from_config
 
@@ -289,7 +290,7 @@ def schedules_from_flags(f: dict) -> list:
         return parse(f[key], flag) if f[key] is not None else None
 
     methods = parse_str_list(f["method"] or "bema", "--method")
-    spans = resolve_durations(f, methods)
+    spans = resolve_flags(f, methods)
     return grid(
         methods,
         numbers("kappa", "--kappa", parse_float_list),
@@ -301,55 +302,6 @@ def schedules_from_flags(f: dict) -> list:
         power_gammas=numbers("power_gamma", "--power-gamma", parse_float_list, "half_life"),
         **common,
     )
-
-
-DURATION_FLAGS = {"window": "--window", "swa_start": "--swa-start", "half_life": "--half-life"}
-
-
-def resolve_durations(f: dict, methods: list[str]) -> dict:
-    """The grid values of the flags given as spans of training (durations.py), resolved on the run's
-    checkpoints; {} when none is. How each resolved lands in f["durations"] (the outputs' records)."""
-    from bema_cli import durations
-    from bema_cli.io.checkpoints import find_checkpoints
-
-    given = {k: parse_str_list(f[k], flag) for k, flag in DURATION_FLAGS.items() if f.get(k) is not None}
-    spans = {k: [(v, _duration(v, DURATION_FLAGS[k])) for v in vs] for k, vs in given.items()}
-    if "half_life" in spans and ("power" not in methods or f.get("power_gamma") or f.get("sigma_rel")):
-        raise UsageError(
-            "--half-life: sets the power EMA's exponent: with --method power, without --power-gamma or --sigma-rel"
-        )
-    if not any(d for vs in spans.values() for _, d in vs) and "half_life" not in spans:
-        return {}
-    if f.get("follow"):
-        raise UsageError("durations (steps, tokens, %) are resolved on the run as it is: not with --follow")
-    checkpoints = f.get("checkpoints") or find_checkpoints(f["checkpoint_dir"])
-    clock = durations.clock(checkpoints, f.get("tokens_per_step"))
-    resolve = {"window": durations.window_members, "swa_start": durations.swa_start_step,
-               "half_life": durations.half_life_gamma}  # fmt: skip
-    out, records = {}, {}
-    for key, values in spans.items():
-        for text, d in values:
-            if d is None and key == "half_life":
-                raise UsageError(f"--half-life {text}: give a span of training: 5%, 2000steps or 5Btok")
-            value, record = (
-                resolve[key](d, clock)
-                if d is not None
-                else (parse_int_list(text, DURATION_FLAGS[key])[0], None)
-            )
-            out.setdefault(key, []).append(value)
-            if record:
-                records.setdefault(key, []).append(record)
-    f["durations"] = records
-    return out
-
-
-def _duration(text: str, flag: str):
-    from bema_cli import durations
-
-    try:
-        return durations.parse(text)
-    except UsageError as exc:
-        raise UsageError(f"{flag}: {exc}") from None
 
 
 def _follow(opts, executor_opts, json_out: bool, poll: float, until_step, idle_timeout, settle=None) -> None:

@@ -183,6 +183,8 @@ def resolve_flags(f: dict, methods: list[str]) -> dict:
     from bema_cli.options import parse_int_list, parse_str_list
 
     given = {k: parse_str_list(f[k], flag) for k, flag in DURATION_FLAGS.items() if f.get(k) is not None}
+    if not any(re.search(r"[A-Za-z%]", v) for vs in given.values() for v in vs) and "half_life" not in given:
+        return {}  # counts and steps only: the flags' own parsing (and its errors) as before
     spans = {k: [(v, _duration(v, DURATION_FLAGS[k])) for v in vs] for k, vs in given.items()}
     if "half_life" in spans and ("power" not in methods or f.get("power_gamma") or f.get("sigma_rel")):
         raise UsageError(

@@ -140,6 +140,6 @@ def test_stderr_holds_bemas_own_lines_unless_verbose(tiny_model_dir, tmp_path, v
         assert lines[0].startswith("starting vLLM engine on") and lines[1].startswith("vLLM KV cache: "), (
             r.stderr
         )
-        assert lines[2].startswith("boolq: ") and lines[3].startswith("stages: engine_start "), r.stderr
+        assert lines[2].startswith("[1/1] boolq: ") and lines[3].startswith("stages: engine_start "), r.stderr
         assert len(lines) == 4 and not any(word in r.stderr for word in noise), r.stderr
         assert any(word in (out / "libraries.log").read_text() for word in noise)

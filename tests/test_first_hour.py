@@ -189,3 +189,29 @@ def test_make_takes_torchs_cpu_build_where_no_gpu_is(tmp_path):
     finally:
         server.shutdown()
     assert _install_line(no_gpu, index).rstrip().endswith("torch==2.13.0")  # the index no longer answers
+
+
+def test_eval_with_vanilla_adds_the_runs_own_checkpoint_at_each_output_step(
+    tiny_model_dir, tiny_trained_dir, tmp_path
+):
+    """The tour's `bema eval GRID` had no vanilla at the grid's step, so every "vs vanilla" read `no same
+    step`; --with-vanilla evaluates the run's checkpoint there (the manifest names it)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_model_dir, run / "checkpoint-10")
+    shutil.copytree(tiny_trained_dir, run / "checkpoint-20")
+    grid = tmp_path / "grid"
+    r = run_bema("stabilize", run, "--base", tiny_model_dir, "--out", grid, "--method", "ema", "--final-only")
+    assert r.returncode == 0, r.stderr
+    path = tmp_path / "heldout.jsonl"
+    path.write_text(json.dumps({"messages": CHAT}) + "\n")
+    r = run_bema("eval", grid, "--with-vanilla", "--tasks", "loss", "--loss-data", path, "--out", tmp_path / "res",
+                 "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    runs = sorted((rec["run"], rec["step"], rec["model_path"]) for rec in json.loads(r.stdout)["records"])
+    assert runs == [("ema-k0.5", 20, str(grid / "ema-k0.5" / "checkpoint-20")),
+                    ("vanilla", 20, str((run / "checkpoint-20").resolve()))]  # fmt: skip
+    report = json.loads(run_bema("report", tmp_path / "res", "--json").stdout)
+    versus = report["tasks"]["loss"]["loss"]["runs"]["ema-k0.5"]["vs_vanilla"]
+    assert versus is not None and versus["step"] == 20

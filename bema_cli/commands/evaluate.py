@@ -76,6 +76,13 @@ def evaluate(
     verify_swap: VerifySwapOpt = False,
     log_samples: LogSamplesOpt = False,
     force: ForceOpt = False,
+    with_vanilla: Annotated[
+        bool,
+        typer.Option(
+            "--with-vanilla",
+            help="Also evaluate the run's own checkpoint at every output step of a stabilize OUT folder, so bema report compares each average with vanilla at the same step.",
+        ),
+    ] = False,
     executor: ExecutorOpt = "local",
     workers: WorkersOpt = 1,
     ray_address: RayAddressOpt = None,
@@ -102,6 +109,10 @@ def evaluate(
         out = DEFAULT_OUT
         output.log(f"results go to ./{DEFAULT_OUT}/ (the default; --out DIR chooses)")
     config, engine = eval_settings({**locals(), "out": out})
+    if with_vanilla:
+        from bema_cli.eval.targets import vanilla_of
+
+        inputs = [*(inputs or []), *vanilla_of(inputs or [])]
     doc = eval_document(
         inputs or [], base, config, engine, ExecutorOptions(executor, workers, ray_address),
         validated=lambda: output.send_library_output(Path(out) / LIBRARY_LOG),

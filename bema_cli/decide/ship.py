@@ -159,7 +159,7 @@ def _inputs(stab) -> list[Path]:
     return inputs_of(prepare(sweep_options(stab)), stab.checkpoint_dir)
 
 
-def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, allow_gaps: bool) -> dict:
+def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, stab) -> dict:
     """DIR as the model folder: the menu's pick or vanilla through the streaming stabilize engine,
     a fitted average through fit.combine; the records and ship.json go inside (DIR/.bema-ship)."""
 
@@ -176,7 +176,16 @@ def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, allo
             c for c in chosen["candidates"] if (c["run"], c["step"]) == (decision["run"], decision["step"])
         )
         one = {**chosen, "winner": {k: row[k] for k in select.WINNER_KEYS}}
-        return write_winner(one, records, out, ship_opts.card_paths, ship_opts.overwrite, keep, allow_gaps)
+        return write_winner(
+            one,
+            records,
+            out,
+            ship_opts.card_paths,
+            ship_opts.overwrite,
+            keep,
+            stab.allow_gaps,
+            stab.durations,
+        )
     best = fitted["best"]
     tmp = staging(out, "ship")
     try:
@@ -184,7 +193,8 @@ def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, allo
         record = fit.fitted_record(decision["run"], best["method"], decision["step"], best["coefficients"],
                                    best["folders"], best["base_source"], best["folders"][-1],
                                    **({"ingredients": best["ingredients"]} if best["kind"] == "soup" else {}),
-                                   **({"allow_gaps": True} if allow_gaps else {}))  # fmt: skip
+                                   **({"allow_gaps": True} if stab.allow_gaps else {}),
+                                   **({"durations": stab.durations} if stab.durations else {}))  # fmt: skip
         with stages.stage("combine"):  # the one fitted model written: the shipped one
             fit.combine(list(zip(best["basis"], best["coefficients"], strict=True)), best["folders"][-1], folder,
                         record)  # fmt: skip

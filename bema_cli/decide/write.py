@@ -124,12 +124,14 @@ def _number(value):
     return float(value) if value in ("inf", "-inf") else value
 
 
-def stabilized(winner: dict, records: list[dict], tmp: Path, allow_gaps: bool = False) -> Path:
+def stabilized(
+    winner: dict, records: list[dict], tmp: Path, allow_gaps: bool = False, durations=None
+) -> Path:
     """The winner at its step written by the streaming stabilize engine under `tmp`; its folder.
     `allow_gaps`: the run's missing checkpoints are passed over, as the decision passed over them
     (and the record says so)."""
     source, base, stab = source_of(winner, records)
-    return _stabilize_one(source, base, stab, winner["step"], tmp, allow_gaps=allow_gaps)
+    return _stabilize_one(source, base, stab, winner["step"], tmp, allow_gaps=allow_gaps, durations=durations)
 
 
 def rebuild_average(record: dict, tmp: Path) -> Path:
@@ -184,6 +186,7 @@ def write_winner(
     overwrite: bool = False,
     keep=None,
     allow_gaps: bool = False,
+    durations: dict | None = None,
 ) -> dict:
     """The winner of a `select` document written as `out` itself, with its card; `keep(folder)` is
     called before the final rename (ship moves its records into the folder there)."""
@@ -193,7 +196,7 @@ def write_winner(
     check_target(out, overwrite)
     tmp = staging(out, "write")
     try:
-        folder = stabilized(doc["winner"], records, tmp, allow_gaps)
+        folder = stabilized(doc["winner"], records, tmp, allow_gaps, durations)
         w = doc["winner"]
         write_card(folder, doc, evaluation_rows(doc, w["value"], w["interval"], w["vs_vanilla"]), paths)
         if keep is not None:

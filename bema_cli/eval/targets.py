@@ -111,6 +111,26 @@ def expand_inputs(inputs: list[str]) -> list[Target]:
     return unique
 
 
+def vanilla_of(inputs: list[str]) -> list[str]:
+    """The run's own checkpoint at every output step of each stabilize OUT among `inputs` (its
+    manifest names them): `bema eval --with-vanilla`, so the report's "vs vanilla" has its pair."""
+    found = []
+    for text in inputs:
+        path = Path(text).resolve()
+        if not (path / "manifest.json").is_file():
+            continue
+        manifest = read_manifest(path)
+        steps = {o.get("step") for run in manifest.get("runs", []) for o in run.get("outputs", [])}
+        for c in manifest.get("checkpoints", []):
+            if c.get("step") in steps and isinstance(c.get("path"), str):
+                if not Path(c["path"]).is_dir():
+                    raise InputError(
+                        f"{path}: its checkpoint of step {c['step']} is gone ({c['path']}); --with-vanilla needs it"
+                    )
+                found.append(c["path"])
+    return found
+
+
 def base_target(base: str, targets: list[Target]) -> Target:
     """The base model (a folder or Hub repo id), standing in as step 0 of every run among the targets."""
     path = resolve_model(base, check=safetensors_files).path

@@ -52,6 +52,8 @@ class Options:
     allow_nonfinite: bool = False
     allow_gaps: bool = False  # go on past checkpoints the run's cadence says were saved but are gone
     durations: dict | None = None  # flag -> how each duration resolved on this run (durations.py)
+    min_interval: int | None = None  # thin the inputs: kept checkpoints at least this many steps apart
+    min_checkpoints: int | None = None  # refuse a run with fewer checkpoints (after thinning)
     cast_base: bool = False  # accept a floating base of another dtype (e.g. bf16 Hub base, fp32 fine-tune)
     checkpoints: list[Checkpoint] | None = None  # given explicitly (a `STEP PATH` list) instead of found
     lora_output: str = "merged"  # LoRA runs: full merged models, or PEFT adapters of rank lora_rank

@@ -138,7 +138,7 @@ def _ship(
     decision = made["decision"]
     with stages.stage("write"), stages.kept():  # stabilize's own reset would drop the sweep's stages
         doc["written"] = _write(
-            decision, chosen, fitted, records, metric, ship_opts, doc, work, stab.allow_gaps
+            decision, chosen, fitted, records, metric, ship_opts, doc, work, stab
         )
     if ship_opts.push:
         from bema_cli.decide.push import push

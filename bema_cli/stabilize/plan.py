@@ -205,7 +205,7 @@ def out_steps(events: list[PlannedStep], opts: Options, start: int | None = None
 
 
 def _accumulators(runs: list[Run]) -> int:
-    """Accum-dtype buffers per element that `_walk` holds: theta0, theta_s, one set of state per
+    """Accum-dtype buffers per element that `_walk` holds: theta0, theta_s, the previous checkpoint, one set of state per
     distinct state (a window's ring: K-1 slices), theta_s - theta0 (bema), the output (bema, dema,
     windows), ouema's two temporaries."""
     methods = {r.schedule.method for r in runs}
@@ -219,7 +219,7 @@ def _accumulators(runs: list[Run]) -> int:
     scratch = (
         ("bema" in methods) + bool(methods & {"bema", "dema", *WINDOW_METHODS}) + 2 * ("ouema" in methods)
     )
-    return 2 + sum(distinct.values()) + scratch
+    return 3 + sum(distinct.values()) + scratch  # theta0, theta_s, the previous checkpoint (motion.py)
 
 
 def ring_size(runs: list[Run]) -> int:

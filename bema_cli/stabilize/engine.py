@@ -130,7 +130,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
         return {"outputs": [], "read_bytes": 0, "written_bytes": 0, "state_bytes": 0,
                 "executor": {"executor": executor.executor, "workers": executor.workers},
                 "up_to_date": True, "last_step": last, "seconds": time.perf_counter() - t0,
-                "projection": None, "stages": stages.report(), "device": _idle_device(opts)}  # fmt: skip
+                "projection": None, "motion": [], "motion_verdict": None, "stages": stages.report(), "device": _idle_device(opts)}  # fmt: skip
     try:
         _check_out(out, plan.runs, opts.overwrite, _restarted(plan, opts))
     except OutputError as exc:
@@ -144,7 +144,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
             "outputs": [], "read_bytes": 0, "written_bytes": 0, "state_bytes": 0,
             "executor": {"executor": executor.executor, "workers": executor.workers},
             "up_to_date": True, "last_step": last_step, "seconds": time.perf_counter() - t0,
-            "projection": None, "stages": stages.report(), "device": _idle_device(opts),
+            "projection": None, "motion": [], "motion_verdict": None, "stages": stages.report(), "device": _idle_device(opts),
         }  # fmt: skip
     # the first check that needs torch (~1-2 s to import), so other errors come first; none in a dry run
     torch_device(opts.device, need_torch=not opts.dry_run)

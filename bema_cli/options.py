@@ -67,6 +67,20 @@ HalfLifeOpt = _grid(
     "gamma = ln 2 / h - 1.",
     "from --sigma-rel",
 )
+MinIntervalOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--min-interval",
+        help="Thin the inputs as Megatron-LM's merge tool does: from the last step back, keep checkpoints at "
+        "least this many steps apart (one-shot: no state).",
+    ),
+]
+MinCheckpointsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--min-checkpoints", help="Refuse a run with fewer checkpoints than this (after --min-interval)."
+    ),
+]
 TokensPerStepOpt = Annotated[
     float | None,
     typer.Option(

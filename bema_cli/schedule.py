@@ -15,6 +15,8 @@ theta0 never is one.
 from __future__ import annotations
 
 import math
+import random
+import re
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -23,7 +25,11 @@ from bema_cli.errors import UsageError
 METHODS = ("vanilla", "ema", "bema", "dema", "ouema", "lawa", "wsm", "swa", "power")
 EMA_FAMILY = ("ema", "bema", "dema", "ouema")  # the paper's stabilizers: kappa/eta/gamma/rho/beta_min
 WINDOW_METHODS = ("lawa", "wsm")  # merges of the last K members, read from a ring of K-1 slices
-DECAYS = ("linear", "minus-sqrt", "cosine")  # wsm's decay functions g on [0, 1]; "<name>:reverse" too
+DECAYS = (
+    "linear",
+    "minus-sqrt",
+    "cosine",
+)  # wsm's decay functions g on [0, 1]; "<name>:reverse", ":scrambled-<seed>" too
 PRESETS = ("paper", "reference")
 Action = Literal["burnin", "update", "skip"]
 
@@ -256,17 +262,25 @@ _DECAY = {
 
 def merge_coefficients(schedule: str, n: int) -> list[float]:
     """The weights of n checkpoints, oldest first, from a decay g: d_i = g(i/n); c_(n-1) = d_(n-1);
-    c_i = d_i - d_(i+1) for 0 < i < n-1; c_0 = 1 - the others. `<g>:reverse` reverses them."""
+    c_i = d_i - d_(i+1) for 0 < i < n-1; c_0 = 1 - the others. The ablation controls of Megatron-LM's
+    merge tool: `<g>:reverse` reverses them, `<g>:scrambled-<seed>` permutes them (seeded by the seed
+    and n: the same permutation on every machine and in every call)."""
     name, _, variant = schedule.partition(":")
-    if name not in _DECAY or variant not in ("", "reverse"):
+    scrambled = re.fullmatch(r"scrambled-(\d+)", variant)
+    if name not in _DECAY or not (variant in ("", "reverse") or scrambled):
         choices = ", ".join(DECAYS)
         raise UsageError(
-            f"--schedule: unknown schedule {schedule!r} (choose from {choices}, each with :reverse)"
+            f"--schedule: unknown schedule {schedule!r} (choose from {choices}, each with :reverse or "
+            ":scrambled-<seed>)"
         )
     g = _DECAY[name]
     d = [g(i / n) for i in range(n)]
     c = [d[i] - d[i + 1] for i in range(n - 1)] + [d[n - 1]]
     c[0] = 1.0 - sum(c[1:])
+    if scrambled:
+        order = list(range(n))
+        random.Random(f"bema-scrambled:{scrambled.group(1)}:{n}").shuffle(order)
+        return [c[i] for i in order]
     return c[::-1] if variant else c
 
 

@@ -204,3 +204,132 @@ def test_megatron_bridge_iter_folders_are_read_from_their_hf_export(run10, tmp_p
     (resolved,) = doc["durations"]["window"]
     assert resolved["checkpoints"] == 2 and resolved["tokens_per_step"] == 8 * 512
     assert "run_config.yaml" in resolved["tokens_source"]
+
+
+# -- Megatron-LM's merge selection controls: thinning, a minimum count, scrambled coefficients
+def test_thinning_keeps_the_target_and_checkpoints_at_least_the_interval_apart():
+    from bema_cli.stabilize.prepare import thin
+
+    steps = [10, 20, 35, 40, 55, 70, 80, 100]
+    for interval in (1, 15, 30, 100):
+        kept = [c.step for c in thin([Checkpoint(s, None) for s in steps], interval)]
+        ref, last = [], None  # by hand: from the last step back, greedily
+        for s in reversed(steps):
+            if last is None or last - s >= interval:
+                ref.append(s)
+                last = s
+        assert kept == ref[::-1] and kept[-1] == 100
+        assert all(b - a >= interval for a, b in zip(kept, kept[1:], strict=False))
+
+
+def test_a_thinned_run_is_the_run_of_its_kept_checkpoints(run10, tmp_path):
+    import subprocess
+
+    from conftest import BEMA, one_line_error, run_bema
+
+    root, base, run = run10
+    _stabilize(run, base, tmp_path / "thin", "--method", "ema", "--min-interval", "30", "--final-only")
+    listed = "".join(f"{s} {run / f'checkpoint-{s}'}\n" for s in (10, 40, 70, 100))
+    r = subprocess.run([str(BEMA), "stabilize", "-", "--base", base, "--out", tmp_path / "list", "--method", "ema",
+                        "--final-only"], input=listed, capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    _same_outputs(tmp_path / "thin", tmp_path / "list", "ema-k0.5", "ema-k0.5", 100)
+    record = json.loads((tmp_path / "thin" / "ema-k0.5" / "checkpoint-100" / "bema.json").read_text())
+    assert record["averaged_steps"] == [10, 40, 70, 100]
+    line = one_line_error(run_bema("stabilize", run, "--base", base, "--out", tmp_path / "few", "--method", "ema",
+                                   "--min-interval", "40", "--min-checkpoints", "4"))  # fmt: skip
+    assert f"{run}: 3 checkpoint(s) after thinning to every 40 steps, fewer than --min-checkpoints 4" in line
+
+
+def test_scrambled_coefficients_are_a_seeded_permutation(run10, tmp_path):
+    import torch
+
+    from bema_cli.schedule import merge_coefficients
+
+    base_c = merge_coefficients("minus-sqrt", 6)
+    one, two = (
+        merge_coefficients("minus-sqrt:scrambled-7", 6),
+        merge_coefficients("minus-sqrt:scrambled-7", 6),
+    )
+    assert one == two and sorted(one) == sorted(base_c) and one != base_c
+    assert merge_coefficients("minus-sqrt:scrambled-8", 6) != one
+    root, base, run = run10
+    _stabilize(run, base, tmp_path / "s", "--method", "wsm", "--window", "6", "--schedule", "minus-sqrt:scrambled-7",
+               "--final-only")  # fmt: skip
+    got = _weights(tmp_path / "s" / "wsm-minus_sqrt_scrambled_7-w6" / "checkpoint-100")
+    members = [_weights(run / f"checkpoint-{s}") for s in (50, 60, 70, 80, 90, 100)]
+    for name, value in got.items():
+        if value.is_floating_point():  # float64 reference: the members weighted by the permuted coefficients
+            ref = sum(c * m[name].double() for c, m in zip(one, members, strict=True))
+            assert torch.allclose(value.double(), ref, rtol=1e-6, atol=1e-6), name
+
+
+# -- "can averaging help here?": the motion measured in the read pass
+def _motion_reference(run, base, steps):
+    """float64, by hand: ||theta_s - theta_prev|| / ||theta_s|| over the float tensors, per step."""
+
+    prev = {k: v.double() for k, v in _weights(base).items() if v.is_floating_point()}
+    out = {}
+    for s in steps:
+        now = {k: v.double() for k, v in _weights(run / f"checkpoint-{s}").items() if v.is_floating_point()}
+        d2 = sum(float(((now[k] - prev[k]) ** 2).sum()) for k in now)
+        n2 = sum(float((now[k] ** 2).sum()) for k in now)
+        out[s] = math.sqrt(d2 / n2)
+        prev = now
+    return out
+
+
+def test_motion_is_measured_in_the_read_pass_against_float64(run10, tmp_path):
+    root, base, run = run10
+    steps = [10 * i for i in range(1, 11)]
+    doc = _stabilize(
+        run, base, tmp_path / "m", "--method", "ema,lawa", "--window", "4", "--max-memory", "300KiB"
+    )
+    ref = _motion_reference(run, base, steps)
+    assert [r["step"] for r in doc["motion"]] == steps
+    for row in doc["motion"]:  # float32 accumulation against float64: 1e-5 relative
+        assert row["relative"] == pytest.approx(ref[row["step"]], rel=1e-5)
+        assert set(row["groups"]) <= {"embeddings", "attention", "mlp", "norms", "other"}
+    # a continued call measures from its second step on (its first one's predecessor was read before)
+    more = [10 * i for i in range(11, 14)]
+    from trajectory import write_trajectory
+
+    _, longer = write_trajectory(tmp_path / "longer", steps + more)
+    doc = _stabilize(longer, base, tmp_path / "n", "--method", "ema")
+    assert [r["step"] for r in doc["motion"]][:1] == [10]
+
+
+def _moving_run(root, scales):
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 64, generator=g)
+    (root / "base").mkdir(parents=True)
+    save_file({"mlp.weight": w}, root / "base" / "model.safetensors")
+    for i, scale in enumerate(scales, start=1):
+        w = w + scale * 0.01 * torch.randn(64, 64, generator=g)
+        (root / "run" / f"checkpoint-{10 * i}").mkdir(parents=True)
+        save_file({"mlp.weight": w}, root / "run" / f"checkpoint-{10 * i}" / "model.safetensors")
+    return root / "run", root / "base"
+
+
+def test_a_run_that_stops_moving_is_said_to_before_any_evaluation(tmp_path):
+    """A learning rate decayed to ~0: the last checkpoints barely move; said on stderr and in --json.
+    The same run at a constant learning rate moves to the end: nothing is said."""
+    from conftest import run_bema
+
+    for name, scales, barely in (
+        ("decayed", [1.0] * 10 + [1e-4] * 10, True),
+        ("constant", [1.0] * 20, False),
+    ):
+        run, base = _moving_run(tmp_path / name, scales)
+        r = run_bema("stabilize", run, "--base", base, "--out", tmp_path / name / "out", "--method", "lawa",
+                     "--window", "4", "--json")  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        verdict = json.loads(r.stdout)["motion_verdict"]
+        assert verdict["barely_moves"] is barely and ("barely move" in r.stderr) is barely, (
+            verdict,
+            r.stderr,
+        )
+        assert (verdict["share"] < 0.01) if barely else (0.5 < verdict["share"] < 2)

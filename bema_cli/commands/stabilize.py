@@ -158,6 +158,19 @@ def stabilize(
             "--keep-last", help="Keep only the K newest outputs of each run (like save_total_limit)."
         ),
     ] = None,
+    min_interval: Annotated[
+        int | None,
+        typer.Option(
+            "--min-interval",
+            help="Thin the inputs as Megatron-LM's merge tool does: from the last step back, keep checkpoints at least this many steps apart (one-shot: no state).",
+        ),
+    ] = None,
+    min_checkpoints: Annotated[
+        int | None,
+        typer.Option(
+            "--min-checkpoints", help="Refuse a run with fewer checkpoints than this (after --min-interval)."
+        ),
+    ] = None,
     fingerprint: Annotated[
         str,
         typer.Option(
@@ -209,32 +222,20 @@ def stabilize(
     flags = dict(locals())
     schedules = schedules_from_flags(flags)
     opts = Options(
-        checkpoint_dir=checkpoint_dir,
-        schedules=schedules,
-        out=out,
-        base=base,
-        max_memory=parse_size(max_memory, "--max-memory"),
-        max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
-        device=device,
-        readers=readers,
-        accum_dtype=accum_dtype,
-        out_dtype=out_dtype,
-        final_only=final_only,
-        steps=parse_int_list(steps, "--steps") if steps is not None else None,
-        dry_run=dry_run,
-        overwrite=overwrite,
-        allow_nonfinite=allow_nonfinite,
-        allow_gaps=allow_gaps,
-        cast_base=cast_base,
-        checkpoints=checkpoints,
-        lora_output=lora_output,
-        lora_rank=lora_rank,
-        restart=restart,
-        keep_last=keep_last,
-        fingerprint=fingerprint,
-        no_state=None if keep_state is None else not keep_state,
-        durations=flags.get("durations") or None,
-    )
+        checkpoint_dir=checkpoint_dir, schedules=schedules, out=out, base=base,
+        max_memory=parse_size(max_memory, "--max-memory"), max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
+        device=device, readers=readers, accum_dtype=accum_dtype, out_dtype=out_dtype, final_only=final_only,
+        steps=parse_int_list(steps, "--steps") if steps is not None else None, dry_run=dry_run, overwrite=overwrite,
+        allow_nonfinite=allow_nonfinite, allow_gaps=allow_gaps, cast_base=cast_base, checkpoints=checkpoints,
+        lora_output=lora_output, lora_rank=lora_rank, restart=restart, keep_last=keep_last, fingerprint=fingerprint,
+        no_state=None if keep_state is None else not keep_state, durations=flags.get("durations") or None,
+        min_interval=min_interval, min_checkpoints=min_checkpoints,
+    )  # fmt: skip
+    if min_interval is not None:
+        if keep_state or follow:
+            raise UsageError("--min-interval: the thinned set anchors at the last step, so a continued run would "
+                             "average another one: drop --keep-state/--follow")  # fmt: skip
+        opts = replace(opts, no_state=True)
     if fingerprint not in ("full", "sampled"):
         raise UsageError(f"--fingerprint: choose full or sampled, got {fingerprint!r}")
     if keep_last is not None and keep_last < 1:

@@ -29,7 +29,7 @@ from bema_cli.io.fingerprint import fingerprint
 from bema_cli.io.safetensors import ModelIndex
 from bema_cli.io.watch import check_unchanged, held_stats, hold_files, release
 from bema_cli.io.writer import ShardedWriter
-from bema_cli.stabilize import meta, state, state_commit, state_store
+from bema_cli.stabilize import meta, motion, state, state_commit, state_store
 from bema_cli.stabilize.executors import run_units
 from bema_cli.stabilize.plan import Options, Plan, Run, inputs_of
 from bema_cli.stabilize.prepare import prepare, resolve_state
@@ -130,7 +130,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
         return {"outputs": [], "read_bytes": 0, "written_bytes": 0, "state_bytes": 0,
                 "executor": {"executor": executor.executor, "workers": executor.workers},
                 "up_to_date": True, "last_step": last, "seconds": time.perf_counter() - t0,
-                "projection": None, "stages": stages.report(), "device": _idle_device(opts)}  # fmt: skip
+                "projection": None, "motion": [], "motion_verdict": None, "stages": stages.report(), "device": _idle_device(opts)}  # fmt: skip
     try:
         _check_out(out, plan.runs, opts.overwrite, _restarted(plan, opts))
     except OutputError as exc:
@@ -144,7 +144,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
             "outputs": [], "read_bytes": 0, "written_bytes": 0, "state_bytes": 0,
             "executor": {"executor": executor.executor, "workers": executor.workers},
             "up_to_date": True, "last_step": last_step, "seconds": time.perf_counter() - t0,
-            "projection": None, "stages": stages.report(), "device": _idle_device(opts),
+            "projection": None, "motion": [], "motion_verdict": None, "stages": stages.report(), "device": _idle_device(opts),
         }  # fmt: skip
     # the first check that needs torch (~1-2 s to import), so other errors come first; none in a dry run
     torch_device(opts.device, need_torch=not opts.dry_run)
@@ -188,7 +188,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
             with hold(
                 plan, executor.executor == "local", opts.fingerprint == "full", record=not opts.no_state
             ):
-                doc["written_bytes"] = _walk(plan, opts, txn.tmp, executor)
+                doc["written_bytes"], sums = _walk(plan, opts, txn.tmp, executor)
             entries, _, kept = state_commit.stage(plan, opts, txn.tmp)
         except OSError as exc:  # metadata files, state: a full disk names what it was writing
             raise _io_error(exc, txn.tmp) from None
@@ -204,6 +204,14 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
             state_commit.tidy(out)  # what --keep-last dropped, state folders no run needs any more
     keep = {(r.name, s) for r in plan.runs for s in kept[r.name]}
     doc["outputs"] = [o for o in doc["outputs"] if (o["run"], o["step"]) in keep]
+    doc["motion"] = motion.rows(sums)
+    window = max((r.schedule.window or 0 for r in plan.runs), default=0) or motion.WINDOW
+    doc["motion_verdict"] = motion.verdict(doc["motion"], window)
+    if doc["motion_verdict"] and doc["motion_verdict"]["barely_moves"]:
+        v = doc["motion_verdict"]
+        output.warn(f"the last {window} checkpoints barely move: {v['last_window']:.2e} of the weights' norm a "
+                    f"step, {v['share']:.1%} of the run's moving phase: averaging them changes little, and nothing "
+                    "may beat the last checkpoint (a decayed learning rate does this)")  # fmt: skip
     doc["seconds"] = time.perf_counter() - t0
     doc["stages"] = stages.report()  # this process's (Ray workers time their own units)
     return doc
@@ -344,8 +352,8 @@ def _walk(plan: Plan, opts: Options, tmp: Path, executor: ExecutorOptions) -> in
     total = sum(unit_bytes(u) for u in plan.units)
     with output.progress("bytes") as bar:
         task = bar.add_task("stabilizing (checkpoint bytes read)", total=total)
-        run_units(plan, opts, outputs, executor, lambda n: bar.advance(task, n))
-    return finish_outputs(plan, opts, outputs)
+        sums = run_units(plan, opts, outputs, executor, lambda n: bar.advance(task, n))
+    return finish_outputs(plan, opts, outputs), sums
 
 
 def open_outputs(plan: Plan, opts: Options, tmp: Path) -> Outputs:

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 from bema_cli.cluster import ExecutorOptions, cluster_cpus, ray_session, runtime_env, task_error
 from bema_cli.errors import UsageError
+from bema_cli.stabilize import motion
 from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.unit import Outputs, process_unit, unit_bytes
 from bema_cli.stabilize.workspace import Workspace, compute_threads
@@ -24,25 +25,27 @@ RETRIES = 3  # Ray re-runs a unit whose worker died this many times (safe: units
 
 def run_units(
     plan: Plan, opts: Options, outputs: Outputs, executor: ExecutorOptions, advance: Callable[[int], None]
-) -> None:
-    """Run every unit of `plan` into `outputs`; `advance(bytes)` after each unit (progress)."""
+) -> dict:
+    """Run every unit of `plan` into `outputs`; `advance(bytes)` after each unit (progress). Returns
+    the units' motion sums, merged (motion.py)."""
     if executor.executor == "ray":
-        _run_ray(plan, opts, outputs, executor, advance)
-        return
+        return _run_ray(plan, opts, outputs, executor, advance)
     ws = Workspace.for_plan(plan, opts)  # one set of buffers for every unit
     # the walk makes ~10^5 short-lived tensor views and no reference cycles; the collections they would
     # trigger each traverse torch's ~10^5 long-lived objects (~2% of a run's CPU, measured): off meanwhile
     enabled = gc.isenabled()
     gc.disable()
+    sums: dict = {}
     try:
         with compute_threads(ws):
             for unit in plan.units:
-                process_unit(plan, opts, unit, outputs, ws)
+                motion.merge(sums, process_unit(plan, opts, unit, outputs, ws))
                 advance(unit_bytes(unit))
     finally:
         ws.close()
         if enabled:
             gc.enable()
+    return sums
 
 
 @contextmanager
@@ -68,12 +71,11 @@ def _warm_up() -> None:
     import bema_cli.stabilize.unit  # noqa: F401  (the module a unit task runs, and safetensors with it)
 
 
-def _ray_unit(plan: Plan, opts: Options, index: int, outputs: Outputs, threads: int) -> int:
-    """One Ray task: unit `index` of `plan`, on this worker's share of the cores."""
+def _ray_unit(plan: Plan, opts: Options, index: int, outputs: Outputs, threads: int) -> dict:
+    """One Ray task: unit `index` of `plan`, on this worker's share of the cores; its motion sums."""
     ws = _workspace(plan, opts)
     with compute_threads(ws, threads):
-        process_unit(plan, opts, plan.units[index], outputs, ws)
-    return index
+        return process_unit(plan, opts, plan.units[index], outputs, ws)
 
 
 _cached: list[Workspace] = []  # this worker process's buffers (Ray workers live as long as the command)
@@ -113,7 +115,7 @@ def _resources(ray, plan: Plan, opts: Options, workers: int) -> dict:
 
 def _run_ray(
     plan: Plan, opts: Options, outputs: Outputs, executor: ExecutorOptions, advance: Callable[[int], None]
-) -> None:
+) -> dict:
     """At most `workers` unit tasks in flight; each finished one frees a slot for the next."""
     with ray_session(executor) as ray:
         res = _resources(ray, plan, opts, executor.workers)
@@ -121,6 +123,7 @@ def _run_ray(
         plan_ref, outputs_ref = ray.put(plan), ray.put(outputs)  # shipped once, shared by every task
         todo = list(range(len(plan.units)))[::-1]
         running: dict = {}
+        sums: dict = {}
         try:
             while todo or running:
                 while todo and len(running) < executor.workers:
@@ -129,7 +132,7 @@ def _run_ray(
                 done, _ = ray.wait(list(running), num_returns=1)
                 i = running.pop(done[0])
                 try:
-                    ray.get(done[0])
+                    motion.merge(sums, ray.get(done[0]))
                 except Exception as exc:
                     raise task_error(exc, f"work unit {i + 1} of {len(plan.units)}") from None
                 advance(unit_bytes(plan.units[i]))
@@ -141,3 +144,4 @@ def _run_ray(
                 _, late = ray.wait(list(running), num_returns=len(running), timeout=CANCEL_GRACE_S)
                 for ref in late:
                     ray.cancel(ref, force=True)
+    return sums

@@ -52,6 +52,8 @@ class Options:
     allow_nonfinite: bool = False
     allow_gaps: bool = False  # go on past checkpoints the run's cadence says were saved but are gone
     durations: dict | None = None  # flag -> how each duration resolved on this run (durations.py)
+    min_interval: int | None = None  # thin the inputs: kept checkpoints at least this many steps apart
+    min_checkpoints: int | None = None  # refuse a run with fewer checkpoints (after thinning)
     cast_base: bool = False  # accept a floating base of another dtype (e.g. bf16 Hub base, fp32 fine-tune)
     checkpoints: list[Checkpoint] | None = None  # given explicitly (a `STEP PATH` list) instead of found
     lora_output: str = "merged"  # LoRA runs: full merged models, or PEFT adapters of rank lora_rank
@@ -203,7 +205,7 @@ def out_steps(events: list[PlannedStep], opts: Options, start: int | None = None
 
 
 def _accumulators(runs: list[Run]) -> int:
-    """Accum-dtype buffers per element that `_walk` holds: theta0, theta_s, one set of state per
+    """Accum-dtype buffers per element that `_walk` holds: theta0, theta_s, the previous checkpoint, one set of state per
     distinct state (a window's ring: K-1 slices), theta_s - theta0 (bema), the output (bema, dema,
     windows), ouema's two temporaries."""
     methods = {r.schedule.method for r in runs}
@@ -217,7 +219,7 @@ def _accumulators(runs: list[Run]) -> int:
     scratch = (
         ("bema" in methods) + bool(methods & {"bema", "dema", *WINDOW_METHODS}) + 2 * ("ouema" in methods)
     )
-    return 2 + sum(distinct.values()) + scratch
+    return 3 + sum(distinct.values()) + scratch  # theta0, theta_s, the previous checkpoint (motion.py)
 
 
 def ring_size(runs: list[Run]) -> int:

@@ -43,6 +43,35 @@ def resolve_state(opts: Options) -> Options:
     return replace(opts, no_state=opts.final_only and not (out / state.STATE_DIR).exists())
 
 
+def thin(checkpoints: list[Checkpoint], interval: int) -> list[Checkpoint]:
+    """Megatron-LM's merge selection: from the target (the last) step back, each checkpoint kept is at
+    least `interval` steps before the one kept after it."""
+    kept = checkpoints[-1:]
+    for c in reversed(checkpoints[:-1]):
+        if kept[-1].step - c.step >= interval:
+            kept.append(c)
+    return kept[::-1]
+
+
+def select_inputs(checkpoints: list[Checkpoint], opts: Options) -> list[Checkpoint]:
+    """--min-interval (the run as saved is checked for gaps first) and --min-checkpoints."""
+    for flag, value in (("--min-interval", opts.min_interval), ("--min-checkpoints", opts.min_checkpoints)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag}: must be >= 1, got {value}")
+    if opts.min_interval:
+        from bema_cli.stabilize import gaps
+
+        gaps.check_gaps(checkpoints, [], opts.allow_gaps)  # a gap in the run is not a thinning
+        checkpoints = thin(checkpoints, opts.min_interval)
+    if opts.min_checkpoints and len(checkpoints) < opts.min_checkpoints:
+        where = opts.checkpoint_dir if opts.checkpoints is None else "the listed checkpoints"
+        thinned = f" after thinning to every {opts.min_interval} steps" if opts.min_interval else ""
+        raise InputError(
+            f"{where}: {len(checkpoints)} checkpoint(s){thinned}, fewer than --min-checkpoints {opts.min_checkpoints}"
+        )
+    return checkpoints
+
+
 def prepare(opts: Options) -> Plan:
     """Everything decided before a byte of tensor data is read: files, plan, layout, work units."""
     if opts.accum_dtype not in ACCUM_DTYPES:
@@ -56,6 +85,7 @@ def prepare(opts: Options) -> Plan:
     checkpoints = opts.checkpoints or find_checkpoints(opts.checkpoint_dir)
     if opts.ready_steps is not None:
         checkpoints = [c for c in checkpoints if c.step in set(opts.ready_steps)]
+    checkpoints = select_inputs(checkpoints, opts)
     if opts.base == "first" and is_adapter(checkpoints[0].path):
         raise UsageError("--base first: a LoRA run starts from the base model it adapts; pass --base DIR")
     out = Path(opts.out).expanduser().resolve()

@@ -126,7 +126,7 @@ def resume(opts: Options, out: Path, checkpoints: list[Checkpoint], base_source:
     stored = read(out, opts.restart or opts.overwrite)
     present = [c.step for c in checkpoints]
     consumed = sorted(int(s["step"]) for s in stored["steps"]) if stored is not None else []
-    gaps.check_gaps(checkpoints, consumed, opts.allow_gaps)
+    gaps.check_gaps(checkpoints, consumed, opts.allow_gaps or bool(opts.min_interval))  # thinned on purpose
     if stored is None:
         return Resume(None, present, {}, None, base_files)
     restart = opts.restart or opts.overwrite

@@ -26,6 +26,7 @@ from bema_cli.io.writer import ShardedWriter, tensor_bytes
 from bema_cli.recurrence import Window
 from bema_cli.schedule import WINDOW_METHODS
 from bema_cli.stabilize import state_store
+from bema_cli.stabilize.motion import UnitMotion
 from bema_cli.stabilize.plan import Options, Piece, Plan
 from bema_cli.stabilize.workspace import Workspace
 
@@ -235,6 +236,11 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
     stabs = state_store.start_unit(plan, unit, theta0, lambda key: ws.view(key, size), scratch)
     track_of = {r.name: i for i, t in enumerate(plan.tracks) for r in t.runs}
     last = plan.read_steps[-1] if plan.read_steps else None
+    # how far each checkpoint moved from the previous one (motion.py); a fresh run's first from theta0
+    fresh = plan.theta0_index is not None and plan.read_steps[:1] == [plan.checkpoints[0].step]
+    motion = UnitMotion(ws.view("prev", size), fresh)
+    if fresh:
+        motion.prev.copy_(theta0)
     for step in plan.read_steps:
         index = plan.indexes[step]
         advancing, after = step_updates(plan, stabs, step)
@@ -284,6 +290,7 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
                         sums[k] = th.sum(dtype=torch.float64)  # checked after the block loop
                     elif check:
                         _check_finite(index, [p for p, _, _ in parts], th, 0, hi - lo, lo)
+                    motion.block(step, lo, hi, parts, th, ws.block_view("motion", hi - lo))
                     if step <= tau:
                         theta0[lo:hi].copy_(th)  # burn-in: theta0 = theta_s, held in its own buffer
                     for stab, event in advancing:
@@ -310,6 +317,7 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
                 if sums is not None:  # inside the batch: an error drops the step's queued writes
                     _check_sums(index, reader, blocks, sums, ws.acc)
                 waited = wb.waited - wait0
+            motion.end_step()
             stages.add("read", t_read, unit_bytes(unit))
             stages.add("compute", perf_counter() - t_unit - t_read - waited)
             for _, writer in writing:
@@ -317,3 +325,4 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
         del raw
     if last is None:  # no step read: the states (continued or fresh) are saved as they are
         state_store.end_unit(plan, unit, stabs, theta0)
+    return motion.result()

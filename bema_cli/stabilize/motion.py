@@ -1,0 +1,104 @@
+"""Can averaging help here? How far each checkpoint moved from the previous one, measured in the read
+pass (every byte is read anyway): ||theta_s - theta_prev|| / ||theta_s||, overall and per tensor group.
+
+Averaging removes the noise between consecutive checkpoints. When they barely move (a learning rate
+decayed to nearly zero, the end of a long decay), there is little noise left to remove, and the
+averages of the last window are the last checkpoint, give or take: nothing is likely to beat vanilla.
+The first step of a fresh run is measured from theta0; the first step a continued call reads has no
+previous checkpoint in memory (it was read by an earlier call), so it is not measured.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+GROUPS = ("embeddings", "attention", "mlp", "norms", "other")
+_PATTERNS = (
+    ("norms", re.compile(r"norm|\bln_|\.ln\d*\.|layernorm", re.IGNORECASE)),
+    ("embeddings", re.compile(r"embed|wte|wpe|lm_head|output_layer", re.IGNORECASE)),
+    ("attention", re.compile(r"attn|attention|q_proj|k_proj|v_proj|o_proj|query|key|value", re.IGNORECASE)),
+    ("mlp", re.compile(r"mlp|ffn|feed_forward|gate_proj|up_proj|down_proj|fc\d|w[123]\b", re.IGNORECASE)),
+)
+WINDOW = 8  # the last window judged when the grid has none (the menu's largest)
+BARELY = 0.1  # the last window "barely moves" below this share of the run's moving phase (p90)
+
+
+def group_of(name: str) -> str:
+    return next((g for g, pattern in _PATTERNS if pattern.search(name)), "other")
+
+
+class UnitMotion:
+    """One work unit's sums: per step and group, sum((theta_s - theta_prev)^2) and sum(theta_s^2), kept
+    on the compute device until the unit ends (a GPU is read back once, not per block)."""
+
+    def __init__(self, prev, first_known: bool):
+        self.prev, self.known, self.sums = prev, first_known, {}
+
+    def block(self, step: int, lo: int, hi: int, parts, th, diff) -> None:
+        if self.known:
+            import torch
+
+            torch.sub(th, self.prev[lo:hi], out=diff)
+            for p, a, b in parts:
+                d, t = diff[a - lo : b - lo], th[a - lo : b - lo]
+                sums = self.sums.setdefault(step, {}).setdefault(group_of(p.info.name), [[], []])
+                sums[0].append(torch.dot(d, d).double())
+                sums[1].append(torch.dot(t, t).double())
+        self.prev[lo:hi].copy_(th)
+
+    def end_step(self) -> None:
+        self.known = True  # from the second step a call reads, the previous checkpoint is in `prev`
+
+    def result(self) -> dict[int, dict[str, list[float]]]:
+        import torch
+
+        return {step: {g: [float(torch.stack(v[0]).sum()), float(torch.stack(v[1]).sum())] for g, v in by.items()}
+                for step, by in self.sums.items()}  # fmt: skip
+
+
+def merge(total: dict, part: dict) -> dict:
+    for step, by in part.items():
+        for group, (d2, n2) in by.items():
+            t = total.setdefault(step, {}).setdefault(group, [0.0, 0.0])
+            t[0] += d2
+            t[1] += n2
+    return total
+
+
+def rows(sums: dict) -> list[dict]:
+    """Per step: the relative distance overall and per group (JSON: stabilize and sweep --json)."""
+    out = []
+    for step in sorted(sums):
+        by = sums[step]
+        d2, n2 = sum(v[0] for v in by.values()), sum(v[1] for v in by.values())
+        out.append({"step": step, "relative": _ratio(d2, n2),
+                    "groups": {g: _ratio(*by[g]) for g in GROUPS if g in by}})  # fmt: skip
+    return out
+
+
+def _ratio(d2: float, n2: float) -> float | None:
+    return math.sqrt(d2 / n2) if n2 > 0 else None
+
+
+def verdict(measured: list[dict], window: int) -> dict | None:
+    """The last `window` steps' median distance against the run's moving phase (the 90th percentile
+    of its step distances): "barely moves" below BARELY of it. None with fewer than 2 windows read."""
+    values = [r["relative"] for r in measured if r["relative"] is not None]
+    if len(values) < 2 * window or window < 1:
+        return None
+    last, run = _median(values[-window:]), sorted(values)[int(0.9 * (len(values) - 1))]
+    share = last / run if run > 0 else math.inf
+    return {
+        "window": window,
+        "last_window": last,
+        "run_p90": run,
+        "share": share,
+        "barely_moves": share < BARELY,
+    }
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2

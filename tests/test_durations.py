@@ -134,6 +134,7 @@ def run10(tmp_path_factory):
     return root, base, run
 
 
+@pytest.mark.slow  # real bema stabilize runs (a few seconds each)
 def test_a_window_duration_is_the_window_of_its_count(run10, tmp_path):
     root, base, run = run10
     by_count = _stabilize(run, base, tmp_path / "count", "--method", "lawa", "--window", "3", "--final-only")
@@ -155,6 +156,7 @@ def test_a_window_duration_is_the_window_of_its_count(run10, tmp_path):
     assert by_count["outputs"]
 
 
+@pytest.mark.slow  # real bema stabilize runs (a few seconds each)
 def test_a_start_and_a_half_life_are_their_step_and_exponent(run10, tmp_path):
     root, base, run = run10
     _stabilize(run, base, tmp_path / "a", "--method", "swa", "--swa-start", "50%", "--final-only")
@@ -181,6 +183,7 @@ def test_durations_are_refused_where_they_cannot_be_resolved(run10, tmp_path):
     assert "--window" in line and "2000steps" in line
 
 
+@pytest.mark.slow  # real bema stabilize runs (a few seconds each)
 def test_megatron_bridge_iter_folders_are_read_from_their_hf_export(run10, tmp_path):
     """Megatron-Bridge writes iter_<N>/hf/ (safetensors, config, tokenizer) beside its native
     checkpoint: that folder is the checkpoint of step N, and run_config.yaml gives tokens per step."""
@@ -222,6 +225,7 @@ def test_thinning_keeps_the_target_and_checkpoints_at_least_the_interval_apart()
         assert all(b - a >= interval for a, b in zip(kept, kept[1:], strict=False))
 
 
+@pytest.mark.slow  # real bema stabilize runs (a few seconds each)
 def test_a_thinned_run_is_the_run_of_its_kept_checkpoints(run10, tmp_path):
     import subprocess
 
@@ -241,6 +245,7 @@ def test_a_thinned_run_is_the_run_of_its_kept_checkpoints(run10, tmp_path):
     assert f"{run}: 3 checkpoint(s) after thinning to every 40 steps, fewer than --min-checkpoints 4" in line
 
 
+@pytest.mark.slow  # real bema stabilize runs (a few seconds each)
 def test_scrambled_coefficients_are_a_seeded_permutation(run10, tmp_path):
     import torch
 
@@ -279,6 +284,7 @@ def _motion_reference(run, base, steps):
     return out
 
 
+@pytest.mark.slow  # real bema stabilize runs (a few seconds each)
 def test_motion_is_measured_in_the_read_pass_against_float64(run10, tmp_path):
     root, base, run = run10
     steps = [10 * i for i in range(1, 11)]

@@ -137,9 +137,7 @@ def _ship(
         doc["other_tasks"] = made["other_tasks"]
     decision = made["decision"]
     with stages.stage("write"), stages.kept():  # stabilize's own reset would drop the sweep's stages
-        doc["written"] = _write(
-            decision, chosen, fitted, records, metric, ship_opts, doc, work, stab
-        )
+        doc["written"] = _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, stab)
     if ship_opts.push:
         from bema_cli.decide.push import push
 

@@ -177,7 +177,7 @@ DURATION_FLAGS = {"window": "--window", "swa_start": "--swa-start", "half_life":
 
 
 def resolve_flags(f: dict, methods: list[str]) -> dict:
-    """The grid values of the flags given as spans of training (durations.py), resolved on the run's
+    """The grid values of the flags given as spans of training, resolved on the run's
     checkpoints; {} when none is. How each resolved lands in f["durations"] (the outputs' records)."""
     from bema_cli.io.checkpoints import find_checkpoints
     from bema_cli.options import parse_int_list, parse_str_list

@@ -307,6 +307,7 @@ def _wait_for(cond, proc, timeout=120.0) -> bool:
     return False
 
 
+@pytest.mark.slow  # 26 s: a second writer racing a real one
 def test_second_writer_is_refused_up_front(traj, tmp_path):
     """Two writers on one OUT: the second stops at once naming the first's pid; the first completes."""
     base, run = traj

@@ -286,6 +286,7 @@ def test_sweep_equals_disk_path_on_vllm(world, tmp_path, engine_process):
         assert memory["peak_rss_engine"] > 200 * 2**20, memory
 
 
+@pytest.mark.slow  # 23 s: a sweep killed, then resumed
 def test_a_killed_sweep_resumes_with_only_the_missing_evaluations(world, tmp_path):
     out = tmp_path / "sweep"
     first = sweep(world, "transformers", out, "--json", at="20")

@@ -86,15 +86,13 @@ class RunClock:
 
 def clock(checkpoints: list, tokens_per_step: float | None = None) -> RunClock:
     """The run's clock from its checkpoints (objects with .step and .path): --tokens-per-step first,
-    then what the trainer recorded in the newest checkpoint that says."""
+    then what the trainer recorded beside the newest checkpoint."""
     steps = tuple(sorted(c.step for c in checkpoints))
     if tokens_per_step:
         return RunClock(steps, float(tokens_per_step), "--tokens-per-step")
-    for c in sorted(checkpoints, key=lambda c: c.step, reverse=True):
-        found = recorded_tokens_per_step(Path(c.path), c.step)
-        if found:
-            return RunClock(steps, *found)
-    return RunClock(steps)
+    newest = max(checkpoints, key=lambda c: c.step)  # the trainer's record there covers the whole run
+    found = recorded_tokens_per_step(Path(newest.path), newest.step)
+    return RunClock(steps, *found) if found else RunClock(steps)
 
 
 def recorded_tokens_per_step(folder: Path, step: int) -> tuple[float, str] | None:
@@ -190,8 +188,6 @@ def resolve_flags(f: dict, methods: list[str]) -> dict:
         raise UsageError(
             "--half-life: sets the power EMA's exponent: with --method power, without --power-gamma or --sigma-rel"
         )
-    if not any(d for vs in spans.values() for _, d in vs) and "half_life" not in spans:
-        return {}
     if f.get("follow"):
         raise UsageError("durations (steps, tokens, %) are resolved on the run as it is: not with --follow")
     checkpoints = f.get("checkpoints") or find_checkpoints(f["checkpoint_dir"])

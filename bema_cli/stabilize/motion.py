@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from functools import lru_cache
 
 GROUPS = ("embeddings", "attention", "mlp", "norms", "other")
 _PATTERNS = (
@@ -24,6 +25,7 @@ WINDOW = 8  # the last window judged when the grid has none (the menu's largest)
 BARELY = 0.1  # the last window "barely moves" below this share of the run's moving phase (p90)
 
 
+@lru_cache(maxsize=4096)  # called per block of the fused pass: the name's regexes once
 def group_of(name: str) -> str:
     return next((g for g, pattern in _PATTERNS if pattern.search(name)), "other")
 
@@ -67,7 +69,7 @@ def merge(total: dict, part: dict) -> dict:
 
 
 def rows(sums: dict) -> list[dict]:
-    """Per step: the relative distance overall and per group (JSON: stabilize and sweep --json)."""
+    """Per step: the relative distance overall and per group (stabilize --json `motion`)."""
     out = []
     for step in sorted(sums):
         by = sums[step]

@@ -271,17 +271,9 @@ def test_scrambled_coefficients_are_a_seeded_permutation(run10, tmp_path):
 
 # -- "can averaging help here?": the motion measured in the read pass
 def _motion_reference(run, base, steps):
-    """float64, by hand: ||theta_s - theta_prev|| / ||theta_s|| over the float tensors, per step."""
+    from trajectory import motion_reference
 
-    prev = {k: v.double() for k, v in _weights(base).items() if v.is_floating_point()}
-    out = {}
-    for s in steps:
-        now = {k: v.double() for k, v in _weights(run / f"checkpoint-{s}").items() if v.is_floating_point()}
-        d2 = sum(float(((now[k] - prev[k]) ** 2).sum()) for k in now)
-        n2 = sum(float((now[k] ** 2).sum()) for k in now)
-        out[s] = math.sqrt(d2 / n2)
-        prev = now
-    return out
+    return motion_reference(base, {s: run / f"checkpoint-{s}" for s in steps})
 
 
 @pytest.mark.slow  # real bema stabilize runs (a few seconds each)
@@ -303,6 +295,35 @@ def test_motion_is_measured_in_the_read_pass_against_float64(run10, tmp_path):
     _, longer = write_trajectory(tmp_path / "longer", steps + more)
     doc = _stabilize(longer, base, tmp_path / "n", "--method", "ema")
     assert [r["step"] for r in doc["motion"]][:1] == [10]
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["read-again", "held"])
+@pytest.mark.parametrize("methods,tau", [(("ema", "lawa"), 0), (("bema",), 30)], ids=["ema-lawa", "burnin"])
+def test_the_sweeps_walk_measures_the_same_motion_against_float64(run10, monkeypatch, held, methods, tau):
+    """`bema sweep`'s walker measures the motion as it walks (no read of its own): theta_s read
+    again from its file or held, the previous checkpoint kept open or copied, a burn-in moving theta0
+    meanwhile. Against float64 by hand, 1e-5 relative (float32 sums of squares)."""
+    from bema_cli.stabilize import Options, grid, motion
+    from bema_cli.sweep import walk
+
+    root, base, run = run10
+    if held:  # what a GPU walk or a checkpoint read whole does: theta_s and theta0 held
+        monkeypatch.setattr(walk, "reread", lambda plan, device="cpu": (False, False))
+    windows = [4] if "lawa" in methods else None
+    opts = Options(str(run), grid(list(methods), windows=windows, tau=tau), str(root / "none"), base=str(base))
+    plan = walk.plan_sweep(opts)
+    walker = walk.Walker(plan, opts)
+    assert (walker.theta is not None) is held
+    steps = [10 * i for i in range(1, 11)]
+    for step in steps:
+        walker.advance(step)
+        walker.finish()
+    rows = motion.rows(walker.motion_sums())
+    walker.close()
+    ref = _motion_reference(run, base, steps)
+    assert [r["step"] for r in rows] == steps
+    for row in rows:
+        assert row["relative"] == pytest.approx(ref[row["step"]], rel=1e-5), row["step"]
 
 
 def _moving_run(root, scales):

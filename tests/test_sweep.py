@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import BEMA, one_line_error, run_bema, vllm_available
 from test_eval import read_jsonl, write_data
+from trajectory import motion_reference
 
 STEPS = (10, 20, 30, 40)
 GRID = ["--method", "bema,ema,lawa,wsm", "--window", "2", "--schedule", "minus-sqrt"]
@@ -210,7 +211,7 @@ def test_walker_holds_bf16_inputs_narrow_and_stays_bitwise(world, tmp_path, monk
     from bema_cli.io.safetensors import FLOATING
     from bema_cli.recurrence import STATE_TENSORS, Window
     from bema_cli.stabilize import Options, grid
-    from bema_cli.sweep import walk
+    from bema_cli.sweep import hold, walk
 
     base = bf16_copy(world["base"], tmp_path / "base")
     for step in STEPS:
@@ -220,6 +221,7 @@ def test_walker_holds_bf16_inputs_narrow_and_stays_bitwise(world, tmp_path, monk
                  "--method", ",".join(methods), *(["--window", "3"] if windows else []), "--out-dtype", "float32")  # fmt: skip
     assert r.returncode == 0, r.stderr
     monkeypatch.setattr(walk, "HOLD_BLOCK", 1000)  # smaller than most tensors: blocks end mid-tensor
+    monkeypatch.setattr(hold, "HOLD_BLOCK", 1000)
     opts = Options(str(tmp_path / "run"), grid(methods, windows=windows, tau=tau), str(tmp_path / "none"),
                    base=str(base), out_dtype="float32")  # fmt: skip
     plan = walk.plan_sweep(opts)
@@ -232,7 +234,7 @@ def test_walker_holds_bf16_inputs_narrow_and_stays_bitwise(world, tmp_path, monk
     # the estimate holds the float32 EMA-family states and HOLD_BLOCK-sized buffers, nothing else
     numel = sum(t.numel for t in plan.out_tensors if t.dtype in FLOATING)
     states = 4 * numel * sum(len(STATE_TENSORS[t.method]) for t in plan.tracks)
-    assert 0 < walk.state_bytes(plan, "float32") - states <= (4 + 2) * walk.HOLD_BLOCK * 4
+    assert 0 < hold.state_bytes(plan, "float32") - states <= (6 + 2) * walk.HOLD_BLOCK * 4
     for step in STEPS:
         walker.advance(step)
         for run in walker.plan.runs:
@@ -263,6 +265,11 @@ def test_sweep_equals_disk_path_on_transformers(world, tmp_path):
     )
     assert doc["memory"]["peak_rss"] > 0 and doc["memory"]["estimate"] >= doc["memory"]["parts"]["states"] > 0
     same_as_disk(tmp_path / "disk" / "results", tmp_path / "sweep")
+    # the motion, measured as the walk read each step (float64 by hand: 1e-5), in --json and motion.json
+    ref = motion_reference(world["base"], {s: world["run"] / f"checkpoint-{s}" for s in doc["walked_steps"]})
+    assert [r["step"] for r in doc["motion"]] == doc["walked_steps"]
+    assert all(r["relative"] == pytest.approx(ref[r["step"]], rel=1e-5) for r in doc["motion"])
+    assert json.loads((tmp_path / "sweep" / "motion.json").read_text())["motion"] == doc["motion"]
 
 
 @pytest.mark.slow
@@ -279,7 +286,12 @@ def test_sweep_equals_disk_path_on_vllm(world, tmp_path, engine_process):
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("starting vLLM engine") == 1
     same_as_disk(tmp_path / "disk" / "results", tmp_path / "sweep")
-    memory = json.loads(r.stdout)["memory"]
+    doc = json.loads(r.stdout)
+    memory = doc["memory"]
+    # the motion comes back from the engine's worker (its own process with "1")
+    ref = motion_reference(world["base"], {s: world["run"] / f"checkpoint-{s}" for s in doc["walked_steps"]})
+    assert [r["step"] for r in doc["motion"]] == doc["walked_steps"] == [10, 20, 30, 40]
+    assert all(r["relative"] == pytest.approx(ref[r["step"]], rel=1e-5) for r in doc["motion"])
     # the peak counts the engine core's own process (torch, vLLM, the model: > 200 MB) when it has one
     assert memory["peak_rss"] == memory["peak_rss_bema"] + memory["peak_rss_engine"], memory
     if engine_process == "1":  # (in-process, short-lived helpers may still show: nothing to assert)

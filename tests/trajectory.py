@@ -88,6 +88,22 @@ def load_model(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def motion_reference(base: Path, folders: dict[int, Path]) -> dict[int, float]:
+    """float64, by hand: ||theta_s - theta_prev|| / ||theta_s|| over the float tensors, per step
+    (theta_prev of the first step: the base). What stabilize and sweep measure (motion.py)."""
+    import math
+
+    prev = {k: v.double() for k, v in load_model(base).items() if v.is_floating_point()}
+    out = {}
+    for step in sorted(folders):
+        now = {k: v.double() for k, v in load_model(folders[step]).items() if v.is_floating_point()}
+        d2 = sum(float(((now[k] - prev[k]) ** 2).sum()) for k in now)
+        n2 = sum(float((now[k] ** 2).sum()) for k in now)
+        out[step] = math.sqrt(d2 / n2)
+        prev = now
+    return out
+
+
 def finetune_trajectory(
     base_dir: Path, root: Path, steps: list[int], seed: int = 0, scale: float = 0.02
 ) -> Path:

@@ -373,3 +373,11 @@ def check_apart(out: Path, inputs: list[Path], may_contain: bool = False, flag: 
             raise OutputError(
                 f"{flag} {out}: contains the input {real}; choose an output folder apart from the inputs"
             )
+
+
+def write_json_atomic(path: Path, doc: dict) -> None:
+    """A small JSON record beside outputs (a sweep's motion.json): whole or not at all."""
+    try:
+        _write_atomic(Path(path), _json_bytes(doc))
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write ({exc.strerror})") from None

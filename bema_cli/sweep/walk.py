@@ -9,7 +9,7 @@ Piece offsets into flat buffers), each checkpoint is read once, every distinct s
 would write, so an engine loads exactly the bytes `bema stabilize` + `bema eval` would have
 loaded. Nothing is written.
 
-Memory (`state_bytes`): every distinct EMA-family state, one model each in the accumulation
+Memory (hold.py, `state_bytes`): every distinct EMA-family state, one model each in the accumulation
 dtype. theta0, theta_s and a window's K-1 members are not held where their files allow (`reread`:
 safetensors, states on the CPU): each use reads its block again (HOLD_BLOCK elements, one pread
 per tensor part, from the page cache), and a ring (`FileRing`) holds only which checkpoint each
@@ -30,8 +30,9 @@ from bema_cli.errors import InputError
 from bema_cli.io.checkpoints import Checkpoint
 from bema_cli.io.reader import ModelIndex, open_checkpoint
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF, ChunkReader
-from bema_cli.recurrence import STATE_TENSORS, Window
+from bema_cli.recurrence import Window
 from bema_cli.stabilize import state_store
+from bema_cli.stabilize.motion import UnitMotion
 from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.prepare import check_same, drop_tied_head, prepare
 from bema_cli.stabilize.unit import (
@@ -44,9 +45,9 @@ from bema_cli.stabilize.unit import (
     step_updates,
 )
 from bema_cli.stabilize.workspace import Workspace
+from bema_cli.sweep.hold import HOLD_BLOCK, FileRing, hold_dtype, index_streams, reread
 
 WHOLE_MODEL = 1 << 62  # --max-memory for the plan: one work unit holds every tensor
-HOLD_BLOCK = 1 << 22  # elements upcast at a time from the held dtype (16 MB of float32 per buffer)
 
 
 def sweep_options(opts: Options) -> Options:
@@ -99,61 +100,6 @@ def add_landed(plan: Plan, landed: list[tuple[int, Path, ModelIndex]]) -> None:
     plan.read_steps = [s for s in steps if any(r.events[s].action != "skip" for r in plan.runs)]
 
 
-def hold_dtype(plan: Plan, accum_dtype: str) -> str:
-    """The dtype theta0, theta_s and window rings are held in: the inputs' own float dtype when base
-    and checkpoints all have the same one and it is narrower than the accumulation dtype (every
-    bf16/f16/f32 value is exact in a wider float), else the accumulation dtype."""
-    indexes = [plan.base_index, *plan.indexes.values()]
-    tags = {t.dtype for index in indexes for t in index.tensors.values() if t.dtype in FLOATING}
-    (tag,) = tags if len(tags) == 1 else (TAG_OF[accum_dtype],)
-    return DTYPES[tag][0] if DTYPES[tag][1] < DTYPES[TAG_OF[accum_dtype]][1] else accum_dtype
-
-
-def reread(plan: Plan, device: str = "cpu") -> tuple[bool, bool]:
-    """Whether the walk reads (theta_s and the windows' members, theta0) again from their files at
-    each use instead of holding them: host RAM is what a sweep runs short of, so on the CPU, where
-    the files are safetensors (any element range is one pread). theta0 is held where it comes from a
-    state folder (a burn-in's copy) or is not needed."""
-    if device != "cpu":
-        return False, False
-    theta = all(_streams(index) for index in plan.indexes.values())
-    return theta, plan.theta0_index is plan.base_index and _streams(plan.base_index)
-
-
-class FileRing(Window):
-    """A window's ring that holds, per slot, which checkpoint step it has (member j in slot j % K-1),
-    not its weights: the walk keeps those checkpoints' files open and reads a block of each again
-    where the merge needs it (`Walker._ring_view`)."""
-
-    def __init__(self, slots: int):
-        super().__init__([])
-        self.steps: list[int | None] = [None] * slots
-
-    def advance(self, event, step) -> None:  # `step` where a Window takes theta_s
-        if event.action == "update" and self.steps:
-            self.steps[event.member % len(self.steps)] = step
-
-
-def _streams(index: ModelIndex) -> bool:
-    return type(index).open is ModelIndex.open  # safetensors' ChunkReader (other formats compute rows)
-
-
-def state_bytes(plan: Plan, accum_dtype: str, device: str = "cpu") -> int:
-    """What the walk holds (the estimate `bema sweep` checks before reading anything): theta0, theta_s
-    and ring slices where held (`reread`), in the held dtype; EMA-family states in the accumulation
-    dtype; the blocks."""
-    numel = sum(t.numel for t in plan.out_tensors if t.dtype in FLOATING)
-    again_theta, again_theta0 = reread(plan, device)
-    rings = sum(t.ring for t in plan.tracks if t.window)
-    burnin = any(step <= plan.runs[0].schedule.tau for step in plan.read_steps)  # theta0 = theta_s
-    theta0 = not again_theta0 and (plan.theta0_index is not None or burnin)  # windows alone: none
-    held = (not again_theta) + theta0 + (0 if again_theta else rings)
-    accumulated = sum(len(STATE_TENSORS[t.method]) for t in plan.tracks if not t.window)
-    hold, accum = DTYPES[TAG_OF[hold_dtype(plan, accum_dtype)]][1], DTYPES[TAG_OF[accum_dtype]][1]
-    blocks = 4 + (max((t.ring for t in plan.tracks if t.window), default=0) if again_theta else 0)
-    return (held * hold + accumulated * accum) * numel + blocks * HOLD_BLOCK * accum
-
-
 class Walker:
     """The grid's states over the whole model (see the module docstring). Used in one process: the
     caller's (transformers) or a vLLM worker's (the weights load where the states live)."""
@@ -175,6 +121,12 @@ class Walker:
         self._step_files = ExitStack()  # the current step's reader, kept open while theta_s is read again
         self._theta0_files = ExitStack()  # theta0's reader (the base's, or a burn-in checkpoint's)
         self._theta0_reader: ChunkReader | None = None
+        # the motion (motion.py): the previous checkpoint's files stay open one step longer (read
+        # again, from the page cache, where theta_s is), or a held theta_s is copied before the next
+        self.motion = UnitMotion()
+        self._prev_files = ExitStack()
+        self._prev_held = None
+        self._parts: dict[int, list] = {}
         self.theta0 = None if again_theta0 else ws.view("theta0", size, self.hold)
 
         def load_theta0(reader, unit, flat):
@@ -272,20 +224,22 @@ class Walker:
             index = open_checkpoint(folder, like=set(self.plan.base_index.tensors))
             drop_tied_head(index, self.plan.base_index)
         self._check_held(index)
-        self._step_files.close()
+        prev = self._previous()
+        self._prev_files.close()
+        self._prev_files = self._step_files.pop_all()  # the previous checkpoint's reader, if it had one
         self._reader = reader = self._step_files.enter_context(index.open())
         self.raw = _read_raw(reader, self.unit)
         self.step = step
         indexed = step in self.plan.indexes
         updates, self._rings = step_updates(self.plan, self.stabs, step) if indexed else ([], [])
         burnin = indexed and step <= self.plan.runs[0].schedule.tau  # theta0 = theta_s from here on
-        if burnin and self.theta0 is None and _streams(index):  # theta0 read again from here: kept open
-            self._theta0_files.close()
+        if burnin and self.theta0 is None and index_streams(index):  # theta0 read again from here: kept open
+            self._prev_files.enter_context(self._theta0_files)  # closed at the next step (the motion's)
             self._theta0_files, self._step_files = self._step_files, ExitStack()
             self._theta0_reader = reader
         elif burnin and self.theta0 is None:  # a checkpoint not read by element range: theta0 held
             self.theta0 = self.ws.view("theta0", self.size, self.hold)
-        held = self.theta is not None or not _streams(index)
+        held = self.theta is not None or not index_streams(index)
         if held:  # a held theta_s (or a checkpoint that cannot be read by element range: held from now on)
             if self.theta is None:
                 self.theta = self.ws.view("theta", self.size, self.hold)
@@ -294,12 +248,12 @@ class Walker:
             self._reader = None  # nothing to read again from: a FileRing cannot take this step
             if self.check:
                 _check_finite(index, self.unit, self.theta, 0, self.size)
-        if not (updates or burnin) and (held or not self.check):
-            return
         reads_theta0 = any(e.action == "burnin" or s.method == "ouema" for s, e in updates)
         with torch.no_grad():
             for a, b in self._blocks(0, self.size):
                 theta = self._theta(a, b)
+                self.motion.add(step, a, self._block_parts(a, b), theta, self._prev_block(prev, a, b),
+                                self._block("motion")[: b - a])  # fmt: skip
                 if not held and self.check:
                     _check_finite(index, self.unit, theta, 0, b - a, a)
                 if burnin and self.theta0 is not None:
@@ -310,9 +264,40 @@ class Walker:
                     part.theta0 = theta0  # ouema's update reads theta0
                     part.advance(event, theta0 if event.action == "burnin" else theta)
 
+    def _previous(self):
+        """Where the previous checkpoint is read from at this step (before theta_s is replaced): a
+        reader, or a held buffer. The first step's previous is theta0."""
+        if self.step is None:
+            return (self._theta0_reader, None) if self.theta0 is None else (None, self.theta0)
+        if self._reader is not None:
+            return self._reader, None
+        if self._prev_held is None:
+            self._prev_held = self.ws.view("theta-prev", self.size, self.hold)
+        self._prev_held.copy_(self.theta)
+        return None, self._prev_held
+
+    def _prev_block(self, prev, a: int, b: int):
+        reader, held = prev
+        if held is not None:
+            return self._up("up-prev", held[a:b])
+        out = self._block("prev")[: b - a]
+        self._read(reader, a, b, out)
+        return out
+
+    def _block_parts(self, a: int, b: int) -> list:
+        """The (Piece, lo, hi) tensor ranges positions [a, b) cover (a block of HOLD_BLOCK)."""
+        if a not in self._parts:
+            self._parts[a] = [(p, max(p.lo, a), min(p.hi, b)) for p in self.unit if p.hi > a and p.lo < b]
+        return self._parts[a]
+
+    def motion_sums(self) -> dict:
+        """Every walked step's motion sums (motion.rows reads them)."""
+        return self.motion.result()
+
     def close(self) -> None:
         """Close the files kept open to read theta_s, theta0 and the rings' members again."""
         self._step_files.close()
+        self._prev_files.close()
         self._theta0_files.close()
         while self._members:
             self._members.popitem()[1][0].close()
@@ -321,7 +306,7 @@ class Walker:
         """A checkpoint that landed later (--follow) in a wider dtype than theta_s is held in would be
         rounded: refused, naming it (its dtype was unknown when the walk started). A theta_s read
         again from its file is cast straight to the accumulation dtype: nothing to refuse."""
-        if self.hold == self.ws.acc or (self.theta is None and self.theta0 is None and _streams(index)):
+        if self.hold == self.ws.acc or (self.theta is None and self.theta0 is None and index_streams(index)):
             return
         held = TAG_OF[str(self.hold).removeprefix("torch.")]
         for t in index.tensors.values():

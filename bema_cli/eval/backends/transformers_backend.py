@@ -115,8 +115,8 @@ class TransformersBackend:
         self.dtype, self.path = dtype_name(self.model.dtype), Path(folder)
         self.source = plugin(factory)(*args)
 
-    def source_call(self, method: str, *args) -> None:
-        getattr(self.source, method)(*args)
+    def source_call(self, method: str, *args):
+        return getattr(self.source, method)(*args)
 
     def load_from_source(self, key: str | None, folder: Path) -> None:
         """The source's weights for `key` (the sweep: a config, None for theta_s); tokenizer files

@@ -156,8 +156,8 @@ class VllmBackend:
         # (no pickle fallback unless VLLM_ALLOW_INSECURE_SERIALIZATION)
         self._rpc("bema_source_open", factory, pickle.dumps(args))
 
-    def source_call(self, method: str, *args) -> None:
-        self._rpc("bema_source_call", method, pickle.dumps(args))
+    def source_call(self, method: str, *args):
+        return self._rpc("bema_source_call", method, pickle.dumps(args))
 
     def load_from_source(self, key: str | None, folder: Path) -> None:
         folder = Path(folder)

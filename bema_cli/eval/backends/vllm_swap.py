@@ -97,11 +97,10 @@ class WeightSwapExtension:
         self._bema_source = plugin(factory)(*pickle.loads(args))
         return True
 
-    def bema_source_call(self, method: str, args: bytes) -> bool:
+    def bema_source_call(self, method: str, args: bytes):
         import pickle
 
-        getattr(self._bema_source, method)(*pickle.loads(args))
-        return True
+        return getattr(self._bema_source, method)(*pickle.loads(args))
 
     def bema_source_load(self, key: str | None, tied: bool) -> bool:
         dtype = self.vllm_config.model_config.dtype

@@ -15,6 +15,7 @@ from pathlib import Path
 from bema_cli import __version__
 from bema_cli.errors import InputError
 from bema_cli.eval.results import read_jsonl
+from bema_cli.io.checkpoints import read_json
 from bema_cli.output import warn
 
 REQUIRED = ("run", "step", "task", "metrics")
@@ -219,11 +220,15 @@ def build(inputs: list[str]) -> dict:
     summary = summarize(records)
     if not summary:
         raise InputError(f"no headline metric (X with X_stderr) with a value in {len(records)} records")
+    motion = {
+        str(f): read_json(f.parent / "motion.json") for f in files if (f.parent / "motion.json").is_file()
+    }
     return {
         "bema_version": __version__,
         "inputs": [str(f) for f in files],
         "n_records": len(records),
         "tasks": summary,
+        "motion": motion,  # a sweep's motion.json beside its results: how far each checkpoint moved
     }
 
 

@@ -7,6 +7,7 @@ accuracy never rises above chance is marked so in its panel: the curves there sa
 from __future__ import annotations
 
 import math
+import textwrap
 
 from bema_cli.report import direction, run_order
 
@@ -101,9 +102,11 @@ def plot(doc: dict, path: str, scoring: str = "flexible", theta0: bool = True) -
     ]
     refs = {label for *_, e in panels for label in e.get("references", {})}
     all_runs = sorted({run for *_, e in panels for run in e["runs"]} | refs, key=run_order)
-    fig = figures.new_figure(*figure_inches(len(panels)))
-    cols = min(MAX_COLS, len(panels))
-    axes = fig.subplots(math.ceil(len(panels) / cols), cols, squeeze=False).ravel()
+    motion = next(iter(doc.get("motion", {}).values()), None)  # the first sweep's (one run, one motion)
+    shown = len(panels) + (motion is not None)
+    fig = figures.new_figure(*figure_inches(shown))
+    cols = min(MAX_COLS, shown)
+    axes = fig.subplots(math.ceil(shown / cols), cols, squeeze=False).ravel()
     for ax, (task, metric, entry) in zip(axes, panels, strict=False):
         series = {}
         for run, r in entry["runs"].items():
@@ -140,7 +143,9 @@ def plot(doc: dict, path: str, scoring: str = "flexible", theta0: bool = True) -
         if log_scale(task, metric) and all(v > 0 for _, vals, _ in series.values() for v in vals):
             ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
-    for ax in axes[len(panels) :]:
+    if motion is not None:
+        motion_panel(axes[len(panels)], motion)
+    for ax in axes[shown:]:
         ax.set_visible(False)
     handles = [
         Line2D([], [], color=figures.run_color(r), ls=":", label=f"{r} (no step)")
@@ -150,4 +155,31 @@ def plot(doc: dict, path: str, scoring: str = "flexible", theta0: bool = True) -
     ]
     fig.legend(handles=handles, loc="outside right upper", title="run", ncols=1 if len(all_runs) <= 16 else 2)
     figures.save(fig, path, "--plot")
-    return [ax.get_title() for ax in axes[: len(panels)]]
+    return [ax.get_title() for ax in axes[:shown]]
+
+
+def motion_panel(ax, record: dict) -> None:
+    """How far each checkpoint moved from the previous one (motion.py), overall and per tensor
+    group, on a log scale; the judged last window shaded, the verdict in the title."""
+    from bema_cli.stabilize.motion import GROUPS, describe
+
+    rows = [r for r in record["motion"] if r["relative"] is not None]
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r["relative"] for r in rows], color="k", lw=2, marker="o", ms=3, label="all weights")
+    for group in GROUPS:
+        values = [r["groups"].get(group) for r in rows]
+        if any(v for v in values):
+            ax.plot(steps, [math.nan if not v else v for v in values], lw=1, alpha=0.8, label=group)
+    v = record.get("motion_verdict")
+    if v:
+        ax.axvspan(steps[-v["window"]], steps[-1], color="0.85", zorder=0)
+    title = "checkpoint motion: ||θ_s − θ_prev|| / ||θ_s||\n" + textwrap.fill(describe(v), 56)
+    if v and v["barely_moves"]:
+        title += "\nBARELY MOVES: averaging can change little"
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("distance from the previous checkpoint")
+    if all(r["relative"] > 0 for r in rows):
+        ax.set_yscale("log")
+    ax.legend(fontsize=7, loc="best")
+    ax.grid(True, alpha=0.3)

@@ -310,7 +310,9 @@ def test_the_sweeps_walk_measures_the_same_motion_against_float64(run10, monkeyp
     if held:  # what a GPU walk or a checkpoint read whole does: theta_s and theta0 held
         monkeypatch.setattr(walk, "reread", lambda plan, device="cpu": (False, False))
     windows = [4] if "lawa" in methods else None
-    opts = Options(str(run), grid(list(methods), windows=windows, tau=tau), str(root / "none"), base=str(base))
+    opts = Options(
+        str(run), grid(list(methods), windows=windows, tau=tau), str(root / "none"), base=str(base)
+    )
     plan = walk.plan_sweep(opts)
     walker = walk.Walker(plan, opts)
     assert (walker.theta is not None) is held
@@ -324,6 +326,19 @@ def test_the_sweeps_walk_measures_the_same_motion_against_float64(run10, monkeyp
     assert [r["step"] for r in rows] == steps
     for row in rows:
         assert row["relative"] == pytest.approx(ref[row["step"]], rel=1e-5), row["step"]
+
+
+def test_the_dry_runs_read_pass_measures_the_same_motion_against_float64(run10):
+    """`ship --dry-run` measures the motion alone, a tensor at a time (motion.measure), up to its step."""
+    from bema_cli.stabilize import Options, grid, motion
+    from bema_cli.sweep import walk
+
+    root, base, run = run10
+    plan = walk.plan_sweep(Options(str(run), grid(["ema"]), str(root / "none"), base=str(base)))
+    rows = motion.rows(motion.measure(plan, 70))
+    ref = _motion_reference(run, base, [10 * i for i in range(1, 8)])
+    assert [r["step"] for r in rows] == sorted(ref)
+    assert all(r["relative"] == pytest.approx(ref[r["step"]], rel=1e-5) for r in rows)
 
 
 def _moving_run(root, scales):

@@ -269,10 +269,20 @@ def test_dry_run_says_the_budget_and_writes_nothing(runs, tmp_path):
     assert ev["at_most"] == (8 + 22) * 22 + 3 * 18 < ev["exhaustive_design"] == (8 + 22 + 2) * 40
     assert doc["projection"]["seconds"] > 0 and doc["mdd"]["value"] is None  # loss: no spread known yet
     assert list(tmp_path.iterdir()) == []  # nothing written beside DIR either
-    ship(runs, "noisy", out)
+    # can averaging help? the motion measured by one read of the run, before any engine starts
+    measured = doc["motion_verdict"]
+    assert doc["motion_from"].endswith("GB read") and measured["window"] == 4  # 8 checkpoints: the last half
+    shipped, _ = ship(runs, "noisy", out)
+    # the ship's own walk measured it too (kept with the records); a dry run after it reads that record
+    assert shipped["motion_verdict"] == pytest.approx(measured, rel=1e-5)
     r = run_bema(*args, "--overwrite")
     assert r.returncode == 0, r.stderr
     assert "18 report items resolve differences of " in r.stdout and "nats/token and up" in r.stdout
+    assert (
+        f"the last 4 checkpoints still move: {measured['last_window']:.2g} of the weights' norm" in r.stdout
+    )
+    again = json.loads(run_bema(*args, "--overwrite", "--json").stdout)
+    assert again["motion_from"] == str(out / ".bema-ship" / "motion.json")
 
 
 def test_allow_gaps_is_recorded_in_the_shipped_folder_and_theta0_is_the_base(runs, tmp_path):

@@ -270,6 +270,13 @@ def test_sweep_equals_disk_path_on_transformers(world, tmp_path):
     assert [r["step"] for r in doc["motion"]] == doc["walked_steps"]
     assert all(r["relative"] == pytest.approx(ref[r["step"]], rel=1e-5) for r in doc["motion"])
     assert json.loads((tmp_path / "sweep" / "motion.json").read_text())["motion"] == doc["motion"]
+    # bema report finds it beside the results, says it and draws it as a panel of its own
+    from bema_cli import report, report_plot
+
+    rep = report.build([str(tmp_path / "sweep")])
+    assert list(rep["motion"].values())[0]["motion"] == doc["motion"]
+    titles = report_plot.plot(rep, str(tmp_path / "report.png"))
+    assert titles[-1].startswith("checkpoint motion") and "the last 2 checkpoints still" in titles[-1]
 
 
 @pytest.mark.slow

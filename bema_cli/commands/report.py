@@ -56,3 +56,7 @@ def report(
         return
     for table in rep.tables(doc):
         output.print_table(table)
+    from bema_cli.stabilize.motion import describe
+
+    for path, record in doc["motion"].items():  # a sweep's: can averaging help here?
+        output.log(f"{path}: {describe(record.get('motion_verdict'))}")

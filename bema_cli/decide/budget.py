@@ -1,5 +1,5 @@
-"""`bema ship --dry-run`: what the decision will cost, and what its items can resolve, before any
-engine starts or any checkpoint is read past its header.
+"""`bema ship --dry-run`: what the decision will cost, what its items can resolve, and whether
+averaging can help at all, before any engine starts or anything is evaluated.
 
 The evaluations are counted at most (no candidate dropped by the race, every duel run to the last
 pick item), beside the design that scored every candidate on every item of every task; generated
@@ -7,7 +7,9 @@ tokens bound by n_samples x max_new_tokens per prompt; the wall time projected b
 (sweep/project.py: the machine probe, the headers) on those evaluations, in rounds. The minimum
 detectable difference of the report items comes from earlier records of this ship when there are
 some (a resumed or repeated one), else, for accuracy, from the bound sd(d) <= 1 of a difference
-of two scores in [0, 1].
+of two scores in [0, 1]. The motion (how far each checkpoint moved from the previous one,
+stabilize/motion.py) comes from an earlier attempt's record too, else from one read of the
+checkpoints up to the step: the one part of a dry run that reads past the headers.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from bema_cli.decide import power, race, select
 from bema_cli.decide.search import SOUP_CHECKPOINTS
 from bema_cli.eval.job import Job
 from bema_cli.eval.tasks import LOSS_TASKS
+from bema_cli.stabilize.motion import describe
 
 SIMPLEX_TRIALS = 12  # fit.SIMPLEX_BUDGET
 
@@ -75,7 +78,25 @@ def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
         doc["projection"] = project(plan, evaluation, jobs, model_bytes, speeds)
     shipped = work.parent / work.name.removeprefix(".").removesuffix(".bema-ship") / ".bema-ship"
     doc["mdd"] = _mdd(work if (work / "race").is_dir() else shipped, metric, len(report))
+    doc["motion_verdict"], doc["motion_from"] = _motion(plan, step, work, shipped)
     return doc
+
+
+def _motion(plan, step: int, work: Path, shipped: Path) -> tuple[dict | None, str]:
+    """The motion verdict (said on stderr when the last window barely moves): an earlier attempt's
+    record, else one read of the checkpoints up to `step`."""
+    from bema_cli.io.checkpoints import read_json
+    from bema_cli.stabilize import motion
+    from bema_cli.sweep.session import MOTION_FILE
+
+    for path in (work / MOTION_FILE, shipped / MOTION_FILE):
+        rows = read_json(path)["motion"] if path.is_file() else []
+        if rows and rows[-1]["step"] >= step:  # walked to this step (or past it)
+            return motion.judge_rows([r for r in rows if r["step"] <= step], plan.runs), str(path)
+    read = sum(
+        plan.indexes[c.step].nbytes for c in plan.checkpoints if c.step <= step and c.step in plan.indexes
+    )
+    return motion.judge(motion.measure(plan, step), plan.runs)["motion_verdict"], f"{read / 1e9:.2g} GB read"
 
 
 def _max_new(task: str) -> int:
@@ -154,4 +175,5 @@ def budget_line(doc: dict) -> str:
         )
         parts.append(f"{items['report']} report items resolve differences of {value} and up "
                      f"(80% power; {mdd['from']})")  # fmt: skip
+    parts.append(describe(doc["motion_verdict"]))
     return f"ship --dry-run at step {doc['step']}: " + "; ".join(parts)

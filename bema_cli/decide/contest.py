@@ -19,6 +19,7 @@ from bema_cli.decide.search import search
 from bema_cli.errors import UsageError
 from bema_cli.eval.evaluate import Evaluation
 from bema_cli.eval.tasks import LOSS_TASKS
+from bema_cli.io.checkpoints import read_json
 
 
 def item_ids(task) -> list:
@@ -64,12 +65,28 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
         others, other_items = _other_tasks(arena, config, metric, decision, fitted, work)
     finally:
         arena.close()
+    moved = _motion(arena, plan, work)
     trials = len(fitted["doc"]["candidates"]) + 2 if fitted else 0
     tasks = [t for t in config.tasks if t != "train_loss"]
     exhaustive = (len(names) + trials) * len(ids) * len(tasks)  # every candidate, every item, every task
     raced["race"]["evaluations"] = {"items": scorer.evaluated + other_items, "exhaustive_design": exhaustive}
     return {"chosen": chosen, "records": records, "fitted": fitted, "decision": decision, "verdict": why,
-            "race": raced["race"], "other_tasks": others, "memory": memory, "backend": evaluation.backend_name}  # fmt: skip
+            "race": raced["race"], "other_tasks": others, "memory": memory, "backend": evaluation.backend_name,
+            "motion": moved}  # fmt: skip
+
+
+def _motion(arena, plan, work) -> dict | None:
+    """The walk's motion, kept with the records (work/motion.json: a resumed ship that starts no
+    engine, and a later `ship --dry-run`, read it there)."""
+    from bema_cli.io.commit import write_json_atomic
+    from bema_cli.sweep.session import MOTION_FILE
+
+    if arena.motion is not None:
+        write_json_atomic(
+            work / MOTION_FILE, {"checkpoint_dir": str(plan.checkpoints[0].path.parent), **arena.motion}
+        )
+        return arena.motion
+    return read_json(work / MOTION_FILE) if (work / MOTION_FILE).is_file() else None
 
 
 def _other_tasks(arena, config, metric, decision, fitted, work) -> tuple[dict, int]:

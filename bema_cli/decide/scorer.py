@@ -20,6 +20,7 @@ from bema_cli.eval.evaluate import Evaluation
 from bema_cli.eval.job import Job, evaluate_task
 from bema_cli.eval.results import ResultsFile
 from bema_cli.eval.targets import VANILLA, Target
+from bema_cli.stabilize import motion
 
 SOURCE = "bema_cli.decide.scorer:ShipSource"
 _NONE = object()  # nothing loaded yet (None is theta_s)
@@ -40,6 +41,9 @@ class ShipSource:
     def finish(self) -> None:
         self.walker.finish()
 
+    def motion_sums(self) -> dict:
+        return self.walker.motion_sums()
+
     def set(self, key: str, c: list[float]) -> None:
         self.combiner.set(key, c)
 
@@ -59,6 +63,7 @@ class Arena:
         self.evaluation, self.plan, self.stab, self.basis, self.step = evaluation, plan, stab, basis, step
         self.targets, self.folder = targets, targets["vanilla"].path
         self.backend, self.loaded = None, _NONE
+        self.motion: dict | None = None  # the walk's motion (motion.py), judged before any evaluation
 
     def start(self):
         if self.backend is None:
@@ -73,6 +78,8 @@ class Arena:
                         if s != self.step:
                             self.backend.source_call("finish")
                     bar.advance(task)
+            if walked:
+                self.motion = motion.judge(self.backend.source_call("motion_sums"), self.plan.runs)
         return self.backend
 
     def load(self, name: str, c: list[float] | None) -> Target:

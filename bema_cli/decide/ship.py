@@ -135,6 +135,8 @@ def _ship(
     doc["decision"], doc["verdict"] = made["decision"], made["verdict"]
     if made["other_tasks"]:
         doc["other_tasks"] = made["other_tasks"]
+    if made["motion"]:  # can averaging help here? (motion.py), measured as the walk read the run
+        doc["motion"], doc["motion_verdict"] = made["motion"]["motion"], made["motion"]["motion_verdict"]
     decision = made["decision"]
     with stages.stage("write"), stages.kept():  # stabilize's own reset would drop the sweep's stages
         doc["written"] = _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, stab)

@@ -40,18 +40,18 @@ class UnitMotion:
 
     def block(self, step: int, lo: int, hi: int, parts, th, diff) -> None:
         if self.known:
-            self.add(step, lo, parts, th, self.prev[lo:hi], diff)
+            self.add(step, lo, [(p.info.name, a, b) for p, a, b in parts], th, self.prev[lo:hi], diff)
         self.prev[lo:hi].copy_(th)
 
     def add(self, step: int, lo: int, parts, th, prev, diff) -> None:
         """Positions [lo, lo + len(th)) of theta_s and of the previous checkpoint; `parts` the
-        (Piece, a, b) tensor ranges they cover."""
+        (tensor name, a, b) ranges they cover."""
         import torch
 
         torch.sub(th, prev, out=diff)
-        for p, a, b in parts:
+        for name, a, b in parts:
             d, t = diff[a - lo : b - lo], th[a - lo : b - lo]
-            sums = self.sums.setdefault(step, {}).setdefault(group_of(p.info.name), [[], []])
+            sums = self.sums.setdefault(step, {}).setdefault(group_of(name), [[], []])
             sums[0].append(torch.dot(d, d).double())
             sums[1].append(torch.dot(t, t).double())
 
@@ -63,6 +63,36 @@ class UnitMotion:
 
         return {step: {g: [float(torch.stack(v[0]).sum()), float(torch.stack(v[1]).sum())] for g, v in by.items()}
                 for step, by in self.sums.items()}  # fmt: skip
+
+
+def measure(plan, upto: int) -> dict:
+    """The motion alone, every checkpoint up to step `upto` read once, a tensor at a time beside the
+    previous checkpoint's same tensor (read again: from the page cache, as a rule). `bema ship
+    --dry-run` says it before any engine starts; nothing is held but two tensors."""
+    import torch
+
+    from bema_cli.io.reader import open_checkpoint, read_into
+    from bema_cli.io.safetensors import FLOATING
+    from bema_cli.stabilize.prepare import drop_tied_head
+
+    acc = UnitMotion()
+    names = [t.name for t in plan.base_index.tensors.values() if t.dtype in FLOATING]
+    prev = plan.base_index
+    for c in [c for c in plan.checkpoints if c.step <= upto]:
+        index = plan.indexes.get(c.step)
+        if index is None:  # a step no config reads (--phi): its checkpoint all the same
+            index = open_checkpoint(c.path, like=set(plan.base_index.tensors))
+            drop_tied_head(index, plan.base_index)
+        with prev.open() as before, index.open() as now:
+            for name in names:
+                info = plan.base_index.tensors[name]
+                rows = info.shape[0] if info.shape else 1
+                th, old = torch.empty(info.numel), torch.empty(info.numel)
+                read_into(now, name, 0, rows, th)
+                read_into(before, name, 0, rows, old)
+                acc.add(c.step, 0, [(name, 0, info.numel)], th, old, torch.empty_like(th))
+        prev = index
+    return acc.result()
 
 
 def merge(total: dict, part: dict) -> dict:
@@ -91,9 +121,12 @@ def _ratio(d2: float, n2: float) -> float | None:
 
 def verdict(measured: list[dict], window: int) -> dict | None:
     """The last `window` steps' median distance against the run's moving phase (the 90th percentile
-    of its step distances): "barely moves" below BARELY of it. None with fewer than 2 windows read."""
+    of its step distances): "barely moves" below BARELY of it. A run shorter than two windows is
+    judged on its last half (a window of 8 on 10 checkpoints would be most of the run); None with
+    fewer than 4 steps measured."""
     values = [r["relative"] for r in measured if r["relative"] is not None]
-    if len(values) < 2 * window or window < 1:
+    window = min(window, len(values) // 2)
+    if window < 2:
         return None
     last, run = _median(values[-window:]), sorted(values)[int(0.9 * (len(values) - 1))]
     share = last / run if run > 0 else math.inf
@@ -115,13 +148,26 @@ def _median(values: list[float]) -> float:
 def judge(sums: dict, runs) -> dict:
     """`motion` and `motion_verdict` of a --json document, judged on the grid's largest window (the
     menu's when it has none); the warning said on stderr when the last window barely moves."""
+    measured = rows(sums)
+    return {"motion": measured, "motion_verdict": judge_rows(measured, runs)}
+
+
+def judge_rows(measured: list[dict], runs) -> dict | None:
     from bema_cli import output
 
-    measured = rows(sums)
     window = max((r.schedule.window or 0 for r in runs), default=0) or WINDOW
     v = verdict(measured, window)
     if v and v["barely_moves"]:
-        output.warn(f"the last {window} checkpoints barely move: {v['last_window']:.2e} of the weights' norm a "
+        output.warn(f"the last {v['window']} checkpoints barely move: {v['last_window']:.2e} of the weights' norm a "
                     f"step, {v['share']:.1%} of the run's moving phase: averaging them changes little, and nothing "
                     "may beat the last checkpoint (a decayed learning rate does this)")  # fmt: skip
-    return {"motion": measured, "motion_verdict": v}
+    return v
+
+
+def describe(v: dict | None) -> str:
+    """The verdict in words (ship --dry-run's line, bema report's)."""
+    if v is None:
+        return "too few checkpoints to say whether the last ones still move (4 needed)"
+    moves = "barely move" if v["barely_moves"] else "still move"
+    return (f"the last {v['window']} checkpoints {moves}: {v['last_window']:.2g} of the weights' norm a step, "
+            f"{v['share']:.0%} of the run's moving phase")  # fmt: skip

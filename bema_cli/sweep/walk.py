@@ -285,9 +285,11 @@ class Walker:
         return out
 
     def _block_parts(self, a: int, b: int) -> list:
-        """The (Piece, lo, hi) tensor ranges positions [a, b) cover (a block of HOLD_BLOCK)."""
+        """The (tensor name, lo, hi) ranges positions [a, b) cover (a block of HOLD_BLOCK)."""
         if a not in self._parts:
-            self._parts[a] = [(p, max(p.lo, a), min(p.hi, b)) for p in self.unit if p.hi > a and p.lo < b]
+            self._parts[a] = [
+                (p.info.name, max(p.lo, a), min(p.hi, b)) for p in self.unit if p.hi > a and p.lo < b
+            ]
         return self._parts[a]
 
     def motion_sums(self) -> dict:

@@ -299,3 +299,21 @@ def test_allow_gaps_is_recorded_in_the_shipped_folder_and_theta0_is_the_base(run
     record = json.loads((out / "bema.json").read_text())
     assert record["allow_gaps"] is True and record["theta0_source"] == str(runs["base"])
     assert "| allow gaps | true" in (out / "README.md").read_text()
+
+
+def test_megatrons_thinning_reaches_ship_and_sweep(runs, tmp_path):
+    """--min-interval and --min-checkpoints on ship and sweep as on stabilize: the candidates, the
+    fits' basis and the motion are the thinned run's (from the last step back, every 20 steps)."""
+    args = ["--base", runs["base"], "--tasks", "loss", "--loss-data", runs["data"], "--backend", "transformers",
+            "--dry-run", "--json", "--min-interval", "20"]  # fmt: skip
+    r = run_bema("ship", runs["noisy"], "--out", tmp_path / "m", *args)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    # 4 kept checkpoints (20, 40, 60, 80): the soup's ingredients are the menu and them, minus one
+    assert doc["step"] == 80 and doc["candidates"]["fit_trials_at_most"] == 8 + 4 - 2 + 12
+    r = run_bema("sweep", runs["noisy"], "--out", tmp_path / "s", *args, "--method", "ema", "--at", "all")
+    assert r.returncode == 0, r.stderr
+    assert sorted({rec["step"] for rec in json.loads(r.stdout)["records"]}) == []  # a dry run evaluates nothing
+    assert json.loads(r.stdout)["pending"] == 4 * 2  # vanilla and ema at 20, 40, 60, 80
+    r = run_bema("ship", runs["noisy"], "--out", tmp_path / "m", *args, "--min-checkpoints", "5")
+    assert r.returncode != 0 and one_line_error(r) and "--min-checkpoints" in r.stderr, r.stderr

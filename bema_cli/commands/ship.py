@@ -43,6 +43,8 @@ from bema_cli.options import (
     HalfLifeOpt,
     JsonOpt,
     KappaOpt,
+    MinCheckpointsOpt,
+    MinIntervalOpt,
     PhiOpt,
     PowerGammaOpt,
     PresetOpt,
@@ -170,6 +172,8 @@ def ship(
     ] = None,
     allow_nonfinite: AllowNonfiniteOpt = False,
     allow_gaps: AllowGapsOpt = False,
+    min_interval: MinIntervalOpt = None,
+    min_checkpoints: MinCheckpointsOpt = None,
     cast_base: CastBaseOpt = False,
     card_paths: CardPathsOpt = "short",
     overwrite: Annotated[
@@ -232,7 +236,8 @@ def ship(
     )
     opts = Options(checkpoint_dir=checkpoint_dir, schedules=schedules, out=flags["out"], base=base, device=device,
                    accum_dtype=accum_dtype, out_dtype=out_dtype, allow_nonfinite=allow_nonfinite,
-                   cast_base=cast_base, allow_gaps=allow_gaps, durations=flags.get("durations") or None)  # fmt: skip
+                   cast_base=cast_base, allow_gaps=allow_gaps, durations=flags.get("durations") or None,
+                   min_interval=min_interval, min_checkpoints=min_checkpoints)  # fmt: skip
     limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
     doc = run(opts, evaluation, engine, ship_opts, SweepOptions(at=at, memory_limit=limit),
               validated=lambda: output.send_library_output(Path(flags["out"]) / LIBRARY_LOG))  # fmt: skip

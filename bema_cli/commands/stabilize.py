@@ -26,6 +26,8 @@ from bema_cli.options import (
     JsonOpt,
     KappaOpt,
     MethodOpt,
+    MinCheckpointsOpt,
+    MinIntervalOpt,
     OutDirOpt,
     OverwriteOpt,
     PhiOpt,
@@ -158,19 +160,8 @@ def stabilize(
             "--keep-last", help="Keep only the K newest outputs of each run (like save_total_limit)."
         ),
     ] = None,
-    min_interval: Annotated[
-        int | None,
-        typer.Option(
-            "--min-interval",
-            help="Thin the inputs as Megatron-LM's merge tool does: from the last step back, keep checkpoints at least this many steps apart (one-shot: no state).",
-        ),
-    ] = None,
-    min_checkpoints: Annotated[
-        int | None,
-        typer.Option(
-            "--min-checkpoints", help="Refuse a run with fewer checkpoints than this (after --min-interval)."
-        ),
-    ] = None,
+    min_interval: MinIntervalOpt = None,
+    min_checkpoints: MinCheckpointsOpt = None,
     fingerprint: Annotated[
         str,
         typer.Option(

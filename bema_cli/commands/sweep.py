@@ -48,6 +48,8 @@ from bema_cli.options import (
     JsonOpt,
     KappaOpt,
     MethodOpt,
+    MinCheckpointsOpt,
+    MinIntervalOpt,
     PhiOpt,
     PollOpt,
     PowerGammaOpt,
@@ -148,6 +150,8 @@ def sweep(
     ] = None,
     allow_nonfinite: AllowNonfiniteOpt = False,
     allow_gaps: AllowGapsOpt = False,
+    min_interval: MinIntervalOpt = None,
+    min_checkpoints: MinCheckpointsOpt = None,
     cast_base: CastBaseOpt = False,
     follow: Annotated[
         bool,
@@ -189,7 +193,14 @@ def sweep(
         checkpoint_dir=checkpoint_dir, schedules=schedules, out=str(Path(out) / ".sweep"),
         base=base, device=device, accum_dtype=accum_dtype, out_dtype=out_dtype, allow_nonfinite=allow_nonfinite,
         cast_base=cast_base, allow_gaps=allow_gaps, durations=flags.get("durations") or None,
+        min_interval=min_interval, min_checkpoints=min_checkpoints,
     )  # fmt: skip
+    if follow and min_interval is not None:
+        from bema_cli.errors import UsageError
+
+        raise UsageError(
+            "--min-interval: the thinned set anchors at the last step, which --follow does not know yet"
+        )
     if not follow and (until_step is not None or idle_timeout is not None):
         from bema_cli.errors import UsageError
 

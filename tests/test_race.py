@@ -3,6 +3,7 @@
 - the confidence sequence (race.sequence) covers the true mean at every look at once, at >= 1 - a;
 - a race drops the truly best candidate at most a of the time, and does drop clearly worse ones;
 - a duel decides as the exhaustive comparison does when the two are far apart, using fewer items;
+- its futility bound never turns a loss into a win, and stops near-ties early;
 - the minimum detectable difference (power.mdd) is detected at about 80%;
 - the winner's-curse correction (power.corrected) is median-unbiased among the differences that pass.
 Each rate is given with a Wilson 95% interval from the simulation's own size.
@@ -93,6 +94,42 @@ def test_a_duel_decides_as_the_whole_comparison_with_fewer_items():
         used += n
         assert n_all == 128
     assert agree == 200 and used / 200 < 0.5 * 128  # same answers, at most half the items
+
+
+def test_the_futility_bound_adds_no_win_and_stops_near_ties_early(monkeypatch):
+    """On near-ties (no gap, or one too small for the pick items to tell), the duel with the bound
+    wins only on paths where the duel without it wins too (it can only stop a trial, as a loss), and
+    uses far fewer items; a clearly better trial still wins."""
+    rng = np.random.default_rng(3)
+    ids = list(range(100))
+
+    def of(v):
+        return lambda i: v[i].tolist()
+
+    def duel(x, y, bound: bool):
+        monkeypatch.setattr(race, "BEHIND_ITEMS", 32 if bound else 10**9)
+        return race.duel(of(x), of(y), ids)
+
+    used = {True: 0, False: 0}
+    wins = {True: 0, False: 0}
+    for k in range(400):
+        gap = (0.0, 0.02)[k % 2]  # per item, against an item spread of 1: a tie, or next to one
+        shared = rng.normal(0, 1, size=100)
+        x, y = shared + gap + rng.normal(0, 0.7, size=100), shared + rng.normal(0, 0.7, size=100)
+        (w1, n1, _), (w0, n0, _) = duel(x, y, True), duel(x, y, False)
+        assert w1 <= w0, k  # a win with the bound is a win without it, path by path
+        used[True] += n1
+        used[False] += n0
+        wins[True] += w1
+        wins[False] += w0
+    assert used[True] < 0.6 * used[False], used
+    assert wins[False] > 100 and wins[True] < wins[False], wins  # the ties' point-estimate coin flips
+    clear = 0
+    for _ in range(100):  # a trial better by 0.6 item spreads (3.4 s.e. at 32 items) still wins with the bound
+        shared = rng.normal(0, 1, size=100)
+        x, y = shared + 0.6 + rng.normal(0, 0.7, size=100), shared + rng.normal(0, 0.7, size=100)
+        clear += duel(x, y, True)[0]
+    assert clear >= 95, clear
 
 
 def test_the_minimum_detectable_difference_is_found_80_percent_of_the_time():

@@ -28,6 +28,8 @@ ROUND_ITEMS = 16  # the first round's items; each later round doubles what was s
 MIN_ITEMS = (
     16  # no look before one round: on skewed items the plug-in variance of 8 missed 7.8% (tests/test_race.py)
 )
+BEHIND_ITEMS = 32  # a duel's trial not ahead by BEHIND_SE standard errors after this many items stops
+BEHIND_SE = 1.0
 
 
 def rounds(ids: Sequence) -> list[list]:
@@ -109,9 +111,12 @@ def duel(
 ) -> tuple[bool, int, float]:
     """Is `trial` better than `incumbent` on the pick items (oriented scores, higher is better)?
     Rounds of items until the confidence sequence of their difference excludes 0 (kept, or
-    dropped), or, given `report_n`, until it shows the trial's gain is below what `report_n` report
-    items could resolve (power.mdd of the differences seen: a gain no report can confirm cannot
-    change the decision; dropped as futile); else the point estimate on every item. Returns
+    dropped), or until it is futile (dropped): given `report_n`, the sequence shows the trial's gain
+    is below what `report_n` report items could resolve (power.mdd of the differences seen: a gain no
+    report can confirm cannot change the decision); or, after BEHIND_ITEMS items, the trial is not
+    ahead by BEHIND_SE standard errors (a non-binding futility bound, as in group-sequential trials:
+    it only ever makes a trial lose, so it adds no false win; what it costs in the fit's value is
+    measured by bench/bench_decide.py). Else the point estimate on every item decides. Returns
     (better, items used, mean difference on them)."""
     diffs: list[float] = []
     for batch in rounds(ids):
@@ -119,10 +124,20 @@ def duel(
         if len(diffs) >= MIN_ITEMS and len(diffs) < len(ids):
             low, high = sequence(diffs, alpha, len(ids))
             futile = report_n is not None and high < mdd(diffs) * math.sqrt(len(diffs) / report_n)
-            if low > 0 or high < 0 or futile:
+            if low > 0 or high < 0 or futile or _behind(diffs):
                 return low > 0, len(diffs), sum(diffs) / len(diffs)
     mean = sum(diffs) / len(diffs) if diffs else 0.0
     return mean > 0, len(diffs), mean
+
+
+def _behind(diffs: Sequence[float]) -> bool:
+    """The trial is not ahead by BEHIND_SE standard errors of the mean after BEHIND_ITEMS items."""
+    t = len(diffs)
+    if t < BEHIND_ITEMS:
+        return False
+    mean = sum(diffs) / t
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (t - 1))
+    return mean <= BEHIND_SE * sd / math.sqrt(t)
 
 
 def exhaustive(

@@ -15,6 +15,7 @@ from bema_cli.decide import fit, race, select
 FITS = ("soup", "simplex")
 SOUP_CHECKPOINTS = 4  # the last saved checkpoints that join the menu as soup ingredients
 SIMPLEX_K = 4  # the simplex weights span the last K checkpoints
+RANK_ITEMS = 32  # the soup's ingredients are ordered by their mean on the first pick items alone
 
 
 def search(scorer, stab, checkpoints, base_source: str, survivors: list[str], pick_ids: list, report_ids: list,
@@ -68,7 +69,11 @@ def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, du
 
         return compare
 
-    scored = [(name, c, sum(scores(c, pick_ids, name))) for name, c in ingredients]
+    # the order the soup tries its ingredients in, from the first RANK_ITEMS pick items (the menu's are
+    # scored already; an earlier checkpoint is scored further only inside a soup that tries it); the
+    # exhaustive design orders them on every pick item, as before
+    first = pick_ids if duel is race.exhaustive else pick_ids[:RANK_ITEMS]
+    scored = [(name, c, sum(scores(c, first, name))) for name, c in ingredients]
     result: dict = {"candidates": trials, "pick_items": len(pick_ids), "race": RACE_NOTE}
     found = []
     if "soup" in fits:

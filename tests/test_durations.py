@@ -207,6 +207,11 @@ def test_megatron_bridge_iter_folders_are_read_from_their_hf_export(run10, tmp_p
     (resolved,) = doc["durations"]["window"]
     assert resolved["checkpoints"] == 2 and resolved["tokens_per_step"] == 8 * 512
     assert "run_config.yaml" in resolved["tokens_source"]
+    # bema verify rebuilds it from the record in its weights: the inputs named are the iter_N/hf folders
+    from conftest import run_bema
+
+    r = run_bema("verify", tmp_path / "out" / "lawa-w2" / "checkpoint-30")
+    assert r.returncode == 0 and "bitwise identical to its rebuild" in r.stdout, r.stderr
 
 
 # -- Megatron-LM's merge selection controls: thinning, a minimum count, scrambled coefficients

@@ -15,15 +15,18 @@ from pathlib import Path
 from bema_cli.decide.write import rebuild_average
 from bema_cli.errors import InputError
 from bema_cli.io import provenance
-from bema_cli.io.checkpoints import step_of
+from bema_cli.io.checkpoints import find_checkpoints, run_of, step_of
 
 
 def _input_folders(record: dict, doc: dict) -> dict[str, Path]:
     """The input folders the provenance names, by its `inputs` keys."""
     if isinstance(record.get("coefficients"), dict):  # a fitted average: keyed by folder
         return {k: Path(k) for k in doc.get("inputs", {})}
-    run = Path(record["source_checkpoint"]).parent
-    by_step = {str(_step(p)): p for p in run.iterdir() if p.is_dir()} if run.is_dir() else {}  # any layout
+    run = run_of(record["source_checkpoint"])
+    try:  # any layout find_checkpoints reads (Megatron-Bridge's: iter_<N>/hf/)
+        by_step = {str(c.step): c.path for c in find_checkpoints(run)}
+    except InputError:
+        by_step = {}
     folders = {k: by_step.get(k, run / f"checkpoint-{k}") for k in doc.get("inputs", {}) if k != "theta0"}
     if "theta0" in doc.get("inputs", {}):
         folders["theta0"] = Path(record["theta0_source"])

@@ -17,6 +17,7 @@ from pathlib import Path
 from bema_cli import card, output
 from bema_cli.errors import InputError, OutputError
 from bema_cli.eval.targets import SWEEP_SCHEME
+from bema_cli.io.checkpoints import run_of
 from bema_cli.io.commit import check_apart
 
 WORK = ".bema-ship"  # ship's records inside the model folder it wrote (push never uploads .bema-*)
@@ -156,7 +157,7 @@ def _stabilize_one(source: Path, base, stab: dict, step: int, tmp: Path, **more)
     if not source.is_dir():
         raise InputError(f"{source}: the source checkpoint is gone; rebuilding needs it (and its run)")
     opts = Options(
-        checkpoint_dir=str(source.parent), schedules=[Schedule(**params).resolved()], out=str(tmp / "out"),
+        checkpoint_dir=str(run_of(source)), schedules=[Schedule(**params).resolved()], out=str(tmp / "out"),
         base=base, steps=[step], accum_dtype=stab.get("accum_dtype", "float32"), no_state=True, **more,
     )  # fmt: skip
     result = stabilize(opts)
@@ -191,7 +192,7 @@ def write_winner(
     """The winner of a `select` document written as `out` itself, with its card; `keep(folder)` is
     called before the final rename (ship moves its records into the folder there)."""
     source, base, _ = source_of(doc["winner"], records)
-    inputs = [source.parent, source, *([Path(base)] if base and Path(base).expanduser().is_dir() else [])]
+    inputs = [run_of(source), source, *([Path(base)] if base and Path(base).expanduser().is_dir() else [])]
     check_apart_from(out, inputs, "--write" if keep is None else "--out")
     check_target(out, overwrite)
     tmp = staging(out, "write")

@@ -191,6 +191,15 @@ def _ordered(found: list[tuple[int, Path, str]], where: str) -> list[Checkpoint]
     return [Checkpoint(s, by_step[s][0]) for s in sorted(by_step)]
 
 
+def run_of(checkpoint: str | Path) -> Path:
+    """The run folder a checkpoint folder belongs to: its parent, or for Megatron-Bridge's
+    iter_<N>/hf/ export the iter folder's parent (records name the hf/ folder as the source)."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.name == "hf" and layout_of(checkpoint.parent.name) == "iter_":
+        return checkpoint.parent.parent
+    return checkpoint.parent
+
+
 def find_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
     """The checkpoint folders of a training run (one naming scheme), sorted by step; errors name the folder."""
     run_dir = Path(run_dir).expanduser()

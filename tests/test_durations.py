@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -344,6 +345,24 @@ def test_the_dry_runs_read_pass_measures_the_same_motion_against_float64(run10):
     ref = _motion_reference(run, base, [10 * i for i in range(1, 8)])
     assert [r["step"] for r in rows] == sorted(ref)
     assert all(r["relative"] == pytest.approx(ref[r["step"]], rel=1e-5) for r in rows)
+
+
+def test_the_barely_moves_rule_never_warns_where_averaging_helps_in_simulation():
+    """bench/bench_motion_rule.py: SGD worlds whose truth is known. The warning must not fire where
+    averaging helps (false alarms 0 of 80, upper 95% bound < 5%), and must fire on a learning rate
+    decayed to zero; its misses (quiet where averaging cannot help) are measured there, not bounded."""
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "bench_motion_rule.py"
+    r = subprocess.run([sys.executable, str(bench), "--reps", "40", "--json"], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    alarms = doc["false_alarms"]
+    assert alarms["n"] == 80 and alarms["k"] == 0 and alarms["interval"][1] < 0.05, alarms
+    assert doc["schedules"]["cos0.0"]["warned"] >= 38 and not doc["schedules"]["cos0.0"]["helps"]
+    assert doc["schedules"]["constant"]["helps"] and doc["schedules"]["linear0"]["gain_share"] < 0.1
 
 
 def _moving_run(root, scales):

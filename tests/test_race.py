@@ -125,7 +125,9 @@ def test_the_futility_bound_adds_no_win_and_stops_near_ties_early(monkeypatch):
     assert used[True] < 0.6 * used[False], used
     assert wins[False] > 100 and wins[True] < wins[False], wins  # the ties' point-estimate coin flips
     clear = 0
-    for _ in range(100):  # a trial better by 0.6 item spreads (3.4 s.e. at 32 items) still wins with the bound
+    for _ in range(
+        100
+    ):  # a trial better by 0.6 item spreads (3.4 s.e. at 32 items) still wins with the bound
         shared = rng.normal(0, 1, size=100)
         x, y = shared + 0.6 + rng.normal(0, 0.7, size=100), shared + rng.normal(0, 0.7, size=100)
         clear += duel(x, y, True)[0]

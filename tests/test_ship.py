@@ -313,7 +313,9 @@ def test_megatrons_thinning_reaches_ship_and_sweep(runs, tmp_path):
     assert doc["step"] == 80 and doc["candidates"]["fit_trials_at_most"] == 8 + 4 - 2 + 12
     r = run_bema("sweep", runs["noisy"], "--out", tmp_path / "s", *args, "--method", "ema", "--at", "all")
     assert r.returncode == 0, r.stderr
-    assert sorted({rec["step"] for rec in json.loads(r.stdout)["records"]}) == []  # a dry run evaluates nothing
+    assert (
+        sorted({rec["step"] for rec in json.loads(r.stdout)["records"]}) == []
+    )  # a dry run evaluates nothing
     assert json.loads(r.stdout)["pending"] == 4 * 2  # vanilla and ema at 20, 40, 60, 80
     r = run_bema("ship", runs["noisy"], "--out", tmp_path / "m", *args, "--min-checkpoints", "5")
     assert r.returncode != 0 and one_line_error(r) and "--min-checkpoints" in r.stderr, r.stderr

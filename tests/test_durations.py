@@ -334,11 +334,13 @@ def test_the_sweeps_walk_measures_the_same_motion_against_float64(run10, monkeyp
         assert row["relative"] == pytest.approx(ref[row["step"]], rel=1e-5), row["step"]
 
 
-def test_the_dry_runs_read_pass_measures_the_same_motion_against_float64(run10):
-    """`ship --dry-run` measures the motion alone, a tensor at a time (motion.measure), up to its step."""
+@pytest.mark.parametrize("block", [1 << 22, 7], ids=["whole-tensors", "rows-at-a-time"])
+def test_the_dry_runs_read_pass_measures_the_same_motion_against_float64(run10, monkeypatch, block):
+    """`ship --dry-run` measures the motion alone, a block of rows at a time (motion.measure), up to its step."""
     from bema_cli.stabilize import Options, grid, motion
     from bema_cli.sweep import walk
 
+    monkeypatch.setattr(motion, "MEASURE_BLOCK", block)
     root, base, run = run10
     plan = walk.plan_sweep(Options(str(run), grid(["ema"]), str(root / "none"), base=str(base)))
     rows = motion.rows(motion.measure(plan, 70))

@@ -65,10 +65,13 @@ class UnitMotion:
                 for step, by in self.sums.items()}  # fmt: skip
 
 
+MEASURE_BLOCK = 1 << 22  # elements read at a time by `measure` (16 MB of float32 per buffer)
+
+
 def measure(plan, upto: int) -> dict:
-    """The motion alone, every checkpoint up to step `upto` read once, a tensor at a time beside the
-    previous checkpoint's same tensor (read again: from the page cache, as a rule). `bema ship
-    --dry-run` says it before any engine starts; nothing is held but two tensors."""
+    """The motion alone, every checkpoint up to step `upto` read once, a block of rows at a time
+    beside the previous checkpoint's same rows (read again: from the page cache, as a rule). `bema
+    ship --dry-run` says it before any engine starts; it holds three blocks, not a model."""
     import torch
 
     from bema_cli.io.reader import open_checkpoint, read_into
@@ -76,7 +79,7 @@ def measure(plan, upto: int) -> dict:
     from bema_cli.stabilize.prepare import drop_tied_head
 
     acc = UnitMotion()
-    names = [t.name for t in plan.base_index.tensors.values() if t.dtype in FLOATING]
+    buffers = [torch.empty(MEASURE_BLOCK) for _ in range(3)]  # theta_s, the previous one, their difference
     prev = plan.base_index
     for c in [c for c in plan.checkpoints if c.step <= upto]:
         index = plan.indexes.get(c.step)
@@ -84,13 +87,20 @@ def measure(plan, upto: int) -> dict:
             index = open_checkpoint(c.path, like=set(plan.base_index.tensors))
             drop_tied_head(index, plan.base_index)
         with prev.open() as before, index.open() as now:
-            for name in names:
-                info = plan.base_index.tensors[name]
+            for info in index.tensors.values():
+                if info.dtype not in FLOATING or info.name not in prev.tensors:
+                    continue
                 rows = info.shape[0] if info.shape else 1
-                th, old = torch.empty(info.numel), torch.empty(info.numel)
-                read_into(now, name, 0, rows, th)
-                read_into(before, name, 0, rows, old)
-                acc.add(c.step, 0, [(name, 0, info.numel)], th, old, torch.empty_like(th))
+                row = max(1, info.numel // rows)
+                step = max(1, MEASURE_BLOCK // row)
+                if step * row > len(buffers[0]):  # one row is longer than a block: a block of one row
+                    buffers = [torch.empty(step * row) for _ in range(3)]
+                for lo in range(0, rows, step):
+                    hi = min(rows, lo + step)
+                    th, old, diff = (b[: (hi - lo) * row] for b in buffers)
+                    read_into(now, info.name, lo, hi, th)
+                    read_into(before, info.name, lo, hi, old)
+                    acc.add(c.step, 0, [(info.name, 0, len(th))], th, old, diff)
         prev = index
     return acc.result()
 

@@ -427,13 +427,22 @@ def test_ray_actors_split_the_grid_and_match_local(world, tmp_path):
         r = run_bema("sweep", world["run"], "--base", world["base"], "--out", tmp_path / "ray", *GRID, *loss,
                      "--executor", "ray", "--workers", "2", "--json", env=env)  # fmt: skip
         assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout)["engine_starts"] == 2
+        split = json.loads(r.stdout)
+        assert split["engine_starts"] == 2
     finally:
         ray.shutdown()
     local = run_bema(
-        "sweep", world["run"], "--base", world["base"], "--out", tmp_path / "local", *GRID, *loss
+        "sweep", world["run"], "--base", world["base"], "--out", tmp_path / "local", *GRID, *loss, "--json"
     )
     assert local.returncode == 0, local.stderr
+    # each actor walks every step; the motion is the most complete actor's, the local walk's (float32
+    # dot products on an actor's share of the threads: to 1e-6), the first step's from theta0 included
+    mine = json.loads(local.stdout)["motion"]
+    assert [r["step"] for r in split["motion"]] == [r["step"] for r in mine] == [10, 20, 30, 40]
+    assert all(
+        a["relative"] == pytest.approx(b["relative"], rel=1e-6)
+        for a, b in zip(split["motion"], mine, strict=True)
+    )
     a, b = keyed(tmp_path / "ray"), keyed(tmp_path / "local")
     assert sorted(a) == sorted(b) and all(a[k]["metrics"] == b[k]["metrics"] for k in a)
 

@@ -83,7 +83,9 @@ def run_split(
                     evaluation.write(records, samples)
                 evaluated += summary["evaluated"]
                 starts += summary["engine_starts"]
-                motion_sums = motion_sums or summary["motion_sums"]  # every actor walks every step
+                # every actor walks every step; one whose share never reads theta0 (windows alone)
+                # does not measure the first: the most complete
+                motion_sums = max(motion_sums, summary["motion_sums"], key=len)
         finally:
             for actor in actors:
                 ray.kill(actor)

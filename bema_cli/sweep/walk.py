@@ -252,8 +252,9 @@ class Walker:
         with torch.no_grad():
             for a, b in self._blocks(0, self.size):
                 theta = self._theta(a, b)
-                self.motion.add(step, a, self._block_parts(a, b), theta, self._prev_block(prev, a, b),
-                                self._block("motion")[: b - a])  # fmt: skip
+                if prev is not None:
+                    self.motion.add(step, a, self._block_parts(a, b), theta, self._prev_block(prev, a, b),
+                                    self._block("motion")[: b - a])  # fmt: skip
                 if not held and self.check:
                     _check_finite(index, self.unit, theta, 0, b - a, a)
                 if burnin and self.theta0 is not None:
@@ -266,8 +267,11 @@ class Walker:
 
     def _previous(self):
         """Where the previous checkpoint is read from at this step (before theta_s is replaced): a
-        reader, or a held buffer. The first step's previous is theta0."""
+        reader, or a held buffer; None where there is none. The first step's previous is theta0,
+        unless the grid never reads it (windows alone, as stabilize's first step then: not measured)."""
         if self.step is None:
+            if self.plan.theta0_index is None:
+                return None
             return (self._theta0_reader, None) if self.theta0 is None else (None, self.theta0)
         if self._reader is not None:
             return self._reader, None

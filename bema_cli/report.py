@@ -17,6 +17,7 @@ from bema_cli.errors import InputError
 from bema_cli.eval.results import read_jsonl
 from bema_cli.io.checkpoints import read_json
 from bema_cli.output import warn
+from bema_cli.stabilize import motion
 
 REQUIRED = ("run", "step", "task", "metrics")
 # The direction of bema's own headline metrics; an lm_eval: record carries lm-eval's own
@@ -220,15 +221,13 @@ def build(inputs: list[str]) -> dict:
     summary = summarize(records)
     if not summary:
         raise InputError(f"no headline metric (X with X_stderr) with a value in {len(records)} records")
-    motion = {
-        str(f): read_json(f.parent / "motion.json") for f in files if (f.parent / "motion.json").is_file()
-    }
+    motions = {str(f): read_json(f.parent / motion.FILE) for f in files if (f.parent / motion.FILE).is_file()}
     return {
         "bema_version": __version__,
         "inputs": [str(f) for f in files],
         "n_records": len(records),
         "tasks": summary,
-        "motion": motion,  # a sweep's motion.json beside its results: how far each checkpoint moved
+        "motion": motions,  # a sweep's motion.json beside its results: how far each checkpoint moved
     }
 
 

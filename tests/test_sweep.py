@@ -269,7 +269,8 @@ def test_sweep_equals_disk_path_on_transformers(world, tmp_path):
     ref = motion_reference(world["base"], {s: world["run"] / f"checkpoint-{s}" for s in doc["walked_steps"]})
     assert [r["step"] for r in doc["motion"]] == doc["walked_steps"]
     assert all(r["relative"] == pytest.approx(ref[r["step"]], rel=1e-5) for r in doc["motion"])
-    assert json.loads((tmp_path / "sweep" / "motion.json").read_text())["motion"] == doc["motion"]
+    record = json.loads((tmp_path / "sweep" / "motion.json").read_text())
+    assert record["motion"] == doc["motion"] and Path(record["checkpoint_dir"]) == world["run"].resolve()
     # bema report finds it beside the results, says it and draws it as a panel of its own
     from bema_cli import report, report_plot
 

@@ -22,7 +22,7 @@ from bema_cli.decide import power, race, select
 from bema_cli.decide.search import SOUP_CHECKPOINTS
 from bema_cli.eval.job import Job
 from bema_cli.eval.tasks import LOSS_TASKS
-from bema_cli.stabilize.motion import describe
+from bema_cli.stabilize import motion
 
 SIMPLEX_TRIALS = 12  # fit.SIMPLEX_BUDGET
 
@@ -86,10 +86,8 @@ def _motion(plan, step: int, work: Path, shipped: Path) -> tuple[dict | None, st
     """The motion verdict (said on stderr when the last window barely moves): an earlier attempt's
     record, else one read of the checkpoints up to `step`."""
     from bema_cli.io.checkpoints import read_json
-    from bema_cli.stabilize import motion
-    from bema_cli.sweep.session import MOTION_FILE
 
-    for path in (work / MOTION_FILE, shipped / MOTION_FILE):
+    for path in (work / motion.FILE, shipped / motion.FILE):
         rows = read_json(path)["motion"] if path.is_file() else []
         if rows and rows[-1]["step"] >= step:  # walked to this step (or past it)
             return motion.judge_rows([r for r in rows if r["step"] <= step], plan.runs), str(path)
@@ -175,5 +173,5 @@ def budget_line(doc: dict) -> str:
         )
         parts.append(f"{items['report']} report items resolve differences of {value} and up "
                      f"(80% power; {mdd['from']})")  # fmt: skip
-    parts.append(describe(doc["motion_verdict"]))
+    parts.append(motion.describe(doc["motion_verdict"]))
     return f"ship --dry-run at step {doc['step']}: " + "; ".join(parts)

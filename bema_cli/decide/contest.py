@@ -78,15 +78,12 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
 def _motion(arena, plan, work) -> dict | None:
     """The walk's motion, kept with the records (work/motion.json: a resumed ship that starts no
     engine, and a later `ship --dry-run`, read it there)."""
-    from bema_cli.io.commit import write_json_atomic
-    from bema_cli.sweep.session import MOTION_FILE
+    from bema_cli.stabilize import motion
 
     if arena.motion is not None:
-        write_json_atomic(
-            work / MOTION_FILE, {"checkpoint_dir": str(plan.checkpoints[0].path.parent), **arena.motion}
-        )
+        motion.save(work, plan, arena.motion)
         return arena.motion
-    return read_json(work / MOTION_FILE) if (work / MOTION_FILE).is_file() else None
+    return read_json(work / motion.FILE) if (work / motion.FILE).is_file() else None
 
 
 def _other_tasks(arena, config, metric, decision, fitted, work) -> tuple[dict, int]:

@@ -20,15 +20,20 @@ Z_TEST = 1.959964  # two-sided 0.05
 Z_POWER = 0.841621  # 0.80
 
 
+def mean_sd(values: Sequence[float]) -> tuple[float, float]:
+    """The mean and sample standard deviation (n - 1) of at least two values."""
+    n = len(values)
+    mean = sum(values) / n
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+
+
 def mdd(diffs: Sequence[float], scale: float = 1.0) -> float:
     """Minimum detectable difference at 80% power of a paired test on these per-item differences
     (each divided by `scale`: loss items are summed NLLs, the metric is NLL per token)."""
     n = len(diffs)
     if n < 2:
         return math.inf
-    mean = sum(diffs) / n
-    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) / scale
-    return (Z_TEST + Z_POWER) * sd / math.sqrt(n)
+    return (Z_TEST + Z_POWER) * mean_sd(diffs)[1] / scale / math.sqrt(n)
 
 
 def _log_tail(z: float) -> float:

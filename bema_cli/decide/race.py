@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from bema_cli.decide.power import mdd
+from bema_cli.decide.power import mdd, mean_sd
 
 ALPHA = 0.05  # chance, over a whole race, of dropping the truly best candidate
 ROUND_ITEMS = 16  # the first round's items; each later round doubles what was seen (16, 32, 64, ...)
@@ -58,8 +58,7 @@ def sequence(diffs: Sequence[float], a: float, horizon: int) -> tuple[float, flo
     t = len(diffs)
     if t < 2:
         return -math.inf, math.inf
-    mean = sum(diffs) / t
-    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (t - 1))
+    mean, sd = mean_sd(diffs)
     r = radius(sd, t, a, horizon)
     return mean - r, mean + r
 
@@ -135,8 +134,7 @@ def _behind(diffs: Sequence[float]) -> bool:
     t = len(diffs)
     if t < BEHIND_ITEMS:
         return False
-    mean = sum(diffs) / t
-    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (t - 1))
+    mean, sd = mean_sd(diffs)
     return mean <= BEHIND_SE * sd / math.sqrt(t)
 
 

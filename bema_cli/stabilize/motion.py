@@ -21,6 +21,7 @@ _PATTERNS = (
     ("attention", re.compile(r"attn|attention|q_proj|k_proj|v_proj|o_proj|query|key|value", re.IGNORECASE)),
     ("mlp", re.compile(r"mlp|ffn|feed_forward|gate_proj|up_proj|down_proj|fc\d|w[123]\b", re.IGNORECASE)),
 )
+FILE = "motion.json"  # a sweep's beside its results.jsonl, a ship's with its records (`record`)
 WINDOW = 8  # the last window judged when the grid has none (the menu's largest)
 BARELY = 0.1  # the last window "barely moves" below this share of the run's moving phase (p90)
 
@@ -172,6 +173,21 @@ def judge_rows(measured: list[dict], runs) -> dict | None:
                     f"step, {v['share']:.1%} of the run's moving phase: averaging them changes little, and nothing "
                     "may beat the last checkpoint (a decayed learning rate does this)")  # fmt: skip
     return v
+
+
+def save(folder, plan, judged: dict) -> None:
+    """`judged` (judge's document) as FOLDER/motion.json, with what it measured: `bema report` draws
+    a sweep's, a later `ship --dry-run` reads a ship's."""
+    from pathlib import Path
+
+    from bema_cli import __version__
+    from bema_cli.io.checkpoints import run_of
+    from bema_cli.io.commit import write_json_atomic
+
+    record = {"bema_version": __version__, "checkpoint_dir": str(run_of(plan.checkpoints[0].path)),
+              "base": str(plan.base_index.folder), "motion": judged["motion"],
+              "motion_verdict": judged["motion_verdict"]}  # fmt: skip
+    write_json_atomic(Path(folder).expanduser() / FILE, record)
 
 
 def describe(v: dict | None) -> str:

@@ -17,7 +17,7 @@ from bema_cli.eval.backends.base import EngineOptions, make_backend
 from bema_cli.eval.evaluate import Evaluation
 from bema_cli.eval.job import EvalConfig, Job, evaluate_task
 from bema_cli.eval.targets import STABILIZER_KEYS, SWEEP_SCHEME, VANILLA, Target, check_model_dir
-from bema_cli.io.commit import check_apart, write_json_atomic
+from bema_cli.io.commit import check_apart
 from bema_cli.io.fingerprint import fingerprint, weight_files
 from bema_cli.machine import available_memory
 from bema_cli.stabilize import meta, motion
@@ -26,7 +26,6 @@ from bema_cli.stabilize.workspace import torch_device
 from bema_cli.sweep.hold import state_bytes
 from bema_cli.sweep.memory import check_memory, host_total, memory_estimate, states_device
 
-MOTION_FILE = "motion.json"  # beside results.jsonl: the walk's motion (motion.py)
 WALKER = "bema_cli.sweep.walk:Walker"  # the backend builds it where the weights load (a vLLM worker)
 
 
@@ -186,10 +185,7 @@ def judge_motion(doc: dict, plan: Plan, out: str | None) -> None:
         return
     doc.update(motion.judge(sums, plan.runs))
     if out:
-        record = {"bema_version": __version__, "checkpoint_dir": str(plan.checkpoints[0].path.parent),
-                  "base": str(plan.base_index.folder), "motion": doc["motion"],
-                  "motion_verdict": doc["motion_verdict"]}  # fmt: skip
-        write_json_atomic(Path(out).expanduser() / MOTION_FILE, record)
+        motion.save(out, plan, doc)
 
 
 class Walk:

@@ -273,6 +273,62 @@ def test_write_behind_raises_a_write_error_in_the_caller_and_drops_the_rest(tmp_
     assert not wb._thread.is_alive()
 
 
+def test_a_call_runs_after_the_blocks_queued_before_it_or_its_drop_path_after_a_failure():
+    """The engine's file closes go through `call`: in order with the blocks (a file closes after its
+    writes), and where the batch fails the close still runs, unflushed (`on_drop`), never skipped."""
+    from bema_cli.io.write_behind import WriteBehind
+
+    order = []
+    with WriteBehind(16, depth=2) as wb:
+        with wb.batch():
+            for i in range(4):
+                wb.put(wb.buffer(torch.float32, 16), [lambda d, i=i: time.sleep(0.02) or order.append(i)])
+                wb.call(lambda i=i: order.append(f"close {i}"), on_drop=lambda: order.append("dropped"))
+        assert order == [0, "close 0", 1, "close 1", 2, "close 2", 3, "close 3"]
+        order.clear()
+        with pytest.raises(KeyboardInterrupt), wb.batch():
+            wb.put(wb.buffer(torch.float32, 16), [lambda d: time.sleep(0.2) or order.append("slow")])
+            wb.put(wb.buffer(torch.float32, 16), [lambda d: order.append("queued")])
+            wb.call(lambda: order.append("close"), on_drop=lambda: order.append("closed unflushed"))
+            raise KeyboardInterrupt
+        assert order[-1] == "closed unflushed" and "queued" not in order and "close" not in order
+
+
+@pytest.mark.parametrize("gpu_pipeline", ["0", "1"])
+def test_a_run_failing_mid_unit_leaves_no_file_open(tmp_path, monkeypatch, gpu_pipeline):
+    """Output files are opened and closed by the write-behind thread, step by step (unit.py), inputs
+    by read-ahead threads sharing a reader; a NaN in the third step of a later unit fails the run
+    there, and every file it had opened is closed. A successful run leaves none open either."""
+    from safetensors.torch import load_file, save_file
+
+    from bema_cli.errors import InputError
+    from bema_cli.schedule import Schedule
+    from bema_cli.stabilize import stabilize
+    from bema_cli.stabilize.plan import Options
+
+    monkeypatch.setenv("BEMA_GPU_PIPELINE", gpu_pipeline)
+    shapes = {"a.weight": (64, 256), "b.weight": (40, 128), "c.weight": (96, 64)}
+    base, run = write_trajectory(tmp_path / "t", [10, 20, 30], shapes=shapes, with_int=False)
+    path = run / "checkpoint-30" / "model.safetensors"
+    weights = load_file(path)
+    weights["c.weight"][-1, -1] = float("nan")
+    save_file(weights, path)
+    opts = Options(str(run), [Schedule(method=m).resolved() for m in ("ema", "bema")], str(tmp_path / "out"),
+                   base=str(base), max_memory=200_000)  # fmt: skip
+    fds = sorted(os.listdir("/proc/self/fd"))
+    with pytest.raises(InputError, match="c.weight"):
+        stabilize(opts)
+    assert sorted(os.listdir("/proc/self/fd")) == fds
+    assert not list((tmp_path / "out").glob("*/checkpoint-*"))
+    weights["c.weight"][-1, -1] = 0.0
+    save_file(weights, path)
+    stabilize(opts)
+    assert (
+        sorted(os.listdir("/proc/self/fd")) == fds
+        and len(list((tmp_path / "out").glob("*/checkpoint-*"))) == 6
+    )
+
+
 @pytest.mark.parametrize("direct", ["1", "0"])
 def test_outputs_are_allocated_up_front_and_writes_reuse_their_files(tmp_path, monkeypatch, direct):
     """fallocate(2): the blocks exist before any tensor byte is written (a full disk fails at once);

@@ -245,8 +245,11 @@ class ChunkReader:
         pos = info.offset + at
         try:
             fd = self._fds.get(info.file)
-            if fd is None:
-                fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
+            if fd is None:  # read-ahead threads share this reader: the first open wins, a second closes
+                opened = os.open(info.file, os.O_RDONLY)
+                fd = self._fds.setdefault(info.file, opened)
+                if fd != opened:
+                    os.close(opened)
             done = 0
             while done < len(view):
                 n = os.preadv(fd, [view[done:]], pos + done)
@@ -256,8 +259,16 @@ class ChunkReader:
                         "truncated or rewritten since it was indexed)"
                     )
                 done += n
+            _read[0] += done
         except OSError as exc:  # rotated away or unreadable since indexing: a read, not a write
             raise InputError(f"{info.file}: cannot read ({exc.strerror or exc})") from None
+
+
+_read = [0]  # bytes this process has read from safetensors files: the pace of io/prefetch.py
+
+
+def bytes_read() -> int:
+    return _read[0]
 
 
 def torch_dtype(info: TensorInfo):

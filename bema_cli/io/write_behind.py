@@ -107,16 +107,26 @@ class WriteBehind:
         """Give back a buffer taken with `buffer` and not `put`."""
         self._free[data.dtype].put(data._base)
 
+    def call(self, fn: Callable[[], None], on_drop: Callable[[], None] | None = None) -> None:
+        """Run `fn()` in the writer's thread after everything queued before it (a file's close after
+        its blocks); where the queue is dropped (the caller failed), `on_drop()` instead. Never
+        raises here: an earlier write error surfaces at the next `buffer`, `put` or batch end."""
+        job = (None, [lambda _: fn()], "write", None, on_drop)
+        if self._thread is None:
+            self._write(job)
+        else:
+            self._jobs.put(job)
+
     def put(self, data, writes: list[Callable[[object], None]], stage: str = "write", ready=None) -> None:
         """Queue `data` (a buffer from `buffer`); the writer calls each of `writes` with it, then frees
         it. Its time and bytes count under `stage` (`write`: the outputs; `state`: a state folder's).
         `ready`: the event of the device copy still filling `data` (io/transfer.py), waited for first."""
         self._raise()
         if self._thread is None:
-            self._write((data, writes, stage, ready))
+            self._write((data, writes, stage, ready, None))
             self._raise()
         else:
-            self._jobs.put((data, writes, stage, ready))
+            self._jobs.put((data, writes, stage, ready, None))
 
     def close(self, raise_error: bool = True) -> None:
         """Write (or, after an error, drop) what is queued and end the thread; re-raise a write error."""
@@ -160,10 +170,12 @@ class WriteBehind:
                 self._jobs.task_done()
 
     def _write(self, job) -> None:
-        data, writes, stage, ready = job
+        data, writes, stage, ready, on_drop = job
         try:
             wait(ready)  # even when dropping: the buffer goes back to the pool only once it is filled
-            if not self._stop and self._error is None:
+            if (self._stop or self._error is not None) and on_drop is not None:
+                on_drop()
+            elif not self._stop and self._error is None:
                 t, nbytes = time.perf_counter(), 0
                 for write in writes:
                     nbytes += write(data) or 0
@@ -174,4 +186,5 @@ class WriteBehind:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             self._error = exc
         finally:
-            self._free[data.dtype].put(data._base)
+            if data is not None:
+                self._free[data.dtype].put(data._base)

@@ -146,16 +146,30 @@ class ShardedWriter:
     @contextmanager
     def held(self) -> Iterator[ShardedWriter]:
         """Keep the shard files open for the writes made inside (closed on exit)."""
-        self._fds, self._direct = {}, {}
+        self.hold()
         try:
             yield self
-            for i, direct in self._direct.items():  # the staged tails (not after an error: the run fails)
+        except BaseException:
+            self.release(flush=False)
+            raise
+        self.release()
+
+    def hold(self) -> None:
+        """Keep the shard files open for the writes that follow, until `release` (`held` is both:
+        the engine's write-behind thread calls them, around each step's blocks)."""
+        self._fds, self._direct = {}, {}
+
+    def release(self, flush: bool = True) -> None:
+        """Close what `hold` kept open; `flush` writes the staged tails first (not after an error:
+        the run fails)."""
+        fds, self._fds = self._fds or {}, None
+        directs, self._direct = self._direct, {}
+        try:
+            for i, direct in directs.items() if flush else ():
                 if direct is not None:
                     with _naming(self.folder / self.shards[i].filename):
                         self.direct_bytes += direct.flush()
         finally:
-            fds, self._fds = self._fds, None
-            directs, self._direct = self._direct, {}
             for direct in directs.values():
                 if direct is not None:
                     direct.close()

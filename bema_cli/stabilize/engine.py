@@ -26,6 +26,7 @@ from bema_cli.errors import BemaError, InputError, OutputError, UsageError
 from bema_cli.io import provenance
 from bema_cli.io.commit import TMP_PREFIX, OutputTransaction, check_apart
 from bema_cli.io.fingerprint import fingerprint
+from bema_cli.io.prefetch import Prefetch, prefetch_bytes
 from bema_cli.io.safetensors import ModelIndex
 from bema_cli.io.watch import check_unchanged, held_stats, hold_files, release
 from bema_cli.io.writer import ShardedWriter
@@ -34,7 +35,7 @@ from bema_cli.stabilize.executors import run_units
 from bema_cli.stabilize.plan import Options, Plan, Run, inputs_of
 from bema_cli.stabilize.prepare import prepare, resolve_state
 from bema_cli.stabilize.project import choose_device, project, projection_line
-from bema_cli.stabilize.unit import Outputs, unit_bytes
+from bema_cli.stabilize.unit import Outputs, read_ranges, unit_bytes
 from bema_cli.stabilize.workspace import torch_device
 
 
@@ -146,6 +147,15 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
             "up_to_date": True, "last_step": last_step, "seconds": time.perf_counter() - t0,
             "projection": None, "motion": [], "motion_verdict": None, "stages": stages.report(), "device": _idle_device(opts),
         }  # fmt: skip
+    if opts.dry_run or executor.executor != "local":
+        return _stabilize(opts, asked, plan, out, executor, t0, n_outputs, last_step)
+    # the inputs start coming into the page cache now, beside torch's import (io/prefetch.py)
+    with Prefetch(read_ranges(plan), prefetch_bytes()):
+        return _stabilize(opts, asked, plan, out, executor, t0, n_outputs, last_step)
+
+
+def _stabilize(opts, asked, plan, out, executor, t0, n_outputs, last_step) -> dict:
+    """The rest of `stabilize`, from the first need of torch."""
     # the first check that needs torch (~1-2 s to import), so other errors come first; none in a dry run
     torch_device(opts.device, need_torch=not opts.dry_run)
     theta0_bytes = plan.base_index.nbytes if plan.theta0_index is plan.base_index else 0

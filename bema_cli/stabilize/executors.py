@@ -37,7 +37,7 @@ def run_units(
     gc.disable()
     sums: dict = {}
     try:
-        with compute_threads(ws):
+        with compute_threads(ws), ws.batch():
             for unit in plan.units:
                 motion.merge(sums, process_unit(plan, opts, unit, outputs, ws))
                 advance(unit_bytes(unit))
@@ -74,7 +74,7 @@ def _warm_up() -> None:
 def _ray_unit(plan: Plan, opts: Options, index: int, outputs: Outputs, threads: int) -> dict:
     """One Ray task: unit `index` of `plan`, on this worker's share of the cores; its motion sums."""
     ws = _workspace(plan, opts)
-    with compute_threads(ws, threads):
+    with compute_threads(ws, threads), ws.batch():
         return process_unit(plan, opts, plan.units[index], outputs, ws)
 
 

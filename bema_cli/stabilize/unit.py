@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from contextlib import ExitStack
+from functools import partial
 from time import perf_counter
 
 from bema_cli import stages
@@ -137,6 +138,26 @@ def unit_bytes(unit: list[Piece]) -> int:
     return sum(p.info.row_bytes * (p.stop - p.start) for p in unit)
 
 
+def read_ranges(plan: Plan) -> list:
+    """(file, start, end) byte ranges of the safetensors inputs in the order the pass reads them:
+    unit by unit, theta0's rows (the base's) then each step's (io/prefetch.py hints them ahead)."""
+    ranges = []
+    for unit in plan.units:
+        indexes = [plan.base_index] if plan.theta0_index is plan.base_index else []
+        for index in indexes + [plan.indexes[step] for step in plan.read_steps]:
+            for p in unit:
+                info = getattr(index, "tensors", {}).get(p.info.name)
+                if info is not None and info.offset >= 0:
+                    ranges.append(
+                        (
+                            info.file,
+                            info.offset + p.start * info.row_bytes,
+                            info.offset + p.stop * info.row_bytes,
+                        )
+                    )
+    return ranges
+
+
 def step_updates(plan: Plan, stabs: list, step: int) -> tuple[list, list]:
     """The (state, event) updates of `step`, one per distinct state that takes it: the recurrences
     (applied before the outputs) and the windows' rings (after them: a full window's merge still
@@ -190,7 +211,7 @@ def _check_sums(index, reader, blocks: list, sums, acc) -> None:
             _check_finite(index, [p for p, _, _ in parts], again, 0, hi - lo, lo)
 
 
-def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs, ws: Workspace | None = None):
+def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs, ws: Workspace):
     """One work unit, start to end: read its slices of theta0 and of every checkpoint, run the
     recurrences, write its bytes at their final offsets in the pre-created `outputs`.
 
@@ -205,10 +226,11 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
     On a GPU the stages are the same; the reads always go through the pinned read-ahead ring, the
     finite check reads its block sums back once per step, and nothing waits for the device but
     the write-behind thread, on each block's copy event (docs/design.md, "The GPU path").
+    Run inside `ws.batch()`: a unit's writes, its files' closes included, finish in the writer's
+    thread while the next unit reads; the batch's end waits for them.
     """
     import torch
 
-    ws = ws or Workspace.for_plan(plan, opts)
     gpu = ws.transfers.staged  # a GPU, or its pipeline on the CPU (io/transfer.py)
     check = not opts.allow_nonfinite
     out_dtypes = {t.name: t.dtype for t in plan.out_tensors}
@@ -248,10 +270,14 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
         # the unit's rows of the new state, final once a block has taken the last step: they go out
         # with the outputs, from the write-behind thread, rather than after the pass from this one
         saving = state_store.saved_states(plan, stabs, theta0) if step == last else []
+        wb = ws.write_behind(block)
         with index.open() as reader, ExitStack() as held:
             raw = _read_raw(reader, unit)
             for writer in [w for _, w in writing] + [w for w, _, _ in saving]:
-                held.enter_context(writer.held())  # files open for the unit's many block writes
+                # files open for the step's many block writes, then closed: both in the writer's
+                # thread, after its blocks, so this thread goes on to the next step meanwhile
+                wb.call(writer.hold)
+                held.callback(wb.call, writer.release, partial(writer.release, flush=False))
             streamed = streams(reader)
             t_unit, t_read = perf_counter(), 0.0
             if not streamed:
@@ -269,59 +295,56 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
                 held.callback(ahead.close)
             fetched = iter(ahead) if ahead else None
             sums = ws.transfers.sums(len(blocks)) if gpu and check and streamed else None
-            with ws.write_behind(block).batch() as wb:
-                wait0 = wb.waited
-                for k, (lo, hi, parts) in enumerate(blocks):
-                    if streamed:
-                        th = ws.block_view("theta", hi - lo)
-                        t = perf_counter()
-                        if fetched is None:
-                            for p, a, b in parts:
-                                first = _first_element(p, a)
-                                reader.read_elements_into(
-                                    p.info.name, first, b - a, th[a - lo : b - lo], scratch
-                                )
-                        else:  # read by the read-ahead threads; cast here, as read_elements_into does
-                            ahead.release(k, ws.transfers.to_device(next(fetched), th, lo))
-                        t_read += perf_counter() - t
-                    else:
-                        th = theta[lo:hi]
-                    if sums is not None:
-                        sums[k] = th.sum(dtype=torch.float64)  # checked after the block loop
-                    elif check:
-                        _check_finite(index, [p for p, _, _ in parts], th, 0, hi - lo, lo)
-                    motion.block(step, lo, hi, parts, th, ws.block_view("motion", hi - lo))
-                    if step <= tau:
-                        theta0[lo:hi].copy_(th)  # burn-in: theta0 = theta_s, held in its own buffer
-                    for stab, event in advancing:
-                        stab.view(lo, hi).advance(event, theta0[lo:hi] if event.action == "burnin" else th)
-                    drift = None  # theta_s - theta0, computed once per block for every bema output
-                    for run, writer in writing:  # the output is only computed where it is written
-                        event = run.events[step]
-                        method = run.schedule.method
-                        if method == "bema" and drift is None and event.action == "update":
-                            drift = torch.sub(th, theta0[lo:hi], out=ws.block_view("drift", hi - lo))
-                        out = None
-                        if method in BUFFERED:  # computed straight into a write buffer when it can
-                            out = wb.buffer(ws.acc, hi - lo) if direct else ws.block_view("out", hi - lo)
-                        part = stabs[track_of[run.name]].view(lo, hi)
-                        result = run_estimate(part, run, event, th, drift, out)
-                        _emit(ws, wb, writer, parts, lo, result, out_dtypes)
-                        if out is not None and result is not out and direct:
-                            wb.release(out)  # a burn-in step returned theta_s instead
-                    for ring, event in after:
-                        ring.view(lo, hi).advance(event, th)
-                    for writer, names, tensors in saving:
-                        for name, t in zip(names, tensors, strict=True):
-                            _emit_state(ws, wb, writer, name, parts, lo, t[lo:hi])
-                if sums is not None:  # inside the batch: an error drops the step's queued writes
-                    _check_sums(index, reader, blocks, sums, ws.acc)
-                waited = wb.waited - wait0
+            wait0 = wb.waited
+            for k, (lo, hi, parts) in enumerate(blocks):
+                if streamed:
+                    th = ws.block_view("theta", hi - lo)
+                    t = perf_counter()
+                    if fetched is None:
+                        for p, a, b in parts:
+                            first = _first_element(p, a)
+                            reader.read_elements_into(p.info.name, first, b - a, th[a - lo : b - lo], scratch)
+                    else:  # read by the read-ahead threads; cast here, as read_elements_into does
+                        ahead.release(k, ws.transfers.to_device(next(fetched), th, lo))
+                    t_read += perf_counter() - t
+                else:
+                    th = theta[lo:hi]
+                if sums is not None:
+                    sums[k] = th.sum(dtype=torch.float64)  # checked after the block loop
+                elif check:
+                    _check_finite(index, [p for p, _, _ in parts], th, 0, hi - lo, lo)
+                motion.block(step, lo, hi, parts, th, ws.block_view("motion", hi - lo))
+                if step <= tau:
+                    theta0[lo:hi].copy_(th)  # burn-in: theta0 = theta_s, held in its own buffer
+                for stab, event in advancing:
+                    stab.view(lo, hi).advance(event, theta0[lo:hi] if event.action == "burnin" else th)
+                drift = None  # theta_s - theta0, computed once per block for every bema output
+                for run, writer in writing:  # the output is only computed where it is written
+                    event = run.events[step]
+                    method = run.schedule.method
+                    if method == "bema" and drift is None and event.action == "update":
+                        drift = torch.sub(th, theta0[lo:hi], out=ws.block_view("drift", hi - lo))
+                    out = None
+                    if method in BUFFERED:  # computed straight into a write buffer when it can
+                        out = wb.buffer(ws.acc, hi - lo) if direct else ws.block_view("out", hi - lo)
+                    part = stabs[track_of[run.name]].view(lo, hi)
+                    result = run_estimate(part, run, event, th, drift, out)
+                    _emit(ws, wb, writer, parts, lo, result, out_dtypes)
+                    if out is not None and result is not out and direct:
+                        wb.release(out)  # a burn-in step returned theta_s instead
+                for ring, event in after:
+                    ring.view(lo, hi).advance(event, th)
+                for writer, names, tensors in saving:
+                    for name, t in zip(names, tensors, strict=True):
+                        _emit_state(ws, wb, writer, name, parts, lo, t[lo:hi])
+            if sums is not None:  # an error drops the step's queued writes (the caller's batch)
+                _check_sums(index, reader, blocks, sums, ws.acc)
+            waited = wb.waited - wait0
             motion.end_step()
             stages.add("read", t_read, unit_bytes(unit))
             stages.add("compute", perf_counter() - t_unit - t_read - waited)
             for _, writer in writing:
-                _write_raw(writer, unit, raw)
+                wb.call(partial(_write_raw, writer, unit, raw))
         del raw
     if last is None:  # no step read: the states (continued or fresh) are saved as they are
         state_store.end_unit(plan, unit, stabs, theta0)

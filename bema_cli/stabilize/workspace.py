@@ -84,8 +84,15 @@ class Workspace:
             self._writes = WriteBehind(block, empty=self.transfers.host_empty)
         return self._writes
 
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """The units run inside: what they queue is written by the end (write errors raised here), or
+        dropped where one fails. No unit waits for its own writes: the next one reads meanwhile."""
+        with self.write_behind(self.block).batch():
+            yield
+
     def close(self) -> None:
-        """End the write-behind thread (its queue is empty between units)."""
+        """End the write-behind thread (after a batch: its queue is empty)."""
         if self._writes is not None:
             self._writes.close()
             self._writes = None

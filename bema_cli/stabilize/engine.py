@@ -23,7 +23,6 @@ from pathlib import Path
 from bema_cli import __version__, output, stages
 from bema_cli.cluster import ExecutorOptions, import_ray
 from bema_cli.errors import BemaError, InputError, OutputError, UsageError
-from bema_cli.io import provenance
 from bema_cli.io.commit import TMP_PREFIX, OutputTransaction, check_apart
 from bema_cli.io.fingerprint import fingerprint
 from bema_cli.io.prefetch import Prefetch, prefetch_bytes
@@ -35,7 +34,7 @@ from bema_cli.stabilize.executors import run_units
 from bema_cli.stabilize.plan import Options, Plan, Run, inputs_of
 from bema_cli.stabilize.prepare import prepare, resolve_state
 from bema_cli.stabilize.project import choose_device, project, projection_line
-from bema_cli.stabilize.unit import Outputs, read_ranges, unit_bytes
+from bema_cli.stabilize.unit import read_ranges, unit_bytes
 from bema_cli.stabilize.workspace import torch_device
 
 
@@ -148,16 +147,22 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
             "projection": None, "motion": [], "motion_verdict": None, "stages": stages.report(), "device": _idle_device(opts),
         }  # fmt: skip
     if opts.dry_run or executor.executor != "local":
-        return _stabilize(opts, asked, plan, out, executor, t0, n_outputs, last_step)
+        return _stabilize(opts, asked, plan, out, executor, t0)
     # the inputs start coming into the page cache now, beside torch's import (io/prefetch.py)
     with Prefetch(read_ranges(plan), prefetch_bytes()):
-        return _stabilize(opts, asked, plan, out, executor, t0, n_outputs, last_step)
+        return _stabilize(opts, asked, plan, out, executor, t0)
 
 
-def _stabilize(opts, asked, plan, out, executor, t0, n_outputs, last_step) -> dict:
-    """The rest of `stabilize`, from the first need of torch."""
-    # the first check that needs torch (~1-2 s to import), so other errors come first; none in a dry run
-    torch_device(opts.device, need_torch=not opts.dry_run)
+def _stabilize(
+    opts: Options, asked: Options, plan: Plan, out: Path, executor: ExecutorOptions, t0: float
+) -> dict:
+    """The rest of `stabilize`, from the first need of torch (`asked`: the options before the state
+    resolved them)."""
+    n_outputs = sum(len(r.out_steps) for r in plan.runs)
+    last_step = max((c.step for c in plan.checkpoints), default=None)
+    with stages.stage("setup"):  # torch's import (~1-2 s), the probe, the device's start
+        # the first check that needs torch, so other errors come first; none in a dry run
+        torch_device(opts.device, need_torch=not opts.dry_run)
     theta0_bytes = plan.base_index.nbytes if plan.theta0_index is plan.base_index else 0
     read_bytes = theta0_bytes + sum(index.nbytes for index in plan.indexes.values())  # ring re-reads too
     meta0 = {"bema_version": __version__}
@@ -170,10 +175,11 @@ def _stabilize(opts, asked, plan, out, executor, t0, n_outputs, last_step) -> di
     }
     doc["executor"] = {"executor": executor.executor, "workers": executor.workers}
     doc["up_to_date"], doc["last_step"] = False, last_step
-    doc["projection"] = project(plan, opts, read_bytes, written, out)
+    with stages.stage("setup"):
+        doc["projection"] = project(plan, opts, read_bytes, written, out)
+        doc["device"] = choose_device(plan, opts, doc["projection"], read_bytes, written)
     if output.progress_enabled() or output.verbose():  # on a terminal; pipes read it from --json
         output.log(projection_line(doc["projection"]))
-    doc["device"] = choose_device(plan, opts, doc["projection"], read_bytes, written)
     if doc["device"]["reason"] != "no CUDA device" or output.progress_enabled() or output.verbose():
         output.log(f"device: {doc['device']['device']} ({doc['device']['reason']})")  # a real choice
     opts = replace(opts, device=doc["device"]["device"])
@@ -348,52 +354,13 @@ def _fingerprints(
 
 def _walk(plan: Plan, opts: Options, tmp: Path, executor: ExecutorOptions) -> int:
     """The tensor-major pass; writes every output folder under tmp; returns safetensors bytes written."""
-    outputs = open_outputs(plan, opts, tmp)
-    plan.state_writers = state_store.open_writers(plan, opts, tmp)
+    with stages.stage("setup"):  # every output file allocated, its header written
+        outputs = meta.open_outputs(plan, opts, tmp)
+        plan.state_writers = state_store.open_writers(plan, opts, tmp)
     if opts.allow_nonfinite:
         output.warn("--allow-nonfinite: NaN/Inf in inputs are not checked and propagate to the outputs")
     total = sum(unit_bytes(u) for u in plan.units)
     with output.progress("bytes") as bar:
         task = bar.add_task("stabilizing (checkpoint bytes read)", total=total)
         sums = run_units(plan, opts, outputs, executor, lambda n: bar.advance(task, n))
-    return finish_outputs(plan, opts, outputs), sums
-
-
-def open_outputs(plan: Plan, opts: Options, tmp: Path) -> Outputs:
-    """Pre-create every output's files at full size, headers included (the layout is planned up front),
-    each header carrying the output's provenance (io/provenance.py: its record, the fingerprints of
-    its inputs, its coefficients)."""
-    outputs = {}
-    ckpt = {c.step: c.path for c in plan.checkpoints}
-    prints = meta.input_prints(plan) if plan.lora is None else {}
-    vectors = meta.coefficient_vectors(plan) if plan.lora is None else None
-    out_dtype = meta.out_dtype_name(plan, opts)
-    for run in plan.runs:
-        for step in run.out_steps:
-            record = meta.record(run, step, ckpt[step], plan.base_source, opts, out_dtype)
-            inputs = {k: v for k, v in prints.items() if k == "theta0" or int(k) in record["averaged_steps"]}
-            coefficients = (vectors or {}).get((run.name, step))
-            provenance_doc = {"bema_version": __version__, "bema_run": run.name, "bema_step": str(step),
-                              **provenance.metadata(record, inputs, coefficients)}  # fmt: skip
-            outputs[run.name, step] = ShardedWriter(
-                tmp / run.name / f"checkpoint-{step}", plan.shards, provenance_doc
-            ).open()
-    return outputs
-
-
-def finish_outputs(plan: Plan, opts: Options, outputs: Outputs) -> int:
-    """After every unit is written: index files, bema.json, config/tokenizer copies; returns bytes written."""
-    ckpt = {c.step: c.path for c in plan.checkpoints}
-    out_dtype = meta.out_dtype_name(plan, opts)
-    written = 0
-    for (name, step), writer in outputs.items():
-        writer.close()
-        run = next(r for r in plan.runs if r.name == name)
-        record = meta.record(run, step, ckpt[step], plan.base_source, opts, out_dtype)
-        if plan.lora is not None:
-            record["lora"] = meta.finish_lora(writer.folder, plan)
-        meta.finish_folder(
-            writer.folder, ckpt[step], plan.base_index.folder, record, opts, plan.lora_rank is None
-        )
-        written += writer.nbytes
-    return written
+    return meta.finish_outputs(plan, opts, outputs), sums

@@ -13,14 +13,17 @@ from typing import TYPE_CHECKING
 
 from bema_cli import __version__, card, output
 from bema_cli.errors import InputError
+from bema_cli.io import provenance
 from bema_cli.io.aux_files import copy_aux_files
 from bema_cli.io.checkpoints import read_json
 from bema_cli.io.commit import MANIFEST
 from bema_cli.io.safetensors import DTYPES, FLOATING
+from bema_cli.io.writer import ShardedWriter
 from bema_cli.schedule import WINDOW_METHODS, Schedule, last_members, merge_coefficients
 
 if TYPE_CHECKING:
     from bema_cli.stabilize.plan import Options, Plan, Run
+    from bema_cli.stabilize.unit import Outputs
 
 
 def hyper(s: Schedule, leave_out: tuple[str, ...] = ()) -> dict:
@@ -318,3 +321,41 @@ def coefficient_vectors(plan: Plan) -> dict[tuple[str, int], dict[str, float]]:
         for ring, event in after:
             ring.view(0, n).advance(event, th)
     return out
+
+
+def open_outputs(plan: Plan, opts: Options, tmp: Path) -> Outputs:
+    """Pre-create every output's files at full size, headers included (the layout is planned up front),
+    each header carrying the output's provenance (io/provenance.py: its record, the fingerprints of
+    its inputs, its coefficients)."""
+    outputs = {}
+    ckpt = {c.step: c.path for c in plan.checkpoints}
+    prints = input_prints(plan) if plan.lora is None else {}
+    vectors = coefficient_vectors(plan) if plan.lora is None else None
+    out_dtype = out_dtype_name(plan, opts)
+    for run in plan.runs:
+        for step in run.out_steps:
+            made = record(run, step, ckpt[step], plan.base_source, opts, out_dtype)
+            inputs = {k: v for k, v in prints.items() if k == "theta0" or int(k) in made["averaged_steps"]}
+            coefficients = (vectors or {}).get((run.name, step))
+            provenance_doc = {"bema_version": __version__, "bema_run": run.name, "bema_step": str(step),
+                              **provenance.metadata(made, inputs, coefficients)}  # fmt: skip
+            outputs[run.name, step] = ShardedWriter(
+                tmp / run.name / f"checkpoint-{step}", plan.shards, provenance_doc
+            ).open()
+    return outputs
+
+
+def finish_outputs(plan: Plan, opts: Options, outputs: Outputs) -> int:
+    """After every unit is written: index files, bema.json, config/tokenizer copies; returns bytes written."""
+    ckpt = {c.step: c.path for c in plan.checkpoints}
+    out_dtype = out_dtype_name(plan, opts)
+    written = 0
+    for (name, step), writer in outputs.items():
+        writer.close()
+        run = next(r for r in plan.runs if r.name == name)
+        made = record(run, step, ckpt[step], plan.base_source, opts, out_dtype)
+        if plan.lora is not None:
+            made["lora"] = finish_lora(writer.folder, plan)
+        finish_folder(writer.folder, ckpt[step], plan.base_index.folder, made, opts, plan.lora_rank is None)
+        written += writer.nbytes
+    return written

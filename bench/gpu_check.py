@@ -92,7 +92,7 @@ def compare(a: Path, b: Path) -> tuple[int, int, int, int]:
 
 
 def stage_text(doc: dict) -> str:
-    keep = ("read", "compute", "wait", "write", "state", "commit")
+    keep = ("setup", "read", "compute", "wait", "write", "state", "commit")
     return ", ".join(f"{k} {v['seconds']:.1f}" for k, v in doc["stages"].items() if k in keep)
 
 

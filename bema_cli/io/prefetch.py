@@ -74,7 +74,7 @@ class Prefetch:
     def _run(self) -> None:
         for path, start, end in self.ranges:
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put there meanwhile: no wait
             except OSError:
                 continue
             try:

@@ -4,7 +4,8 @@ weights, a local tokenizer): stabilize, then a vLLM sweep, on real sizes.
 What must hold at this size: the sweep's host RAM per parameter, engine included (one model in
 the engine, one float32 EMA, theta0 and theta_s read again from their files rather than held,
 freed blocks returned to the OS: measured 10.9 B/param; 14.9 with theta0/theta_s held in bf16;
-the issue's target is 14); the memory estimate within 10% of the measured peak; every stage's
+the issue's target is 14); the memory estimates (stabilize's, the sweep's) within 10% of the
+measured peak; every stage's
 bytes. Wall time against the projection is a speed target, so it lives in the benchmark
 (bench/bench_real.py prints each ratio and whether it is within 2x), not here: a timed assertion
 fails on a loaded machine whatever the code does (CI read 3.0x once, before the state's writes were
@@ -32,11 +33,18 @@ def world(tmp_path_factory):
     return realshape.build(tmp_path_factory.mktemp("qwen05"), "0.5b", STEPS)
 
 
-def test_stabilize_on_the_05b_shape_reports_its_stages(world, tmp_path):
-    r = run_bema("stabilize", world["run"], "--base", world["base"], "--out", tmp_path / "stab",
-                 "--method", "bema,ema", "--steps", "300", "--json")  # fmt: skip
+def test_stabilize_on_the_05b_shape_reports_its_stages_and_its_peak(world, tmp_path):
+    from bema_cli.machine import PeakRss
+
+    args = ["stabilize", world["run"], "--base", world["base"], "--out", tmp_path / "stab",
+            "--method", "bema,ema", "--steps", "300", "--json"]  # fmt: skip
+    with PeakRss(every=0.05) as peak:  # the bema process's private memory, sampled
+        r = run_bema(*args)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
+    # the projection counts every unit-sized buffer: the motion's previous checkpoint, left out of
+    # it for a while, put the peak at 1.26x (measured 1.38 GB against 1.40 projected now)
+    assert peak.parts()["peak_rss_engine"] == pytest.approx(doc["projection"]["peak_memory_bytes"], rel=0.1)
     assert set(doc["stages"]) >= {"discover", "read", "compute", "write", "state", "commit"}
     assert doc["stages"]["read"]["bytes"] == doc["read_bytes"]  # theta0 + 3 checkpoints, each read once
     assert doc["stages"]["write"]["bytes"] == pytest.approx(doc["written_bytes"], rel=1e-3)

@@ -38,8 +38,9 @@ def dirty_limit() -> int:
 
 
 def peak_memory(plan, opts) -> int:
-    """Runtime + the largest unit's theta0 and states (full size) + block buffers and the write pool
-    + the two staging chunks of each file written past the page cache at once (io/direct.py)."""
+    """Runtime + the largest unit's theta0, the previous checkpoint (the motion's, motion.py) and the
+    states (full size) + block buffers and the write pool + the two staging chunks of each file
+    written past the page cache at once (io/direct.py)."""
     from bema_cli.io.direct import CHUNK
     from bema_cli.io.read_ahead import ahead_blocks
     from bema_cli.io.safetensors import DTYPES, TAG_OF
@@ -55,7 +56,7 @@ def peak_memory(plan, opts) -> int:
     files = max((sum(1 for r in plan.runs if step in r.out_steps) for step in plan.read_steps), default=0)
     files += len(state_store.folders(plan, opts))
     staging = 2 * CHUNK * files if direct_io() else 0
-    return RUNTIME_BYTES + unit * acc * (1 + states) + blocks + staging
+    return RUNTIME_BYTES + unit * acc * (2 + states) + blocks + staging
 
 
 def seconds(plan, read_bytes: int, written_bytes: int, speeds: dict, state_bytes: int = 0) -> dict:

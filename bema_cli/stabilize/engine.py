@@ -146,20 +146,25 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
             "up_to_date": True, "last_step": last_step, "seconds": time.perf_counter() - t0,
             "projection": None, "motion": [], "motion_verdict": None, "stages": stages.report(), "device": _idle_device(opts),
         }  # fmt: skip
-    if opts.dry_run or executor.executor != "local":
-        return _stabilize(opts, asked, plan, out, executor, t0)
-    # the inputs start coming into the page cache now, beside torch's import (io/prefetch.py)
-    with Prefetch(read_ranges(plan), prefetch_bytes()):
-        return _stabilize(opts, asked, plan, out, executor, t0)
+    # the inputs start coming into the page cache now, beside torch's import (io/prefetch.py); not
+    # in a dry run, nor for Ray's workers (other processes, maybe other machines)
+    local = not opts.dry_run and executor.executor == "local"
+    with Prefetch(read_ranges(plan) if local else [], prefetch_bytes()):
+        return _stabilize(opts, asked, plan, out, executor, t0, n_outputs, last_step)
 
 
 def _stabilize(
-    opts: Options, asked: Options, plan: Plan, out: Path, executor: ExecutorOptions, t0: float
+    opts: Options,
+    asked: Options,
+    plan: Plan,
+    out: Path,
+    executor: ExecutorOptions,
+    t0: float,
+    n_outputs: int,
+    last_step: int | None,
 ) -> dict:
     """The rest of `stabilize`, from the first need of torch (`asked`: the options before the state
     resolved them)."""
-    n_outputs = sum(len(r.out_steps) for r in plan.runs)
-    last_step = max((c.step for c in plan.checkpoints), default=None)
     with stages.stage("setup"):  # torch's import (~1-2 s), the probe, the device's start
         # the first check that needs torch, so other errors come first; none in a dry run
         torch_device(opts.device, need_torch=not opts.dry_run)

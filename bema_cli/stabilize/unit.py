@@ -146,8 +146,8 @@ def read_ranges(plan: Plan) -> list:
         indexes = [plan.base_index] if plan.theta0_index is plan.base_index else []
         for index in indexes + [plan.indexes[step] for step in plan.read_steps]:
             for p in unit:
-                info = getattr(index, "tensors", {}).get(p.info.name)
-                if info is not None and info.offset >= 0:
+                info = index.tensors.get(p.info.name)
+                if info is not None and info.offset >= 0:  # safetensors: other formats have no offsets
                     ranges.append(
                         (
                             info.file,

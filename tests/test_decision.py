@@ -64,3 +64,28 @@ def test_the_decision_benchmark_runs_ship_s_decision_code():
     ratio = float(rows["item evaluations, raced / exhaustive (menu, fits, report)"]["measured"])
     assert ratio <= 0.3  # the issue's target: the race, the futility bound and the soup's ranking (0.28)
     assert doc["example_verdict"].startswith("ship ")
+
+
+def test_a_difference_below_the_arithmetics_resolution_is_a_tie():
+    """Two averages equal in exact arithmetic score a float32 rounding apart (~1e-7 of the loss, the
+    same sign on every item): neither the race, a duel nor select's interval may call that a win;
+    a difference of 1e-3 of the loss still is one."""
+    from bema_cli.decide import race
+
+    rng = np.random.default_rng(1)
+    n = 120
+    tokens = rng.integers(20, 60, size=n).astype(float)
+    van = rng.normal(1.0, 0.2, size=n) * tokens
+    metric = select.parse_metric("loss")
+    for rel, wins in ((1e-7, False), (1e-3, True)):
+        avg = van * (1 - rel * (1 + 0.1 * rng.random(n)))  # lower loss on every item, by `rel`
+        won, _, _ = race.duel(lambda ids, a=avg: [-a[i] for i in ids], lambda ids: [-van[i] for i in ids],
+                              list(range(n)))  # fmt: skip
+        assert bool(won) is wins, rel
+        contest = race.Race(["vanilla", "wsm"], horizon=n, protect=["wsm"])
+        contest.add("vanilla", (-van).tolist())
+        contest.add("wsm", (-avg).tolist())
+        assert contest.eliminate() == (["vanilla"] if wins else []), rel
+        vs = select.versus(record("wsm", avg.tolist(), tokens.tolist()), record("vanilla", van.tolist(),
+                           tokens.tolist()), metric, None, 0)  # fmt: skip
+        assert bool(vs["high"] < 0) is wins, (rel, vs)

@@ -17,7 +17,21 @@ import math
 from collections.abc import Sequence
 
 Z_TEST = 1.959964  # two-sided 0.05
+# Differences this small, relative to the values compared, are the arithmetic's, not the models':
+# two averages equal in exact arithmetic (a window over equal checkpoints, and one of them) score
+# ~1e-7 apart in float32 (docs/eval-protocol.md, "Ties"). About 80 float32 ulps: a tie.
+RESOLUTION = 1e-5
 Z_POWER = 0.841621  # 0.80
+
+
+def resolved(diff: float, x: float, y: float) -> float:
+    """The paired difference x - y (`diff`), or 0 where it is below the arithmetic's resolution."""
+    return 0.0 if abs(diff) <= RESOLUTION * max(abs(x), abs(y)) else diff
+
+
+def paired(xs: Sequence[float], ys: Sequence[float]) -> list[float]:
+    """Per-item differences x - y, each below the arithmetic's resolution counted as a tie (0)."""
+    return [resolved(x - y, x, y) for x, y in zip(xs, ys, strict=True)]
 
 
 def mean_sd(values: Sequence[float]) -> tuple[float, float]:

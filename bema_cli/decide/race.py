@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from bema_cli.decide.power import mdd, mean_sd
+from bema_cli.decide.power import mdd, mean_sd, paired
 
 ALPHA = 0.05  # chance, over a whole race, of dropping the truly best candidate
 ROUND_ITEMS = 16  # the first round's items; each later round doubles what was seen (16, 32, 64, ...)
@@ -92,7 +92,7 @@ class Race:
         for name in self.alive:
             if name == lead or name in self.protect:
                 continue
-            diffs = [x - y for x, y in zip(self.scores[lead][:t], self.scores[name][:t], strict=True)]
+            diffs = paired(self.scores[lead][:t], self.scores[name][:t])
             lo, hi = sequence(diffs, a, self.horizon)
             if lo > 0:
                 out.append(name)
@@ -119,7 +119,7 @@ def duel(
     (better, items used, mean difference on them)."""
     diffs: list[float] = []
     for batch in rounds(ids):
-        diffs += [x - y for x, y in zip(trial(batch), incumbent(batch), strict=True)]
+        diffs += paired(trial(batch), incumbent(batch))
         if len(diffs) >= MIN_ITEMS and len(diffs) < len(ids):
             low, high = sequence(diffs, alpha, len(ids))
             futile = report_n is not None and high < mdd(diffs) * math.sqrt(len(diffs) / report_n)
@@ -143,6 +143,6 @@ def exhaustive(
 ) -> tuple[bool, int, float]:
     """`duel` without racing: every item, then the point estimate (the search as it was before racing,
     kept as the benchmark's reference)."""
-    diffs = [x - y for x, y in zip(trial(list(ids)), incumbent(list(ids)), strict=True)]
+    diffs = paired(trial(list(ids)), incumbent(list(ids)))
     mean = sum(diffs) / len(diffs) if diffs else 0.0
     return mean > 0, len(diffs), mean

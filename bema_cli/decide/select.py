@@ -16,6 +16,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 
+from bema_cli.decide.power import RESOLUTION, resolved
 from bema_cli.decide.verdict import verdict
 from bema_cli.errors import InputError, UsageError
 
@@ -192,7 +193,7 @@ def select(
 
     def diff(point, boot, a: tuple, b: tuple, side) -> dict:
         p = mcnemar(items[a], items[b], metric, side)
-        return _difference(point[a] - point[b], boot[a] - boot[b], p)
+        return _difference(point[a], point[b], boot[a] - boot[b], p)
 
     picked, pick_boot = paired(pick)
     best = max(picked, key=lambda k: (sign * picked[k], -simplicity(k[0]), k[1], k[0]))
@@ -275,8 +276,12 @@ def _interval(boot) -> list[float]:
     return [float(x) for x in np.quantile(boot, [alpha, 1 - alpha])]
 
 
-def _difference(point: float, boot, p: float | None) -> dict:
-    """A difference: its value, its paired bootstrap interval, and McNemar's p where it applies."""
+def _difference(a: float, b: float, boot, p: float | None) -> dict:
+    """a - b: its value, its paired bootstrap interval, and McNemar's p where it applies; a value or
+    bound below the arithmetic's resolution (power.RESOLUTION) is 0, a tie."""
+    point = resolved(a - b, a, b)
+    boot = boot.copy()
+    boot[abs(boot) <= RESOLUTION * max(abs(a), abs(b))] = 0.0
     lo, hi = _interval(boot)
     out = {"value": point, "low": lo, "high": hi}
     return out if p is None else {**out, "mcnemar_p": p}
@@ -389,6 +394,6 @@ def versus(
             f"{b.get('model_path')}: scored on other items than {a.get('model_path')} (ids differ)"
         )
     draws = _draws(report, resamples, np.random.default_rng(seed))
-    point = float(_value(ia, metric, report[None, :])[0] - _value(ib, metric, report[None, :])[0])
+    va, vb = float(_value(ia, metric, report[None, :])[0]), float(_value(ib, metric, report[None, :])[0])
     boot = _value(ia, metric, draws) - _value(ib, metric, draws)
-    return _difference(point, boot, mcnemar(ia, ib, metric, report))
+    return _difference(va, vb, boot, mcnemar(ia, ib, metric, report))

@@ -50,10 +50,10 @@ def optimum(base: Path, heldout: Path, dst: Path, steps: int = 60) -> Path:
     return dst
 
 
-def _write(base: Path, run: Path, weights_of) -> Path:
+def _write(base: Path, run: Path, weights_of, steps=STEPS) -> Path:
     from safetensors.torch import save_file
 
-    for step in STEPS:
+    for step in steps:
         folder = run / f"checkpoint-{step}"
         shutil.copytree(base, folder)
         save_file(weights_of(step), str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -77,3 +77,20 @@ def drift_run(base: Path, star: Path, run: Path, reach: float = 0.75) -> Path:
     b, opt = load_file(str(base / "model.safetensors")), load_file(str(star / "model.safetensors"))
     last = STEPS[-1]
     return _write(base, run, lambda s: {k: b[k] + (reach * s / last) * (opt[k] - b[k]) for k in opt})
+
+
+def converged_run(base: Path, star: Path, run: Path, steps=tuple(range(100, 1300, 100)), reach_at: int = 3) -> Path:
+    """A fine-tune that converged early: checkpoint i is theta0 + min(1, i/reach_at)(theta* - theta0),
+    so from checkpoint `reach_at` on every checkpoint is theta*: the last 4 are equal, and any uniform
+    window over them (LAWA-w4, the simplex search's start) is the same vector of weights as vanilla's
+    neighbours, the case where a fitted vector equals a menu config's."""
+    from safetensors.torch import load_file
+
+    b, opt = load_file(str(base / "model.safetensors")), load_file(str(star / "model.safetensors"))
+    index = {s: i + 1 for i, s in enumerate(steps)}
+
+    def weights(s):
+        t = min(1.0, index[s] / reach_at)
+        return {k: b[k] + t * (opt[k] - b[k]) for k in opt}
+
+    return _write(base, run, weights, steps)

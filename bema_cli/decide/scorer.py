@@ -119,17 +119,22 @@ class ItemScorer:
         self.evaluated = 0  # (candidate, item) pairs evaluated by this process
         self.cache: dict[str, dict] = {}  # model_path -> {item id: (score, tokens)}
         self.records: dict[str, dict] = {}  # model_path -> a record (its protocol, for select)
-        self.alias: dict[str, str] = {}  # a menu config's vector -> its name's model_path
+        self.alias: dict[str, str] = {}  # a menu config's vector digest -> that config's name
         for rec in self.results.records:  # a resumed ship's
             self._keep(rec["model_path"], rec)
 
     def same(self, c: list[float], name: str) -> None:
         """Vector `c` is menu config `name`: its scores are that config's, not evaluated again."""
-        self.alias[f"fit:{fit.digest(c)}"] = candidate_path(self.arena, name, None)
+        self.alias[fit.digest(c)] = name
+
+    def _resolve(self, name: str, c) -> tuple[str, list[float] | None]:
+        """(name, c) as the engine knows it: a vector equal to a menu config's is that config."""
+        if c is not None and (menu := self.alias.get(fit.digest(c))) is not None:
+            return menu, None
+        return name, c
 
     def _path(self, name: str, c) -> str:
-        path = candidate_path(self.arena, name, c)
-        return self.alias.get(path, path)
+        return candidate_path(self.arena, *self._resolve(name, c))
 
     def _keep(self, path: str, rec: dict) -> None:
         items = rec["items"]
@@ -143,11 +148,12 @@ class ItemScorer:
     def scores(self, c, ids: list, name: str) -> list[float]:
         """Oriented per-item scores (higher is better: accuracy, or minus an item's summed NLL) of
         vector `c`, or of menu config / vanilla `name` when `c` is None, on `ids`."""
+        name, c = self._resolve(name, c)
         path = self._path(name, c)
         have = self.cache.get(path, {})
         todo = [i for i in ids if i not in have]
         if todo:
-            self._evaluate(c if path.startswith("fit:") else None, name, todo, path)
+            self._evaluate(c, name, todo, path)
         sign = 1.0 if self.metric.higher_is_better else -1.0
         return [sign * self.cache[path][i][0] for i in ids]
 

@@ -41,13 +41,24 @@ THETA0_COST = 0.6  # A: the loss per token of moving all the way back to theta0
 LAM_POWER = 0.045  # the power world's weight-noise loss (exhaustive power near the paper's 80%)
 
 
-def menu_vectors(work: Path) -> dict[str, list[float]]:
-    """The default menu's coefficient vectors at the last step, from bema's own stabilize (fit.py)."""
-    from bema_cli.decide import fit
-    from bema_cli.decide.ship import DEFAULT_GRID
-    from bema_cli.stabilize import grid
+def menu_vectors(work: Path) -> dict:
+    """The default menu's candidates at the last step (vanilla's included), as ship makes them
+    (candidate.menu on the sweep's plan), on a run of one-tensor checkpoints."""
+    import torch
+    from safetensors.torch import save_file
 
-    return fit.coefficients(grid(**DEFAULT_GRID), STEPS, STEPS[-1], work)
+    from bema_cli.decide import candidate
+    from bema_cli.decide.ship import DEFAULT_GRID
+    from bema_cli.stabilize import Options, grid
+    from bema_cli.sweep.walk import plan_sweep
+
+    for folder in [work / "base", *(work / "run" / f"checkpoint-{s}" for s in STEPS)]:
+        folder.mkdir(parents=True)
+        save_file({"w": torch.zeros(4)}, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps({"model_type": "basis"}))
+    opts = Options(checkpoint_dir=str(work / "run"), schedules=grid(**DEFAULT_GRID), out=str(work / "out"),
+                   base=str(work / "base"))  # fmt: skip
+    return candidate.menu(plan_sweep(opts), STEPS[-1])
 
 
 class World:
@@ -73,10 +84,12 @@ class World:
         c = np.asarray(c, float)
         return float(self.b.mean()) + self.mean(c)
 
-    def scores(self, c, ids, name=None) -> list[float]:
-        key = tuple(round(x, 12) for x in c)
-        self.evaluated.update((key, i) for i in ids)
-        return [-x for x in self.nll(c, ids)]
+    def evaluate(self, cand, task, ids) -> list[dict]:
+        """What the arena's engine gives ship's scorer (scorer.ItemScorer): the candidate's record on
+        `ids`; every (vector, item) paid for is counted."""
+        c = cand.coefficients(STEPS)
+        self.evaluated.update((cand.digest, i) for i in ids)
+        return [self.record(cand.name, c, ids)]
 
     def record(self, run: str, c, ids) -> dict:
         return {"run": run, "step": STEPS[-1], "task": "loss", "model_path": run, "_where": run, "is_base": False,
@@ -85,69 +98,42 @@ class World:
                 "dtype": "float64"}  # fmt: skip
 
 
-class SimScorer:
-    """What ship's race and search ask of their scorer (scorer.ItemScorer), on a simulated world:
-    a candidate by menu name (c None) or by vector; every (vector, item) paid for is counted."""
-
-    def __init__(self, world: World, menu: dict):
-        self.world, self.menu, self.evaluated = world, menu, 0
-
-    def vector(self, c, name):
-        return c if c is not None else self.menu[name]
-
-    def scores(self, c, ids, name=None) -> list[float]:
-        before = len(self.world.evaluated)
-        out = self.world.scores(self.vector(c, name), ids)
-        self.evaluated += len(self.world.evaluated) - before
-        return out
-
-    def record(self, c, ids, name) -> dict:
-        self.scores(c, ids, name)
-        return self.world.record(name, self.vector(c, name), ids)
-
-
 def decide_once(world: World, menu: dict, raced: bool, opts) -> dict:
-    """ship's decision on this world. Raced (today): the menu raced on the pick items, the fits
-    raced, the finalists on the report items (menu.race_menu, search.fit_search, decision.decide).
-    Exhaustive (the design before): every menu config on every item, select, the fits on every
-    pick item (race.exhaustive), each fitted candidate paid on every item, the same rule."""
+    """ship's decision on this world, through ship's own scorer (scorer.ItemScorer: candidates keyed
+    by their vector) and code. Raced (today): the menu raced on the pick items, the fits raced, the
+    finalists on the report items (menu.race_menu, search.search, decision.decide). Exhaustive (the
+    design before): every menu config on every item, select, the fits on every pick item
+    (race.exhaustive), each fitted candidate paid on every item, the same rule."""
     from bema_cli.decide import decision, race, search, select
     from bema_cli.decide.menu import race_menu
+    from bema_cli.decide.scorer import ItemScorer
+    from bema_cli.eval.results import ResultsFile
 
     metric = select.Metric("loss", "loss", False)
-    n = len(STEPS) + 1
-    vanilla = [float(i == n - 1) for i in range(n)]
-    menu = {**menu, "vanilla": vanilla}
-    scorer = SimScorer(world, menu)
+    scorer = ItemScorer(world.evaluate, None, metric, ResultsFile(None))
     pick, report = select.sides(world.ids, opts.holdout, opts.seed)
     pick_ids, report_ids = [world.ids[i] for i in pick], [world.ids[i] for i in report]
     if raced:
-        made = race_menu(scorer, list(menu), pick_ids, report_ids, opts, metric)
+        made = race_menu(scorer, menu, pick_ids, report_ids, opts, metric)
         chosen, records, survivors = made["chosen"], made["records"], made["race"]["survivors"]
     else:
-        records = [scorer.record(None, world.ids, run) for run in menu]
+        records = [scorer.record(c, world.ids) for c in menu.values()]
         chosen = select.select(records, metric, "last", opts.holdout, opts.resamples, opts.seed)
         survivors = list(menu)
-    ingredients = search.ingredients_of(
-        {k: v for k, v in menu.items() if k != "vanilla"}, set(survivors), STEPS
-    )
     duel = race.duel if raced else race.exhaustive
-    result, found, best = search.fit_search(scorer.scores, ingredients, pick_ids, search.FITS, n, True, duel=duel,
-                                            report_n=len(report_ids))  # fmt: skip
-    fitted = None
-    if best is not None:
-        name = f"{best[0]}-fit"
-        rec = scorer.record(best[1], report_ids, name)
-        result["best"] = {"kind": best[0], "run": name}
-        fitted = {"doc": result, "best": {"record": rec}}
+    fitted = search.search(scorer, menu, STEPS, survivors, pick_ids, report_ids, opts, metric, duel=duel)
     made, why = decision.decide(chosen, fitted, metric, opts, records)
-    shipped = best[1] if made["kind"] == "fitted" else menu[made["run"]]
+    shipped = (fitted["best"]["candidate"] if made["kind"] == "fitted" else menu[made["run"]]).coefficients(
+        STEPS
+    )
     items = scorer.evaluated
     if not raced:  # it also paid every fitted candidate on every item (written, then evaluated whole)
-        items = len(menu) * len(world.ids) + (len(result["candidates"]) + len(found)) * len(world.ids)
+        trials = len(fitted["doc"]["candidates"]) + len(fitted["found"])
+        items = len(menu) * len(world.ids) + trials * len(world.ids)
     # a second task (the README's --tasks gsm8k,loss), as many items: before, every candidate ran it;
     # now the shipped model and vanilla only (contest._other_tasks)
     second = items if not raced else 2 * len(world.ids)
+    vanilla = menu["vanilla"].coefficients(STEPS)
     return {"kind": made["kind"], "average": made["kind"] != "vanilla", "truth": world.truth(shipped),
             "vanilla_truth": world.truth(vanilla), "items": items, "items_two_tasks": items + second,
             "verdict": why}  # fmt: skip

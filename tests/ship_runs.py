@@ -79,7 +79,9 @@ def drift_run(base: Path, star: Path, run: Path, reach: float = 0.75) -> Path:
     return _write(base, run, lambda s: {k: b[k] + (reach * s / last) * (opt[k] - b[k]) for k in opt})
 
 
-def converged_run(base: Path, star: Path, run: Path, steps=tuple(range(100, 1300, 100)), reach_at: int = 3) -> Path:
+def converged_run(
+    base: Path, star: Path, run: Path, steps=tuple(range(100, 1300, 100)), reach_at: int = 3
+) -> Path:
     """A fine-tune that converged early: checkpoint i is theta0 + min(1, i/reach_at)(theta* - theta0),
     so from checkpoint `reach_at` on every checkpoint is theta*: the last 4 are equal, and any uniform
     window over them (LAWA-w4, the simplex search's start) is the same vector of weights as vanilla's

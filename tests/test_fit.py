@@ -1,5 +1,5 @@
-"""decide/fit.py against independent float64 references: the menu's coefficient vectors (from the
-stabilize engine on a basis trajectory) equal the paper's recurrences written out by hand; the
+"""decide/fit.py against independent float64 references: ship's candidates' coefficient vectors
+(candidate.menu: the stabilize pass's update on a basis) equal the paper's recurrences written out by hand; the
 streaming combination equals a float64 sum of the checkpoints; the soup and the simplex search
 do what their papers say on scores with a known answer."""
 
@@ -38,10 +38,23 @@ def reference(steps, at, kappa=0.5, eta=0.2, rho=10.0, gamma=1.0) -> dict[str, l
     raise AssertionError(at)
 
 
+def menu_at(tmp_path, schedules, at) -> dict[str, list[float]]:
+    """ship's candidates at step `at` (candidate.menu on the sweep's plan of a real run), as lists."""
+    from bema_cli.decide import candidate
+    from bema_cli.stabilize import Options
+    from bema_cli.sweep.walk import plan_sweep
+
+    base, run = write_trajectory(tmp_path / "run", STEPS)
+    plan = plan_sweep(Options(checkpoint_dir=str(run), schedules=schedules, out=str(tmp_path / "out"),
+                              base=str(base)))  # fmt: skip
+    return {name: c.coefficients(STEPS) for name, c in candidate.menu(plan, at).items()}
+
+
 def test_menu_coefficients_equal_the_recurrences_by_hand(tmp_path):
     schedules = grid(["ema", "bema", "lawa"], [0.5], [0.2], windows=[4])
     for at in (30, 50):
-        got = fit.coefficients(schedules, STEPS, at, tmp_path / "basis")
+        got = menu_at(tmp_path / str(at), schedules, at)
+        assert got["vanilla"] == [float(s == at) for s in [0, *STEPS]]
         want = reference(STEPS, at)
         for run, c in want.items():
             assert got[run] == pytest.approx(c, abs=1e-12), run  # float64 throughout
@@ -50,22 +63,58 @@ def test_menu_coefficients_equal_the_recurrences_by_hand(tmp_path):
 
 
 @pytest.mark.parametrize("block", [fit.COMBINE_BLOCK, 7])  # 7: every tensor summed a few rows at a time
-def test_combine_is_the_float64_sum_of_the_checkpoints(tmp_path, monkeypatch, block):
+@pytest.mark.parametrize("vector", ["random", "bema-k0.5-e0.2"])
+def test_served_written_and_verified_weights_are_the_float64_sum(tmp_path, monkeypatch, block, vector):
+    """One vector, one model: what the engine is served (Combiner), what ship writes (write_vector)
+    and what verify rebuilds are bitwise equal, and equal the float64 sum of the recorded vector over
+    the checkpoints rounded once to the output dtype. For a menu config, stabilize's own output at
+    that step agrees within that rounding (one bf16 ulp)."""
+    from conftest import run_bema
+
+    from bema_cli.decide.candidate import Candidate
+    from bema_cli.decide.write import model_record, write_vector
+
     monkeypatch.setattr(fit, "COMBINE_BLOCK", block)
     base, run = write_trajectory(tmp_path, STEPS, dtype=torch.bfloat16, with_int=True)
-    folders = [base, *(run / f"checkpoint-{s}" for s in STEPS)]
-    c = [0.1, -0.05, 0.0, 0.3, 0.25, 0.4]
-    out = fit.combine(list(zip(folders, c, strict=True)), folders[-1], tmp_path / "out", {"run": "x"})
+    folders = {"theta0": base, **{str(s): run / f"checkpoint-{s}" for s in STEPS}}
+    if vector == "random":
+        g = torch.Generator().manual_seed(block)
+        c = torch.randn(len(STEPS) + 1, generator=g, dtype=torch.float64)
+        c[2] = 0.0
+        c = (c / c.sum()).tolist()
+    else:
+        c = menu_at(tmp_path / "menu", grid(["bema"], [0.5], [0.2]), 50)[vector]
+    cand = Candidate.of(vector, c, STEPS)
+    record = model_record(cand, 50, {"method": "soup"}, folders, str(base))
+    out = write_vector(cand, folders, folders["50"], tmp_path / "out", record)
     got = load_file(out / "model.safetensors")
-    models = [load_file(f / "model.safetensors") for f in folders]
+    combiner = fit.Combiner([base, *(run / f"checkpoint-{s}" for s in STEPS)], folders["50"])
+    combiner.set("k", cand.coefficients(STEPS))
+    served = dict(combiner.weights("k"))
+    models = [load_file(f / "model.safetensors") for f in folders.values()]
+    recorded = json.loads((out / "bema.json").read_text())["coefficients"]
+    weights = [recorded.get(k, 0.0) for k in folders]
     for name, tensor in got.items():
+        assert torch.equal(served[name], tensor), name
         if name == "positions":  # not floating: the template's (theta_s) as it is
             assert torch.equal(tensor, models[-1][name])
             continue
-        want = sum(w * m[name].double() for w, m in zip(c, models, strict=True)).to(torch.bfloat16)
+        want = sum(w * m[name].double() for w, m in zip(weights, models, strict=True)).to(torch.bfloat16)
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, want), name  # one rounding, at the end
-    assert json.loads((out / "bema.json").read_text()) == {"run": "x"}
-    assert (out / "config.json").read_text() == (folders[-1] / "config.json").read_text()
+    assert (out / "config.json").read_text() == (folders["50"] / "config.json").read_text()
+    r = run_bema("verify", out)
+    assert r.returncode == 0 and "bitwise identical" in r.stdout, r.stderr
+    if vector != "random":
+        st = tmp_path / "st"
+        r = run_bema(
+            "stabilize", run, "--base", base, "--out", st, "--method", "bema", "--accum-dtype", "float64"
+        )
+        assert r.returncode == 0, r.stderr
+        theirs = load_file(st / vector / "checkpoint-50" / "model.safetensors")
+        for name, tensor in got.items():
+            if tensor.is_floating_point():
+                ulp = tensor.double().abs().clamp_min(1e-30) * 2.0**-7  # bf16: 8 bits of mantissa
+                assert ((tensor.double() - theirs[name].double()).abs() <= ulp).all(), name
 
 
 def test_greedy_soup_keeps_only_what_improves():

@@ -121,25 +121,23 @@ def test_verify_lays_a_difference_at_an_input_that_changed(tmp_path):
 
 
 def test_a_fitted_average_carries_its_coefficients_and_verifies(stabilized, tmp_path):
-    from bema_cli.decide import fit
+    """One record shape: the vector keyed by theta0 and step, in bema.json and the header alike;
+    verify rebuilds it in memory (nothing beside the folder) and a changed weight is caught."""
+    from bema_cli.decide.candidate import Candidate
+    from bema_cli.decide.write import model_record, write_vector
 
     run = stabilized["run"]
-    folders = [run / f"checkpoint-{s}" for s in STEPS]
-    c = [0.1, 0.0, 0.2, 0.3, 0.4]
-    record = fit.fitted_record("soup-x", "soup", 40, c, folders, str(stabilized["base"]), folders[-1])
-    out = fit.combine(
-        [(stabilized["base"], c[0]), *zip(folders, c[1:], strict=True)],
-        folders[-1],
-        tmp_path / "soup",
-        record,
-    )
+    folders = {"theta0": stabilized["base"], **{str(s): run / f"checkpoint-{s}" for s in STEPS}}
+    cand = Candidate.of("soup-x", [0.1, 0.0, 0.2, 0.3, 0.4], STEPS)
+    record = model_record(cand, 40, {"method": "soup"}, folders, str(stabilized["base"]))
+    out = write_vector(cand, folders, folders["40"], tmp_path / "soup", record)
     doc = provenance.read(out)
-    assert doc["coefficients"] == {
-        str(stabilized["base"]): 0.1,
-        **{str(f): w for f, w in zip(folders, c[1:], strict=True) if w},
-    }
+    want = {"theta0": 0.1, "20": 0.2, "30": 0.3, "40": 0.4}
+    assert doc["coefficients"] == want == json.loads((out / "bema.json").read_text())["coefficients"]
+    before = sorted(p.name for p in tmp_path.iterdir())
     r = run_bema("verify", out)
     assert r.returncode == 0 and "bitwise identical" in r.stdout, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # verify wrote nothing beside it
 
 
 def test_a_folder_without_provenance_is_one_line(tmp_path, tiny_model_dir):
@@ -159,3 +157,23 @@ def test_inputs_are_found_in_any_checkpoint_layout(tmp_path):
     r = run_bema("verify", out / "ema-k0.5" / "checkpoint-40", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["changed_inputs"] == []
+
+
+@pytest.mark.parametrize("run_name", ["bema-k0.5-e0.2", "lawa-w3"])
+def test_a_forged_vector_in_the_header_is_caught(stabilized, tmp_path, run_name):
+    """The header's coefficients rewritten to put all the weight on one step: the weights are still
+    what the method makes, but the stored vector is not the method's, and verify says so (exit 1)."""
+    folder = tmp_path / "forged"
+    shutil.copytree(stabilized["out"] / run_name / "checkpoint-40", folder)
+    path = folder / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(path))
+    doc = json.loads(meta[provenance.KEY])
+    doc["coefficients"] = {"40": 1.0}
+    save_file(tensors, str(path), metadata={**meta, provenance.KEY: json.dumps(doc)})
+    r = run_bema("verify", folder)
+    assert r.returncode == 1, r.stderr
+    assert "coefficients it records are not the ones its method" in r.stderr, r.stderr
+    untouched = run_bema("verify", stabilized["out"] / run_name / "checkpoint-40")
+    assert untouched.returncode == 0, untouched.stderr

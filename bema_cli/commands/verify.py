@@ -33,6 +33,7 @@ def verify(
         if not doc["identical"]:
             output.error(
                 f"{folder}: {len(doc['differ'])} of {doc['tensors']} tensors differ from its rebuild"
+                + ("; its coefficients are not its method's" if doc["vector_differs"] else "")
             )
             raise typer.Exit(1)
         return
@@ -42,6 +43,12 @@ def verify(
         output.stdout.print(f"{folder}: bitwise identical to its rebuild ({doc['tensors']} tensors){said}",
                             highlight=False, markup=False)  # fmt: skip
         return
+    if doc["vector_differs"]:
+        keys = ", ".join(doc["vector_differs"][:5])
+        raise Differs(
+            f"{folder}: the coefficients it records are not the ones its method and settings compute "
+            f"(they differ at {keys}): its record was edited, or it was not written by bema"
+        )
     more = f" and {len(doc['differ']) - 5} more" if len(doc["differ"]) > 5 else ""
     raise Differs(
         f"{folder}: {len(doc['differ'])} of {doc['tensors']} tensors differ from its rebuild: "

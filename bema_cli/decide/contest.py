@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from bema_cli.decide import select
+from bema_cli.decide import candidate, select
 from bema_cli.decide.decision import decide
 from bema_cli.decide.menu import race_menu
 from bema_cli.decide.scorer import Arena, ItemScorer, arena_targets
 from bema_cli.decide.search import search
 from bema_cli.errors import UsageError
 from bema_cli.eval.evaluate import Evaluation
+from bema_cli.eval.results import ResultsFile
 from bema_cli.eval.tasks import LOSS_TASKS
 from bema_cli.io.checkpoints import read_json
 
@@ -44,35 +45,43 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
     evaluation = Evaluation(race_config, engine)
     memory, stab = memory_doc(plan, stab, race_config, engine, evaluation, sweep_opts)
     checkpoints = [c for c in plan.checkpoints if c.step <= step]
+    steps = [c.step for c in checkpoints]
     basis = [plan.base_index.folder, *(c.path for c in checkpoints)]
-    targets = arena_targets(plan, stab, step, folder_of)
-    arena = Arena(evaluation, plan, stab, basis, step, targets)
+    menu = candidate.menu(plan, step)  # every candidate is a vector over (theta0, steps)
+    arena = Arena(evaluation, plan, stab, basis, steps, arena_targets(plan, stab, step, folder_of), menu)
     try:
-        scorer = ItemScorer(arena, metric, work / "race")
+        scorer = scorer_of(arena, metric, work)
         ids = item_ids(scorer.task)
         pick, report = select.sides(ids, ship_opts.holdout, ship_opts.seed)
         pick_ids, report_ids = [ids[i] for i in pick], [ids[i] for i in report]
-        names = ["vanilla", *(n for n in targets if n != "vanilla")]
-        raced = race_menu(scorer, names, pick_ids, report_ids, ship_opts, metric, ship_opts.max_evaluations)
+        raced = race_menu(scorer, menu, pick_ids, report_ids, ship_opts, metric, ship_opts.max_evaluations)
         chosen, records = raced["chosen"], raced["records"]
         fitted = None
         if ship_opts.fits and raced["race"]["stopped"] is None:
-            fitted = search(scorer, stab, checkpoints, plan.base_source, raced["race"]["survivors"],
-                            pick_ids, report_ids, ship_opts, metric, work)  # fmt: skip
+            fitted = search(scorer, menu, steps, raced["race"]["survivors"], pick_ids, report_ids, ship_opts,
+                            metric)  # fmt: skip
         decision, why = decide(chosen, fitted, metric, ship_opts, records)
         if raced["race"]["stopped"]:
             why += f" ({raced['race']['stopped']}: the fits were not searched)"
-        others, other_items = _other_tasks(arena, config, metric, decision, fitted, work)
+        shipped = fitted["best"]["candidate"] if decision["kind"] == "fitted" else menu[decision["run"]]
+        others, other_items = _other_tasks(arena, config, metric, shipped, menu["vanilla"], work)
     finally:
         arena.close()
     moved = _motion(arena, plan, work)
     trials = len(fitted["doc"]["candidates"]) + 2 if fitted else 0
     tasks = [t for t in config.tasks if t != "train_loss"]
-    exhaustive = (len(names) + trials) * len(ids) * len(tasks)  # every candidate, every item, every task
+    exhaustive = (len(menu) + trials) * len(ids) * len(tasks)  # every candidate, every item, every task
     raced["race"]["evaluations"] = {"items": scorer.evaluated + other_items, "exhaustive_design": exhaustive}
     return {"chosen": chosen, "records": records, "fitted": fitted, "decision": decision, "verdict": why,
             "race": raced["race"], "other_tasks": others, "memory": memory, "backend": evaluation.backend_name,
-            "motion": moved}  # fmt: skip
+            "motion": moved, "candidates": menu, "steps": steps, "basis": basis,
+            "base_source": plan.base_source}  # fmt: skip
+
+
+def scorer_of(arena, metric, work) -> ItemScorer:
+    """The metric's task scored in the arena, its records in work/race/<task>."""
+    return ItemScorer(arena.evaluate, arena.evaluation.inputs[metric.task], metric,
+                      ResultsFile(work / "race" / metric.task))  # fmt: skip
 
 
 def _motion(arena, plan, work) -> dict | None:
@@ -86,20 +95,19 @@ def _motion(arena, plan, work) -> dict | None:
     return read_json(work / motion.FILE) if (work / motion.FILE).is_file() else None
 
 
-def _other_tasks(arena, config, metric, decision, fitted, work) -> tuple[dict, int]:
-    """Each task other than the metric's, for the shipped model and vanilla only: their values and
+def _other_tasks(arena, config, metric, shipped, vanilla, work) -> tuple[dict, int]:
+    """Each task other than the metric's, for the shipped candidate and vanilla only: their values and
     the paired difference on every item (nothing here decides)."""
     out, evaluated = {}, 0
-    c = fitted["best"]["coefficients"] if decision["kind"] == "fitted" else None
-    shipped = decision["run"]
     for task in config.tasks:
         if task == metric.task or task == "train_loss":
             continue
         m = select.Metric(task, "loss", False) if task in LOSS_TASKS else select.parse_metric(task)
-        scorer = ItemScorer(arena, m, work / "race")
+        scorer = scorer_of(arena, m, work)
         ids = item_ids(scorer.task)
-        mine, van = scorer.record(c, ids, shipped), scorer.record(None, ids, "vanilla")
+        mine, van = scorer.record(shipped, ids), scorer.record(vanilla, ids)
         evaluated += scorer.evaluated
+        same = shipped.digest == vanilla.digest
         out[task] = {"metric": m.name, "shipped": select.metric_value(mine, m), "vanilla": select.metric_value(van, m),
-                     "vs_vanilla": None if shipped == "vanilla" else select.versus(mine, van, m, None, 0)}  # fmt: skip
+                     "vs_vanilla": None if same else select.versus(mine, van, m, None, 0)}  # fmt: skip
     return out, evaluated

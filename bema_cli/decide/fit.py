@@ -1,11 +1,9 @@
 """Fitted averages: weights of an average fitted on the pick items, reported on the others.
 
 Every average bema computes is linear in the iterates: at step S it is a coefficient vector c over
-(theta0, theta_s1, ..., theta_sN), sum c = 1. `coefficients` gets each menu config's vector from
-the real stabilize engine, run in float64 on a basis trajectory (theta0 = e_0, theta_sj = e_j): the
-same recurrences, no second implementation. A fitted average is such a vector too, so it streams
-like every method: `combine` writes sum_j c_j theta_j tensor by tensor through the sharded writer,
-and bema.json records the coefficients.
+(theta0, theta_s1, ..., theta_sN), sum c = 1 (candidate.py). A fitted average is such a vector too,
+so it streams like every candidate: `combined` gives sum_j c_j theta_j tensor by tensor, what the
+engine is served (`Combiner`), what ship writes (write.write_vector) and what verify compares.
 
 Two fits, both only ever evaluated on the pick items:
 - greedy soup (Wortsman et al. 2022, "Model soups", Algorithm 1): ingredients sorted by their pick
@@ -23,13 +21,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from bema_cli import __version__
 from bema_cli.errors import InputError
-from bema_cli.io import provenance
 
 THETA0 = 0  # the basis index of theta0; checkpoint j (in step order) is j + 1
 SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -39,37 +34,10 @@ SIMPLEX_STEP = 1.0  # the first step on a softmax logit (a factor e on that chec
 COMBINE_BLOCK = 1 << 22  # elements summed at a time (32 MB of float64), not a whole embedding
 
 
-def coefficients(schedules: list, steps: list[int], at: int, work: Path) -> dict[str, list[float]]:
-    """{run name: c} with c[0] theta0's coefficient and c[j] the j-th checkpoint's (steps in order),
-    computed by `bema stabilize` itself on a basis trajectory in `work`."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from bema_cli.schedule import run_name
-    from bema_cli.stabilize import Options, stabilize
-
-    n = len(steps) + 1
-    shutil.rmtree(work, ignore_errors=True)
-    config = json.dumps({"model_type": "basis", "dtype": "float64"})
-    for j, folder in enumerate([work / "base", *(work / "run" / f"checkpoint-{s}" for s in steps)]):
-        folder.mkdir(parents=True)
-        save_file({"c": torch.eye(n, dtype=torch.float64)[j].contiguous()}, folder / "model.safetensors")
-        (folder / "config.json").write_text(config)
-    opts = Options(checkpoint_dir=str(work / "run"), schedules=schedules, out=str(work / "out"),
-                   base=str(work / "base"), steps=[at], accum_dtype="float64", no_state=True)  # fmt: skip
-    stabilize(opts)
-    out = {}
-    for s in schedules:
-        folder = work / "out" / run_name(s) / f"checkpoint-{at}"
-        out[run_name(s)] = load_file(folder / "model.safetensors")["c"].tolist()
-    shutil.rmtree(work, ignore_errors=True)
-    return out
-
-
 def combined(terms: list[tuple[Path, float]], template: Path) -> Iterator[tuple[object, object]]:
     """(tensor info, sum_j c_j theta_j) tensor by tensor (`terms`: (model folder, c_j)), summed in
     float64 and cast once to the template checkpoint's dtype; non-floating tensors are the template's.
-    What `combine` writes and what `Combiner` streams into an engine: the same bytes."""
+    What write.write_vector writes and what `Combiner` streams into an engine: the same bytes."""
     import torch
 
     from bema_cli.io.reader import open_checkpoint
@@ -107,32 +75,10 @@ def combined(terms: list[tuple[Path, float]], template: Path) -> Iterator[tuple[
             reader.__exit__(None, None, None)
 
 
-def combine(terms: list[tuple[Path, float]], template: Path, out: Path, record: dict) -> Path:
-    """`combined(terms, template)` written to `out` through the sharded writer; the template's small
-    files (config, tokenizer) and `record` as bema.json beside the weights."""
-    from bema_cli.io.reader import open_checkpoint
-    from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
-
-    tensors = list(open_checkpoint(template).tensors.values())
-    inputs = {str(folder): provenance.input_print(folder) for folder, c in terms if c != 0}
-    coefficients = {str(folder): c for folder, c in terms if c != 0}
-    meta = {"format": "pt", **provenance.metadata(record, inputs, coefficients)}
-    writer = ShardedWriter(out, plan_shards(tensors, 5 * 10**9), meta).open()
-    with writer.held():
-        for info, value in combined(terms, template):
-            writer.write(info.name, 0, tensor_bytes(value))
-    writer.close()
-    for name in SMALL_FILES:
-        if (template / name).is_file():
-            shutil.copy2(template / name, out / name)
-    (out / "bema.json").write_text(json.dumps(record, indent=2) + "\n")
-    return out
-
-
 class Combiner:
     """An engine's weight source (as the sweep's Walker is): any coefficient vector over the basis
     (theta0, checkpoints), streamed into the engine with nothing written. `set` names a vector;
-    `weights(key)` yields exactly the tensors `combine` would write for it."""
+    `weights(key)` yields exactly the tensors write.write_vector would write for it."""
 
     def __init__(self, basis: list[Path], template: Path):
         self.basis, self.template, self.vectors = [Path(b) for b in basis], Path(template), {}
@@ -146,17 +92,6 @@ class Combiner:
             if dtype is not None and value.is_floating_point() and value.dtype != dtype:
                 value = value.to(dtype)
             yield info.name, value
-
-
-def fitted_record(name: str, method: str, step: int, c: list[float], folders: list[Path], base_source: str,
-                  template: Path, **extra) -> dict:  # fmt: skip
-    """bema.json of a fitted average: its coefficients over (theta0, each checkpoint) by folder."""
-    return {
-        "bema_version": __version__, "run": name, "method": method, "step": step,
-        "coefficients": {"theta0": c[0], **{str(f): w for f, w in zip(folders, c[1:], strict=True) if w}},
-        "source_checkpoint": str(template), "theta0_source": base_source, "accum_dtype": "float64",
-        "out_dtype": "input", **extra,
-    }  # fmt: skip
 
 
 def digest(c: list[float]) -> str:

@@ -18,11 +18,11 @@ class Budget(Exception):
     """--max-evaluations reached: the race stops where it is."""
 
 
-def race_menu(
-    scorer, names: list[str], pick_ids: list, report_ids: list, ship_opts, metric, limit=None
-) -> dict:
-    """{"chosen": select's document on the finalists (winner: the pick among the survivors), "race":
-    what happened, "records": the finalists' records on every item}."""
+def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, metric, limit=None) -> dict:
+    """`menu`: {name: candidate.Candidate}, vanilla's included. {"chosen": select's document on the
+    finalists (winner: the pick among the survivors), "race": what happened, "records": the
+    finalists' records on every item}."""
+    names = ["vanilla", *(n for n in menu if n != "vanilla")]
     contest = race.Race(names, horizon=len(pick_ids), protect=["vanilla"])
     rounds = race.rounds(pick_ids)
     stopped = None
@@ -34,11 +34,11 @@ def race_menu(
                 stopped = f"--max-evaluations {limit} reached after {n} of {len(rounds)} rounds"
                 break
             for name in contest.alive:
-                contest.add(name, scorer.scores(None, batch, name))
+                contest.add(name, scorer.scores(menu[name], batch))
             contest.eliminate()
             bar.advance(task)
     seen = pick_ids[: min(len(contest.scores[n]) for n in contest.alive)]
-    picked = select.select([scorer.record(None, seen, n) for n in contest.alive], metric, "last", None,
+    picked = select.select([scorer.record(menu[n], seen) for n in contest.alive], metric, "last", None,
                            ship_opts.resamples, ship_opts.seed)  # fmt: skip
     pick = picked["winner"]["run"]
     finalists = ["vanilla"] + ([pick] if pick != "vanilla" else [])
@@ -50,7 +50,7 @@ def race_menu(
         elif contest.dropped:
             finalists.append(max(contest.dropped, key=lambda n: contest.dropped[n]["after"]))
     ids = seen + report_ids
-    records = [scorer.record(None, ids, n) for n in finalists]
+    records = [scorer.record(menu[n], ids) for n in finalists]
     for r in records:
         r["_where"] = f"{r['run']}@{r['step']}"
     # each id's side is a hash of (seed, id): `seen` stays the pick side, the report items the other

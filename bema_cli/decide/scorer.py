@@ -1,12 +1,11 @@
 """Per-item scores of any candidate, evaluated from memory, only on the items asked for.
 
-`bema ship`'s candidates (the menu's configs, vanilla, fitted coefficient vectors) all load into
-one engine (`Arena`) from one weight source (`ShipSource`): the sweep's walker, advanced to the
-decision's step, gives the menu and theta_s; a `fit.Combiner` gives any vector. Nothing is
-written. A scorer evaluates one task on a slice of its items (`evaluate_task` on the slice: every
-prompt is seeded by its own id, every loss record is its own forward, so an item scores the same
-alone or in a batch) and appends each slice's record to its results file: a killed ship resumes
-there and evaluates no (candidate, item) twice.
+Every candidate of `bema ship` is a coefficient vector (candidate.py). All load into one engine
+(`Arena`) from one weight source (`ShipSource`): the sweep's walker, advanced to the decision's
+step, holds the menu's vectors and theta_s; a `fit.Combiner` streams any other vector. Nothing is
+written. A scorer evaluates one task on a slice of its items and appends each slice's record,
+tagged with the vector's digest, to its results file: a killed ship resumes there and evaluates no
+(vector, item) twice.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from pathlib import Path
 
 from bema_cli import output, stages
 from bema_cli.decide import fit
+from bema_cli.decide.candidate import Candidate
 from bema_cli.eval.evaluate import Evaluation
 from bema_cli.eval.job import Job, evaluate_task
 from bema_cli.eval.results import ResultsFile
@@ -56,12 +56,18 @@ class ShipSource:
 class Arena:
     """One engine for the whole decision: started on the step's checkpoint, the walker advanced to
     the step (every earlier step walked and finished, as a sweep's walk does), then any candidate
-    swapped in by name or vector. `targets`: the menu's and vanilla's Target at the step (paths and
-    stabilizer settings the records carry, as a sweep's do)."""
+    swapped in by its vector: from the walker's states where it holds that vector (the menu's configs
+    and theta_s), else as the combination of the checkpoints. `targets`: the menu's and vanilla's
+    Target at the step (the records carry their paths and stabilizer settings, as a sweep's do)."""
 
-    def __init__(self, evaluation: Evaluation, plan, stab, basis: list[Path], step: int, targets: dict):
-        self.evaluation, self.plan, self.stab, self.basis, self.step = evaluation, plan, stab, basis, step
+    def __init__(self, evaluation: Evaluation, plan, stab, basis: list[Path], steps: list[int], targets: dict,
+                 menu: dict[str, Candidate]):  # fmt: skip
+        self.evaluation, self.plan, self.stab, self.basis = evaluation, plan, stab, basis
+        self.steps, self.step = steps, steps[-1]
         self.targets, self.folder = targets, targets["vanilla"].path
+        self.held: dict[str, str] = {}  # a vector's digest -> the menu name the walker holds it under
+        for name, cand in menu.items():
+            self.held.setdefault(cand.digest, name)
         self.backend, self.loaded = None, _NONE
         self.motion: dict | None = None  # the walk's motion (motion.py), judged before any evaluation
 
@@ -82,22 +88,33 @@ class Arena:
                 self.motion = motion.judge(self.backend.source_call("motion_sums"), self.plan.runs)
         return self.backend
 
-    def load(self, name: str, c: list[float] | None) -> Target:
-        """Candidate `name` (a menu config, "vanilla", or a vector `c`) into the engine; its Target."""
+    def load(self, cand: Candidate) -> Target:
+        """`cand` into the engine; the Target its records are made under."""
         backend = self.start()
-        if c is None:
-            target = self.targets[name]
-            key = None if name == "vanilla" else name
+        name = self.held.get(cand.digest)
+        if name is not None:
+            target, key = self.targets[name], (None if name == "vanilla" else name)
         else:
-            key = f"fit:{fit.digest(c)}"
-            target = Target(Path(key), name, self.step, {"method": "fitted", "coefficients": c})
+            key = f"fit:{cand.digest}"
+            target = Target(
+                Path(key), cand.name, self.step, {"method": "fitted", "coefficients": cand.record}
+            )
         if self.loaded != key:
-            if c is not None:
-                backend.source_call("set", key, c)
+            if name is None:
+                backend.source_call("set", key, cand.coefficients(self.steps))
             with stages.stage("swap"):
                 backend.load_from_source(key, self.folder)
             self.loaded = key
         return target
+
+    def evaluate(self, cand: Candidate, task, ids: list) -> list[dict]:
+        """`cand`'s records on `task`'s items `ids` (every prompt seeded by its own id, every loss
+        record its own forward: an item scores the same alone or in a batch)."""
+        target = self.load(cand)
+        part = slice_task(task, ids)
+        job = Job(target, [part], self.evaluation.config, f"{cand.digest}@{self.step}")
+        records, _ = evaluate_task(self.backend, job, part)  # samples are not logged by ship
+        return records
 
     def close(self) -> None:
         if self.backend is not None:
@@ -105,82 +122,57 @@ class Arena:
             self.backend = None
 
 
-def candidate_path(arena: Arena, name: str, c: list[float] | None) -> str:
-    return str(arena.targets[name].path) if c is None else f"fit:{fit.digest(c)}"
-
-
 class ItemScorer:
-    """One task's per-item scores for candidates named by menu run or given as vectors."""
+    """One task's per-item scores of candidates, keyed by their vector's digest: equal vectors are
+    one candidate, evaluated once whatever their names. `evaluate(cand, task, ids)` makes the records
+    (the arena's engine, or a simulated world's: bench/bench_decide.py drives this same class)."""
 
-    def __init__(self, arena: Arena, metric, out: Path):
-        self.arena, self.metric = arena, metric
-        self.task = arena.evaluation.inputs[metric.task]  # prepared once, with the engine's resume key
-        self.results = ResultsFile(out / metric.task)
+    def __init__(self, evaluate, task, metric, results: ResultsFile):
+        self.evaluate, self.task, self.metric, self.results = evaluate, task, metric, results
         self.evaluated = 0  # (candidate, item) pairs evaluated by this process
-        self.cache: dict[str, dict] = {}  # model_path -> {item id: (score, tokens)}
-        self.records: dict[str, dict] = {}  # model_path -> a record (its protocol, for select)
-        self.alias: dict[str, str] = {}  # a menu config's vector digest -> that config's name
-        for rec in self.results.records:  # a resumed ship's
-            self._keep(rec["model_path"], rec)
+        self.cache: dict[str, dict] = {}  # digest -> {item id: (score, tokens)}
+        self.records: dict[str, dict] = {}  # digest -> a record (its protocol, for select)
+        for rec in results.records:  # a resumed ship's
+            if "candidate" in rec:
+                self._keep(rec["candidate"], rec)
 
-    def same(self, c: list[float], name: str) -> None:
-        """Vector `c` is menu config `name`: its scores are that config's, not evaluated again."""
-        self.alias[fit.digest(c)] = name
-
-    def _resolve(self, name: str, c) -> tuple[str, list[float] | None]:
-        """(name, c) as the engine knows it: a vector equal to a menu config's is that config."""
-        if c is not None and (menu := self.alias.get(fit.digest(c))) is not None:
-            return menu, None
-        return name, c
-
-    def _path(self, name: str, c) -> str:
-        return candidate_path(self.arena, *self._resolve(name, c))
-
-    def _keep(self, path: str, rec: dict) -> None:
+    def _keep(self, key: str, rec: dict) -> None:
         items = rec["items"]
         scores = items["nll"] if self.metric.key == "loss" else items[self.metric.key]
         tokens = items["tokens"] if self.metric.key == "loss" else [1] * len(scores)
-        self.cache.setdefault(path, {}).update(
+        self.cache.setdefault(key, {}).update(
             zip(items["ids"], zip(scores, tokens, strict=True), strict=True)
         )
-        self.records.setdefault(path, rec)
+        self.records.setdefault(key, rec)
 
-    def scores(self, c, ids: list, name: str) -> list[float]:
+    def scores(self, cand: Candidate, ids: list) -> list[float]:
         """Oriented per-item scores (higher is better: accuracy, or minus an item's summed NLL) of
-        vector `c`, or of menu config / vanilla `name` when `c` is None, on `ids`."""
-        name, c = self._resolve(name, c)
-        path = self._path(name, c)
-        have = self.cache.get(path, {})
+        `cand` on `ids`, evaluating only the items not scored yet."""
+        key = cand.digest
+        have = self.cache.get(key, {})
         todo = [i for i in ids if i not in have]
         if todo:
-            self._evaluate(c, name, todo, path)
+            records = self.evaluate(cand, self.task, todo)
+            for rec in records:
+                rec["candidate"] = key
+                if self.metric.key == "loss":  # positions in the slice -> positions in the loss file
+                    rec["items"]["ids"] = list(todo)
+            self.results.write(records)
+            self._keep(key, records[0])
+            self.evaluated += len(todo)
         sign = 1.0 if self.metric.higher_is_better else -1.0
-        return [sign * self.cache[path][i][0] for i in ids]
+        return [sign * self.cache[key][i][0] for i in ids]
 
-    def record(self, c, ids: list, name: str) -> dict:
-        """A record of the candidate on `ids` alone, as `select` reads one."""
-        self.scores(c, ids, name)
-        path = self._path(name, c)
-        rec, got = self.records[path], self.cache[path]
+    def record(self, cand: Candidate, ids: list) -> dict:
+        """A record of `cand` (under its own name) on `ids` alone, as `select` reads one."""
+        self.scores(cand, ids)
+        rec, got = self.records[cand.digest], self.cache[cand.digest]
         if self.metric.key == "loss":
             items = {"ids": list(ids), "nll": [got[i][0] for i in ids], "tokens": [got[i][1] for i in ids]}
         else:
             items = {"ids": list(ids), self.metric.key: [got[i][0] for i in ids]}
-        return {**rec, "run": name if c is not None else rec["run"], "items": items, "n_prompts": len(ids),
-                "_where": f"{name} ({rec['model_path']})"}  # fmt: skip
-
-    def _evaluate(self, c, name: str, ids: list, path: str) -> None:
-        target = self.arena.load(name, c)
-        part = slice_task(self.task, ids)
-        key = path.removeprefix("fit:") if c is not None else f"{path}@{self.arena.step}"
-        job = Job(target, [part], self.arena.evaluation.config, key)
-        records, _ = evaluate_task(self.arena.backend, job, part)  # samples are not logged by ship
-        for rec in records:
-            if self.metric.key == "loss":  # positions in the slice -> positions in the loss file
-                rec["items"]["ids"] = list(ids)
-        self.results.write(records)
-        self._keep(path, records[0])
-        self.evaluated += len(ids)
+        return {**rec, "run": cand.name, "items": items, "n_prompts": len(ids),
+                "_where": f"{cand.name} ({rec['model_path']})"}  # fmt: skip
 
 
 def slice_task(task, ids: list):

@@ -9,8 +9,8 @@ finalist beside the menu's pick and vanilla (decision.py compares them there).
 
 from __future__ import annotations
 
-from bema_cli import stages
 from bema_cli.decide import fit, race, select
+from bema_cli.decide.candidate import Candidate
 
 FITS = ("soup", "simplex")
 SOUP_CHECKPOINTS = 4  # the last saved checkpoints that join the menu as soup ingredients
@@ -18,36 +18,33 @@ SIMPLEX_K = 4  # the simplex weights span the last K checkpoints
 RANK_ITEMS = 32  # the soup's ingredients are ordered by their mean on the first pick items alone
 
 
-def search(scorer, stab, checkpoints, base_source: str, survivors: list[str], pick_ids: list, report_ids: list,
-           ship_opts, metric, work) -> dict:  # fmt: skip
-    """The fits at the decision's step, scored by `scorer` (the arena's engine: nothing written) on
-    the pick items, raced; the best of them then on the report items (a finalist)."""
-    step = scorer.arena.step
-    steps, folders = [c.step for c in checkpoints], [c.path for c in checkpoints]
-    with stages.stage("fit_basis"), stages.kept():  # a stabilize on the basis: keep the ship's stages
-        menu = fit.coefficients(stab.schedules, steps, step, work / "basis")
+def search(scorer, menu: dict, steps: list[int], survivors: list[str], pick_ids: list, report_ids: list,
+           ship_opts, metric, duel=race.duel) -> dict:  # fmt: skip
+    """The fits at the decision's step over (theta0, `steps`), scored by `scorer` (the arena's
+    engine: nothing written) on the pick items, raced; the best of them then on the report items (a
+    finalist). `menu`: {name: Candidate} (the vectors the race scored: not evaluated again)."""
     n = len(steps) + 1
-    kept = set(survivors)  # the configs the race dropped are worse than the leader: no ingredient
-    for run, c in [
-        *((r, menu[r]) for r in menu if r in kept),
-        ("vanilla", [float(i == n - 1) for i in range(n)]),
-    ]:
-        scorer.same(c, run)  # the race scored these averages by name: not evaluated again
-    ingredients = ingredients_of(menu, kept, steps)
+    vectors = {name: c.coefficients(steps) for name, c in menu.items() if name != "vanilla"}
+    ingredients = ingredients_of(vectors, set(survivors), steps)  # the race's dropped configs are worse
+
+    def scores(c, ids, name):
+        return scorer.scores(Candidate.of(name, c, steps), ids)
+
     loss = metric.key == "loss"
-    result, found, best = fit_search(scorer.scores, ingredients, pick_ids, ship_opts.fits, n, loss,
+    result, found, best = fit_search(scores, ingredients, pick_ids, ship_opts.fits, n, loss, duel=duel,
                                      report_n=len(report_ids))  # fmt: skip
     for kind, c, _ in found:  # in the metric's units, on every pick item
-        result[kind]["pick_value"] = select.metric_value(scorer.record(c, pick_ids, kind), metric)
-    out = {"doc": result, "best": None}
+        result[kind]["pick_value"] = select.metric_value(
+            scorer.record(Candidate.of(kind, c, steps), pick_ids), metric
+        )
+    out = {"doc": result, "best": None, "found": [kind for kind, _, _ in found]}
     if best is not None:
         kind, c, method = best
-        name = f"{kind}-{fit.digest(c)}"
-        rec = scorer.record(c, report_ids, name)  # the finalist on the report items
-        out["best"] = {"kind": kind, "coefficients": c, "method": method, "record": rec, "basis": scorer.arena.basis,
-                       "folders": folders, "base_source": base_source,
+        cand = Candidate.of(f"{kind}-{fit.digest(c)}", c, steps)
+        rec = scorer.record(cand, report_ids)  # the finalist on the report items
+        out["best"] = {"kind": kind, "candidate": cand, "method": method, "record": rec,
                        "ingredients": result.get("soup", {}).get("ingredients")}  # fmt: skip
-        result["best"] = {"kind": kind, "run": name, "pick_value": result[kind]["pick_value"]}
+        result["best"] = {"kind": kind, "run": cand.name, "pick_value": result[kind]["pick_value"]}
     return out
 
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bema_cli import output, stages
-from bema_cli.decide import fit, select
 from bema_cli.decide import records as sealed
+from bema_cli.decide import select
 from bema_cli.decide.contest import contest
 from bema_cli.decide.search import FITS
 from bema_cli.decide.write import (
@@ -33,10 +33,11 @@ from bema_cli.decide.write import (
     check_target,
     clean_staging,
     evaluation_rows,
+    model_record,
     place,
     staging,
     write_card,
-    write_winner,
+    write_vector,
 )
 from bema_cli.errors import InputError, OutputError, UsageError
 from bema_cli.eval.job import EvalConfig
@@ -139,13 +140,13 @@ def _ship(
         doc["motion"], doc["motion_verdict"] = made["motion"]["motion"], made["motion"]["motion_verdict"]
     decision = made["decision"]
     with stages.stage("write"), stages.kept():  # stabilize's own reset would drop the sweep's stages
-        doc["written"] = _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, stab)
+        doc["written"] = _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, stab, made)
     if ship_opts.push:
         from bema_cli.decide.push import push
 
         with stages.stage("push"):
             doc["pushed"] = push(out, ship_opts.push)
-    # where the whole command's time went: engine_start, walk, swap, loss/generate, fit_basis, write, push
+    # where the whole command's time went: engine_start, walk, swap, loss/generate, write, push
     doc["stages"] = stages.report()
     return doc
 
@@ -159,55 +160,41 @@ def _inputs(stab) -> list[Path]:
     return inputs_of(prepare(sweep_options(stab)), stab.checkpoint_dir)
 
 
-def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, stab) -> dict:
-    """DIR as the model folder: the menu's pick or vanilla through the streaming stabilize engine,
-    a fitted average through fit.combine; the records and ship.json go inside (DIR/.bema-ship)."""
-
+def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, stab, made) -> dict:
+    """DIR as the model folder: the shipped candidate's vector written by the one writer
+    (write.write_vector: vanilla, a menu config and a fitted average alike), its card; the records
+    and ship.json go inside (DIR/.bema-ship)."""
     out = Path(ship_opts.out).expanduser()
-
-    def keep(folder: Path) -> None:
-        # what stays (docs/eval-protocol.md): the records and ship.json; no candidate was ever written
-        (work / "ship.json").write_text(output.to_json(_public(doc)) + "\n")
-        sealed.seal(work)
-        shutil.move(str(work), str(folder / WORK))
-
-    if decision["kind"] != "fitted":
-        row = next(
-            c for c in chosen["candidates"] if (c["run"], c["step"]) == (decision["run"], decision["step"])
-        )
-        one = {**chosen, "winner": {k: row[k] for k in select.WINNER_KEYS}}
-        return write_winner(
-            one,
-            records,
-            out,
-            ship_opts.card_paths,
-            ship_opts.overwrite,
-            keep,
-            stab.allow_gaps,
-            stab.durations,
-        )
-    best = fitted["best"]
+    step, steps, basis = decision["step"], made["steps"], made["basis"]
+    folders = dict(zip(["theta0", *map(str, steps)], basis, strict=True))
+    if decision["kind"] == "fitted":
+        best = fitted["best"]
+        cand, settings, rec = best["candidate"], {"method": best["method"]}, best["record"]
+        extra = {"ingredients": best["ingredients"]} if best["kind"] == "soup" else {}
+        lo_hi = select.report_interval(rec, metric, None, ship_opts.seed)  # scored on the report items alone
+        rows = evaluation_rows(chosen, decision["value"], lo_hi, decision["vs_vanilla"])
+    else:
+        row = next(c for c in chosen["candidates"] if (c["run"], c["step"]) == (decision["run"], step))
+        cand, settings, extra = made["candidates"][decision["run"]], row["stabilizer"] or {}, {}
+        chosen = {**chosen, "winner": {k: row[k] for k in select.WINNER_KEYS}}
+        rows = evaluation_rows(chosen, row["value"], row["interval"], row["vs_vanilla"])
+    extra |= {"allow_gaps": True} if stab.allow_gaps else {}
+    extra |= {"durations": stab.durations} if stab.durations else {}
+    check_target(out, ship_opts.overwrite)
     tmp = staging(out, "ship")
     try:
         folder = tmp / "model"
-        record = fit.fitted_record(decision["run"], best["method"], decision["step"], best["coefficients"],
-                                   best["folders"], best["base_source"], best["folders"][-1],
-                                   **({"ingredients": best["ingredients"]} if best["kind"] == "soup" else {}),
-                                   **({"allow_gaps": True} if stab.allow_gaps else {}),
-                                   **({"durations": stab.durations} if stab.durations else {}))  # fmt: skip
-        with stages.stage("combine"):  # the one fitted model written: the shipped one
-            fit.combine(list(zip(best["basis"], best["coefficients"], strict=True)), best["folders"][-1], folder,
-                        record)  # fmt: skip
-        rec = best["record"]  # scored on the report items alone
-        lo_hi = select.report_interval(rec, metric, None, ship_opts.seed)
-        write_card(folder, chosen, evaluation_rows(chosen, decision["value"], lo_hi, decision["vs_vanilla"]),
-                   ship_opts.card_paths)  # fmt: skip
-        keep(folder)
+        record = model_record(cand, step, settings, folders, made["base_source"], **extra)
+        write_vector(cand, folders, folders[str(step)], folder, record)
+        write_card(folder, chosen, rows, ship_opts.card_paths)
+        (work / "ship.json").write_text(output.to_json(_public(doc)) + "\n")
+        sealed.seal(work)
+        shutil.move(str(work), str(folder / WORK))  # the records and ship.json; no candidate was kept
         place(folder, out, ship_opts.overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    output.log(f"wrote {out} ({decision['run']} at step {decision['step']}) with its model card")
-    return {"path": str(out), "run": decision["run"], "step": decision["step"]}
+    output.log(f"wrote {out} ({decision['run']} at step {step}) with its model card")
+    return {"path": str(out), "run": decision["run"], "step": step}
 
 
 def _public(doc: dict) -> dict:

@@ -1,36 +1,55 @@
 """`bema verify DIR`: rebuild a model bema wrote from the provenance inside its weights
 (io/provenance.py) and the inputs it names, and say bitwise which tensors differ.
 
-The rebuild runs the writer that made it: the streaming stabilize engine for an average of the
-run (its settings, step and theta0 from the record; a one-shot run is bitwise an incremental one),
-fit.combine for a fitted average (its coefficients over its input folders). The inputs' fingerprints
-are compared first, so a difference is laid at the right door: an input changed since, or the weights.
+A model written from a vector (ship, select --write) is rebuilt tensor by tensor in memory, as
+write.write_vector summed it (fit.combined), and compared as it streams: nothing is written. An
+output of `bema stabilize` is rebuilt by the streaming stabilize engine (its settings, step and
+theta0 from the record) in a private temporary folder. The stored vector is never trusted: where
+the record names a method and its settings, the vector is computed again from them and the steps
+(candidate.menu) and a stored vector that differs is said. The inputs' fingerprints are compared
+first, so a difference is laid at the right door: an input changed since, or the weights.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
+import tempfile
 from pathlib import Path
 
-from bema_cli.decide.write import rebuild_average
+from bema_cli.decide.candidate import THETA0
+from bema_cli.decide.write import rebuild_average, stabilizer_params
 from bema_cli.errors import InputError
 from bema_cli.io import provenance
 from bema_cli.io.checkpoints import find_checkpoints, run_of, step_of
+from bema_cli.schedule import METHODS
+
+TOLERANCE = 1e-9  # a recomputed coefficient against the stored one (both float64 sums of the same terms)
+
+
+def _run_steps(record: dict) -> dict[str, Path]:
+    run = run_of(record["source_checkpoint"])
+    try:  # any layout find_checkpoints reads (Megatron-Bridge's: iter_<N>/hf/)
+        return {str(c.step): c.path for c in find_checkpoints(run)}
+    except InputError:
+        return {}
 
 
 def _input_folders(record: dict, doc: dict) -> dict[str, Path]:
-    """The input folders the provenance names, by its `inputs` keys."""
-    if isinstance(record.get("coefficients"), dict):  # a fitted average: keyed by folder
-        return {k: Path(k) for k in doc.get("inputs", {})}
+    """The input folders the provenance names, by its `inputs` keys: "theta0", a step, or (a record
+    of an older bema) an input folder's path."""
+    keys = list(doc.get("inputs", {}))
+    by_step = _run_steps(record) if any(k.isdigit() for k in keys) else {}
     run = run_of(record["source_checkpoint"])
-    try:  # any layout find_checkpoints reads (Megatron-Bridge's: iter_<N>/hf/)
-        by_step = {str(c.step): c.path for c in find_checkpoints(run)}
-    except InputError:
-        by_step = {}
-    folders = {k: by_step.get(k, run / f"checkpoint-{k}") for k in doc.get("inputs", {}) if k != "theta0"}
-    if "theta0" in doc.get("inputs", {}):
-        folders["theta0"] = Path(record["theta0_source"])
-    return folders
+    out = {}
+    for k in keys:
+        if k == THETA0:
+            out[k] = Path(record["theta0_source"])
+        elif k.isdigit():
+            out[k] = by_step.get(k, run / f"checkpoint-{k}")
+        else:
+            out[k] = Path(k)
+    return out
 
 
 def changed_inputs(record: dict, doc: dict) -> list[str]:
@@ -46,56 +65,117 @@ def changed_inputs(record: dict, doc: dict) -> list[str]:
     return out
 
 
-def _step(folder: str) -> int:
+def _step(key: str) -> int:
+    if key == THETA0:
+        return -1
+    if key.isdigit():
+        return int(key)
     try:
-        step = step_of(Path(folder))
+        step = step_of(Path(key))
     except InputError:
         step = None
     return -1 if step is None else step
 
 
-def rebuild(record: dict, tmp: Path) -> Path:
-    """The model folder the record describes, written again under `tmp`."""
-    from bema_cli.decide import fit
+def recomputed(record: dict) -> dict[str, float] | None:
+    """The vector the record's method, settings and step give on its run (None: a fitted average or
+    vanilla, whose vector is what was chosen, not what a method computes)."""
+    from bema_cli.decide import candidate
+    from bema_cli.schedule import Schedule
+    from bema_cli.stabilize import Options
+    from bema_cli.sweep.walk import plan_sweep
 
-    if isinstance(record.get("coefficients"), dict):  # a fitted average
-        # summed in the order it was: theta0, then the checkpoints by step (float64 sums depend on it)
-        keys = sorted(record["coefficients"], key=lambda k: (k != "theta0", _step(k), k))
-        terms = [(Path(record["theta0_source"]) if k == "theta0" else Path(k), float(record["coefficients"][k]))
-                 for k in keys]  # fmt: skip
-        for folder, _ in terms:
-            if not folder.is_dir():
-                raise InputError(f"{folder}: an input of this fitted average is not a local folder (gone?)")
-        return fit.combine(terms, Path(record["source_checkpoint"]), tmp / "m", record)
-    return rebuild_average(record, tmp)
+    if record.get("method") not in METHODS or record.get("method") == "vanilla":
+        return None
+    source = Path(record["source_checkpoint"])
+    if not source.is_dir():
+        raise InputError(f"{source}: the source checkpoint is gone; verifying needs it (and its run)")
+    opts = Options(checkpoint_dir=str(run_of(source)), schedules=[Schedule(**stabilizer_params(record)).resolved()],
+                   out=str(source / ".bema-verify-unused"), base=record.get("theta0_source"),
+                   allow_gaps=bool(record.get("allow_gaps")))  # fmt: skip
+    step = int(record["step"])
+    (cand,) = [c for name, c in candidate.menu(plan_sweep(opts), step).items() if name != "vanilla"]
+    return cand.record
 
 
-def verify(folder: Path) -> dict:
-    """The --json document: which tensors of `folder` differ bitwise from its rebuild, and which
-    inputs changed since it was written."""
+def _vector_differs(stored: dict | None, again: dict | None) -> list[str]:
+    if again is None or stored is None:
+        return []
+    keys = sorted(set(stored) | set(again), key=_step)
+    return [
+        k for k in keys if not math.isclose(float(stored.get(k, 0.0)), again.get(k, 0.0), abs_tol=TOLERANCE)
+    ]
+
+
+def _compare(folder: Path, rebuilt) -> tuple[int, list[str]]:
+    """(tensors in `folder`, names that differ bitwise from `rebuilt`'s (name, tensor) stream)."""
     import torch
     from safetensors import safe_open
 
+    mine = {n: f for f in sorted(folder.glob("*.safetensors")) for n in safe_open(str(f), "pt").keys()}
+    seen, differ = set(), []
+    for name, y in rebuilt:
+        seen.add(name)
+        if name not in mine:
+            differ.append(name)
+            continue
+        with safe_open(str(mine[name]), "pt") as a:
+            x = a.get_tensor(name)
+        same = x.dtype == y.dtype and x.shape == y.shape
+        if not same or not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+            differ.append(name)
+    return len(mine), sorted(differ + sorted(set(mine) - seen))
+
+
+def _from_vector(record: dict, doc: dict):
+    """(name, tensor) of the model the record's coefficients describe, summed as write_vector did."""
+    from bema_cli.decide.fit import combined
+
+    folders = _input_folders(record, {"inputs": dict.fromkeys(record["coefficients"])})
+    keys = sorted(
+        record["coefficients"], key=lambda k: (k != THETA0, _step(k), k)
+    )  # the order it was summed in
+    terms = []
+    for k in keys:
+        if not folders[k].is_dir():
+            raise InputError(f"{folders[k]}: an input of this average is not a local folder (gone?)")
+        terms.append((folders[k], float(record["coefficients"][k])))
+    template = Path(record["source_checkpoint"])
+    if not template.is_dir():
+        raise InputError(f"{template}: the source checkpoint is gone; rebuilding needs it (and its run)")
+    return ((info.name, value) for info, value in combined(terms, template))
+
+
+def _from_stabilize(record: dict, folder: Path):
+    """(name, tensor) of `bema stabilize`'s rebuild, made in a private temporary folder."""
+    from safetensors import safe_open
+
+    tmp = Path(tempfile.mkdtemp(prefix="bema-verify-"))
+    try:
+        again = rebuild_average(record, tmp)
+        for f in sorted(again.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as b:
+                for name in b.keys():
+                    yield name, b.get_tensor(name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def verify(folder: Path) -> dict:
+    """The --json document: which tensors of `folder` differ bitwise from its rebuild, whether its
+    stored vector is the one its method computes, and which inputs changed since it was written."""
     folder = Path(folder)
     doc = provenance.read(folder)
     record = doc["record"]
     changed = changed_inputs(record, doc)
-    tmp = folder.parent / f".bema-tmp-verify-{folder.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        again = rebuild(record, tmp)
-        mine = {n: f for f in sorted(folder.glob("*.safetensors")) for n in safe_open(str(f), "pt").keys()}
-        theirs = {n: f for f in sorted(again.glob("*.safetensors")) for n in safe_open(str(f), "pt").keys()}
-        differ = sorted(set(mine) ^ set(theirs))
-        for name in sorted(set(mine) & set(theirs)):
-            with safe_open(str(mine[name]), "pt") as a, safe_open(str(theirs[name]), "pt") as b:
-                x, y = a.get_tensor(name), b.get_tensor(name)
-            same = x.dtype == y.dtype and x.shape == y.shape
-            if not same or not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
-                differ.append(name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return {"folder": str(folder), "identical": not differ, "tensors": len(mine), "differ": differ,
-            "changed_inputs": changed, "record": record, "coefficients": doc.get("coefficients"),
+    stored = doc.get("coefficients")
+    vector = _vector_differs(stored, recomputed(record))
+    if isinstance(record.get("coefficients"), dict):  # written from a vector: rebuilt in memory
+        if record["coefficients"] != stored:
+            vector = vector or ["record"]
+        tensors, differ = _compare(folder, _from_vector(record, doc))
+    else:
+        tensors, differ = _compare(folder, _from_stabilize(record, folder))
+    return {"folder": str(folder), "identical": not differ and not vector, "tensors": tensors, "differ": differ,
+            "vector_differs": vector, "changed_inputs": changed, "record": record, "coefficients": stored,
             "bema_version": record.get("bema_version")}  # fmt: skip

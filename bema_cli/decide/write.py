@@ -144,16 +144,22 @@ def rebuild_average(record: dict, tmp: Path) -> Path:
                           allow_gaps=bool(record.get("allow_gaps")))  # fmt: skip
 
 
-def _stabilize_one(source: Path, base, stab: dict, step: int, tmp: Path, **more) -> Path:
-    from bema_cli.schedule import Schedule
-    from bema_cli.stabilize import Options, stabilize
-
+def stabilizer_params(stab: dict) -> dict:
+    """A record's stabilizer settings as schedule.Schedule takes them."""
     names = {"schedule": "merge_schedule"}
     keys = ("method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min", "window",
             "schedule", "swa_start", "sigma_rel", "power_gamma")  # fmt: skip
     params = {names.get(k, k): _number(stab[k]) for k in keys if stab.get(k) is not None}
     if params.get("sigma_rel") is not None:
         params.pop("power_gamma", None)  # derived from sigma_rel, as on the command line
+    return params
+
+
+def _stabilize_one(source: Path, base, stab: dict, step: int, tmp: Path, **more) -> Path:
+    from bema_cli.schedule import Schedule
+    from bema_cli.stabilize import Options, stabilize
+
+    params = stabilizer_params(stab)
     if not source.is_dir():
         raise InputError(f"{source}: the source checkpoint is gone; rebuilding needs it (and its run)")
     opts = Options(
@@ -163,6 +169,51 @@ def _stabilize_one(source: Path, base, stab: dict, step: int, tmp: Path, **more)
     result = stabilize(opts)
     (written,) = [o for o in result["outputs"] if o["step"] == step]
     return Path(written["path"])
+
+
+def model_record(
+    cand, step: int, settings: dict, folders: dict[str, Path], base_source: str, **extra
+) -> dict:
+    """bema.json (and the header's record) of a model written from a vector: the candidate's method
+    and settings (`settings`: a menu config's stabilizer keys, or {"method": ...}), its step, its
+    coefficients keyed by "theta0" and step (the one record shape), and what they were read from."""
+    from bema_cli import __version__
+    from bema_cli.eval.targets import STABILIZER_KEYS
+
+    skip = ("accum_dtype", "out_dtype", "theta0_source")
+    params = {k: settings[k] for k in STABILIZER_KEYS if k in settings and k not in skip}
+    return {
+        "bema_version": __version__, "run": cand.name, **params, "step": step, "coefficients": cand.record,
+        "averaged_steps": cand.steps(), "source_checkpoint": str(folders[str(step)]), "theta0_source": base_source,
+        "accum_dtype": "float64", "out_dtype": "input", **extra,
+    }  # fmt: skip
+
+
+def write_vector(cand, folders: dict[str, Path], template: Path, out: Path, record: dict) -> Path:
+    """The one writer of a model from a vector: sum_j c_j theta_j (fit.combined: float64 sums, cast
+    once to the template checkpoint's dtypes) through the sharded writer into `out`, the header
+    carrying `record`, the inputs' fingerprints and the coefficients, each keyed by "theta0" and step;
+    the template's small files (config, tokenizer) and bema.json beside the weights."""
+    from bema_cli.decide.fit import SMALL_FILES, combined
+    from bema_cli.io import provenance
+    from bema_cli.io.reader import open_checkpoint
+    from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
+
+    keys = [k for k, _ in cand.vector]
+    terms = [(folders[k], c) for k, c in cand.vector]
+    tensors = list(open_checkpoint(template).tensors.values())
+    inputs = {k: provenance.input_print(folders[k]) for k in keys}
+    meta = {"format": "pt", **provenance.metadata(record, inputs, cand.record)}
+    writer = ShardedWriter(out, plan_shards(tensors, 5 * 10**9), meta).open()
+    with writer.held():
+        for info, value in combined(terms, template):
+            writer.write(info.name, 0, tensor_bytes(value))
+    writer.close()
+    for name in SMALL_FILES:
+        if (template / name).is_file():
+            shutil.copy2(template / name, out / name)
+    (out / "bema.json").write_text(output.to_json(record) + "\n")
+    return out
 
 
 def evaluation_rows(doc: dict, value: float, interval, versus: dict | None) -> list[dict]:

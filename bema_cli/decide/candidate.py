@@ -1,0 +1,78 @@
+"""A candidate of `bema ship`: a name and the coefficient vector it is over (theta0, the run's steps).
+
+Every average bema computes is linear in the iterates: at step S it is sum_j c_j theta_j over theta0
+and the checkpoints up to S (sum c = 1). A menu config (ema, bema, lawa, ...), vanilla (a unit
+vector), a window and a fitted average (soup, simplex) are all such a vector, so they are one type:
+one digest identifies a vector whatever its name, equal vectors are one candidate (scored once),
+and one record shape names it, the vector keyed by "theta0" and each step (zeros left out).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+THETA0 = "theta0"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    vector: tuple[tuple[str, float], ...]  # (key, c) in basis order: "theta0", then steps; no zeros
+
+    @classmethod
+    def of(cls, name: str, c: Sequence[float], steps: Sequence[int]) -> Candidate:
+        """From a coefficient list over (theta0, *steps)."""
+        keys = [THETA0, *map(str, steps)]
+        return cls(name, tuple((k, float(x)) for k, x in zip(keys, c, strict=True) if x))
+
+    @classmethod
+    def keyed(cls, name: str, record: dict[str, float]) -> Candidate:
+        """From the record shape {"theta0": c0, "<step>": c_j} (any order: theta0, then by step)."""
+        order = sorted(record, key=lambda k: (k != THETA0, int(k) if k != THETA0 else 0))
+        return cls(name, tuple((k, float(record[k])) for k in order if record[k]))
+
+    @property
+    def record(self) -> dict[str, float]:
+        return dict(self.vector)
+
+    @property
+    def digest(self) -> str:
+        return digest(self.record)
+
+    def coefficients(self, steps: Sequence[int]) -> list[float]:
+        """The vector as a list over (theta0, *steps)."""
+        got = self.record
+        unknown = set(got) - {THETA0, *map(str, steps)}
+        if unknown:
+            raise ValueError(f"{self.name}: coefficients on steps outside the basis ({sorted(unknown)[:3]})")
+        return [got.get(k, 0.0) for k in (THETA0, *map(str, steps))]
+
+    def steps(self) -> list[int]:
+        """The checkpoints' steps with a non-zero weight, in order."""
+        return [int(k) for k, _ in self.vector if k != THETA0]
+
+
+def digest(record: dict[str, float]) -> str:
+    """One vector's identity: its non-zero coefficients by key, rounded at 1e-12."""
+    items = sorted((k, round(float(v), 12)) for k, v in record.items() if round(float(v), 12))
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:10]
+
+
+def vanilla(step: int) -> Candidate:
+    return Candidate("vanilla", ((str(step), 1.0),))
+
+
+def menu(plan, step: int) -> dict[str, Candidate]:
+    """Vanilla and each config of the plan evaluated at `step` (those its cadence does not skip), as
+    their vectors: computed by the stabilize pass's own update in float64 on a basis
+    (stabilize.meta.coefficient_vectors), the same code that writes them into every output's header."""
+    from dataclasses import replace
+
+    from bema_cli.stabilize.meta import coefficient_vectors
+
+    runs = [replace(r, out_steps=[step]) for r in plan.runs if r.events[step].action != "skip"]
+    vectors = coefficient_vectors(replace(plan, runs=runs)) if runs else {}
+    return {"vanilla": vanilla(step)} | {r.name: Candidate.keyed(r.name, vectors[r.name, step]) for r in runs}

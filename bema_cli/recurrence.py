@@ -185,3 +185,29 @@ class Stabilizer:
         """advance + estimate in one call; None for a skipped step."""
         self.advance(event, theta)
         return None if event.action == "skip" else self.estimate(event, theta)
+
+
+def update(states: list, lo: int, hi: int, theta: torch.Tensor, theta0: torch.Tensor | None = None) -> None:
+    """One step of every state that takes it, on positions [lo, hi) (`states`: (Stabilizer or Window,
+    its PlannedStep) pairs; `theta`, `theta0`: those positions of theta_s and theta0). A burn-in
+    restarts a state at theta0 (the caller has set theta0 = theta_s); ouema's update reads theta0.
+    stabilize's fused pass, the sweep's walk and the coefficient vectors all step through here."""
+    for state, event in states:
+        part = state.view(lo, hi)
+        if theta0 is not None and isinstance(part, Stabilizer):
+            part.theta0 = theta0
+        part.advance(event, theta0 if event.action == "burnin" else theta)
+
+
+def estimate(part, schedule: Schedule, event: PlannedStep, theta: torch.Tensor, drift=None, out=None):
+    """One config's output at `event` from its state `part` (a Stabilizer or Window view) and theta_s;
+    `drift` = theta_s - theta0 (bema; shared by the configs of a step), `out` storage for a method
+    that computes a new tensor."""
+    if schedule.method in ("lawa", "wsm"):
+        return part.estimate(event, theta, schedule, out=out)
+    return part.estimate(event, theta, drift=drift, out=out, method=schedule.method)
+
+
+def needs_drift(schedule: Schedule, event: PlannedStep) -> bool:
+    """Whether this config's output at `event` reads theta_s - theta0 (bema's correction)."""
+    return schedule.method == "bema" and event.action == "update"

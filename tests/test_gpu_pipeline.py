@@ -102,7 +102,8 @@ def test_the_read_ahead_ring_is_preallocated_bounded_and_refills_a_buffer_only_a
     from bema_cli.io.read_ahead import ReadAhead
     from bema_cli.io.safetensors import index_model
     from bema_cli.stabilize.plan import Piece
-    from bema_cli.stabilize.unit import _blocks, _first_element
+    from bema_cli.stabilize.blocks import first_element
+    from bema_cli.stabilize.unit import _blocks
 
     base, _ = trajs["f32"]
     index = index_model(base, [base / "model.safetensors"])
@@ -110,7 +111,7 @@ def test_the_read_ahead_ring_is_preallocated_bounded_and_refills_a_buffer_only_a
     piece = Piece(info, 0, info.shape[0], 0, info.numel)
     blocks = _blocks([piece], info.numel, 4)
     with index.open() as reader:
-        ahead = ReadAhead(reader, blocks, _first_element, readers=2, ahead=2)
+        ahead = ReadAhead(reader, blocks, first_element, readers=2, ahead=2)
         ring = [b.data_ptr() for b in ahead.ring]
         assert len(ring) == 3  # ahead + the block being copied in
         gate = Gate()

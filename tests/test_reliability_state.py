@@ -504,3 +504,24 @@ def test_a_run_that_starts_at_its_first_multiple_is_not_refused(tmp_path):
     for steps in ([5, 15, 25], [10, 20, 30]):
         base, run = write_trajectory(tmp_path / f"t{steps[0]}", steps)
         _ok(run, base, tmp_path / f"out{steps[0]}")
+
+
+@pytest.mark.parametrize("layout", ["checkpoint-{}", "iter_{:07d}/hf"])
+def test_a_middle_gap_with_no_save_steps_is_inferred_from_the_spacing(tmp_path, layout):
+    """10, 30, 40, 50 and no trainer_state.json: the spacing says every 10, so 20 is missing; refused
+    naming it, and --allow-gaps goes on. A run saved every 10 with a final save at 55 is regular."""
+    steps = [10, 20, 30, 40, 50]
+    base, run = write_trajectory(tmp_path / "t", steps)
+    part = tmp_path / "run"
+    for s in (10, 30, 40, 50):
+        shutil.copytree(run / f"checkpoint-{s}", part / layout.format(s))
+    out = tmp_path / "out"
+    line = one_line_error(_run(part, base, out), 3)
+    assert "checkpoint step(s) 20 missing from the run" in line and "every 10 steps" in line, line
+    assert "--allow-gaps" in line
+    _ok(part, base, out, "--allow-gaps")
+    last = tmp_path / "last"
+    for s in steps:
+        shutil.copytree(run / f"checkpoint-{s}", last / f"checkpoint-{s}")
+    shutil.copytree(run / "checkpoint-50", last / "checkpoint-55")
+    _ok(last, base, tmp_path / "out2")

@@ -66,3 +66,70 @@ def test_a_second_writer_of_one_out_is_refused(world, tmp_path):
         line = one_line_error(run_bema("ship", world["run"], "--base", world["base"], "--out", model, *loss))
         assert f"{model}: another bema process" in line, line
     assert not model.exists() and not (tmp_path / ".model.bema-ship").exists()
+
+
+@pytest.mark.parametrize("inside", ["loss-data", "chat-template", "config"])
+def test_ship_never_replaces_a_file_it_reads(world, inside):
+    """A held-out file, a chat template or a grid config inside DIR: `ship --out DIR --overwrite`
+    would replace DIR and lose it. Refused up front, one line, DIR untouched."""
+    out = world["root"] / "model"
+    out.mkdir()
+    (out / "bema.json").write_text(json.dumps({"run": "vanilla", "step": 80}))  # a model bema shipped
+    data = out / "heldout.jsonl" if inside == "loss-data" else world["root"] / "heldout.jsonl"
+    data.write_text("".join(json.dumps({"text": f"count {i} and {i + 1}"}) + "\n" for i in range(12)))
+    extra = []
+    if inside == "chat-template":
+        (out / "chat.jinja").write_text("{{ messages }}")
+        extra = ["--chat-template", out / "chat.jinja"]
+    elif inside == "config":
+        (out / "grid.yaml").write_text("methods: {ema: {}}\n")
+        extra = ["--config", out / "grid.yaml"]
+    before = _tree(world["root"])
+    r = run_bema("ship", world["run"], "--base", world["base"], "--out", out, "--overwrite", "--tasks", "loss",
+                 "--loss-data", data, "--backend", "transformers", *extra)  # fmt: skip
+    line = one_line_error(r)
+    assert f"--out {out.resolve()}: contains the input" in line, line
+    assert _tree(world["root"]) == before
+
+
+@pytest.mark.parametrize("where", ["run", "run/sub", "."])
+def test_sweep_never_writes_into_the_training_run(world, where):
+    """`bema sweep RUN --out RUN` (or inside it, or around it) is refused before anything is written."""
+    data = world["root"] / "data" / "heldout.jsonl"
+    data.parent.mkdir()
+    data.write_text("".join(json.dumps({"text": f"count {i} and {i + 1}"}) + "\n" for i in range(6)))
+    out = world["root"] / where
+    before = _tree(world["run"])
+    r = run_bema("sweep", world["run"], "--base", world["base"], "--method", "ema", "--out", out,
+                 "--tasks", "loss", "--loss-data", data, "--backend", "transformers")  # fmt: skip
+    line = one_line_error(r)
+    assert f"--out {out.resolve()}: " in line and "the input" in line, line
+    assert _tree(world["run"]) == before
+
+
+def test_eval_never_writes_into_the_training_run(world):
+    data = world["root"] / "heldout.jsonl"
+    data.write_text("".join(json.dumps({"text": f"count {i} and {i + 1}"}) + "\n" for i in range(6)))
+    before = _tree(world["run"])
+    r = run_bema("eval", world["run"] / "checkpoint-10", "--out", world["run"], "--tasks", "loss",
+                 "--loss-data", data, "--backend", "transformers")  # fmt: skip
+    line = one_line_error(r)
+    assert "is the input" in line, line
+    assert _tree(world["run"]) == before
+
+
+def test_a_staging_folder_belongs_to_exactly_one_out(tmp_path):
+    """A ship into model-v2 killed between its two renames leaves the old model-v2 aside: a later
+    ship into `model` leaves it alone; a later ship into `model-v2` puts it back."""
+    from bema_cli.decide.write import clean_staging
+
+    dead = 2**22 + 12345  # above Linux's default pid_max: no such process
+    aside = tmp_path / f".bema-tmp-old-{dead}-model-v2"
+    aside.mkdir()
+    (aside / "bema.json").write_text("{}")
+    user = tmp_path / ".bema-tmp-old-my-notes-model"  # not bema's: no pid in its place
+    user.mkdir()
+    clean_staging(tmp_path / "model")
+    assert aside.is_dir() and user.is_dir() and not (tmp_path / "model").exists()
+    clean_staging(tmp_path / "model-v2")
+    assert not aside.exists() and (tmp_path / "model-v2" / "bema.json").is_file() and user.is_dir()

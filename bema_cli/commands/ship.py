@@ -227,6 +227,7 @@ def ship(
         push,
         max_evaluations,
         dry_run,
+        reads=(Path(config).expanduser(),) if config else (),
     )
     check(ship_opts, evaluation)
     given = [method, kappa, eta, window, schedule, swa_start, sigma_rel, power_gamma, half_life, config]

@@ -13,6 +13,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 THETA0 = "theta0"
 
@@ -76,3 +77,26 @@ def menu(plan, step: int) -> dict[str, Candidate]:
     runs = [replace(r, out_steps=[step]) for r in plan.runs if r.events[step].action != "skip"]
     vectors = coefficient_vectors(replace(plan, runs=runs)) if runs else {}
     return {"vanilla": vanilla(step)} | {r.name: Candidate.keyed(r.name, vectors[r.name, step]) for r in runs}
+
+
+def of_settings(
+    name: str, settings: dict, source: Path, base: str | None, step: int, allow_gaps: bool = False
+):
+    """A config named by its record (`settings`: method and hyperparameters) at checkpoint `source`'s
+    `step` of its run: (its Candidate, the folders of its basis keyed as the vector is, theta0's
+    source), computed as ship's menu is (`menu` on the run's plan). Vanilla needs no plan."""
+    from bema_cli.decide.write import stabilizer_params
+    from bema_cli.io.checkpoints import run_of
+    from bema_cli.schedule import Schedule
+    from bema_cli.stabilize import Options
+    from bema_cli.sweep.walk import plan_sweep
+
+    if settings.get("method", "vanilla") == "vanilla":
+        return Candidate(name, vanilla(step).vector), {str(step): Path(source)}, base or "first"
+    run = run_of(source)
+    opts = Options(checkpoint_dir=str(run), schedules=[Schedule(**stabilizer_params(settings)).resolved()],
+                   out=str(run / ".bema-unused"), base=base, allow_gaps=allow_gaps)  # fmt: skip
+    plan = plan_sweep(opts)
+    (cand,) = [c for key, c in menu(plan, step).items() if key != "vanilla"]
+    folders = {THETA0: plan.base_index.folder, **{str(c.step): c.path for c in plan.checkpoints}}
+    return Candidate(name, cand.vector), folders, plan.base_source

@@ -35,6 +35,7 @@ from bema_cli.decide.write import (
     evaluation_rows,
     model_record,
     place,
+    read_files,
     staging,
     write_card,
     write_vector,
@@ -64,6 +65,7 @@ class ShipOptions:
     push: str | None = None
     max_evaluations: int | None = None  # (candidate, item) pairs the race may evaluate; None: no bound
     dry_run: bool = False  # say the budget (budget.py), evaluate nothing
+    reads: tuple[Path, ...] = ()  # other files the request reads (a grid --config): never replaced
 
 
 def default_metric(config: EvalConfig) -> str:
@@ -89,7 +91,7 @@ def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, v
     """The whole loop; returns the --json document (the verdict, the decision and how it was made)."""
     metric = check(ship_opts, config)
     out = Path(ship_opts.out).expanduser()
-    inputs = _inputs(stab)
+    inputs = [*_inputs(stab), *read_files(config), *ship_opts.reads]
     check_apart_from(out, inputs, "--out")  # before any answer, record or evaluation
     if ship_opts.dry_run:
         from bema_cli.decide.budget import budget

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from bema_cli.decide.candidate import THETA0
-from bema_cli.decide.write import rebuild_average, stabilizer_params
+from bema_cli.decide.write import rebuild_average
 from bema_cli.errors import InputError
 from bema_cli.io import provenance
 from bema_cli.io.checkpoints import find_checkpoints, run_of, step_of
@@ -80,21 +80,15 @@ def _step(key: str) -> int:
 def recomputed(record: dict) -> dict[str, float] | None:
     """The vector the record's method, settings and step give on its run (None: a fitted average or
     vanilla, whose vector is what was chosen, not what a method computes)."""
-    from bema_cli.decide import candidate
-    from bema_cli.schedule import Schedule
-    from bema_cli.stabilize import Options
-    from bema_cli.sweep.walk import plan_sweep
+    from bema_cli.decide.candidate import of_settings
 
     if record.get("method") not in METHODS or record.get("method") == "vanilla":
         return None
     source = Path(record["source_checkpoint"])
     if not source.is_dir():
         raise InputError(f"{source}: the source checkpoint is gone; verifying needs it (and its run)")
-    opts = Options(checkpoint_dir=str(run_of(source)), schedules=[Schedule(**stabilizer_params(record)).resolved()],
-                   out=str(source / ".bema-verify-unused"), base=record.get("theta0_source"),
-                   allow_gaps=bool(record.get("allow_gaps")))  # fmt: skip
-    step = int(record["step"])
-    (cand,) = [c for name, c in candidate.menu(plan_sweep(opts), step).items() if name != "vanilla"]
+    cand, _, _ = of_settings(record.get("run", ""), record, source, record.get("theta0_source"),
+                             int(record["step"]), bool(record.get("allow_gaps")))  # fmt: skip
     return cand.record
 
 

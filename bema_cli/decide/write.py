@@ -2,15 +2,16 @@
 `from_pretrained(DIR)`, `vllm serve DIR` and `hf upload DIR` find the weights at the top.
 
 The folder is built beside DIR (a hidden `.bema-tmp-*` sibling) and renamed into place at the end:
-DIR appears whole or not at all. The weights come from the streaming stabilize engine (bitwise what
-`bema stabilize --steps STEP` writes for that config) or, for a fitted average, from fit.py's
-streaming linear combination.
+DIR appears whole or not at all. Every model is written from its coefficient vector by one writer
+(`write_vector`: fit.combined's float64 sums, cast once), whatever was chosen: vanilla, a config of
+the menu (its vector from its settings: candidate.py) or a fitted average.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -23,38 +24,46 @@ from bema_cli.io.commit import check_apart
 WORK = ".bema-ship"  # ship's records inside the model folder it wrote (push never uploads .bema-*)
 
 
+STAGING = re.compile(r"^\.bema-tmp-(ship|write|old)-(\d+)-(.+)$")  # kind, pid, the OUT it stages
+
+
 def staging(out: Path, what: str) -> Path:
-    """A fresh hidden folder beside `out` (same file system: the final rename is atomic)."""
-    tmp = out.parent / f".bema-tmp-{what}-{out.name}-{os.getpid()}"
+    """A fresh hidden folder beside `out` (same file system: the final rename is atomic), named for
+    this process and this OUT alone: `.bema-tmp-<what>-<pid>-<OUT's name>`."""
+    tmp = out.parent / f".bema-tmp-{what}-{os.getpid()}-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
 
 
+def read_files(config) -> list[Path]:
+    """The files and folders an evaluation reads besides the models (held-out data, the data folder,
+    a chat template, lm-eval includes): an output must never replace or lie inside them."""
+    named = (config.loss_data, config.loss_train_data, config.data_dir, config.chat_template_file,
+             config.lm_eval_include)  # fmt: skip
+    return [Path(p).expanduser() for p in named if p]
+
+
 def check_apart_from(out: Path, inputs: list[Path], flag: str) -> None:
-    """DIR, the work folder beside it (`.DIR.bema-ship`) and the staging siblings must not be, contain
-    or lie inside an input (the run, a checkpoint, the base), with or without --overwrite: a shipped
-    model replaces DIR, so DIR == base would lose the base."""
-    for path in (out, out.parent / f".{out.name}.bema-ship", out.parent / f".bema-tmp-ship-{out.name}"):
+    """DIR, the work folder beside it (`.DIR.bema-ship`) must not be, contain or lie inside an input
+    (the run, a checkpoint, the base, a file the command reads), with or without --overwrite: a
+    shipped model replaces DIR, so DIR == base would lose the base."""
+    for path in (out, out.parent / f".{out.name}.bema-ship"):
         check_apart(path, inputs, flag=flag)
 
 
 def clean_staging(out: Path, work: Path | None = None) -> None:
     """Remove the staging folders a killed writer of `out` left (a SIGKILL runs no cleanup): the
-    `.bema-tmp-*-DIR-<pid>` siblings of `out` and the fitted candidates' in `work`, each only when its
-    process is gone."""
-    places = [(out.parent, f".bema-tmp-*-{out.name}-*")]
-    if work is not None:
-        places.append((work / "fit" / "models", ".bema-tmp-fit-*"))
-    for folder, pattern in places:
-        for tmp in folder.glob(pattern) if folder.is_dir() else []:
-            pid = tmp.name.rsplit("-", 1)[-1]
-            if not pid.isdigit() or _alive(int(pid)):
-                continue
-            if tmp.name.startswith(".bema-tmp-old-") and not out.exists():
-                tmp.rename(out)  # killed between place()'s two renames: the old DIR comes back
-            else:
-                shutil.rmtree(tmp, ignore_errors=True)
+    `.bema-tmp-<kind>-<pid>-<OUT's name>` siblings of `out` whose OUT is exactly `out` and whose
+    process is gone. An old DIR set aside by a killed `place` comes back when DIR is missing."""
+    for tmp in out.parent.glob(".bema-tmp-*") if out.parent.is_dir() else []:
+        got = STAGING.match(tmp.name)
+        if got is None or got.group(3) != out.name or _alive(int(got.group(2))) or tmp.is_symlink():
+            continue
+        if got.group(1) == "old" and not out.exists():
+            tmp.rename(out)  # killed between place()'s two renames: the old DIR comes back
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
@@ -86,7 +95,7 @@ def place(folder: Path, out: Path, overwrite: bool) -> None:
     check_target(out, overwrite)
     old = None
     if out.exists():
-        old = out.parent / f".bema-tmp-old-{out.name}-{os.getpid()}"
+        old = out.parent / f".bema-tmp-old-{os.getpid()}-{out.name}"
         out.rename(old)
     folder.rename(out)
     if old is not None:
@@ -123,16 +132,6 @@ def source_of(winner: dict, records: list[dict]) -> tuple[Path, str | None, dict
 
 def _number(value):
     return float(value) if value in ("inf", "-inf") else value
-
-
-def stabilized(
-    winner: dict, records: list[dict], tmp: Path, allow_gaps: bool = False, durations=None
-) -> Path:
-    """The winner at its step written by the streaming stabilize engine under `tmp`; its folder.
-    `allow_gaps`: the run's missing checkpoints are passed over, as the decision passed over them
-    (and the record says so)."""
-    source, base, stab = source_of(winner, records)
-    return _stabilize_one(source, base, stab, winner["step"], tmp, allow_gaps=allow_gaps, durations=durations)
 
 
 def rebuild_average(record: dict, tmp: Path) -> Path:
@@ -231,30 +230,26 @@ def write_card(folder: Path, doc: dict, evaluation: list[dict], paths: str) -> N
 
 
 def write_winner(
-    doc: dict,
-    records: list[dict],
-    out: Path,
-    paths: str = "short",
-    overwrite: bool = False,
-    keep=None,
-    allow_gaps: bool = False,
-    durations: dict | None = None,
+    doc: dict, records: list[dict], out: Path, paths: str = "short", overwrite: bool = False
 ) -> dict:
-    """The winner of a `select` document written as `out` itself, with its card; `keep(folder)` is
-    called before the final rename (ship moves its records into the folder there)."""
-    source, base, _ = source_of(doc["winner"], records)
+    """The winner of a `select` document written as `out` itself, with its card: its vector (computed
+    from its record's settings on its run) through the one writer, as ship writes."""
+    from bema_cli.decide.candidate import of_settings
+
+    w = doc["winner"]
+    source, base, stab = source_of(w, records)
     inputs = [run_of(source), source, *([Path(base)] if base and Path(base).expanduser().is_dir() else [])]
-    check_apart_from(out, inputs, "--write" if keep is None else "--out")
+    check_apart_from(out, inputs, "--write")
     check_target(out, overwrite)
+    cand, folders, base_source = of_settings(w["run"], stab, source, base, w["step"])
     tmp = staging(out, "write")
     try:
-        folder = stabilized(doc["winner"], records, tmp, allow_gaps, durations)
-        w = doc["winner"]
+        folder = tmp / "model"
+        record = model_record(cand, w["step"], stab, folders, base_source)
+        write_vector(cand, folders, Path(source), folder, record)
         write_card(folder, doc, evaluation_rows(doc, w["value"], w["interval"], w["vs_vanilla"]), paths)
-        if keep is not None:
-            keep(folder)
         place(folder, out, overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    output.log(f"wrote {out} ({doc['winner']['run']} at step {doc['winner']['step']}) with its model card")
-    return {"path": str(out), "run": doc["winner"]["run"], "step": doc["winner"]["step"]}
+    output.log(f"wrote {out} ({w['run']} at step {w['step']}) with its model card")
+    return {"path": str(out), "run": w["run"], "step": w["step"]}

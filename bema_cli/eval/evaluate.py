@@ -373,8 +373,12 @@ def run_eval(
         raise UsageError("no checkpoints to evaluate (give model folders and/or --base)")
     for target in targets:  # before any data is downloaded or OUT is created
         check_model_dir(target.path)
-    if config.out is not None:  # results.jsonl never lands in a model folder it evaluates
+    if config.out is not None:  # results.jsonl never lands in a model folder it evaluates, nor in a run
+        from bema_cli.io.checkpoints import is_run_dir, run_of
+
+        runs = {run_of(t.path) for t in targets if not t.is_base}
         check_apart(Path(config.out).expanduser(), [t.path for t in targets], may_contain=True)
+        check_apart(Path(config.out).expanduser(), [r for r in runs if is_run_dir(r)], may_contain=True)
     # one writer of OUT at a time (results, samples, libraries.log): taken before anything lands there
     with nullcontext() if config.out is None else locked(Path(config.out).expanduser()):
         if validated is not None:

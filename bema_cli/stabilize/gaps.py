@@ -57,8 +57,14 @@ def check_gaps(checkpoints: list[Checkpoint], consumed: list[int], allow: bool) 
 
 
 def _spacing(present: list[int]) -> tuple[int | None, str]:
-    """A regular spacing of the checkpoints found (three or more, equal gaps) as the cadence."""
-    gaps = {b - a for a, b in zip(present, present[1:], strict=False)}
-    if len(present) >= 3 and len(gaps) == 1 and (step := gaps.pop()) > 0:
-        return step, f"the checkpoints' regular spacing (every {step} steps)"
+    """The spacing the checkpoints found show, as the cadence: the most common gap, when at least two
+    gaps and half of them are it and every gap before the last is a multiple of it (a hole is a
+    multiple; the HF Trainer's final save may come sooner). 10, 30, 40, 50: every 10, 20 missing."""
+    gaps = [b - a for a, b in zip(present, present[1:], strict=False)]
+    if len(present) < 3:
+        return None, ""
+    step = max(set(gaps), key=lambda g: (gaps.count(g), -g))
+    regular = gaps.count(step) >= max(2, len(gaps) / 2) and step > 0
+    if regular and all(g % step == 0 for g in gaps[:-1]) and (gaps[-1] % step == 0 or gaps[-1] < step):
+        return step, f"the checkpoints' spacing (every {step} steps)"
     return None, ""

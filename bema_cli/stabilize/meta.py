@@ -282,7 +282,7 @@ def input_prints(plan: Plan) -> dict[str, str]:
 def coefficient_vectors(plan: Plan) -> dict[tuple[str, int], dict[str, float]]:
     """{(run, step): {"theta0": c0, "<step>": cj, ...}}: every output as the linear combination of
     (theta0, the checkpoints) it is, from the fused pass's own code (state_store.start_unit,
-    unit.step_updates, unit.run_estimate) run in float64 on a basis (theta0 = e_0, theta_sj = e_j)
+    unit.step_updates, recurrence.update and recurrence.estimate) run in float64 on a basis (theta0 = e_0, theta_sj = e_j)
     over the whole trajectory: a call continued from a state replays its earlier steps here (the
     coefficients depend on the schedule and the steps only), so its outputs say what a one-shot
     run's say."""
@@ -290,8 +290,9 @@ def coefficient_vectors(plan: Plan) -> dict[tuple[str, int], dict[str, float]]:
 
     import torch
 
+    from bema_cli.recurrence import estimate, needs_drift, update
     from bema_cli.stabilize import state_store
-    from bema_cli.stabilize.unit import run_estimate, step_updates
+    from bema_cli.stabilize.unit import step_updates
 
     steps = sorted(plan.runs[0].events)
     fresh = [replace(t, start=None, source=None, ring_sources={}, last=steps[-1] if steps else t.last)
@@ -309,17 +310,15 @@ def coefficient_vectors(plan: Plan) -> dict[tuple[str, int], dict[str, float]]:
         advancing, after = step_updates(basis_plan, stabs, step)
         if step <= tau:
             theta0.copy_(th)
-        for stab, event in advancing:
-            stab.view(0, n).advance(event, theta0 if event.action == "burnin" else th)
+        update(advancing, 0, n, th, theta0)
         for run in plan.runs:
             if step in run.out_steps:
                 event = run.events[step]
-                drift = th - theta0 if run.schedule.method == "bema" and event.action == "update" else None
+                drift = th - theta0 if needs_drift(run.schedule, event) else None
                 part = stabs[track_of[run.name]].view(0, n)
-                result = run_estimate(part, run, event, th, drift, torch.empty(n, dtype=torch.float64))
+                result = estimate(part, run.schedule, event, th, drift, torch.empty(n, dtype=torch.float64))
                 out[run.name, step] = {k: float(v) for k, v in zip(names, result.tolist(), strict=True) if v}
-        for ring, event in after:
-            ring.view(0, n).advance(event, th)
+        update(after, 0, n, th)
     return out
 
 

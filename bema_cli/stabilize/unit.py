@@ -18,61 +18,21 @@ from functools import partial
 from time import perf_counter
 
 from bema_cli import stages
-from bema_cli.errors import InputError
 from bema_cli.io.read_ahead import ReadAhead
-from bema_cli.io.reader import TensorReader, read_into, streams
+from bema_cli.io.reader import streams
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
 from bema_cli.io.write_behind import WriteBehind
 from bema_cli.io.writer import ShardedWriter, tensor_bytes
-from bema_cli.recurrence import Window
+from bema_cli.recurrence import Window, estimate, needs_drift, update
 from bema_cli.schedule import WINDOW_METHODS
 from bema_cli.stabilize import state_store
+from bema_cli.stabilize.blocks import check_finite, first_element, load, read_raw
 from bema_cli.stabilize.motion import UnitMotion
 from bema_cli.stabilize.plan import Options, Piece, Plan
 from bema_cli.stabilize.workspace import Workspace
 
 Outputs = dict[tuple[str, int], ShardedWriter]  # (run name, step) -> the writer of that output folder
 BUFFERED = ("bema", "dema", *WINDOW_METHODS)  # methods whose output is a new tensor (not a state)
-
-
-def _load(reader: TensorReader, unit: list[Piece], flat, scratch=None) -> None:
-    """Read one unit's float pieces into `flat` (a reused accum-dtype buffer)."""
-    for p in unit:
-        if p.info.dtype in FLOATING:
-            read_into(reader, p.info.name, p.start, p.stop, flat[p.lo : p.hi], scratch)
-
-
-def _read_raw(reader: TensorReader, unit: list[Piece]) -> dict:
-    """{name: rows} of the unit's non-float pieces (ids, masks: copied to the outputs as read)."""
-    return {
-        p.info.name: reader.read(p.info.name, p.start, p.stop) for p in unit if p.info.dtype not in FLOATING
-    }
-
-
-def _first_element(p: Piece, a: int) -> int:
-    """Element offset, within its (flattened) tensor, of position `a` of the unit's flat buffer."""
-    return p.start * p.info.row_numel + (a - p.lo)
-
-
-def _check_finite(index, unit: list[Piece], flat, lo: int, hi: int, base: int = 0) -> None:
-    """NaN/Inf in flat[lo:hi] stop the run, naming the tensor and its file (`index`'s). flat[0] is
-    position `base` of the unit's flat buffer (a block read on its own).
-
-    A sum is finite only if every term is (NaN/Inf propagate); one reduction is ~10x cheaper than
-    isfinite(...).all(). On a non-finite sum (or an overflow) the exact per-tensor check decides.
-    """
-    import torch
-
-    block = flat[lo:hi]
-    if not block.numel() or math.isfinite(float(block.sum())) or bool(torch.isfinite(block).all()):
-        return
-    for p in unit:
-        a, b = max(p.lo - base, lo), min(p.hi - base, hi)
-        if a < b and not bool(torch.isfinite(flat[a:b]).all()):
-            raise InputError(
-                f"{index.tensors[p.info.name].file}: tensor {p.info.name!r} contains NaN or Inf "
-                "(use --allow-nonfinite to proceed)"
-            )
 
 
 def _blocks(unit: list[Piece], size: int, block: int) -> list[tuple[int, int, list[tuple[Piece, int, int]]]]:
@@ -102,7 +62,7 @@ def _emit(
             ready = ws.transfers.to_host(result, data)
         size = DTYPES[tag][1]
         writes = [
-            _part_write(writer, p.info.name, _first_element(p, a) * size, a - lo, b - lo)
+            _part_write(writer, p.info.name, first_element(p, a) * size, a - lo, b - lo)
             for p, a, b in parts
             if out_dtypes[p.info.name] == tag
         ]
@@ -116,7 +76,7 @@ def _emit_state(ws: Workspace, wb: WriteBehind, writer: ShardedWriter, name: str
     ready = ws.transfers.to_host(rows, data)
     size = rows.element_size()
     writes = [
-        _part_write(writer, f"{name}/{p.info.name}", _first_element(p, a) * size, a - lo, b - lo)
+        _part_write(writer, f"{name}/{p.info.name}", first_element(p, a) * size, a - lo, b - lo)
         for p, a, b in parts
     ]
     wb.put(data, writes, stage="state", ready=ready)
@@ -171,18 +131,10 @@ def step_updates(plan: Plan, stabs: list, step: int) -> tuple[list, list]:
     return [(stab, event) for stab, event in updates if not isinstance(stab, Window)], rings
 
 
-def run_estimate(part, run, event, theta, drift=None, out=None):
-    """One run's output at `event` from its state `part` (a Stabilizer or Window view) and theta_s;
-    `drift` = theta_s - theta0 (bema), `out` storage for methods that compute a new tensor (BUFFERED)."""
-    if run.schedule.method in WINDOW_METHODS:
-        return part.estimate(event, theta, run.schedule, out=out)
-    return part.estimate(event, theta, drift=drift, out=out, method=run.schedule.method)
-
-
 def _stream_in(ws: Workspace, reader, blocks: list, flat, readers: int) -> None:
     """A unit's float pieces into `flat` through the read-ahead ring and `to_device` (a GPU's theta0:
     pinned buffers and a cast on the device, never a cross-device cast on the CPU)."""
-    ahead = ReadAhead(reader, blocks, _first_element, readers, ws.transfers, ahead=_ahead(ws, readers))
+    ahead = ReadAhead(reader, blocks, first_element, readers, ws.transfers, ahead=_ahead(ws, readers))
     try:
         for i, parts in enumerate(ahead):
             ahead.release(i, ws.transfers.to_device(parts, flat, 0))
@@ -207,8 +159,8 @@ def _check_sums(index, reader, blocks: list, sums, acc) -> None:
             lo, hi, parts = blocks[k]
             again = torch.empty(hi - lo, dtype=acc)
             for p, a, b in parts:
-                reader.read_elements_into(p.info.name, _first_element(p, a), b - a, again[a - lo : b - lo])
-            _check_finite(index, [p for p, _, _ in parts], again, 0, hi - lo, lo)
+                reader.read_elements_into(p.info.name, first_element(p, a), b - a, again[a - lo : b - lo])
+            check_finite(index, [p for p, _, _ in parts], again, 0, hi - lo, lo)
 
 
 def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs, ws: Workspace):
@@ -246,9 +198,9 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
         if gpu and streams(reader):
             _stream_in(ws, reader, blocks, flat, plan.readers)
         else:
-            _load(reader, u, flat, scratch)
+            load(reader, u, flat, scratch)
         if check:
-            _check_finite(reader.index, u, flat, 0, size)
+            check_finite(reader.index, u, flat, 0, size)
 
     with stages.stage("read", unit_bytes(unit) if plan.theta0_index is not None else 0):
         state_store.read_theta0(plan, unit, theta0, load_theta0)
@@ -272,7 +224,7 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
         saving = state_store.saved_states(plan, stabs, theta0) if step == last else []
         wb = ws.write_behind(block)
         with index.open() as reader, ExitStack() as held:
-            raw = _read_raw(reader, unit)
+            raw = read_raw(reader, unit)
             for writer in [w for _, w in writing] + [w for w, _, _ in saving]:
                 # files open for the step's many block writes, then closed: both in the writer's
                 # thread, after its blocks, so this thread goes on to the next step meanwhile
@@ -282,12 +234,10 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
             t_unit, t_read = perf_counter(), 0.0
             if not streamed:
                 theta = ws.view("theta", size)
-                _load(reader, unit, theta, scratch)
+                load(reader, unit, theta, scratch)
                 t_read = perf_counter() - t_unit
             ahead = (
-                ReadAhead(
-                    reader, blocks, _first_element, plan.readers, ws.transfers, _ahead(ws, plan.readers)
-                )
+                ReadAhead(reader, blocks, first_element, plan.readers, ws.transfers, _ahead(ws, plan.readers))
                 if streamed and (plan.readers > 1 or gpu)
                 else None
             )
@@ -302,7 +252,7 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
                     t = perf_counter()
                     if fetched is None:
                         for p, a, b in parts:
-                            first = _first_element(p, a)
+                            first = first_element(p, a)
                             reader.read_elements_into(p.info.name, first, b - a, th[a - lo : b - lo], scratch)
                     else:  # read by the read-ahead threads; cast here, as read_elements_into does
                         ahead.release(k, ws.transfers.to_device(next(fetched), th, lo))
@@ -312,28 +262,26 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
                 if sums is not None:
                     sums[k] = th.sum(dtype=torch.float64)  # checked after the block loop
                 elif check:
-                    _check_finite(index, [p for p, _, _ in parts], th, 0, hi - lo, lo)
+                    check_finite(index, [p for p, _, _ in parts], th, 0, hi - lo, lo)
                 motion.block(step, lo, hi, parts, th, ws.block_view("motion", hi - lo))
                 if step <= tau:
                     theta0[lo:hi].copy_(th)  # burn-in: theta0 = theta_s, held in its own buffer
-                for stab, event in advancing:
-                    stab.view(lo, hi).advance(event, theta0[lo:hi] if event.action == "burnin" else th)
+                update(advancing, lo, hi, th, theta0[lo:hi])
                 drift = None  # theta_s - theta0, computed once per block for every bema output
                 for run, writer in writing:  # the output is only computed where it is written
                     event = run.events[step]
                     method = run.schedule.method
-                    if method == "bema" and drift is None and event.action == "update":
+                    if drift is None and needs_drift(run.schedule, event):
                         drift = torch.sub(th, theta0[lo:hi], out=ws.block_view("drift", hi - lo))
                     out = None
                     if method in BUFFERED:  # computed straight into a write buffer when it can
                         out = wb.buffer(ws.acc, hi - lo) if direct else ws.block_view("out", hi - lo)
                     part = stabs[track_of[run.name]].view(lo, hi)
-                    result = run_estimate(part, run, event, th, drift, out)
+                    result = estimate(part, run.schedule, event, th, drift, out)
                     _emit(ws, wb, writer, parts, lo, result, out_dtypes)
                     if out is not None and result is not out and direct:
                         wb.release(out)  # a burn-in step returned theta_s instead
-                for ring, event in after:
-                    ring.view(lo, hi).advance(event, th)
+                update(after, lo, hi, th)
                 for writer, names, tensors in saving:
                     for name, t in zip(names, tensors, strict=True):
                         _emit_state(ws, wb, writer, name, parts, lo, t[lo:hi])

@@ -30,20 +30,13 @@ from bema_cli.errors import InputError
 from bema_cli.io.checkpoints import Checkpoint
 from bema_cli.io.reader import ModelIndex, open_checkpoint
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF, ChunkReader
-from bema_cli.recurrence import Window
+from bema_cli.recurrence import Window, estimate, needs_drift, update
 from bema_cli.stabilize import state_store
+from bema_cli.stabilize.blocks import check_finite, first_element, load, read_raw
 from bema_cli.stabilize.motion import UnitMotion
 from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.prepare import check_same, drop_tied_head, prepare
-from bema_cli.stabilize.unit import (
-    BUFFERED,
-    _check_finite,
-    _first_element,
-    _load,
-    _read_raw,
-    run_estimate,
-    step_updates,
-)
+from bema_cli.stabilize.unit import BUFFERED, step_updates
 from bema_cli.stabilize.workspace import Workspace
 from bema_cli.sweep.hold import HOLD_BLOCK, FileRing, hold_dtype, index_streams, reread
 
@@ -130,9 +123,9 @@ class Walker:
         self.theta0 = None if again_theta0 else ws.view("theta0", size, self.hold)
 
         def load_theta0(reader, unit, flat):
-            _load(reader, unit, flat, self.scratch)
+            load(reader, unit, flat, self.scratch)
             if self.check:
-                _check_finite(reader.index, unit, flat, 0, size)
+                check_finite(reader.index, unit, flat, 0, size)
 
         def buffer(key: str):  # a ring slot is a copy of some theta_s: exact in the held dtype
             if "-slot" in key and again_theta:
@@ -149,7 +142,7 @@ class Walker:
             for a, b in self._blocks(0, size):
                 self._read(self._theta0_reader, a, b, start[a:b])
             if self.check:
-                _check_finite(plan.base_index, self.unit, start, 0, size)
+                check_finite(plan.base_index, self.unit, start, 0, size)
             self.stabs = state_store.start_unit(plan, self.unit, start, buffer, self.scratch)
             for track, stab in zip(plan.tracks, self.stabs, strict=True):
                 if not track.window:
@@ -172,7 +165,7 @@ class Walker:
         for p in self.unit:
             if p.hi > a and p.lo < b:
                 lo, hi = max(p.lo, a), min(p.hi, b)
-                reader.read_elements_into(p.info.name, _first_element(p, lo), hi - lo, out[lo - a : hi - a],
+                reader.read_elements_into(p.info.name, first_element(p, lo), hi - lo, out[lo - a : hi - a],
                                           self.scratch)  # fmt: skip
 
     def _theta(self, a: int, b: int):
@@ -228,7 +221,7 @@ class Walker:
         self._prev_files.close()
         self._prev_files = self._step_files.pop_all()  # the previous checkpoint's reader, if it had one
         self._reader = reader = self._step_files.enter_context(index.open())
-        self.raw = _read_raw(reader, self.unit)
+        self.raw = read_raw(reader, self.unit)
         self.step = step
         indexed = step in self.plan.indexes
         updates, self._rings = step_updates(self.plan, self.stabs, step) if indexed else ([], [])
@@ -243,11 +236,11 @@ class Walker:
         if held:  # a held theta_s (or a checkpoint that cannot be read by element range: held from now on)
             if self.theta is None:
                 self.theta = self.ws.view("theta", self.size, self.hold)
-            _load(reader, self.unit, self.theta, self.scratch)
+            load(reader, self.unit, self.theta, self.scratch)
             self._step_files.close()
             self._reader = None  # nothing to read again from: a FileRing cannot take this step
             if self.check:
-                _check_finite(index, self.unit, self.theta, 0, self.size)
+                check_finite(index, self.unit, self.theta, 0, self.size)
         reads_theta0 = any(e.action == "burnin" or s.method == "ouema" for s, e in updates)
         with torch.no_grad():
             for a, b in self._blocks(0, self.size):
@@ -256,14 +249,11 @@ class Walker:
                     self.motion.add(step, a, self._block_parts(a, b), theta, self._prev_block(prev, a, b),
                                     self._block("motion")[: b - a])  # fmt: skip
                 if not held and self.check:
-                    _check_finite(index, self.unit, theta, 0, b - a, a)
+                    check_finite(index, self.unit, theta, 0, b - a, a)
                 if burnin and self.theta0 is not None:
                     self.theta0[a:b].copy_(theta)  # exact: theta_s is in the held dtype
                 theta0 = self._theta0(a, b) if reads_theta0 else None
-                for stab, event in updates:
-                    part = stab.view(a, b)
-                    part.theta0 = theta0  # ouema's update reads theta0
-                    part.advance(event, theta0 if event.action == "burnin" else theta)
+                update(updates, a, b, theta, theta0)
 
     def _previous(self):
         """Where the previous checkpoint is read from at this step (before theta_s is replaced): a
@@ -378,13 +368,12 @@ class Walker:
                     if stab is None:
                         result = theta
                     else:
-                        bema = method == "bema" and event.action == "update"
                         drift = None
-                        if bema:
+                        if needs_drift(found.schedule, event):
                             drift = torch.sub(theta, self._theta0(a, b), out=self._block("drift")[: b - a])
                         buffer = self._block("out")[: b - a] if method in BUFFERED else None
                         part = self._ring_view(stab, a, b) if isinstance(stab, FileRing) else stab.view(a, b)
-                        result = run_estimate(part, found, event, theta, drift, buffer)
+                        result = estimate(part, found.schedule, event, theta, drift, buffer)
                     tensor[a - p.lo : b - p.lo].copy_(result)  # the cast stabilize's writer does
                 if dtype is not None and tensor.dtype != dtype:
                     tensor = tensor.to(dtype)

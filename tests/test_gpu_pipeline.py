@@ -101,8 +101,8 @@ class Gate:
 def test_the_read_ahead_ring_is_preallocated_bounded_and_refills_a_buffer_only_after_its_copy(trajs):
     from bema_cli.io.read_ahead import ReadAhead
     from bema_cli.io.safetensors import index_model
-    from bema_cli.stabilize.plan import Piece
     from bema_cli.stabilize.blocks import first_element
+    from bema_cli.stabilize.plan import Piece
     from bema_cli.stabilize.unit import _blocks
 
     base, _ = trajs["f32"]

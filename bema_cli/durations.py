@@ -174,28 +174,30 @@ def _tokens(d: Duration, clock: RunClock) -> dict:
 DURATION_FLAGS = {"window": "--window", "swa_start": "--swa-start", "half_life": "--half-life"}
 
 
-def resolve_flags(f: dict, methods: list[str]) -> dict:
-    """The grid values of the flags given as spans of training, resolved on the run's
-    checkpoints; {} when none is. How each resolved lands in f["durations"] (the outputs' records)."""
+def resolve_flags(grid, methods: list[str], checkpoint_dir, checkpoints=None, follow: bool = False):
+    """(the grid values of the flags given as spans of training, resolved on the run's checkpoints;
+    how each resolved, for the outputs' records). ({}, {}) when none is. `grid`: the grid's flags
+    (commands/flags.GridFlags)."""
     from bema_cli.io.checkpoints import find_checkpoints
     from bema_cli.options import parse_int_list, parse_str_list
 
-    given = {k: parse_str_list(f[k], flag) for k, flag in DURATION_FLAGS.items() if f.get(k) is not None}
+    values = {k: getattr(grid, k) for k in DURATION_FLAGS}
+    given = {k: parse_str_list(v, DURATION_FLAGS[k]) for k, v in values.items() if v is not None}
     if not any(re.search(r"[A-Za-z%]", v) for vs in given.values() for v in vs) and "half_life" not in given:
-        return {}  # counts and steps only: the flags' own parsing (and its errors) as before
+        return {}, {}  # counts and steps only: the flags' own parsing (and its errors) as before
     spans = {k: [(v, _duration(v, DURATION_FLAGS[k])) for v in vs] for k, vs in given.items()}
-    if "half_life" in spans and ("power" not in methods or f.get("power_gamma") or f.get("sigma_rel")):
+    if "half_life" in spans and ("power" not in methods or grid.power_gamma or grid.sigma_rel):
         raise UsageError(
             "--half-life: sets the power EMA's exponent: with --method power, without --power-gamma or --sigma-rel"
         )
-    if f.get("follow"):
+    if follow:
         raise UsageError("durations (steps, tokens, %) are resolved on the run as it is: not with --follow")
-    checkpoints = f.get("checkpoints") or find_checkpoints(f["checkpoint_dir"])
-    run_clock = clock(checkpoints, f.get("tokens_per_step"))
+    checkpoints = checkpoints or find_checkpoints(checkpoint_dir)
+    run_clock = clock(checkpoints, grid.tokens_per_step)
     resolve = {"window": window_members, "swa_start": swa_start_step, "half_life": half_life_gamma}
     out, records = {}, {}
-    for key, values in spans.items():
-        for text, d in values:
+    for key, texts in spans.items():
+        for text, d in texts:
             if d is None and key == "half_life":
                 raise UsageError(f"--half-life {text}: give a span of training: 5%, 2000steps or 5Btok")
             value, record = (
@@ -206,8 +208,7 @@ def resolve_flags(f: dict, methods: list[str]) -> dict:
             out.setdefault(key, []).append(value)
             if record:
                 records.setdefault(key, []).append(record)
-    f["durations"] = records
-    return out
+    return out, records
 
 
 def _duration(text: str, flag: str):

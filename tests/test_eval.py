@@ -288,7 +288,7 @@ def test_rescore_reproduces_and_rescoring_hand_written_samples(evaluated, tmp_pa
 
 
 def test_results_written_before_an_error_are_kept(evaluated, tmp_path):
-    broken = tmp_path / "checkpoint-30"
+    broken = tmp_path / "run" / "checkpoint-30"  # OUT apart from the run it evaluates
     shutil.copytree(evaluated["trained"], broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     out = tmp_path / "out"

@@ -114,7 +114,7 @@ def test_eval_never_writes_into_the_training_run(world):
     r = run_bema("eval", world["run"] / "checkpoint-10", "--out", world["run"], "--tasks", "loss",
                  "--loss-data", data, "--backend", "transformers")  # fmt: skip
     line = one_line_error(r)
-    assert "is the input" in line, line
+    assert "is the training run" in line, line
     assert _tree(world["run"]) == before
 
 

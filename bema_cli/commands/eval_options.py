@@ -145,8 +145,11 @@ ForceOpt = Annotated[
 ]
 
 
-def eval_settings(flags: dict):
-    """(EvalConfig, EngineOptions) from a command's flags (its locals: the names above)."""
+def eval_settings(ev, eng, tasks: str, out: str | None, log_samples: bool = False, force: bool = False,
+                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, enforce_eager: bool = False,
+                  verify_swap: bool = False):  # fmt: skip
+    """(EvalConfig, EngineOptions) from a command's settings (`ev`: flags.EvalFlags, `eng`:
+    flags.EngineFlags) and the flags some commands alone take."""
     from pathlib import Path
 
     from bema_cli import output
@@ -155,25 +158,23 @@ def eval_settings(flags: dict):
     from bema_cli.eval.job import EvalConfig
     from bema_cli.eval.tasks import parse_tasks
 
-    f, out = flags, flags["out"]
-    names = parse_tasks(f["tasks"])
-    for path, name in ((f["loss_data"], "loss"), (f["loss_train_data"], "train_loss")):
+    names = parse_tasks(tasks)
+    for path, name in ((ev.loss_data, "loss"), (ev.loss_train_data, "train_loss")):
         if path is not None and name not in names:
             names.append(name)
     config = EvalConfig(
-        tasks=names, out=out, data_dir=f["data_dir"], loss_data=f["loss_data"], loss_train_data=f["loss_train_data"],
-        loss_samples=f["loss_samples"], loss_max_tokens=f["loss_max_tokens"], n_samples=f["n_samples"],
-        temperature=f["temperature"], seed=f["seed"], max_new_tokens=f["max_new_tokens"],
-        selection_seed=f["selection_seed"], limit=f["limit"], backend=f["backend"], log_samples=f["log_samples"],
-        force=f["force"], chat_template_file=f["chat_template"], num_fewshot=f["num_fewshot"], cot=f["cot"],
-        lm_eval_include=f["lm_eval_include"],
+        tasks=names, out=out, data_dir=ev.data_dir, loss_data=ev.loss_data, loss_train_data=ev.loss_train_data,
+        loss_samples=ev.loss_samples, loss_max_tokens=ev.loss_max_tokens, n_samples=ev.n_samples,
+        temperature=ev.temperature, seed=ev.seed, max_new_tokens=ev.max_new_tokens,
+        selection_seed=ev.selection_seed, limit=ev.limit, backend=eng.backend, log_samples=log_samples,
+        force=force, chat_template_file=ev.chat_template, num_fewshot=ev.num_fewshot, cot=ev.cot,
+        lm_eval_include=ev.lm_eval_include,
     )  # fmt: skip
     engine = EngineOptions(
-        dtype=f["dtype"], tensor_parallel_size=f["tensor_parallel_size"], data_parallel_size=f["data_parallel_size"],
-        gpu_memory_utilization=f["gpu_memory_utilization"], max_model_len=f["max_model_len"],
-        enforce_eager=f["enforce_eager"], batch_size=f["batch_size"],
-        chat_template=read_template(f["chat_template"]) if f["chat_template"] else None,
-        log_file=str(Path(out) / "vllm.log") if out else None, debug=output.debug(),
-        verify_swap=f.get("verify_swap", False),
+        dtype=eng.dtype, tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+        gpu_memory_utilization=eng.gpu_memory_utilization, max_model_len=eng.max_model_len,
+        enforce_eager=enforce_eager, batch_size=eng.batch_size,
+        chat_template=read_template(ev.chat_template) if ev.chat_template else None,
+        log_file=str(Path(out) / "vllm.log") if out else None, debug=output.debug(), verify_swap=verify_swap,
     )  # fmt: skip
     return config, engine

@@ -9,40 +9,22 @@ import typer
 from bema_cli import output, stages
 from bema_cli.commands.eval_options import (
     DEFAULT_OUT,
-    BackendOpt,
     BaseOpt,
-    BatchSizeOpt,
-    ChatTemplateOpt,
-    CotOpt,
-    DataDirOpt,
     DataParallelSizeOpt,
-    DtypeOpt,
     EnforceEagerOpt,
     ForceOpt,
-    GpuMemoryUtilizationOpt,
-    LimitOpt,
-    LmEvalIncludeOpt,
     LogSamplesOpt,
-    LossDataOpt,
-    LossMaxTokensOpt,
-    LossSamplesOpt,
-    LossTrainDataOpt,
-    MaxModelLenOpt,
-    MaxNewTokensOpt,
-    NSamplesOpt,
-    NumFewshotOpt,
     OutOpt,
-    SeedOpt,
-    SelectionSeedOpt,
     TasksOpt,
-    TemperatureOpt,
     TensorParallelSizeOpt,
     VerifySwapOpt,
     eval_settings,
 )
-from bema_cli.options import ExecutorOpt, JsonOpt, RayAddressOpt, WorkersOpt
+from bema_cli.commands.flags import EngineFlags, EvalFlags, ExecutorFlags, with_flags
+from bema_cli.options import JsonOpt
 
 
+@with_flags(ev=EvalFlags, eng=EngineFlags, where=ExecutorFlags)
 def evaluate(
     inputs: Annotated[
         list[str] | None, typer.Argument(help="Checkpoint folders, bema stabilize outputs or OUT dirs.")
@@ -50,29 +32,9 @@ def evaluate(
     tasks: TasksOpt = "boolq,gsm8k,mmlu_hs",
     out: OutOpt = None,
     base: BaseOpt = None,
-    data_dir: DataDirOpt = None,
-    loss_data: LossDataOpt = None,
-    loss_train_data: LossTrainDataOpt = None,
-    loss_samples: LossSamplesOpt = 200,
-    loss_max_tokens: LossMaxTokensOpt = 1024,
-    n_samples: NSamplesOpt = 50,
-    temperature: TemperatureOpt = 1.0,
-    seed: SeedOpt = 13337,
-    max_new_tokens: MaxNewTokensOpt = None,
-    selection_seed: SelectionSeedOpt = 37371,
-    limit: LimitOpt = None,
-    num_fewshot: NumFewshotOpt = 0,
-    cot: CotOpt = False,
-    lm_eval_include: LmEvalIncludeOpt = None,
-    chat_template: ChatTemplateOpt = None,
-    backend: BackendOpt = "auto",
-    dtype: DtypeOpt = "auto",
     tensor_parallel_size: TensorParallelSizeOpt = 1,
     data_parallel_size: DataParallelSizeOpt = 1,
-    gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.7,
-    max_model_len: MaxModelLenOpt = None,
     enforce_eager: EnforceEagerOpt = False,
-    batch_size: BatchSizeOpt = 8,
     verify_swap: VerifySwapOpt = False,
     log_samples: LogSamplesOpt = False,
     force: ForceOpt = False,
@@ -83,15 +45,15 @@ def evaluate(
             help="Also evaluate the run's own checkpoint at every output step of a stabilize OUT folder, so bema report compares each average with vanilla at the same step.",
         ),
     ] = False,
-    executor: ExecutorOpt = "local",
-    workers: WorkersOpt = 1,
-    ray_address: RayAddressOpt = None,
     json_: JsonOpt = False,
+    *,
+    ev: EvalFlags,
+    eng: EngineFlags,
+    where: ExecutorFlags,
 ) -> None:
     """Evaluate checkpoints with the paper's protocol: BoolQ, GSM8K, MMLU-HS (50 samples/prompt) and held-out loss."""
     from pathlib import Path
 
-    from bema_cli.cluster import ExecutorOptions
     from bema_cli.eval.evaluate import LIBRARY_LOG, eval_document
     from bema_cli.eval.results import records_table
 
@@ -108,13 +70,14 @@ def evaluate(
     if out is None:  # ten minutes of evaluation must never end in nothing kept
         out = DEFAULT_OUT
         output.log(f"results go to ./{DEFAULT_OUT}/ (the default; --out DIR chooses)")
-    config, engine = eval_settings({**locals(), "out": out})
+    config, engine = eval_settings(ev, eng, tasks, out, log_samples, force, tensor_parallel_size,
+                                   data_parallel_size, enforce_eager, verify_swap)  # fmt: skip
     if with_vanilla:
         from bema_cli.eval.targets import vanilla_of
 
         inputs = [*(inputs or []), *vanilla_of(inputs or [])]
     doc = eval_document(
-        inputs or [], base, config, engine, ExecutorOptions(executor, workers, ray_address),
+        inputs or [], base, config, engine, where.options(),
         validated=lambda: output.send_library_output(Path(out) / LIBRARY_LOG),
     )  # fmt: skip
     if json_:

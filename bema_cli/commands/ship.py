@@ -8,58 +8,18 @@ import typer
 
 from bema_cli import output, stages
 from bema_cli.commands.eval_options import (
-    BackendOpt,
-    BatchSizeOpt,
-    ChatTemplateOpt,
-    CotOpt,
-    DataDirOpt,
-    DtypeOpt,
-    GpuMemoryUtilizationOpt,
-    LimitOpt,
-    LmEvalIncludeOpt,
-    LossDataOpt,
-    LossMaxTokensOpt,
-    LossSamplesOpt,
-    LossTrainDataOpt,
-    MaxModelLenOpt,
-    MaxNewTokensOpt,
-    NSamplesOpt,
-    NumFewshotOpt,
-    SeedOpt,
-    SelectionSeedOpt,
-    TemperatureOpt,
     eval_settings,
 )
+from bema_cli.commands.flags import EngineFlags, EvalFlags, GridFlags, InputFlags, with_flags
 from bema_cli.commands.select import CardPathsOpt
 from bema_cli.options import (
-    AccumDtypeOpt,
-    AllowGapsOpt,
-    AllowNonfiniteOpt,
-    BetaMinOpt,
-    CastBaseOpt,
-    EtaOpt,
-    GammaOpt,
-    GridConfigOpt,
-    HalfLifeOpt,
     JsonOpt,
-    KappaOpt,
-    MinCheckpointsOpt,
-    MinIntervalOpt,
-    PhiOpt,
-    PowerGammaOpt,
-    PresetOpt,
-    RhoOpt,
-    ScheduleOpt,
-    SigmaRelOpt,
-    SwaStartOpt,
-    TauOpt,
-    TokensPerStepOpt,
-    WindowOpt,
     parse_size,
     parse_str_list,
 )
 
 
+@with_flags(grid=GridFlags, inputs=InputFlags, ev=EvalFlags, eng=EngineFlags)
 def ship(
     checkpoint_dir: Annotated[str, typer.Argument(help="Training output folder (checkpoint-N folders).")],
     out: Annotated[
@@ -115,22 +75,6 @@ def ship(
             help="Replace the menu: bema, ema, dema, ouema, lawa, wsm, swa, power, vanilla; comma list for a grid (default: the menu: vanilla, ema, bema at eta 0.2 and 0.5, lawa and wsm over 4 and 8 checkpoints).",
         ),
     ] = None,
-    kappa: KappaOpt = None,
-    eta: EtaOpt = None,
-    window: WindowOpt = None,
-    schedule: ScheduleOpt = None,
-    swa_start: SwaStartOpt = None,
-    half_life: HalfLifeOpt = None,
-    tokens_per_step: TokensPerStepOpt = None,
-    sigma_rel: SigmaRelOpt = None,
-    power_gamma: PowerGammaOpt = None,
-    config: GridConfigOpt = None,
-    gamma: GammaOpt = 1.0,
-    rho: RhoOpt = 10.0,
-    tau: TauOpt = 0,
-    phi: PhiOpt = None,
-    beta_min: BetaMinOpt = None,
-    preset: PresetOpt = "paper",
     tasks: Annotated[
         str | None,
         typer.Option(
@@ -138,26 +82,6 @@ def ship(
             help="Comma list of tasks, as bema eval takes them (default: loss alone with --loss-data, which then decides; else gsm8k).",
         ),
     ] = None,
-    data_dir: DataDirOpt = None,
-    loss_data: LossDataOpt = None,
-    loss_train_data: LossTrainDataOpt = None,
-    loss_samples: LossSamplesOpt = 200,
-    loss_max_tokens: LossMaxTokensOpt = 1024,
-    n_samples: NSamplesOpt = 50,
-    temperature: TemperatureOpt = 1.0,
-    seed: SeedOpt = 13337,
-    max_new_tokens: MaxNewTokensOpt = None,
-    selection_seed: SelectionSeedOpt = 37371,
-    limit: LimitOpt = None,
-    num_fewshot: NumFewshotOpt = 0,
-    cot: CotOpt = False,
-    lm_eval_include: LmEvalIncludeOpt = None,
-    chat_template: ChatTemplateOpt = None,
-    backend: BackendOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.7,
-    max_model_len: MaxModelLenOpt = None,
-    batch_size: BatchSizeOpt = 8,
     max_memory: Annotated[str | None, typer.Option("--max-memory", help="Memory the sweep may hold.")] = None,
     device: Annotated[
         str,
@@ -165,16 +89,10 @@ def ship(
             "--device", help="Where the sweep's states live: auto (the GPU when present), cpu or cuda."
         ),
     ] = "auto",
-    accum_dtype: AccumDtypeOpt = "float32",
     out_dtype: Annotated[
         str | None,
         typer.Option("--out-dtype", help="The dtype the configs are cast to (default: the inputs')."),
     ] = None,
-    allow_nonfinite: AllowNonfiniteOpt = False,
-    allow_gaps: AllowGapsOpt = False,
-    min_interval: MinIntervalOpt = None,
-    min_checkpoints: MinCheckpointsOpt = None,
-    cast_base: CastBaseOpt = False,
     card_paths: CardPathsOpt = "short",
     overwrite: Annotated[
         bool,
@@ -184,6 +102,11 @@ def ship(
         str | None, typer.Option("--push", help="Then upload it to this Hub model repo (ORG/NAME).")
     ] = None,
     json_: JsonOpt = False,
+    *,
+    grid: GridFlags,
+    inputs: InputFlags,
+    ev: EvalFlags,
+    eng: EngineFlags,
 ) -> None:
     """Judge the run's averages in memory, pick with intervals, fit an average, and write the one to ship.
 
@@ -192,14 +115,14 @@ def ship(
     from pathlib import Path
 
     from bema_cli.card import CARD_PATHS
-    from bema_cli.commands.stabilize import schedules_from_flags
     from bema_cli.decide.budget import budget_line
     from bema_cli.decide.push import check_repo_id
     from bema_cli.decide.ship import DEFAULT_GRID, ShipOptions, check
     from bema_cli.decide.ship import ship as run
     from bema_cli.errors import UsageError
     from bema_cli.eval.evaluate import LIBRARY_LOG
-    from bema_cli.stabilize import Options, grid
+    from bema_cli.stabilize import Options
+    from bema_cli.stabilize import grid as menu
     from bema_cli.sweep.session import SweepOptions, parse_at
 
     parse_at(at)
@@ -209,39 +132,22 @@ def ship(
         check_repo_id(push)
     fits = () if fit.strip() == "none" else tuple(parse_str_list(fit, "--fit"))
     if tasks is None:  # the decision is made on loss when there is held-out data: no generation task
-        tasks = "loss" if loss_data is not None else "gsm8k"
-    flags = {**locals(), "out": str(Path(out).parent / f".{Path(out).name}.bema-ship" / "race"),
-             "log_samples": False, "force": False,
-             "verify_swap": False, "tensor_parallel_size": 1, "data_parallel_size": 1, "enforce_eager": False}  # fmt: skip
-    evaluation, engine = eval_settings(flags)
-    ship_opts = ShipOptions(
-        Path(out),
-        metric,
-        holdout,
-        at,
-        fits,
-        resamples,
-        select_seed,
-        card_paths,
-        overwrite,
-        push,
-        max_evaluations,
-        dry_run,
-        reads=(Path(config).expanduser(),) if config else (),
-    )
+        tasks = "loss" if ev.loss_data is not None else "gsm8k"
+    race = str(Path(out).parent / f".{Path(out).name}.bema-ship" / "race")
+    evaluation, engine = eval_settings(ev, eng, tasks, race)
+    ship_opts = ShipOptions(Path(out), metric, holdout, at, fits, resamples, select_seed, card_paths, overwrite,
+                            push, max_evaluations, dry_run,
+                            reads=(Path(grid.config).expanduser(),) if grid.config else ())  # fmt: skip
     check(ship_opts, evaluation)
-    given = [method, kappa, eta, window, schedule, swa_start, sigma_rel, power_gamma, half_life, config]
-    common = {"preset": preset, "gamma": gamma, "rho": rho, "tau": tau, "phi": phi, "beta_min": beta_min}
-    schedules = (
-        schedules_from_flags(flags) if any(v is not None for v in given) else grid(**DEFAULT_GRID, **common)
-    )
-    opts = Options(checkpoint_dir=checkpoint_dir, schedules=schedules, out=flags["out"], base=base, device=device,
-                   accum_dtype=accum_dtype, out_dtype=out_dtype, allow_nonfinite=allow_nonfinite,
-                   cast_base=cast_base, allow_gaps=allow_gaps, durations=flags.get("durations") or None,
-                   min_interval=min_interval, min_checkpoints=min_checkpoints)  # fmt: skip
+    if grid.given(method):
+        schedules, durations = grid.schedules(method, checkpoint_dir)
+    else:  # the menu
+        schedules, durations = menu(**DEFAULT_GRID, **grid.common()), {}
+    opts = Options(checkpoint_dir=checkpoint_dir, schedules=schedules, out=race, base=base, device=device,
+                   out_dtype=out_dtype, durations=durations or None, **inputs.options())  # fmt: skip
     limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
     doc = run(opts, evaluation, engine, ship_opts, SweepOptions(at=at, memory_limit=limit),
-              validated=lambda: output.send_library_output(Path(flags["out"]) / LIBRARY_LOG))  # fmt: skip
+              validated=lambda: output.send_library_output(Path(race) / LIBRARY_LOG))  # fmt: skip
     if doc.get("stages"):
         output.log(stages.line(doc["stages"]))
     if json_:

@@ -10,50 +10,21 @@ from typing import Annotated
 import typer
 
 from bema_cli import output, stages
+from bema_cli.commands.flags import ExecutorFlags, FollowFlags, GridFlags, InputFlags, with_flags
 from bema_cli.errors import UsageError
 from bema_cli.options import (
-    AccumDtypeOpt,
-    AllowGapsOpt,
-    AllowNonfiniteOpt,
-    BetaMinOpt,
-    CastBaseOpt,
-    EtaOpt,
-    ExecutorOpt,
-    GammaOpt,
-    GridConfigOpt,
-    HalfLifeOpt,
-    IdleTimeoutOpt,
     JsonOpt,
-    KappaOpt,
     MethodOpt,
-    MinCheckpointsOpt,
-    MinIntervalOpt,
     OutDirOpt,
     OverwriteOpt,
-    PhiOpt,
-    PollOpt,
-    PowerGammaOpt,
-    PresetOpt,
-    RayAddressOpt,
-    RhoOpt,
-    ScheduleOpt,
-    SettleOpt,
-    SigmaRelOpt,
-    SwaStartOpt,
-    TauOpt,
-    TokensPerStepOpt,
-    UntilStepOpt,
-    WindowOpt,
-    WorkersOpt,
     check_seconds,
-    parse_float_list,
     parse_int_list,
     parse_size,
-    parse_str_list,
 )
 from bema_cli.stabilize.project import projection_line
 
 
+@with_flags(grid=GridFlags, inputs=InputFlags, fol=FollowFlags, where=ExecutorFlags)
 def stabilize(
     checkpoint_dir: Annotated[
         str,
@@ -71,22 +42,6 @@ def stabilize(
         ),
     ] = None,
     method: MethodOpt = None,
-    kappa: KappaOpt = None,
-    eta: EtaOpt = None,
-    window: WindowOpt = None,
-    schedule: ScheduleOpt = None,
-    swa_start: SwaStartOpt = None,
-    half_life: HalfLifeOpt = None,
-    tokens_per_step: TokensPerStepOpt = None,
-    sigma_rel: SigmaRelOpt = None,
-    power_gamma: PowerGammaOpt = None,
-    config: GridConfigOpt = None,
-    gamma: GammaOpt = 1.0,
-    rho: RhoOpt = 10.0,
-    tau: TauOpt = 0,
-    phi: PhiOpt = None,
-    beta_min: BetaMinOpt = None,
-    preset: PresetOpt = "paper",
     max_memory: Annotated[
         str, typer.Option("--max-memory", help="Working-set budget (e.g. 2GiB); tensors are chunked to fit.")
     ] = "2GiB",
@@ -109,7 +64,6 @@ def stabilize(
             help="Threads reading checkpoints ahead of the compute (default: 2, half the cores up to 4).",
         ),
     ] = None,
-    accum_dtype: AccumDtypeOpt = "float32",
     out_dtype: Annotated[
         str | None,
         typer.Option("--out-dtype", help="float32, bfloat16, float16 (default: each tensor's input dtype)."),
@@ -126,8 +80,6 @@ def stabilize(
     ] = False,
     json_out: JsonOpt = False,
     overwrite: OverwriteOpt = False,
-    allow_nonfinite: AllowNonfiniteOpt = False,
-    allow_gaps: AllowGapsOpt = False,
     lora_output: Annotated[
         str,
         typer.Option(
@@ -160,8 +112,6 @@ def stabilize(
             "--keep-last", help="Keep only the K newest outputs of each run (like save_total_limit)."
         ),
     ] = None,
-    min_interval: MinIntervalOpt = None,
-    min_checkpoints: MinCheckpointsOpt = None,
     fingerprint: Annotated[
         str,
         typer.Option(
@@ -177,14 +127,11 @@ def stabilize(
             help="Keep watching CHECKPOINT_DIR and process each new checkpoint once it is complete.",
         ),
     ] = False,
-    until_step: UntilStepOpt = None,
-    idle_timeout: IdleTimeoutOpt = None,
-    poll: PollOpt = 2.0,
-    settle: SettleOpt = None,
-    cast_base: CastBaseOpt = False,
-    executor: ExecutorOpt = "local",
-    workers: WorkersOpt = 1,
-    ray_address: RayAddressOpt = None,
+    *,
+    grid: GridFlags,
+    inputs: InputFlags,
+    fol: FollowFlags,
+    where: ExecutorFlags,
 ) -> None:
     """Stabilize a fine-tuning run's checkpoints with BEMA/EMA/DEMA/OUEMA or a window/schedule average
     (LAWA, WSM, SWA, power EMA), streaming tensor by tensor.
@@ -196,7 +143,6 @@ def stabilize(
     OUT/.bema-state/ keeps the recurrences, so a re-run reads only new checkpoints; --follow
     keeps going while training runs (one JSON line per output with --json).
     """
-    from bema_cli.cluster import ExecutorOptions
     from bema_cli.io.checkpoints import read_checkpoint_list
     from bema_cli.stabilize import Options
     from bema_cli.stabilize import stabilize as run
@@ -210,19 +156,17 @@ def stabilize(
             )
         checkpoints = read_checkpoint_list(sys.stdin.read())
 
-    flags = dict(locals())
-    schedules = schedules_from_flags(flags)
+    schedules, durations = grid.schedules(method, checkpoint_dir, checkpoints, follow)
     opts = Options(
         checkpoint_dir=checkpoint_dir, schedules=schedules, out=out, base=base,
         max_memory=parse_size(max_memory, "--max-memory"), max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
-        device=device, readers=readers, accum_dtype=accum_dtype, out_dtype=out_dtype, final_only=final_only,
+        device=device, readers=readers, out_dtype=out_dtype, final_only=final_only,
         steps=parse_int_list(steps, "--steps") if steps is not None else None, dry_run=dry_run, overwrite=overwrite,
-        allow_nonfinite=allow_nonfinite, allow_gaps=allow_gaps, cast_base=cast_base, checkpoints=checkpoints,
-        lora_output=lora_output, lora_rank=lora_rank, restart=restart, keep_last=keep_last, fingerprint=fingerprint,
-        no_state=None if keep_state is None else not keep_state, durations=flags.get("durations") or None,
-        min_interval=min_interval, min_checkpoints=min_checkpoints,
+        checkpoints=checkpoints, lora_output=lora_output, lora_rank=lora_rank, restart=restart, keep_last=keep_last,
+        fingerprint=fingerprint, no_state=None if keep_state is None else not keep_state, durations=durations or None,
+        **inputs.options(),
     )  # fmt: skip
-    if min_interval is not None:
+    if inputs.min_interval is not None:
         if keep_state or follow:
             raise UsageError("--min-interval: the thinned set anchors at the last step, so a continued run would "
                              "average another one: drop --keep-state/--follow")  # fmt: skip
@@ -235,19 +179,19 @@ def stabilize(
         raise UsageError("--no-state: --follow continues from the state; drop one of them")
     if follow:
         opts = replace(opts, no_state=False)  # every round continues the last one's state
-    if not follow and (until_step is not None or idle_timeout is not None):
+    if not follow and (fol.until_step is not None or fol.idle_timeout is not None):
         raise UsageError("--until-step and --idle-timeout only apply with --follow")
-    check_seconds(poll, "--poll")
-    check_seconds(settle, "--settle", zero_ok=True)
-    check_seconds(idle_timeout, "--idle-timeout", zero_ok=True)  # 0: process what is there, then stop
-    if until_step is not None and until_step < 0:
-        raise UsageError(f"--until-step: must be a step >= 0, got {until_step}")
-    where = ExecutorOptions(executor, workers, ray_address)
-    with session(where) if not dry_run else nullcontext():  # Ray's workers start while the driver plans
+    check_seconds(fol.poll, "--poll")
+    check_seconds(fol.settle, "--settle", zero_ok=True)
+    check_seconds(fol.idle_timeout, "--idle-timeout", zero_ok=True)  # 0: process what is there, then stop
+    if fol.until_step is not None and fol.until_step < 0:
+        raise UsageError(f"--until-step: must be a step >= 0, got {fol.until_step}")
+    executor = where.options()
+    with session(executor) if not dry_run else nullcontext():  # Ray's workers start while the driver plans
         if follow:
-            _follow(opts, where, json_out, poll, until_step, idle_timeout, settle)
+            _follow(opts, executor, json_out, fol.poll, fol.until_step, fol.idle_timeout, fol.settle)
             return
-        doc = run(opts, where)
+        doc = run(opts, executor)
     if opts.durations:
         doc["durations"] = opts.durations
     if json_out:
@@ -258,42 +202,6 @@ def stabilize(
         output.log(f"up to date: last step {doc['last_step']} (nothing new to stabilize in {opts.out})")
     else:
         _print_summary(doc)
-
-
-def schedules_from_flags(f: dict) -> list:
-    """The grid (stabilize and sweep alike): --config FILE, or --method and the parameter lists."""
-    from bema_cli.durations import resolve_flags
-    from bema_cli.stabilize import grid
-    from bema_cli.stabilize.grids import grid_from_config
-
-    common = {k: f[k] for k in ("preset", "gamma", "rho", "tau", "phi", "beta_min")}
-    if f["config"] is not None:
-        flags = {"--method": f["method"], "--kappa": f["kappa"], "--eta": f["eta"], "--window": f["window"],
-                 "--schedule": f["schedule"], "--swa-start": f["swa_start"], "--sigma-rel": f["sigma_rel"],
-                 "--power-gamma": f["power_gamma"], "--half-life": f.get("half_life")}  # fmt: skip
-        given = [flag for flag, v in flags.items() if v is not None]
-        if given:
-            raise UsageError(f"--config: the grid comes from {f['config']}; drop {given[0]}")
-        return grid_from_config(f["config"], **common)
-
-    def numbers(key: str, flag: str, parse, resolved: str | None = None):
-        if resolved in spans:  # given as spans of training: already resolved on the run
-            return spans[resolved]
-        return parse(f[key], flag) if f[key] is not None else None
-
-    methods = parse_str_list(f["method"] or "bema", "--method")
-    spans = resolve_flags(f, methods)
-    return grid(
-        methods,
-        numbers("kappa", "--kappa", parse_float_list),
-        numbers("eta", "--eta", parse_float_list),
-        windows=numbers("window", "--window", parse_int_list, "window"),
-        schedules=parse_str_list(f["schedule"], "--schedule") if f["schedule"] is not None else None,
-        swa_starts=numbers("swa_start", "--swa-start", parse_int_list, "swa_start"),
-        sigma_rels=numbers("sigma_rel", "--sigma-rel", parse_float_list),
-        power_gammas=numbers("power_gamma", "--power-gamma", parse_float_list, "half_life"),
-        **common,
-    )
 
 
 def _follow(opts, executor_opts, json_out: bool, poll: float, until_step, idle_timeout, settle=None) -> None:

@@ -8,68 +8,31 @@ import typer
 
 from bema_cli import output, stages
 from bema_cli.commands.eval_options import (
-    BackendOpt,
-    BatchSizeOpt,
-    ChatTemplateOpt,
-    CotOpt,
-    DataDirOpt,
-    DtypeOpt,
     ForceOpt,
-    GpuMemoryUtilizationOpt,
-    LimitOpt,
-    LmEvalIncludeOpt,
     LogSamplesOpt,
-    LossDataOpt,
-    LossMaxTokensOpt,
-    LossSamplesOpt,
-    LossTrainDataOpt,
-    MaxModelLenOpt,
-    MaxNewTokensOpt,
-    NSamplesOpt,
-    NumFewshotOpt,
-    SeedOpt,
-    SelectionSeedOpt,
     TasksOpt,
-    TemperatureOpt,
     eval_settings,
 )
+from bema_cli.commands.flags import (
+    EngineFlags,
+    EvalFlags,
+    ExecutorFlags,
+    FollowFlags,
+    GridFlags,
+    InputFlags,
+    with_flags,
+)
 from bema_cli.options import (
-    AccumDtypeOpt,
-    AllowGapsOpt,
-    AllowNonfiniteOpt,
-    BetaMinOpt,
-    CastBaseOpt,
-    EtaOpt,
-    ExecutorOpt,
-    GammaOpt,
-    GridConfigOpt,
-    HalfLifeOpt,
-    IdleTimeoutOpt,
     JsonOpt,
-    KappaOpt,
     MethodOpt,
-    MinCheckpointsOpt,
-    MinIntervalOpt,
-    PhiOpt,
-    PollOpt,
-    PowerGammaOpt,
-    PresetOpt,
-    RayAddressOpt,
-    RhoOpt,
-    ScheduleOpt,
-    SettleOpt,
-    SigmaRelOpt,
-    SwaStartOpt,
-    TauOpt,
-    TokensPerStepOpt,
-    UntilStepOpt,
-    WindowOpt,
-    WorkersOpt,
     check_seconds,
     parse_size,
 )
 
 
+@with_flags(
+    grid=GridFlags, inputs=InputFlags, fol=FollowFlags, where=ExecutorFlags, ev=EvalFlags, eng=EngineFlags
+)
 def sweep(
     checkpoint_dir: Annotated[
         str, typer.Argument(help="Training output folder (checkpoint-N, step_N, ... folders).")
@@ -95,43 +58,7 @@ def sweep(
         ),
     ] = False,
     method: MethodOpt = None,
-    kappa: KappaOpt = None,
-    eta: EtaOpt = None,
-    window: WindowOpt = None,
-    schedule: ScheduleOpt = None,
-    swa_start: SwaStartOpt = None,
-    half_life: HalfLifeOpt = None,
-    tokens_per_step: TokensPerStepOpt = None,
-    sigma_rel: SigmaRelOpt = None,
-    power_gamma: PowerGammaOpt = None,
-    config: GridConfigOpt = None,
-    gamma: GammaOpt = 1.0,
-    rho: RhoOpt = 10.0,
-    tau: TauOpt = 0,
-    phi: PhiOpt = None,
-    beta_min: BetaMinOpt = None,
-    preset: PresetOpt = "paper",
     tasks: TasksOpt = "boolq,gsm8k,mmlu_hs",
-    data_dir: DataDirOpt = None,
-    loss_data: LossDataOpt = None,
-    loss_train_data: LossTrainDataOpt = None,
-    loss_samples: LossSamplesOpt = 200,
-    loss_max_tokens: LossMaxTokensOpt = 1024,
-    n_samples: NSamplesOpt = 50,
-    temperature: TemperatureOpt = 1.0,
-    seed: SeedOpt = 13337,
-    max_new_tokens: MaxNewTokensOpt = None,
-    selection_seed: SelectionSeedOpt = 37371,
-    limit: LimitOpt = None,
-    num_fewshot: NumFewshotOpt = 0,
-    cot: CotOpt = False,
-    lm_eval_include: LmEvalIncludeOpt = None,
-    chat_template: ChatTemplateOpt = None,
-    backend: BackendOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.7,
-    max_model_len: MaxModelLenOpt = None,
-    batch_size: BatchSizeOpt = 8,
     log_samples: LogSamplesOpt = False,
     force: ForceOpt = False,
     max_memory: Annotated[
@@ -143,30 +70,24 @@ def sweep(
     device: Annotated[
         str, typer.Option("--device", help="Where the states live: auto (the GPU when present), cpu or cuda.")
     ] = "auto",
-    accum_dtype: AccumDtypeOpt = "float32",
     out_dtype: Annotated[
         str | None,
         typer.Option("--out-dtype", help="The dtype the configs are cast to (default: the inputs')."),
     ] = None,
-    allow_nonfinite: AllowNonfiniteOpt = False,
-    allow_gaps: AllowGapsOpt = False,
-    min_interval: MinIntervalOpt = None,
-    min_checkpoints: MinCheckpointsOpt = None,
-    cast_base: CastBaseOpt = False,
     follow: Annotated[
         bool,
         typer.Option(
             "--follow", help="Keep watching CHECKPOINT_DIR; evaluate each new checkpoint as it lands."
         ),
     ] = False,
-    until_step: UntilStepOpt = None,
-    idle_timeout: IdleTimeoutOpt = None,
-    poll: PollOpt = 2.0,
-    settle: SettleOpt = None,
-    executor: ExecutorOpt = "local",
-    workers: WorkersOpt = 1,
-    ray_address: RayAddressOpt = None,
     json_: JsonOpt = False,
+    *,
+    grid: GridFlags,
+    inputs: InputFlags,
+    fol: FollowFlags,
+    where: ExecutorFlags,
+    ev: EvalFlags,
+    eng: EngineFlags,
 ) -> None:
     """Evaluate a stabilizer grid at chosen steps with no weight file written: each checkpoint is read
     once, every config's average is kept in memory and streamed into one engine (vLLM or transformers).
@@ -176,8 +97,6 @@ def sweep(
     """
     from pathlib import Path
 
-    from bema_cli.cluster import ExecutorOptions
-    from bema_cli.commands.stabilize import schedules_from_flags
     from bema_cli.eval.evaluate import LIBRARY_LOG
     from bema_cli.eval.results import records_table
     from bema_cli.stabilize import Options
@@ -185,34 +104,30 @@ def sweep(
     from bema_cli.sweep.session import SweepOptions, parse_at
 
     parse_at(at)  # instantly, before any input is read
-    flags = {**locals(), "verify_swap": False, "tensor_parallel_size": 1, "data_parallel_size": 1,
-             "enforce_eager": False}  # fmt: skip
-    evaluation, engine = eval_settings(flags)
-    schedules = schedules_from_flags(flags)
+    evaluation, engine = eval_settings(ev, eng, tasks, out, log_samples, force)
+    schedules, durations = grid.schedules(method, checkpoint_dir, follow=follow)
     opts = Options(
-        checkpoint_dir=checkpoint_dir, schedules=schedules, out=str(Path(out) / ".sweep"),
-        base=base, device=device, accum_dtype=accum_dtype, out_dtype=out_dtype, allow_nonfinite=allow_nonfinite,
-        cast_base=cast_base, allow_gaps=allow_gaps, durations=flags.get("durations") or None,
-        min_interval=min_interval, min_checkpoints=min_checkpoints,
+        checkpoint_dir=checkpoint_dir, schedules=schedules, out=str(Path(out) / ".sweep"), base=base, device=device,
+        out_dtype=out_dtype, durations=durations or None, **inputs.options(),
     )  # fmt: skip
-    if follow and min_interval is not None:
+    if follow and inputs.min_interval is not None:
         from bema_cli.errors import UsageError
 
         raise UsageError(
             "--min-interval: the thinned set anchors at the last step, which --follow does not know yet"
         )
-    if not follow and (until_step is not None or idle_timeout is not None):
+    if not follow and (fol.until_step is not None or fol.idle_timeout is not None):
         from bema_cli.errors import UsageError
 
         raise UsageError("--until-step and --idle-timeout only apply with --follow")
-    check_seconds(poll, "--poll")
-    check_seconds(settle, "--settle", zero_ok=True)
-    check_seconds(idle_timeout, "--idle-timeout", zero_ok=True)
+    check_seconds(fol.poll, "--poll")
+    check_seconds(fol.settle, "--settle", zero_ok=True)
+    check_seconds(fol.idle_timeout, "--idle-timeout", zero_ok=True)
     limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
-    where = ExecutorOptions(executor, workers, ray_address)
-    follow_opts = {"poll": poll, "until_step": until_step, "idle_timeout": idle_timeout, "settle": settle}
+    follow_opts = {"poll": fol.poll, "until_step": fol.until_step, "idle_timeout": fol.idle_timeout,
+                   "settle": fol.settle}  # fmt: skip
     doc = run(
-        opts, evaluation, engine, SweepOptions(at=at, memory_limit=limit, dry_run=dry_run), executor=where,
+        opts, evaluation, engine, SweepOptions(at=at, memory_limit=limit, dry_run=dry_run), executor=where.options(),
         follow=follow_opts if follow else None,
         validated=lambda: output.send_library_output(Path(out) / LIBRARY_LOG),
     )  # fmt: skip

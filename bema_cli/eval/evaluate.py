@@ -376,9 +376,12 @@ def run_eval(
     if config.out is not None:  # results.jsonl never lands in a model folder it evaluates, nor in a run
         from bema_cli.io.checkpoints import is_run_dir, run_of
 
-        runs = {run_of(t.path) for t in targets if not t.is_base}
-        check_apart(Path(config.out).expanduser(), [t.path for t in targets], may_contain=True)
-        check_apart(Path(config.out).expanduser(), [r for r in runs if is_run_dir(r)], may_contain=True)
+        out = Path(config.out).expanduser()
+        check_apart(out, [t.path for t in targets], may_contain=True)
+        for run in {run_of(t.path) for t in targets if not t.is_base}:  # OUT is not the training run itself
+            if is_run_dir(run) and out.resolve() == run.resolve():
+                raise OutputError(f"--out {out.resolve()}: is the training run {run.resolve()}; choose a folder "
+                                  "apart from the inputs")  # fmt: skip
     # one writer of OUT at a time (results, samples, libraries.log): taken before anything lands there
     with nullcontext() if config.out is None else locked(Path(config.out).expanduser()):
         if validated is not None:

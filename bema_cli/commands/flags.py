@@ -1,0 +1,239 @@
+"""The option lists several commands share, each declared once as a small frozen settings class.
+
+A class's fields are typer options (the `Annotated` aliases of options.py and eval_options.py) with
+their defaults; `with_flags` adds them to a command's parameters and hands the command one instance
+per concern (the grid, the inputs, following a run, the executor, the evaluation, the engine), so a
+layer sees what it was given and nothing else (vLLM's `EngineArgs` is the pattern).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import typing
+from dataclasses import dataclass
+
+from bema_cli.commands.eval_options import (
+    BackendOpt,
+    BatchSizeOpt,
+    ChatTemplateOpt,
+    CotOpt,
+    DataDirOpt,
+    DtypeOpt,
+    GpuMemoryUtilizationOpt,
+    LimitOpt,
+    LmEvalIncludeOpt,
+    LossDataOpt,
+    LossMaxTokensOpt,
+    LossSamplesOpt,
+    LossTrainDataOpt,
+    MaxModelLenOpt,
+    MaxNewTokensOpt,
+    NSamplesOpt,
+    NumFewshotOpt,
+    SeedOpt,
+    SelectionSeedOpt,
+    TemperatureOpt,
+)
+from bema_cli.errors import UsageError
+from bema_cli.options import (
+    AccumDtypeOpt,
+    AllowGapsOpt,
+    AllowNonfiniteOpt,
+    BetaMinOpt,
+    CastBaseOpt,
+    EtaOpt,
+    ExecutorOpt,
+    GammaOpt,
+    GridConfigOpt,
+    HalfLifeOpt,
+    IdleTimeoutOpt,
+    KappaOpt,
+    MinCheckpointsOpt,
+    MinIntervalOpt,
+    PhiOpt,
+    PollOpt,
+    PowerGammaOpt,
+    PresetOpt,
+    RayAddressOpt,
+    RhoOpt,
+    ScheduleOpt,
+    SettleOpt,
+    SigmaRelOpt,
+    SwaStartOpt,
+    TauOpt,
+    TokensPerStepOpt,
+    UntilStepOpt,
+    WindowOpt,
+    WorkersOpt,
+    parse_float_list,
+    parse_int_list,
+    parse_str_list,
+)
+
+
+def with_flags(**groups: type):
+    """Each settings class's fields become keyword options of the command (after its own), and the
+    command is called with one instance per group under the given parameter name."""
+
+    def wrap(command):
+        sig = inspect.signature(command, eval_str=True)  # typer reads the Annotated options
+        own = [p for name, p in sig.parameters.items() if name not in groups]
+        added = []
+        for cls in groups.values():
+            hints = typing.get_type_hints(cls, include_extras=True)
+            added += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                        annotation=hints[f.name]) for f in dataclasses.fields(cls)]  # fmt: skip
+
+        @functools.wraps(command)
+        def run(*args, **kwargs):
+            for name, cls in groups.items():
+                kwargs[name] = cls(**{f.name: kwargs.pop(f.name) for f in dataclasses.fields(cls)})
+            return command(*args, **kwargs)
+
+        run.__signature__ = sig.replace(parameters=own + added)
+        run.__annotations__ = {k: v for k, v in command.__annotations__.items() if k not in groups}
+        return run
+
+    return wrap
+
+
+@dataclass(frozen=True)
+class GridFlags:
+    """The stabilizer grid's settings besides --method (stabilize, sweep, ship)."""
+
+    kappa: KappaOpt = None
+    eta: EtaOpt = None
+    window: WindowOpt = None
+    schedule: ScheduleOpt = None
+    swa_start: SwaStartOpt = None
+    half_life: HalfLifeOpt = None
+    tokens_per_step: TokensPerStepOpt = None
+    sigma_rel: SigmaRelOpt = None
+    power_gamma: PowerGammaOpt = None
+    config: GridConfigOpt = None
+    gamma: GammaOpt = 1.0
+    rho: RhoOpt = 10.0
+    tau: TauOpt = 0
+    phi: PhiOpt = None
+    beta_min: BetaMinOpt = None
+    preset: PresetOpt = "paper"
+
+    def common(self) -> dict:
+        return {"preset": self.preset, "gamma": self.gamma, "rho": self.rho, "tau": self.tau, "phi": self.phi,
+                "beta_min": self.beta_min}  # fmt: skip
+
+    def given(self, method: str | None) -> bool:
+        """Whether any flag that shapes the grid's configs was given (ship: else its default menu)."""
+        shaping = (method, self.kappa, self.eta, self.window, self.schedule, self.swa_start, self.sigma_rel,
+                   self.power_gamma, self.half_life, self.config)  # fmt: skip
+        return any(v is not None for v in shaping)
+
+    def schedules(self, method: str | None, checkpoint_dir, checkpoints=None, follow: bool = False):
+        """(the grid's schedules, how each span of training resolved on the run): --config FILE, or
+        --method and the parameter lists (stabilize, sweep and ship alike)."""
+        from bema_cli.durations import resolve_flags
+        from bema_cli.stabilize import grid
+        from bema_cli.stabilize.grids import grid_from_config
+
+        if self.config is not None:
+            flags = {"--method": method, "--kappa": self.kappa, "--eta": self.eta, "--window": self.window,
+                     "--schedule": self.schedule, "--swa-start": self.swa_start, "--sigma-rel": self.sigma_rel,
+                     "--power-gamma": self.power_gamma, "--half-life": self.half_life}  # fmt: skip
+            given = [flag for flag, v in flags.items() if v is not None]
+            if given:
+                raise UsageError(f"--config: the grid comes from {self.config}; drop {given[0]}")
+            return grid_from_config(self.config, **self.common()), {}
+        methods = parse_str_list(method or "bema", "--method")
+        spans, durations = resolve_flags(self, methods, checkpoint_dir, checkpoints, follow)
+
+        def numbers(value, flag: str, parse, resolved: str | None = None):
+            if resolved in spans:  # given as spans of training: already resolved on the run
+                return spans[resolved]
+            return parse(value, flag) if value is not None else None
+
+        schedules = grid(
+            methods,
+            numbers(self.kappa, "--kappa", parse_float_list),
+            numbers(self.eta, "--eta", parse_float_list),
+            windows=numbers(self.window, "--window", parse_int_list, "window"),
+            schedules=parse_str_list(self.schedule, "--schedule") if self.schedule is not None else None,
+            swa_starts=numbers(self.swa_start, "--swa-start", parse_int_list, "swa_start"),
+            sigma_rels=numbers(self.sigma_rel, "--sigma-rel", parse_float_list),
+            power_gammas=numbers(self.power_gamma, "--power-gamma", parse_float_list, "half_life"),
+            **self.common(),
+        )
+        return schedules, durations
+
+
+@dataclass(frozen=True)
+class InputFlags:
+    """How a run's checkpoints are read (stabilize, sweep, ship)."""
+
+    accum_dtype: AccumDtypeOpt = "float32"
+    allow_nonfinite: AllowNonfiniteOpt = False
+    allow_gaps: AllowGapsOpt = False
+    min_interval: MinIntervalOpt = None
+    min_checkpoints: MinCheckpointsOpt = None
+    cast_base: CastBaseOpt = False
+
+    def options(self) -> dict:
+        """These as stabilize.Options' keywords."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class FollowFlags:
+    """--follow's pacing (stabilize, sweep)."""
+
+    until_step: UntilStepOpt = None
+    idle_timeout: IdleTimeoutOpt = None
+    poll: PollOpt = 2.0
+    settle: SettleOpt = None
+
+
+@dataclass(frozen=True)
+class ExecutorFlags:
+    """Where the work runs (stabilize, sweep, eval: bema_cli/cluster.py)."""
+
+    executor: ExecutorOpt = "local"
+    workers: WorkersOpt = 1
+    ray_address: RayAddressOpt = None
+
+    def options(self):
+        from bema_cli.cluster import ExecutorOptions
+
+        return ExecutorOptions(self.executor, self.workers, self.ray_address)
+
+
+@dataclass(frozen=True)
+class EvalFlags:
+    """What an evaluation runs and on what (eval, sweep, ship), besides --tasks."""
+
+    data_dir: DataDirOpt = None
+    loss_data: LossDataOpt = None
+    loss_train_data: LossTrainDataOpt = None
+    loss_samples: LossSamplesOpt = 200
+    loss_max_tokens: LossMaxTokensOpt = 1024
+    n_samples: NSamplesOpt = 50
+    temperature: TemperatureOpt = 1.0
+    seed: SeedOpt = 13337
+    max_new_tokens: MaxNewTokensOpt = None
+    selection_seed: SelectionSeedOpt = 37371
+    limit: LimitOpt = None
+    num_fewshot: NumFewshotOpt = 0
+    cot: CotOpt = False
+    lm_eval_include: LmEvalIncludeOpt = None
+    chat_template: ChatTemplateOpt = None
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """The inference engine (eval, sweep, ship)."""
+
+    backend: BackendOpt = "auto"
+    dtype: DtypeOpt = "auto"
+    gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.7
+    max_model_len: MaxModelLenOpt = None
+    batch_size: BatchSizeOpt = 8

@@ -218,17 +218,17 @@ def test_a_stale_work_folder_says_overwrite_and_overwrite_starts_afresh(runs, tm
 
 
 def test_what_a_killed_ship_left_half_written_is_removed(runs, tmp_path):
-    """SIGKILL runs no cleanup: the next ship removes dead processes' staging folders beside DIR and
-    in its records, and puts back a DIR that was moved aside between place()'s two renames."""
+    """SIGKILL runs no cleanup: the next ship removes dead processes' staging folders beside DIR, and
+    puts back a DIR that was moved aside between place()'s two renames."""
     out = tmp_path / "model"
     dead = 2**22 + 12345  # above pid_max's default: no such process
-    stale = [tmp_path / f".bema-tmp-ship-model-{dead}", tmp_path / ".model.bema-ship" / "fit" / "models" / f".bema-tmp-fit-soup-ab-{dead}"]  # fmt: skip
+    stale = [tmp_path / f".bema-tmp-ship-{dead}-model"]
     for folder in stale:
         folder.mkdir(parents=True)
         (folder / "model.safetensors").write_bytes(b"half")
     ship(runs, "drift", out, "--fit", "none")
     assert not any(p.exists() for p in stale)
-    old = tmp_path / f".bema-tmp-old-model-{dead}"
+    old = tmp_path / f".bema-tmp-old-{dead}-model"
     out.rename(old)  # killed after moving the old DIR aside, before the new one came in
     doc, r = ship(runs, "drift", out, "--fit", "none")
     assert out.is_dir() and not old.exists() and doc.get("up_to_date") is True, r.stderr

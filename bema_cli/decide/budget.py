@@ -31,7 +31,8 @@ def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
     from bema_cli.decide.contest import item_ids
     from bema_cli.decide.scorer import arena_targets
     from bema_cli.eval.evaluate import Evaluation
-    from bema_cli.machine import engine_speeds, probe
+    from bema_cli.io.probe import probe
+    from bema_cli.machine import engine_speeds
     from bema_cli.stabilize.project import probe_sample
     from bema_cli.sweep.project import project
     from bema_cli.sweep.session import at_steps

@@ -85,7 +85,6 @@ def of_settings(
     """A config named by its record (`settings`: method and hyperparameters) at checkpoint `source`'s
     `step` of its run: (its Candidate, the folders of its basis keyed as the vector is, theta0's
     source), computed as ship's menu is (`menu` on the run's plan). Vanilla needs no plan."""
-    from bema_cli.decide.write import stabilizer_params
     from bema_cli.io.checkpoints import run_of
     from bema_cli.schedule import Schedule
     from bema_cli.stabilize import Options
@@ -100,3 +99,18 @@ def of_settings(
     (cand,) = [c for key, c in menu(plan, step).items() if key != "vanilla"]
     folders = {THETA0: plan.base_index.folder, **{str(c.step): c.path for c in plan.checkpoints}}
     return Candidate(name, cand.vector), folders, plan.base_source
+
+
+def stabilizer_params(stab: dict) -> dict:
+    """A record's stabilizer settings as schedule.Schedule takes them."""
+    names = {"schedule": "merge_schedule"}
+    keys = ("method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min", "window",
+            "schedule", "swa_start", "sigma_rel", "power_gamma")  # fmt: skip
+    params = {names.get(k, k): _number(stab[k]) for k in keys if stab.get(k) is not None}
+    if params.get("sigma_rel") is not None:
+        params.pop("power_gamma", None)  # derived from sigma_rel, as on the command line
+    return params
+
+
+def _number(value):
+    return float(value) if value in ("inf", "-inf") else value

@@ -35,7 +35,6 @@ from bema_cli.decide.write import (
     evaluation_rows,
     model_record,
     place,
-    read_files,
     staging,
     write_card,
     write_vector,
@@ -91,7 +90,7 @@ def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, v
     """The whole loop; returns the --json document (the verdict, the decision and how it was made)."""
     metric = check(ship_opts, config)
     out = Path(ship_opts.out).expanduser()
-    inputs = [*_inputs(stab), *read_files(config), *ship_opts.reads]
+    inputs = [*_inputs(stab), *config.read_paths(), *ship_opts.reads]
     check_apart_from(out, inputs, "--out")  # before any answer, record or evaluation
     if ship_opts.dry_run:
         from bema_cli.decide.budget import budget

@@ -36,14 +36,6 @@ def staging(out: Path, what: str) -> Path:
     return tmp
 
 
-def read_files(config) -> list[Path]:
-    """The files and folders an evaluation reads besides the models (held-out data, the data folder,
-    a chat template, lm-eval includes): an output must never replace or lie inside them."""
-    named = (config.loss_data, config.loss_train_data, config.data_dir, config.chat_template_file,
-             config.lm_eval_include)  # fmt: skip
-    return [Path(p).expanduser() for p in named if p]
-
-
 def check_apart_from(out: Path, inputs: list[Path], flag: str) -> None:
     """DIR, the work folder beside it (`.DIR.bema-ship`) must not be, contain or lie inside an input
     (the run, a checkpoint, the base, a file the command reads), with or without --overwrite: a
@@ -130,10 +122,6 @@ def source_of(winner: dict, records: list[dict]) -> tuple[Path, str | None, dict
     return source, base, stab
 
 
-def _number(value):
-    return float(value) if value in ("inf", "-inf") else value
-
-
 def rebuild_average(record: dict, tmp: Path) -> Path:
     """An output of `bema stabilize` written again from its bema.json record (`bema verify`): the
     same settings, step, theta0, accumulation and output dtypes, gaps allowed as they were."""
@@ -143,18 +131,8 @@ def rebuild_average(record: dict, tmp: Path) -> Path:
                           allow_gaps=bool(record.get("allow_gaps")))  # fmt: skip
 
 
-def stabilizer_params(stab: dict) -> dict:
-    """A record's stabilizer settings as schedule.Schedule takes them."""
-    names = {"schedule": "merge_schedule"}
-    keys = ("method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min", "window",
-            "schedule", "swa_start", "sigma_rel", "power_gamma")  # fmt: skip
-    params = {names.get(k, k): _number(stab[k]) for k in keys if stab.get(k) is not None}
-    if params.get("sigma_rel") is not None:
-        params.pop("power_gamma", None)  # derived from sigma_rel, as on the command line
-    return params
-
-
 def _stabilize_one(source: Path, base, stab: dict, step: int, tmp: Path, **more) -> Path:
+    from bema_cli.decide.candidate import stabilizer_params
     from bema_cli.schedule import Schedule
     from bema_cli.stabilize import Options, stabilize
 

@@ -36,10 +36,10 @@ from bema_cli.eval.backends.base import (
 from bema_cli.eval.backends.vllm_engine import EngineStartError
 from bema_cli.eval.job import EvalConfig, Job, TaskInput, run_job
 from bema_cli.eval.results import ResultsFile, SamplesLog
-from bema_cli.eval.targets import Target, base_target, check_model_dir, expand_inputs
+from bema_cli.eval.targets import Target, base_target, check_model_dir, check_out, expand_inputs
 from bema_cli.eval.tasks import LOSS_TASKS, get_task, is_lm_eval
 from bema_cli.eval.tasks import common as scoring
-from bema_cli.io.commit import check_apart, locked
+from bema_cli.io.commit import locked
 from bema_cli.machine import PeakRss, return_freed_memory
 
 PER_MESSAGE_TOKENS = 16  # a chat template's role markers around each message
@@ -373,15 +373,8 @@ def run_eval(
         raise UsageError("no checkpoints to evaluate (give model folders and/or --base)")
     for target in targets:  # before any data is downloaded or OUT is created
         check_model_dir(target.path)
-    if config.out is not None:  # results.jsonl never lands in a model folder it evaluates, nor in a run
-        from bema_cli.io.checkpoints import is_run_dir, run_of
-
-        out = Path(config.out).expanduser()
-        check_apart(out, [t.path for t in targets], may_contain=True)
-        for run in {run_of(t.path) for t in targets if not t.is_base}:  # OUT is not the training run itself
-            if is_run_dir(run) and out.resolve() == run.resolve():
-                raise OutputError(f"--out {out.resolve()}: is the training run {run.resolve()}; choose a folder "
-                                  "apart from the inputs")  # fmt: skip
+    if config.out is not None:
+        check_out(Path(config.out).expanduser(), targets)
     # one writer of OUT at a time (results, samples, libraries.log): taken before anything lands there
     with nullcontext() if config.out is None else locked(Path(config.out).expanduser()):
         if validated is not None:

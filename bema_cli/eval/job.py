@@ -44,6 +44,18 @@ class EvalConfig:
     chat_template_file: str | None = None
     lm_eval_include: str | None = None  # a folder of local lm-eval task YAMLs
 
+    def read_paths(self) -> list[Path]:
+        """The files and folders this evaluation reads besides the models (held-out data, the data
+        folder, a chat template, lm-eval includes): an output must never replace or lie inside them."""
+        named = (
+            self.loss_data,
+            self.loss_train_data,
+            self.data_dir,
+            self.chat_template_file,
+            self.lm_eval_include,
+        )
+        return [Path(p).expanduser() for p in named if p]
+
 
 @dataclass
 class TaskInput:

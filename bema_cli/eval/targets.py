@@ -140,3 +140,15 @@ def base_target(base: str, targets: list[Target]) -> Target:
     return Target(
         path, "base", 0, dict(VANILLA), is_base=True, runs=list(runs.items()) or [("vanilla", VANILLA)]
     )
+
+
+def check_out(out: Path, targets: list[Target]) -> None:
+    """results.jsonl never lands in a model folder it evaluates, nor in the training run itself."""
+    from bema_cli.errors import OutputError
+    from bema_cli.io.checkpoints import run_of
+    from bema_cli.io.commit import check_apart
+
+    check_apart(out, [t.path for t in targets], may_contain=True)
+    for run in {run_of(t.path) for t in targets if not t.is_base}:
+        if is_run_dir(run) and out.resolve() == run.resolve():
+            raise OutputError(f"--out {out.resolve()}: is the training run {run.resolve()}; choose another")

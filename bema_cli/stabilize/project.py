@@ -20,8 +20,9 @@ import os
 from pathlib import Path
 
 from bema_cli.io.direct import direct_io
+from bema_cli.io.probe import probe
 from bema_cli.io.safetensors import FLOATING
-from bema_cli.machine import available_memory, probe
+from bema_cli.machine import available_memory
 
 RUNTIME_BYTES = 400 << 20  # Python, torch and bema before the first unit: measured ~330-380 MB RSS
 START_SECONDS = 1.5  # interpreter, torch import, discovery

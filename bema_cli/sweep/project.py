@@ -1,5 +1,5 @@
 """Before `bema sweep` reads a checkpoint: its wall time, projected from the plan's headers, the
-evaluation's inputs and the machine probe (machine.probe), beside the memory estimate (memory.py).
+evaluation's inputs and the machine probe (io/probe.py), beside the memory estimate (memory.py).
 
 Parts: the engine's start (a fixed cost per backend, measured on CPU, plus reading the model once),
 the walk (each checkpoint read, cast and checked, every state advanced: stabilize's passes), and per

@@ -69,7 +69,8 @@ def projection(plan, evaluation, jobs, doc: dict, config: EvalConfig) -> dict:
     """The projected wall time (sweep/project.py) and peak memory (the estimate), said on stderr."""
     from pathlib import Path
 
-    from bema_cli.machine import engine_speeds, probe
+    from bema_cli.io.probe import probe
+    from bema_cli.machine import engine_speeds
     from bema_cli.stabilize.project import probe_sample, projection_line
 
     sample = probe_sample(plan)

@@ -133,12 +133,11 @@ def fingerprints(
 def check_inputs(config: EvalConfig, folder_of: dict, plan: Plan, steps: list[int]) -> None:
     """OUT apart from everything the sweep reads (the run folder, its checkpoints, the base, the data
     files): neither it, inside it, nor around it. Then the checkpoints evaluated are model folders."""
-    from bema_cli.decide.write import read_files
     from bema_cli.io.checkpoints import run_of
 
     runs = {run_of(c.path) for c in plan.checkpoints}
     check_apart(Path(config.out).expanduser(), [*runs, *folder_of.values(), plan.base_index.folder,
-                                                *read_files(config)])  # fmt: skip
+                                                *config.read_paths()])  # fmt: skip
     for step in steps:
         if step:
             check_model_dir(folder_of[step])  # tokenizer and config files come from the checkpoint

@@ -58,6 +58,21 @@ def shown_path(value: str, paths: str = "short") -> str:
     return "/".join(parts[-2:]) if len(parts) >= 2 else value
 
 
+def recipe(coefficients: dict) -> str:
+    """The vector in words: `0.5 x checkpoint-285 + 0.5 x checkpoint-300` (theta0 named as such)."""
+    parts = []
+    for key, c in coefficients.items():
+        name = (
+            "theta0 (the base)"
+            if key == "theta0"
+            else f"checkpoint-{key}"
+            if key.isdigit()
+            else shown_path(key)
+        )
+        parts.append(f"{float(c):.4g} x {name}")
+    return " + ".join(parts).replace("+ -", "- ")
+
+
 def _cell(value) -> str:
     """A table cell that cannot break the table: `|` escaped, a backtick shown as an entity."""
     text = str(value).replace("|", "\\|")
@@ -139,6 +154,11 @@ def card(
             if record.get("averaged_steps")
             else []
         ),
+        *(
+            [f"| weights | {_cell(recipe(record['coefficients']))} |"]
+            if isinstance(record.get("coefficients"), dict)
+            else []
+        ),  # fmt: skip
         *(
             ["| allow gaps | true: steps missing from the run's cadence were skipped |"]
             if record.get("allow_gaps")

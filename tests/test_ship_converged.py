@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_bema
+from conftest import one_line_error, run_bema
 from ship_runs import converged_run, heldout, optimum
 
 
@@ -61,3 +61,60 @@ def test_a_run_of_two_checkpoints_ships(world, tmp_path):
     r = _ship(world, run, out)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["decision"]["step"] == 200
+
+
+def test_ship_says_why_an_average_lags_and_the_card_gives_the_recipe(world, tmp_path):
+    """The vectors say why an EMA loses on a short run (its weight on theta0, checked here against the
+    recurrence by hand in float64) and when a window is wider than the run; the card and bema.json
+    name the shipped model's checkpoints and weights, keyed by step."""
+    steps = (100, 200, 300)
+    run = converged_run(world["base"], world["star"], tmp_path / "run", steps=steps, reach_at=2)
+    out = tmp_path / "model"
+    r = _ship(world, run, out, "--fit", "none")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    theta0 = 1.0
+    for s in steps:  # ema_0 = theta0; ema <- (1 - beta) ema + beta theta_s, beta = (10 + s)^-0.5
+        theta0 *= 1 - (10 + s) ** -0.5
+    want = f"ema-k0.5 still weighs theta0 at {theta0:.3g} at step 300: with 3 checkpoints, save more often"
+    assert any(n.startswith(want) for n in doc["notes"]), doc["notes"]
+    assert "lawa-w4 averages 3 checkpoints, not 4: the run has 3 up to step 300" in doc["notes"]
+    human = run_bema("ship", run, "--base", world["base"], "--out", out, "--tasks", "loss", "--loss-data",
+                     world["data"], "--backend", "transformers", "--fit", "none")  # fmt: skip
+    assert human.returncode == 0 and "note: ema-k0.5 still weighs theta0" in human.stdout, human.stderr
+    record = json.loads((out / "bema.json").read_text())
+    assert set(record["coefficients"]) <= {"theta0", "100", "200", "300"}
+    assert abs(sum(record["coefficients"].values()) - 1) < 1e-9
+    card = (out / "README.md").read_text()
+    words = " + ".join(
+        f"{c:.4g} x checkpoint-{k}" for k, c in record["coefficients"].items() if k != "theta0"
+    )
+    assert "| weights |" in card and words in card, card
+
+
+def test_a_checkpoint_folder_given_as_the_run_says_pass_its_parent(world, tmp_path):
+    run = converged_run(world["base"], world["star"], tmp_path / "run", steps=(100, 200), reach_at=2)
+    line = one_line_error(_ship(world, run / "checkpoint-200", tmp_path / "m"))
+    assert "looks like a checkpoint, not a run: pass its parent folder" in line, line
+
+
+def test_push_without_a_token_is_refused_before_the_race(world, tmp_path):
+    run = converged_run(world["base"], world["star"], tmp_path / "run", steps=(100, 200), reach_at=2)
+    env = {"HF_TOKEN": "", "HF_HOME": str(tmp_path / "hf")}
+    args = ["ship", run, "--base", world["base"], "--out", tmp_path / "m", "--tasks", "loss", "--loss-data",
+            world["data"], "--backend", "transformers", "--push", "org/model"]  # fmt: skip
+    line = one_line_error(run_bema(*args, env=env), 6)
+    assert "--push org/model: no Hugging Face token" in line, line
+    assert not (tmp_path / ".m.bema-ship").exists()  # nothing was raced
+    dry = run_bema(*args, "--dry-run", env=env)
+    assert dry.returncode == 0 and "warning: --push org/model: no Hugging Face token" in dry.stderr, (
+        dry.stderr
+    )
+
+
+def test_ship_without_loss_data_or_tasks_says_what_it_decides_on(world, tmp_path):
+    run = converged_run(world["base"], world["star"], tmp_path / "run", steps=(100, 200), reach_at=2)
+    r = run_bema("ship", run, "--base", world["base"], "--out", tmp_path / "m", "--backend", "transformers",
+                 "--data-dir", tmp_path / "nodata", env={"HF_HUB_OFFLINE": "1"})  # fmt: skip
+    line = one_line_error(r)
+    assert "ship decides on --loss-data FILE (held-out loss) or on --tasks" in line, line

@@ -116,10 +116,10 @@ def ship(
 
     from bema_cli.card import CARD_PATHS
     from bema_cli.decide.budget import budget_line
-    from bema_cli.decide.push import check_repo_id
+    from bema_cli.decide.push import check_repo_id, token_missing
     from bema_cli.decide.ship import DEFAULT_GRID, ShipOptions, check
     from bema_cli.decide.ship import ship as run
-    from bema_cli.errors import UsageError
+    from bema_cli.errors import HubAuthError, InputError, UsageError
     from bema_cli.eval.evaluate import LIBRARY_LOG
     from bema_cli.stabilize import Options
     from bema_cli.stabilize import grid as menu
@@ -130,7 +130,12 @@ def ship(
         raise UsageError(f"--card-paths: choose {' or '.join(CARD_PATHS)}, got {card_paths!r}")
     if push:
         check_repo_id(push)
+        if (missing := token_missing()) is not None:  # before the race, not after an hour of it
+            if not dry_run:
+                raise HubAuthError(f"--push {push}: {missing}")
+            output.warn(f"--push {push}: {missing}")
     fits = () if fit.strip() == "none" else tuple(parse_str_list(fit, "--fit"))
+    defaulted = tasks is None and ev.loss_data is None
     if tasks is None:  # the decision is made on loss when there is held-out data: no generation task
         tasks = "loss" if ev.loss_data is not None else "gsm8k"
     race = str(Path(out).parent / f".{Path(out).name}.bema-ship" / "race")
@@ -146,8 +151,14 @@ def ship(
     opts = Options(checkpoint_dir=checkpoint_dir, schedules=schedules, out=race, base=base, device=device,
                    out_dtype=out_dtype, durations=durations or None, **inputs.options())  # fmt: skip
     limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
-    doc = run(opts, evaluation, engine, ship_opts, SweepOptions(at=at, memory_limit=limit),
-              validated=lambda: output.send_library_output(Path(race) / LIBRARY_LOG))  # fmt: skip
+    try:
+        doc = run(opts, evaluation, engine, ship_opts, SweepOptions(at=at, memory_limit=limit),
+                  validated=lambda: output.send_library_output(Path(race) / LIBRARY_LOG))  # fmt: skip
+    except InputError as exc:
+        if defaulted and str(exc).startswith("no data"):  # the user never named gsm8k: say why it is there
+            raise InputError(f"ship decides on --loss-data FILE (held-out loss) or on --tasks; with neither "
+                             f"it decides on gsm8k, and found {exc}") from None  # fmt: skip
+        raise
     if doc.get("stages"):
         output.log(stages.line(doc["stages"]))
     if json_:
@@ -155,3 +166,5 @@ def ship(
     else:
         text = budget_line(doc) if doc.get("dry_run") else doc["verdict"]
         output.stdout.print(text, highlight=False, markup=False)
+        for note in doc.get("notes", []):
+            output.stdout.print(f"note: {note}", highlight=False, markup=False)

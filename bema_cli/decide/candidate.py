@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 THETA0 = "theta0"
+# Weight on theta0 above this (either sign) is what makes an average lag the run, said beside the
+# numbers: docs/math.md's table has the EMA at ~78% theta0 after 10 checkpoints 400 steps apart.
+THETA0_NOTE = 0.05
 
 
 @dataclass(frozen=True)
@@ -114,3 +117,31 @@ def stabilizer_params(stab: dict) -> dict:
 
 def _number(value):
     return float(value) if value in ("inf", "-inf") else value
+
+
+def lag_notes(plan, menu: dict[str, Candidate], step: int) -> list[str]:
+    """Why an average may lose to the last checkpoint, read off its vector: the weight it still puts
+    on theta0 (an EMA over few checkpoints), or a window wider than the checkpoints there are."""
+    from bema_cli.schedule import last_members
+
+    out = []
+    saved = sum(1 for c in plan.checkpoints if c.step <= step)
+    for run in plan.runs:
+        cand = menu.get(run.name)
+        if cand is None:
+            continue
+        c0 = cand.record.get(THETA0, 0.0)
+        window = run.schedule.window
+        if abs(c0) >= THETA0_NOTE and run.schedule.method != "bema":
+            advice = "save more often or lower --kappa" if run.schedule.method in ("ema", "dema", "ouema") \
+                else "save more often"  # fmt: skip
+            out.append(f"{run.name} still weighs theta0 at {c0:.3g} at step {step}: with {saved} checkpoints, "
+                       f"{advice}")  # fmt: skip
+        elif abs(c0) >= THETA0_NOTE:  # bema: a negative theta0 coefficient is its bias correction at work
+            out.append(f"{run.name} weighs theta0 at {c0:+.3g} at step {step} (its bias correction over {saved} "
+                       "checkpoints); with few checkpoints its lag correction is large: save more often")  # fmt: skip
+        members = len(last_members(run.events, step, window)) if window else 0
+        if window and members < window:
+            out.append(f"{run.name} averages {members} checkpoints, not {window}: the run has {saved} up to "
+                       f"step {step}")  # fmt: skip
+    return out

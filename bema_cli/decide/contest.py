@@ -74,7 +74,7 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
     raced["race"]["evaluations"] = {"items": scorer.evaluated + other_items, "exhaustive_design": exhaustive}
     return {"chosen": chosen, "records": records, "fitted": fitted, "decision": decision, "verdict": why,
             "race": raced["race"], "other_tasks": others, "memory": memory, "backend": evaluation.backend_name,
-            "motion": moved, "candidates": menu, "steps": steps, "basis": basis,
+            "motion": moved, "notes": candidate.lag_notes(plan, menu, step), "candidates": menu, "steps": steps, "basis": basis,
             "base_source": plan.base_source}  # fmt: skip
 
 

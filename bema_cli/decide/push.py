@@ -101,9 +101,7 @@ def push(
 
     token = get_token()
     if not token:
-        raise HubAuthError(
-            "no Hugging Face token: set HF_TOKEN or run `hf auth login` (--dry-run needs none)"
-        )
+        raise HubAuthError(token_missing() or "no Hugging Face token")
     api = HfApi(endpoint=endpoint, token=token)
     deadline = time.monotonic() + budget(timeout, retries)
     _bound_waits(get_session(), timeout, deadline)
@@ -182,11 +180,21 @@ def published_record(folder: Path, paths: str = "short") -> bytes:
     for key in card.PATH_KEYS:
         if isinstance(record.get(key), str):
             record[key] = card.shown_path(record[key], paths)
-    if isinstance(record.get("coefficients"), dict):  # a fitted average: keyed by input folder
+    if isinstance(record.get("coefficients"), dict):  # keyed by step (an older bema's: by input folder)
         record["coefficients"] = {
-            k if k == "theta0" else card.shown_path(k, paths): v for k, v in record["coefficients"].items()
+            k if k == "theta0" or k.isdigit() else card.shown_path(k, paths): v
+            for k, v in record["coefficients"].items()
         }
     return (output.to_json(record) + "\n").encode()
+
+
+def token_missing() -> str | None:
+    """Why a push would be refused for want of a token, said before any work (None: there is one)."""
+    from huggingface_hub import get_token
+
+    if get_token():
+        return None
+    return "no Hugging Face token: set HF_TOKEN or run `hf auth login` (--dry-run needs none)"
 
 
 def check_repo_id(repo_id: str) -> None:

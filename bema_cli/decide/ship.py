@@ -137,6 +137,8 @@ def _ship(
     doc["decision"], doc["verdict"] = made["decision"], made["verdict"]
     if made["other_tasks"]:
         doc["other_tasks"] = made["other_tasks"]
+    if made["notes"]:  # why an average may lose: its vector's weight on theta0, a window wider than the run
+        doc["notes"] = made["notes"]
     if made["motion"]:  # can averaging help here? (motion.py), measured as the walk read the run
         doc["motion"], doc["motion_verdict"] = made["motion"]["motion"], made["motion"]["motion_verdict"]
     decision = made["decision"]

@@ -221,6 +221,8 @@ def find_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
         what = (
             "is empty" if not any(run_dir.iterdir()) else f"has no checkpoint-<step> folders (nor {others})"
         )
+        if layout_of(run_dir.name) and (run_dir / "config.json").is_file():
+            what = f"looks like a checkpoint, not a run: pass its parent folder ({run_dir.parent})"
         raise InputError(f"{run_dir}: {what}")
     if len(found) > 1:
         examples = " and ".join(v[0][2] for v in found.values())

@@ -213,3 +213,12 @@ def test_a_symbolic_link_in_the_folder_is_refused_before_anything_is_sent(checkp
             )
             assert f"{folder / 'tokenizer.json'}: a symbolic link" in line, line
         assert hub.calls == [] and not hub.repos
+
+
+@pytest.mark.parametrize("content", [b"[]", b"{bad", b"\0\0\0"])
+def test_a_bema_json_that_is_not_a_record_is_one_line_exit_3(checkpoint, tmp_path, content):
+    folder = tmp_path / "m"
+    shutil.copytree(checkpoint, folder)
+    (folder / "bema.json").write_bytes(content)
+    line = one_line_error(run_bema("push", folder, "--repo-id", "org/m", "--dry-run"), 3)
+    assert f"{folder / 'bema.json'}:" in line, line

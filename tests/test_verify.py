@@ -177,3 +177,33 @@ def test_a_forged_vector_in_the_header_is_caught(stabilized, tmp_path, run_name)
     assert "coefficients it records are not the ones its method" in r.stderr, r.stderr
     untouched = run_bema("verify", stabilized["out"] / run_name / "checkpoint-40")
     assert untouched.returncode == 0, untouched.stderr
+
+
+@pytest.mark.parametrize(
+    "doc,said",
+    [
+        ({}, "has no record"),
+        ({"record": {"run": "x", "step": 1}, "inputs": {}}, "names no source checkpoint"),
+        ({"record": {"run": "x", "step": "abc", "source_checkpoint": "c"}}, "has step 'abc'"),
+        ({"record": {"run": "x", "step": 1, "source_checkpoint": "c"}, "inputs": [1, 2]}, "not fingerprints"),
+        ({"record": {"step": 1, "source_checkpoint": "c", "coefficients": {"theta0": "x"}}}, "not a finite"),
+        ({"record": {"step": 1, "source_checkpoint": "c", "method": "ema", "kappa": "nan"}}, "kappa 'nan'"),
+        ("[" * 100_000 + "]" * 100_000, "is not JSON"),
+    ],
+)
+def test_a_malformed_record_is_one_line_exit_3(tmp_path, doc, said):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    text = doc if isinstance(doc, str) else json.dumps(doc)
+    save_file({"w": torch.zeros(2)}, str(folder / "model.safetensors"), metadata={provenance.KEY: text})
+    line = one_line_error(run_bema("verify", folder), 3)
+    assert said in line, line
+
+
+def test_an_input_gone_is_exit_3_as_the_help_says(stabilized, tmp_path):
+    base, run = write_trajectory(tmp_path / "t", STEPS, with_int=False)
+    out = tmp_path / "out"
+    assert run_bema("stabilize", run, "--base", base, "--out", out, "--method", "ema").returncode == 0
+    shutil.rmtree(run / "checkpoint-20")
+    line = one_line_error(run_bema("verify", out / "ema-k0.5" / "checkpoint-40"), 3)
+    assert "an input it was made from is gone: 20" in line, line

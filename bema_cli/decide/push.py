@@ -176,7 +176,13 @@ def published_record(folder: Path, paths: str = "short") -> bytes:
     """bema.json as the Hub gets it: the local folders it names shown as the model card shows them
     (card.shown_path: run/checkpoint-40 unless `paths` is "full"), so a push publishes no absolute
     local path. The local copy keeps them: `bema verify` rebuilds from them."""
-    record = json.loads((folder / "bema.json").read_text())
+    from bema_cli.io.checkpoints import read_json
+
+    record = read_json(folder / "bema.json")
+    if not isinstance(record, dict):
+        raise InputError(
+            f"{folder / 'bema.json'}: not a bema record (not a JSON object); push a folder bema wrote"
+        )
     for key in card.PATH_KEYS:
         if isinstance(record.get(key), str):
             record[key] = card.shown_path(record[key], paths)

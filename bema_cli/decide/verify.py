@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bema_cli.decide.candidate import THETA0
 from bema_cli.decide.write import rebuild_average
-from bema_cli.errors import InputError
+from bema_cli.errors import InputError, UsageError
 from bema_cli.io import provenance
 from bema_cli.io.checkpoints import find_checkpoints, run_of, step_of
 from bema_cli.schedule import METHODS
@@ -87,8 +87,11 @@ def recomputed(record: dict) -> dict[str, float] | None:
     source = Path(record["source_checkpoint"])
     if not source.is_dir():
         raise InputError(f"{source}: the source checkpoint is gone; verifying needs it (and its run)")
-    cand, _, _ = of_settings(record.get("run", ""), record, source, record.get("theta0_source"),
-                             int(record["step"]), bool(record.get("allow_gaps")))  # fmt: skip
+    try:
+        cand, _, _ = of_settings(record.get("run", ""), record, source, record.get("theta0_source"),
+                                 int(record["step"]), bool(record.get("allow_gaps")))  # fmt: skip
+    except UsageError as exc:  # settings no command line could give: the record was edited
+        raise InputError(f"{source}: the record's settings are not valid ({exc})") from None
     return cand.record
 
 
@@ -162,6 +165,9 @@ def verify(folder: Path) -> dict:
     doc = provenance.read(folder)
     record = doc["record"]
     changed = changed_inputs(record, doc)
+    gone = [c for c in changed if c.endswith(": gone)")]
+    if gone:  # nothing to rebuild from: exit 3, not "differs"
+        raise InputError(f"{folder}: an input it was made from is gone: {gone[0]}")
     stored = doc.get("coefficients")
     vector = _vector_differs(stored, recomputed(record))
     if isinstance(record.get("coefficients"), dict):  # written from a vector: rebuilt in memory

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 from bema_cli.errors import InputError
@@ -61,8 +62,67 @@ def read(folder: Path) -> dict:
         raise InputError(f"{files[0]}: carries no bema provenance (written by another tool or an older bema)")
     try:
         doc = json.loads(meta[KEY])
-    except ValueError:
+    except (ValueError, RecursionError):
         raise InputError(f"{files[0]}: its bema provenance is not JSON (edited?)") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("record"), dict):
         raise InputError(f"{files[0]}: its bema provenance has no record (edited?)")
+    problem = _malformed(doc)
+    if problem:
+        raise InputError(f"{files[0]}: its bema provenance {problem} (edited?)")
     return doc
+
+
+NUMBERS = (
+    "kappa",
+    "eta",
+    "gamma",
+    "rho",
+    "tau",
+    "phi",
+    "beta_min",
+    "window",
+    "swa_start",
+    "sigma_rel",
+    "power_gamma",
+)
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _vector(v) -> bool:
+    """A coefficient vector keyed by name, or (a window's merge weights in stabilize's record) a list."""
+    if isinstance(v, list):
+        return all(_number(c) for c in v)
+    return isinstance(v, dict) and all(isinstance(k, str) and _number(c) for k, c in v.items())
+
+
+def _malformed(doc: dict) -> str | None:
+    """What is wrong with a provenance document, said in words (None: its shape is sound)."""
+    record = doc["record"]
+    step = record.get("step")
+    if not isinstance(record.get("source_checkpoint"), str):
+        return "names no source checkpoint"
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"has step {step!r}, not a step number"
+    if not isinstance(record.get("run", ""), str) or not isinstance(record.get("method", ""), str):
+        return "has a run or method that is not a name"
+    if not isinstance(doc.get("inputs", {}), dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in doc.get("inputs", {}).items()
+    ):
+        return "has inputs that are not fingerprints by name"
+    for where, vector in (("header", doc.get("coefficients")), ("record", record.get("coefficients"))):
+        if vector is not None and not _vector(vector):
+            return f"has a coefficient in its {where} that is not a finite number"
+    for key in NUMBERS:
+        value = record.get(key)
+        if value is not None and not _number(value) and value not in ("inf", "-inf"):
+            return f"has {key} {value!r}, not a finite number"
+    coefficients = record.get("coefficients")
+    theta0 = "theta0" in doc.get("inputs", {}) or (
+        isinstance(coefficients, dict) and "theta0" in coefficients
+    )
+    if theta0 and not isinstance(record.get("theta0_source"), str):
+        return "reads theta0 but names no theta0 source"
+    return None

@@ -154,7 +154,6 @@ def push(
 def _record_push(folder: Path, doc: dict) -> None:
     """The Hub revision the folder was pushed as, in its bema.json's `pushed` list (the local copy;
     the uploaded bema.json cannot name the commit that contains it)."""
-    import json
 
     path = folder / "bema.json"
     try:
@@ -253,7 +252,6 @@ def _retry(fn, retries: int, deadline: float = float("inf")):
 
 def _default_message(folder: Path) -> str:
     """'bema: <run> at checkpoint-<step>' from the folder's bema.json (a DIR's own name says neither)."""
-    import json
 
     try:
         record = json.loads((folder / "bema.json").read_text())

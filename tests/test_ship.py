@@ -168,6 +168,7 @@ def test_too_few_report_items_ship_vanilla_and_say_it_cannot_decide(runs, tmp_pa
     doc = json.loads(r.stdout)
     assert doc["decision"]["kind"] == "vanilla" and "fewer than 10" in doc["decision"]["undecided"]
     assert "cannot decide on" in doc["verdict"] and "report item" in doc["verdict"]
+    assert "give at least 20 held-out records at --holdout 0.5" in doc["verdict"], doc["verdict"]
 
 
 def test_records_are_sealed_and_no_fitted_model_is_kept(runs, tmp_path):

@@ -6,6 +6,7 @@ scored once, whatever their names (it crashed with KeyError 'simplex-...' before
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from conftest import one_line_error, run_bema
@@ -118,3 +119,19 @@ def test_ship_without_loss_data_or_tasks_says_what_it_decides_on(world, tmp_path
                  "--data-dir", tmp_path / "nodata", env={"HF_HUB_OFFLINE": "1"})  # fmt: skip
     line = one_line_error(r)
     assert "ship decides on --loss-data FILE (held-out loss) or on --tasks" in line, line
+
+
+def test_the_same_request_spelled_relative_is_the_same_and_another_file_names_its_flag(world, tmp_path):
+    run = converged_run(world["base"], world["star"], tmp_path / "run", steps=(100, 200), reach_at=2)
+    shutil.copy(world["data"], tmp_path / "heldout.jsonl")
+    args = ["ship", "run", "--base", world["base"], "--out", "m", "--tasks", "loss", "--backend", "transformers",
+            "--fit", "none", "--json"]  # fmt: skip
+    first = run_bema(*args, "--loss-data", "heldout.jsonl", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    again = run_bema(*[str(a).replace("run", str(run), 1) if a == "run" else a for a in args], "--loss-data",
+                     tmp_path / "heldout.jsonl", cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0 and json.loads(again.stdout).get("up_to_date") is True, again.stderr
+    other = tmp_path / "other.jsonl"
+    other.write_text(world["data"].read_text())
+    line = one_line_error(run_bema(*args, "--loss-data", other, cwd=tmp_path))
+    assert "differs in: " in line and "--loss-data" in line, line

@@ -33,7 +33,7 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
             {"run": "vanilla", "step": step, "kind": "vanilla", "value": vanilla_row["value"],
              "undecided": f"{reported} report items, fewer than {MIN_REPORT_ITEMS}"},
             f"ship vanilla at step {step}: cannot decide on {reported} report item(s) (at least "
-            f"{MIN_REPORT_ITEMS} are needed for an interval; give more held-out records or a larger --holdout)",
+            f"{MIN_REPORT_ITEMS} are needed for an interval; {_more_items(chosen, ship_opts)})",
         )  # fmt: skip
     vanilla_rec = record_of(records, vanilla_row, metric)
     report_ids = _report_ids(vanilla_rec, ship_opts)
@@ -94,6 +94,19 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
         {"run": "vanilla", "step": step, "kind": "vanilla", "value": vanilla_row["value"], **numbers},
         f"ship vanilla at step {step}: {name} {fmt_v(vanilla_row['value'])}; {why}{tail}",
     )
+
+
+def _more_items(chosen: dict, ship_opts) -> str:
+    """Advice that helps: the held-out records (or the --holdout) that leave MIN_REPORT_ITEMS to report on."""
+    import math
+
+    items, holdout = chosen["items"], ship_opts.holdout
+    need = math.ceil(MIN_REPORT_ITEMS / max(1 - holdout, 1e-9))
+    most = 1 - MIN_REPORT_ITEMS / items if items > MIN_REPORT_ITEMS else None
+    more = f"give at least {need} held-out records at --holdout {holdout:g}"
+    if most is not None and most > 0.1:
+        return f"{more}, or pick on fewer: --holdout {math.floor(most * 100) / 100:g} leaves about {MIN_REPORT_ITEMS}"
+    return more
 
 
 def resolution(rec: dict, vanilla_rec: dict, metric, vs: dict | None = None) -> dict:

@@ -57,8 +57,11 @@ def request(stab, config, ship_opts, inputs: list[Path], metric) -> dict:
     modification time), the grid, the evaluation settings and the flags that change the decision."""
     import hashlib
 
-    files = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in inputs if f.is_file()]
+    files = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in inputs if f.is_file()]
     evaluation = {k: v for k, v in vars(config).items() if k not in ("out", "log_samples", "force")}
+    for key in PATHS:  # a path spelled relative or absolute is the same file
+        if evaluation.get(key):
+            evaluation[key] = str(Path(evaluation[key]).expanduser().resolve())
     doc = {"inputs": files, "grid": sorted(repr(s) for s in stab.schedules), "evaluation": evaluation,
            "metric": metric.name, "holdout": ship_opts.holdout, "at": ship_opts.at, "fits": list(ship_opts.fits),
            "resamples": ship_opts.resamples, "seed": ship_opts.seed}  # fmt: skip
@@ -84,7 +87,7 @@ def up_to_date(out: Path, request: dict, push_to: str | None) -> dict:
         raise InputError(f"{path}: not a ship record (no verdict); --overwrite decides again")
     old = doc.get("request") if isinstance(doc.get("request"), dict) else {}
     if old.get("digest") != request["digest"]:
-        differs = [k for k in request if k != "digest" and old.get(k) != request[k]] or ["the request"]
+        differs = _differing(old, request)
         raise OutputError(
             f"{out}: holds a model shipped for another request (differs in: {', '.join(differs)}); "
             "--overwrite decides again, reusing the records"
@@ -114,6 +117,23 @@ def differences(work: Path, request: dict) -> list[str]:
     except (OSError, ValueError):
         return ["the request (none recorded)"]
     if not isinstance(old, dict) or old.get("digest") != request["digest"]:
-        old = old if isinstance(old, dict) else {}
-        return [k for k in request if k != "digest" and old.get(k) != request[k]] or ["the request"]
+        return _differing(old if isinstance(old, dict) else {}, request)
     return []
+
+
+PATHS = ("loss_data", "loss_train_data", "data_dir", "chat_template_file", "lm_eval_include")
+FLAG_OF = {"chat_template_file": "--chat-template", "backend": "--backend"}
+
+
+def _differing(old: dict, request: dict) -> list[str]:
+    """What two requests differ in, an evaluation setting named by its flag (--loss-data, ...)."""
+    out = []
+    for key in request:
+        if key == "digest" or old.get(key) == request[key]:
+            continue
+        if key == "evaluation" and isinstance(old.get(key), dict):
+            was, now = old[key], request[key]
+            out += [FLAG_OF.get(k, "--" + k.replace("_", "-")) for k in now if was.get(k) != now[k]]
+        else:
+            out.append(key)
+    return out or ["the request"]

@@ -135,3 +135,34 @@ def test_the_same_request_spelled_relative_is_the_same_and_another_file_names_it
     other.write_text(world["data"].read_text())
     line = one_line_error(run_bema(*args, "--loss-data", other, cwd=tmp_path))
     assert "differs in: " in line and "--loss-data" in line, line
+
+
+def test_copies_of_a_held_out_row_are_one_item(world, tmp_path):
+    """40 identical held-out rows gave a zero-width '95% interval' and an average shipped: copies are
+    one independent item. 12 rows 4 times over are 12 items: too few report items to decide on."""
+    run = converged_run(world["base"], world["star"], tmp_path / "run", steps=(100, 200, 300), reach_at=3)
+    rows = world["data"].read_text().splitlines()
+    args = ["ship", run, "--base", world["base"], "--tasks", "loss", "--backend", "transformers", "--json"]
+    same = tmp_path / "same.jsonl"
+    same.write_text((rows[0] + "\n") * 40)
+    r = run_bema(*args, "--out", tmp_path / "m1", "--loss-data", same)
+    assert r.returncode == 2 and "39 of the 40 held-out records repeat another" in r.stderr, r.stderr
+    assert "1 items leave one side empty" in r.stderr and not (tmp_path / "m1").exists()
+    four = tmp_path / "four.jsonl"
+    four.write_text("".join(row + "\n" for row in rows[:12]) * 4)
+    r = run_bema(*args, "--out", tmp_path / "m2", "--loss-data", four)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["decision"]["kind"] == "vanilla" and "cannot decide" in doc["verdict"], doc["verdict"]
+    assert "36 of the 48 held-out records repeat another" in r.stderr, r.stderr
+
+
+def test_out_as_a_symbolic_link_is_refused_before_any_work(world, tmp_path):
+    run = converged_run(world["base"], world["star"], tmp_path / "run", steps=(100, 200), reach_at=2)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for link in ("link", "dangling"):
+        line = one_line_error(_ship(world, run, tmp_path / link))
+        assert f"--out {tmp_path / link}: a symbolic link" in line, line
+    assert (tmp_path / "link").is_symlink() and not list((tmp_path / "real").iterdir())

@@ -9,8 +9,10 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
+from bema_cli import output
 from bema_cli.decide import candidate, select
 from bema_cli.decide.decision import decide
 from bema_cli.decide.menu import race_menu
@@ -24,8 +26,22 @@ from bema_cli.io.checkpoints import read_json
 
 
 def item_ids(task) -> list:
-    """A task's item ids as its records name them (loss: positions in the file's prefix)."""
-    return list(range(len(task.loss_records))) if task.loss_records else [d["_id"] for d in task.docs]
+    """A task's item ids as its records name them (loss: positions in the file's prefix), one per
+    distinct item: an interval counts independent items, and 40 copies of one held-out row are one
+    (they gave a zero-width "95% interval")."""
+    if not task.loss_records:
+        return [d["_id"] for d in task.docs]
+    seen, ids = set(), []
+    for i, rec in enumerate(task.loss_records):
+        key = json.dumps(rec, sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            ids.append(i)
+    if len(ids) < len(task.loss_records):
+        output.warn(f"{task.name}: {len(task.loss_records) - len(ids)} of the {len(task.loss_records)} held-out "
+                    f"records repeat another; ship decides on the {len(ids)} distinct ones (an interval counts "
+                    "independent items)")  # fmt: skip
+    return ids
 
 
 def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work) -> dict:

@@ -18,6 +18,7 @@ nothing twice), then move into DIR/.bema-ship/ with the decision (ship.json).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,8 @@ def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, v
     """The whole loop; returns the --json document (the verdict, the decision and how it was made)."""
     metric = check(ship_opts, config)
     out = Path(ship_opts.out).expanduser()
+    if out.is_symlink():  # place() would replace the link by a folder: refused before any work
+        raise UsageError(f"--out {out}: a symbolic link (to {os.readlink(out)}); give the folder itself")
     inputs = [*_inputs(stab), *config.read_paths(), *ship_opts.reads]
     check_apart_from(out, inputs, "--out")  # before any answer, record or evaluation
     if ship_opts.dry_run:

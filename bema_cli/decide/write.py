@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from bema_cli import card, output
-from bema_cli.errors import InputError, OutputError
+from bema_cli.errors import InputError, OutputError, UsageError
 from bema_cli.eval.targets import SWEEP_SCHEME
 from bema_cli.io.checkpoints import run_of
 from bema_cli.io.commit import check_apart
@@ -218,6 +218,8 @@ def write_winner(
     source, base, stab = source_of(w, records)
     inputs = [run_of(source), source, *([Path(base)] if base and Path(base).expanduser().is_dir() else [])]
     check_apart_from(out, inputs, "--write")
+    if out.is_symlink():  # place() would replace the link by a folder
+        raise UsageError(f"--write {out}: a symbolic link (to {os.readlink(out)}); give the folder itself")
     check_target(out, overwrite)
     cand, folders, base_source = of_settings(w["run"], stab, source, base, w["step"])
     tmp = staging(out, "write")

@@ -166,3 +166,31 @@ def test_out_as_a_symbolic_link_is_refused_before_any_work(world, tmp_path):
         line = one_line_error(_ship(world, run, tmp_path / link))
         assert f"--out {tmp_path / link}: a symbolic link" in line, line
     assert (tmp_path / "link").is_symlink() and not list((tmp_path / "real").iterdir())
+
+
+@pytest.mark.parametrize("edit", ["swap", "duplicate", "none"])
+def test_an_interrupted_ships_records_are_chained_and_an_edit_is_refused(world, tmp_path, edit):
+    """The race's records as a killed ship leaves them (no ship.json, no seal): resumed as they are,
+    nothing is evaluated again; two records' scores swapped, or a record appended twice, is refused."""
+    run = converged_run(world["base"], world["star"], tmp_path / "run", steps=(100, 200, 300), reach_at=2)
+    assert _ship(world, run, tmp_path / "m1", "--fit", "none").returncode == 0
+    work = tmp_path / ".m2.bema-ship"
+    shutil.copytree(tmp_path / "m1" / ".bema-ship", work)
+    for name in ("ship.json", "seal.json", "motion.json"):
+        (work / name).unlink(missing_ok=True)
+    results = work / "race" / "loss" / "results.jsonl"
+    lines = results.read_text().splitlines()
+    recs = [json.loads(x) for x in lines]
+    if edit == "swap":
+        i, j = [n for n, r in enumerate(recs) if "items" in r][:2]
+        recs[i]["items"]["nll"], recs[j]["items"]["nll"] = recs[j]["items"]["nll"], recs[i]["items"]["nll"]
+        results.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    elif edit == "duplicate":
+        results.write_text("\n".join([*lines, lines[-1]]) + "\n")
+    r = _ship(world, run, tmp_path / "m2", "--fit", "none")
+    if edit == "none":
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["race"]["evaluations"]["items"] == 0  # every record reused
+        return
+    line = one_line_error(r)
+    assert f"{results}: record " in line and "changed since bema appended it" in line, line

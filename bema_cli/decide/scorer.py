@@ -10,12 +10,15 @@ tagged with the vector's digest, to its results file: a killed ship resumes ther
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import replace
 from pathlib import Path
 
 from bema_cli import output, stages
 from bema_cli.decide import fit
 from bema_cli.decide.candidate import Candidate
+from bema_cli.errors import InputError
 from bema_cli.eval.evaluate import Evaluation
 from bema_cli.eval.job import Job, evaluate_task
 from bema_cli.eval.results import ResultsFile
@@ -132,9 +135,17 @@ class ItemScorer:
         self.evaluated = 0  # (candidate, item) pairs evaluated by this process
         self.cache: dict[str, dict] = {}  # digest -> {item id: (score, tokens)}
         self.records: dict[str, dict] = {}  # digest -> a record (its protocol, for select)
-        for rec in results.records:  # a resumed ship's
-            if "candidate" in rec:
-                self._keep(rec["candidate"], rec)
+        self.chain = ""  # each record appended carries a digest of itself and every one before it
+        for n, rec in enumerate(results.records, start=1):  # a resumed ship's
+            if "candidate" not in rec:
+                continue
+            if rec.get("chain") != link(self.chain, rec):
+                raise InputError(
+                    f"{results.path}: record {n} changed since bema appended it (the records' chain breaks "
+                    "there); --overwrite starts this ship afresh"
+                )
+            self.chain = rec["chain"]
+            self._keep(rec["candidate"], rec)
 
     def _keep(self, key: str, rec: dict) -> None:
         items = rec["items"]
@@ -157,6 +168,7 @@ class ItemScorer:
                 rec["candidate"] = key
                 if self.metric.key == "loss":  # positions in the slice -> positions in the loss file
                     rec["items"]["ids"] = list(todo)
+                rec["chain"] = self.chain = link(self.chain, rec)
             self.results.write(records)
             self._keep(key, records[0])
             self.evaluated += len(todo)
@@ -173,6 +185,13 @@ class ItemScorer:
             items = {"ids": list(ids), self.metric.key: [got[i][0] for i in ids]}
         return {**rec, "run": cand.name, "items": items, "n_prompts": len(ids),
                 "_where": f"{cand.name} ({rec['model_path']})"}  # fmt: skip
+
+
+def link(previous: str, rec: dict) -> str:
+    """The chain's next link: a digest of the link before and of `rec` as it is written (without its
+    own link). A record edited, dropped, swapped or appended twice breaks the chain on a resume."""
+    body = {k: v for k, v in json.loads(output.to_json(rec, indent=None)).items() if k != "chain"}
+    return hashlib.sha256((previous + json.dumps(body, sort_keys=True)).encode()).hexdigest()[:32]
 
 
 def slice_task(task, ids: list):

@@ -194,3 +194,20 @@ def test_an_interrupted_ships_records_are_chained_and_an_edit_is_refused(world, 
         return
     line = one_line_error(r)
     assert f"{results}: record " in line and "changed since bema appended it" in line, line
+
+
+def test_held_out_rows_far_above_the_training_loss_are_warned_about(world, tmp_path):
+    """vanilla's held-out loss twice the run's last logged training loss (and half a nat above): the rows
+    may not be in the shape the run trained on, said as a warning and a note."""
+    run = converged_run(world["base"], world["star"], tmp_path / "run", steps=(100, 200), reach_at=2)
+    state = {"global_step": 200, "log_history": [{"step": 100, "loss": 0.9}, {"step": 200, "loss": 0.01}]}
+    (run / "checkpoint-200" / "trainer_state.json").write_text(json.dumps(state))
+    r = _ship(world, run, tmp_path / "m", "--fit", "none")
+    assert r.returncode == 0, r.stderr
+    note = json.loads(r.stdout)["notes"][0]
+    assert note.startswith("vanilla's held-out loss ") and "last training loss 0.01" in note, note
+    assert "warning: vanilla's held-out loss" in r.stderr
+    state["log_history"][-1]["loss"] = 0.7  # in line with the held-out loss: nothing said
+    (run / "checkpoint-200" / "trainer_state.json").write_text(json.dumps(state))
+    r = _ship(world, run, tmp_path / "m2", "--fit", "none")
+    assert r.returncode == 0 and not any("held-out loss" in n for n in json.loads(r.stdout).get("notes", []))

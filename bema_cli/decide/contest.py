@@ -90,7 +90,8 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
     raced["race"]["evaluations"] = {"items": scorer.evaluated + other_items, "exhaustive_design": exhaustive}
     return {"chosen": chosen, "records": records, "fitted": fitted, "decision": decision, "verdict": why,
             "race": raced["race"], "other_tasks": others, "memory": memory, "backend": evaluation.backend_name,
-            "motion": moved, "notes": candidate.lag_notes(plan, menu, step), "candidates": menu, "steps": steps, "basis": basis,
+            "motion": moved, "notes": [*_shape_note(plan, chosen, metric), *candidate.lag_notes(plan, menu, step)],
+            "candidates": menu, "steps": steps, "basis": basis,
             "base_source": plan.base_source}  # fmt: skip
 
 
@@ -98,6 +99,34 @@ def scorer_of(arena, metric, work) -> ItemScorer:
     """The metric's task scored in the arena, its records in work/race/<task>."""
     return ItemScorer(arena.evaluate, arena.evaluation.inputs[metric.task], metric,
                       ResultsFile(work / "race" / metric.task))  # fmt: skip
+
+
+SHAPE_FACTOR, SHAPE_GAP = 2.0, 0.5  # held-out loss over twice the last training loss, and half a nat above
+
+
+def _shape_note(plan, chosen, metric) -> list[str]:
+    """Held-out rows in a shape the run did not train on score tokens it never learned (a
+    prompt/completion run scored on {"messages"} rows: the user's own turns too): vanilla's held-out
+    loss then sits far above the run's last logged training loss. Said, and warned, with the cause."""
+    if metric.key != "loss":
+        return []
+    state = max(plan.checkpoints, key=lambda c: c.step).path / "trainer_state.json"
+    try:
+        history = json.loads(state.read_text()).get("log_history", [])
+        train = [
+            h["loss"] for h in history if isinstance(h, dict) and isinstance(h.get("loss"), (int, float))
+        ][-1]
+    except (OSError, ValueError, AttributeError, IndexError):
+        return []
+    held = next(c["value"] for c in chosen["candidates"] if c["run"] == "vanilla")
+    if not (held > SHAPE_FACTOR * train and held > train + SHAPE_GAP):
+        return []
+    note = (f"vanilla's held-out loss {held:.3g} nats/token is far above the run's last training loss "
+            f"{train:.3g} ({state.parent.name}/trainer_state.json): the held-out rows may not be in the shape "
+            'the run trained on ({"messages"} rows score every turn; prompt/completion training learns the '
+            "completions alone): docs/usage.md says which shape matches which training format")  # fmt: skip
+    output.warn(note)
+    return [note]
 
 
 def _motion(arena, plan, work) -> dict | None:

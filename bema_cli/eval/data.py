@@ -168,16 +168,44 @@ def read_loss_records(path: str | Path, limit: int) -> list[dict]:
     if not path.is_file():
         raise InputError(f"{path}: loss data file not found")
     records = []
-    for where, row in read_rows(path):
+    rows = read_rows(path)
+    for where, row in rows:
         if len(records) >= limit:
             break
         record = _loss_record(row)
         if record is None:
-            raise InputError(f"{where}: expected {LOSS_FORMATS}")
+            raise InputError(f"{where}: {_found(row)}; expected {LOSS_FORMATS}")
+        if not _scored(record):  # nothing to score: a division by zero tokens 25 s later
+            raise InputError(
+                f"{where}: an empty {'completion' if 'completion' in record else 'text'}: nothing to score"
+            )
         records.append(record)
     if not records:
         raise InputError(f"{path}: no records")
+    if len(rows) > len(records):  # said, so a file sorted by source is not judged on its head unawares
+        from bema_cli import output
+
+        output.warn(f"{path}: scoring the first {len(records)} of its {len(rows)} records (--loss-samples)")
     return records
+
+
+def _found(row: object) -> str:
+    """What a row that is no loss record holds, in words."""
+    if isinstance(row, list):
+        return "a JSON array (bema reads JSON Lines: one object per line)"
+    if isinstance(row, dict):
+        return f"an object with keys {', '.join(map(repr, list(row)[:6])) or 'none'}"
+    return f"a JSON {type(row).__name__}"
+
+
+def _scored(record: dict) -> bool:
+    """Whether a loss record has tokens to score (a completion, or a text, that is not empty)."""
+    if "text" in record:
+        return bool(record["text"].strip())
+    if "completion" in record:
+        c = record["completion"]
+        return bool(c.strip()) if isinstance(c, str) else any(str(m.get("content", "")).strip() for m in c)
+    return True
 
 
 LOSS_FORMATS = (

@@ -328,3 +328,16 @@ def test_other_stabilize_settings_keep_the_training_stages(tmp_path):
     with pytest.raises(OutputError, match="other settings"):
         prepare_out(out, False, {"config": asdict(QUICK), "quick": True})
     assert (out / "sft").is_dir()  # nothing removed when refused
+
+
+def test_the_quick_demo_says_it_only_checks_the_install(tmp_path, capfd):
+    """40 steps learn nothing: the quick demo's accuracies of 0 and its 'ship vanilla' are not results."""
+    from bema_cli.demo.summary import print_summary
+
+    summary = {"runs": ["vanilla"], "steps": [40], "accuracy": {}, "loss": {"vanilla": {40: 1.5}}}
+    print_summary({**summary, "quick": True}, tmp_path)
+    assert (
+        "quick demo: 40 fine-tuning steps check that the install works end to end" in capfd.readouterr().out
+    )
+    print_summary({**summary, "quick": False}, tmp_path)
+    assert "quick demo" not in capfd.readouterr().out

@@ -108,7 +108,7 @@ def _print(doc: dict) -> None:
         first = (c["run"], c["step"]) == (doc["winner"]["run"], doc["winner"]["step"])
         table.add_row(
             c["run"], str(c["step"]), value, "winner" if first else fmt_diff(c["vs_best"]), fmt_diff(c["vs_vanilla"]),
-            "yes" if c["tied_with_best"] else "",
+            "" if first else "yes" if c["tied_with_best"] else "",  # the best is not tied with itself
         )  # fmt: skip
     output.print_table(table)
     if doc["missing"]:

@@ -53,6 +53,12 @@ def print_summary(summary: dict, out: Path) -> None:
             f"{run} {acc[task][run][last]:.3f}" for run in runs if last in acc[task].get(run, {})
         )
         output.stdout.print(f"{task} accuracy at step {last}: {finals}")
+    if summary.get("quick"):  # what a user reads as a result is only the install being checked
+        output.stdout.print(
+            f"quick demo: {last} fine-tuning steps check that the install works end to end; the model has not "
+            "learned the tasks yet (accuracies near 0, and ship finds nothing to beat vanilla): `make demo` "
+            "runs the full one"
+        )
     output.stdout.print(
         f"base model (theta0): {out / 'base'}\n"
         f"fine-tuning checkpoints: {out / 'sft'}/checkpoint-*\n"

@@ -133,3 +133,20 @@ def test_a_staging_folder_belongs_to_exactly_one_out(tmp_path):
     assert aside.is_dir() and user.is_dir() and not (tmp_path / "model").exists()
     clean_staging(tmp_path / "model-v2")
     assert not aside.exists() and (tmp_path / "model-v2" / "bema.json").is_file() and user.is_dir()
+
+
+def test_a_base_with_another_tokenizer_is_warned_about(world, tmp_path):
+    """Same shapes, another vocabulary: not the model the run started from, said up front."""
+    other = tmp_path / "other-base"
+    shutil.copytree(world["base"], other)
+    (other / "bema.json").unlink()
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    args = ["stabilize", world["run"], "--method", "ema", "--final-only"]
+    r = run_bema(*args, "--base", other, "--out", tmp_path / "o1")
+    assert r.returncode == 0 and "its tokenizer differs from the run's" in r.stderr, r.stderr
+    r = run_bema(*args, "--base", world["base"], "--out", tmp_path / "o2")
+    assert r.returncode == 0 and "tokenizer differs" not in r.stderr, r.stderr

@@ -105,6 +105,7 @@ def prepare(opts: Options) -> Plan:
         output.log(
             f"base model (theta0): {base.source}, as {checkpoints[0].path / named_by} names it (--base to choose)"
         )
+    _check_tokenizer(base.path, checkpoints[-1].path)
     resume = state.resume(opts, out, checkpoints, base.source, weight_files(base.path))
     steps = resume.steps
     tau = opts.schedules[0].tau if opts.schedules else 0
@@ -196,6 +197,21 @@ def prepare(opts: Options) -> Plan:
         plan.lora_rank = (opts.lora_rank or layout.config["r"]) if opts.lora_output == "adapter" else None
     state.attach(plan, resume, out)
     return plan
+
+
+def _check_tokenizer(base: Path, checkpoint: Path) -> None:
+    """A base of the run's shape but another tokenizer is not the model the run started from: warned
+    (a run that added tokens differs too, and may be fine)."""
+    import json
+
+    mine, theirs = base / "tokenizer.json", checkpoint / "tokenizer.json"
+    try:
+        same = json.loads(mine.read_text()).get("model") == json.loads(theirs.read_text()).get("model")
+    except (OSError, ValueError, AttributeError):
+        return  # none, or not one to compare: nothing said
+    if not same:
+        output.warn(f"{base}: its tokenizer differs from the run's ({theirs}): theta0 may not be the model this "
+                    "run started from (or the run added tokens); --base names the right one")  # fmt: skip
 
 
 def drop_tied_head(index: ModelIndex, base: ModelIndex) -> None:

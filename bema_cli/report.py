@@ -292,3 +292,46 @@ def _delta(run: str, versus: dict | None) -> str:
     if versus is None:
         return "no same step"
     return f"{versus['delta']:+.3g}" + ("" if versus["final_step"] else f" @{versus['step']}")
+
+
+# -- a shipped model folder: the decision's own table ----------------------------------------------
+def ship_record(inputs: list[str]) -> dict | None:
+    """The ship.json of `bema report DIR` when DIR is one model folder `bema ship` wrote (else None):
+    its decision's table is what a reader wants there, not the race's partial records."""
+    if len(inputs) != 1:
+        return None
+    path = Path(inputs[0]) / ".bema-ship" / "ship.json"
+    if not path.is_file():
+        return None
+    doc = read_json(path)
+    if not isinstance(doc, dict) or not isinstance(doc.get("select"), dict):
+        raise InputError(f"{path}: not a ship record (no decision); report its records' folder instead")
+    return doc
+
+
+def ship_table(doc: dict):
+    """Every finalist on the same report items: its value, 95% interval and difference to vanilla;
+    the best fitted average beside them; the shipped row marked."""
+    from rich.table import Table
+
+    from bema_cli.decide.verdict import fmt_diff
+
+    chosen, decision = doc["select"], doc["decision"]
+    n = chosen["selection"]["reported_on"]
+    table = Table(title=f"bema ship: {chosen['metric']} at step {doc['step']} ({direction(chosen['higher_is_better'])}"
+                        f"), every row on the same {n} report items")  # fmt: skip
+    for col in ("run", "value", "95% interval", "vs vanilla", ""):
+        table.add_column(col, justify="right" if col == "value" else "left")
+    for c in chosen["candidates"]:
+        lo, hi = c["interval"]
+        shipped = "shipped" if c["run"] == decision["run"] else ""
+        table.add_row(
+            c["run"], f"{c['value']:.4g}", f"{lo:.4g} to {hi:.4g}", fmt_diff(c["vs_vanilla"]), shipped
+        )
+    best = (doc.get("fitted") or {}).get("best")
+    if best and best.get("vs_vanilla"):
+        vanilla = next(c["value"] for c in chosen["candidates"] if c["run"] == "vanilla")
+        value = vanilla + best["vs_vanilla"]["value"]
+        shipped = "shipped" if best["run"] == decision["run"] else "fitted"
+        table.add_row(best["run"], f"{value:.4g}", "", fmt_diff(best["vs_vanilla"]), shipped)
+    return table

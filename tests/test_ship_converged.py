@@ -211,3 +211,22 @@ def test_held_out_rows_far_above_the_training_loss_are_warned_about(world, tmp_p
     (run / "checkpoint-200" / "trainer_state.json").write_text(json.dumps(state))
     r = _ship(world, run, tmp_path / "m2", "--fit", "none")
     assert r.returncode == 0 and not any("held-out loss" in n for n in json.loads(r.stdout).get("notes", []))
+
+
+def test_report_on_a_ship_folder_shows_the_decisions_table(world, tmp_path):
+    """`bema report DIR` on a shipped model: the decision's rows, every one on the same report items,
+    the shipped one marked, the verdict; no race record of a candidate dropped after 16 items, and no
+    warning about bema's own records."""
+    run = converged_run(world["base"], world["star"], tmp_path / "run", steps=(100, 200, 300), reach_at=3)
+    out = tmp_path / "model"
+    doc = json.loads(_ship(world, run, out).stdout)
+    r = run_bema("report", out, env={"COLUMNS": "200"})
+    assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+    n = doc["select"]["selection"]["reported_on"]
+    assert f"every row on the same {n} report items" in r.stdout, r.stdout
+    assert " ".join(doc["verdict"].split()) in " ".join(r.stdout.split()) and "shipped" in r.stdout
+    rows = {c["run"] for c in doc["select"]["candidates"]}
+    dropped = set(doc["race"]["dropped"]) - rows
+    table = r.stdout.split("\nship ")[0]  # the rows, before the verdict and its notes
+    assert dropped and not any(name in table.split() for name in dropped), r.stdout
+    assert json.loads(run_bema("report", out, "--json").stdout)["verdict"] == doc["verdict"]

@@ -46,6 +46,15 @@ def report(
         raise UsageError(f"--scoring: {scoring!r} is not one of {', '.join(report_plot.SCORINGS)}")
     if plot is not None:
         figures.check_target(plot, "--plot")
+    shipped = rep.ship_record(inputs) if plot is None else None
+    if shipped is not None:  # a model folder `bema ship` wrote: its decision, every row on the same items
+        if json:
+            output.print_json(shipped)
+            return
+        output.print_table(rep.ship_table(shipped))
+        for line in [shipped["verdict"], *(f"note: {n}" for n in shipped.get("notes", []))]:
+            output.stdout.print(line, highlight=False, markup=False)
+        return
     doc = rep.build(inputs)
     doc["plot"] = plot
     if plot:

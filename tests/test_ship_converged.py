@@ -230,3 +230,16 @@ def test_report_on_a_ship_folder_shows_the_decisions_table(world, tmp_path):
     table = r.stdout.split("\nship ")[0]  # the rows, before the verdict and its notes
     assert dropped and not any(name in table.split() for name in dropped), r.stdout
     assert json.loads(run_bema("report", out, "--json").stdout)["verdict"] == doc["verdict"]
+
+
+def test_the_dry_runs_projection_counts_a_floor_per_forward(world, tmp_path):
+    """On a tiny model FLOP/s alone projected 10-14x low: every held-out record is a forward with a
+    per-call floor (sweep/project.FORWARD_FLOOR_S, measured), counted for each evaluation at most."""
+    from bema_cli.sweep.project import FORWARD_FLOOR_S
+
+    run = converged_run(world["base"], world["star"], tmp_path / "run", steps=(100, 200, 300), reach_at=3)
+    r = _ship(world, run, tmp_path / "m", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    at_most = doc["evaluations"]["at_most"]
+    assert doc["projection"]["parts_seconds"]["forward"] >= round(FORWARD_FLOOR_S * at_most, 1) - 0.1, doc

@@ -25,6 +25,10 @@ ENGINE_START_S = {"vllm": 15.0, "transformers": 2.0}  # before its weights: vllm
 # shape, 2 cores (docs/performance.md; 0.1 was fitted to a probe that read 3x low by chance)
 VLLM_CPU_EFFICIENCY = 0.5
 CHARS_PER_TOKEN = 4
+# A forward's floor whatever the model's size: the framework's own per-call work (tokenising,
+# dispatch, the record). Measured on the dev VM, 2 cores, a 115k-parameter model, transformers:
+# 5.2 ms a held-out record (a ship's 1,418 loss forwards took 7.4 s where FLOP/s alone said 0.2 s).
+FORWARD_FLOOR_S = 0.005
 PASSES_WEIGHTS = 3  # per config loaded: estimate, cast to the engine dtype, copy in
 
 
@@ -52,13 +56,15 @@ def project(plan, evaluation, jobs, model_bytes: int, speeds: dict) -> dict:
         for item in job.tasks:
             if item.name in LOSS_TASKS:
                 chars = sum(len(json.dumps(r)) for r in item.loss_records)
-                forward += 2 * numel * chars / CHARS_PER_TOKEN / flops
+                arithmetic = 2 * numel * chars / CHARS_PER_TOKEN / flops
+                forward += max(arithmetic, len(item.loss_records) * FORWARD_FLOOR_S)  # a forward per record
             elif item.docs:
                 samples = 1 if config.temperature == 0 else config.n_samples
                 chars = sum(len(json.dumps(d)) for d in item.docs) * samples
                 new = config.max_new_tokens or 256
-                forward += 2 * numel * (chars / CHARS_PER_TOKEN + len(item.docs) * samples * new) / flops
-                forward += new * model_bytes / speeds["memory"]  # each decode step streams the weights
+                arithmetic = 2 * numel * (chars / CHARS_PER_TOKEN + len(item.docs) * samples * new) / flops
+                arithmetic += new * model_bytes / speeds["memory"]  # each decode step streams the weights
+                forward += max(arithmetic, new * FORWARD_FLOOR_S)  # at least a decode step's floor per token
     parts = {"engine_start": start, "walk": read + compute, "load": load, "forward": forward}
     return {"seconds": round(sum(parts.values()), 1), "parts_seconds": {k: round(v, 1) for k, v in parts.items()},
             "speeds": {k: round(v) for k, v in speeds.items()}}  # fmt: skip

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from bema_cli.decide import power, race
 
@@ -160,4 +161,15 @@ def test_the_corrected_difference_is_median_unbiased_among_those_that_pass():
     above = int((corrected > mu).sum())
     lo, hi = wilson(above, len(passed))
     assert lo < 0.5 < hi, (above / len(passed), lo, hi)
-    assert all(c <= v for c, v in zip(corrected, passed, strict=True))  # never above the raw value
+    assert all(0 <= c <= v for c, v in zip(corrected, passed, strict=True))  # between 0 and the raw value
+
+
+def test_the_corrected_difference_never_has_the_shipped_differences_opposite_sign():
+    """Just past the threshold the conditional estimate runs to -inf ("+0.005152 after the
+    correction" on a shipped -1.83e-3): kept at 0 there, and the raw value far past it."""
+    se = 1.0
+    for x in (1.96, 1.9601, 1.961, 1.97, 2.0, 2.2):
+        c = power.corrected(x, se)
+        assert 0.0 <= c <= x, (x, c)
+    assert power.corrected(1.9601, se) == 0.0  # the unclamped estimate is about -2.4 here
+    assert power.corrected(8.0, se) == pytest.approx(8.0, abs=1e-6)

@@ -60,7 +60,8 @@ def _log_tail(z: float) -> float:
 def corrected(x: float, se: float) -> float:
     """The conditionally median-unbiased estimate of the true difference mu, given that x (oriented:
     better is positive) was reported only because x > 1.96 se: the mu under which half of the
-    differences that pass the test exceed x. Always below x; far below when x barely passed."""
+    differences that pass the test exceed x, kept between 0 and x (far below x, down to 0, when x
+    barely passed)."""
     if not se > 0 or not math.isfinite(se) or x <= Z_TEST * se:
         return x
 
@@ -71,4 +72,7 @@ def corrected(x: float, se: float) -> float:
     for _ in range(100):  # bisection on log P(X > x | X > c) = log 1/2
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if above(mid) < math.log(0.5) else (lo, mid)
-    return (lo + hi) / 2
+    # Just past the threshold the conditional estimate runs far below 0 (to -inf as x -> c): it is
+    # kept between 0 and x. For a true difference >= 0 that moves only estimates already below it,
+    # so the median-unbiasedness holds; it never reads as the opposite of the shipped difference.
+    return max(0.0, (lo + hi) / 2)

@@ -78,8 +78,12 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
         why = f"vanilla was the best on the {picked_on} pick items"
     beaten = [c for c in chosen["candidates"] if c["step"] == step and c["run"] != w["run"] and c["vs_vanilla"]
               and verdict.is_better(c["vs_vanilla"], better)]  # fmt: skip
-    if not beaten:
-        why += "; no average beats vanilla beyond its interval on the report items"
+    if not beaten:  # said of what was tested there: the finalists, not every average of the menu
+        tested = [c["run"] for c in chosen["candidates"] if c["step"] == step and c["run"] != "vanilla"]
+        if fitted and fitted.get("best"):
+            tested.append(fitted["best"]["record"]["run"])
+        why += (f"; none of the averages scored on the report items ({', '.join(tested)}) beats vanilla beyond its "
+                "interval there" if tested else "; no average reached the report items")  # fmt: skip
     else:  # what the report half showed, said, and why it does not ship
         b = beaten[0]
         why += (f"; on the report items {b['run']} reads {fmt_d(b['vs_vanilla'])} against vanilla, but it was not "

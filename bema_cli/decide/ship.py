@@ -8,7 +8,7 @@ It composes the parts that exist and adds no statistics of its own:
 3. fitted averages (fit.py: greedy soup, then simplex weights on held-out loss), fitted on the pick
    items; one is shipped only if it beats the menu's pick on the report items, beyond the interval;
 4. an average is written only if it beats vanilla beyond its interval on the report items; else the
-   raw checkpoint is, and the verdict says that no average beats vanilla;
+   raw checkpoint is, and the verdict names the averages tested there, none beating vanilla;
 5. DIR is written as the model folder (write.py), and pushed with `--push` (push.py).
 
 Records live in `.DIR.bema-ship/` beside DIR while it runs (a killed ship resumes there, evaluating

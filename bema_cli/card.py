@@ -58,19 +58,20 @@ def shown_path(value: str, paths: str = "short") -> str:
     return "/".join(parts[-2:]) if len(parts) >= 2 else value
 
 
-def recipe(coefficients: dict) -> str:
-    """The vector in words: `0.5 x checkpoint-285 + 0.5 x checkpoint-300` (theta0 named as such)."""
-    parts = []
-    for key, c in coefficients.items():
-        name = (
-            "theta0 (the base)"
-            if key == "theta0"
-            else f"checkpoint-{key}"
-            if key.isdigit()
-            else shown_path(key)
-        )
-        parts.append(f"{float(c):.4g} x {name}")
-    return " + ".join(parts).replace("+ -", "- ")
+def recipe(coefficients: dict, most: int | None = None) -> str:
+    """The vector in words: `0.5 x checkpoint-285 + 0.5 x checkpoint-300` (theta0 named as such);
+    with `most`, only the largest weights, and how many more there are."""
+    by_size = sorted(coefficients, key=lambda k: -abs(float(coefficients[k])))
+    keep = set(by_size[:most] if most else by_size)
+    parts = [f"{float(c):.4g} x {_input_name(key)}" for key, c in coefficients.items() if key in keep]
+    more = len(coefficients) - len(keep)
+    return " + ".join(parts).replace("+ -", "- ") + (f" (and {more} smaller weights)" if more else "")
+
+
+def _input_name(key: str) -> str:
+    if key == "theta0":
+        return "theta0 (the base)"
+    return f"checkpoint-{key}" if key.isdigit() else shown_path(key)
 
 
 def _cell(value) -> str:

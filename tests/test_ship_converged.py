@@ -80,9 +80,11 @@ def test_ship_says_why_an_average_lags_and_the_card_gives_the_recipe(world, tmp_
     want = f"ema-k0.5 still weighs theta0 at {theta0:.3g} at step 300: with 3 checkpoints, save more often"
     assert any(n.startswith(want) for n in doc["notes"]), doc["notes"]
     assert "lawa-w4 averages 3 checkpoints, not 4: the run has 3 up to step 300" in doc["notes"]
-    human = run_bema("ship", run, "--base", world["base"], "--out", out, "--tasks", "loss", "--loss-data",
+    human = run_bema("ship", run, "--base", world["base"], "--out", tmp_path / "m2", "--tasks", "loss", "--loss-data",
                      world["data"], "--backend", "transformers", "--fit", "none")  # fmt: skip
     assert human.returncode == 0 and "note: ema-k0.5 still weighs theta0" in human.stdout, human.stderr
+    # progress: a line per menu round and per fit trial, named by what it is, never a digest
+    assert "loss: menu round 1 of " in human.stderr and "fit:" not in human.stderr, human.stderr
     record = json.loads((out / "bema.json").read_text())
     assert set(record["coefficients"]) <= {"theta0", "100", "200", "300"}
     assert abs(sum(record["coefficients"].values()) - 1) < 1e-9

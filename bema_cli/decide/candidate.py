@@ -19,6 +19,7 @@ THETA0 = "theta0"
 # Weight on theta0 above this (either sign) is what makes an average lag the run, said beside the
 # numbers: docs/math.md's table has the EMA at ~78% theta0 after 10 checkpoints 400 steps apart.
 THETA0_NOTE = 0.05
+KAPPA_METHODS = ("ema", "bema", "dema", "ouema")  # whose decay --kappa sets
 
 
 @dataclass(frozen=True)
@@ -132,14 +133,16 @@ def lag_notes(plan, menu: dict[str, Candidate], step: int) -> list[str]:
             continue
         c0 = cand.record.get(THETA0, 0.0)
         window = run.schedule.window
-        if abs(c0) >= THETA0_NOTE and run.schedule.method != "bema":
-            advice = "save more often or lower --kappa" if run.schedule.method in ("ema", "dema", "ouema") \
-                else "save more often"  # fmt: skip
-            out.append(f"{run.name} still weighs theta0 at {c0:.3g} at step {step}: with {saved} checkpoints, "
-                       f"{advice}")  # fmt: skip
-        elif abs(c0) >= THETA0_NOTE:  # bema: a negative theta0 coefficient is its bias correction at work
-            out.append(f"{run.name} weighs theta0 at {c0:+.3g} at step {step} (its bias correction over {saved} "
-                       "checkpoints); with few checkpoints its lag correction is large: save more often")  # fmt: skip
+        lever = (
+            "save more often or lower --kappa" if run.schedule.method in KAPPA_METHODS else "save more often"
+        )
+        if c0 >= THETA0_NOTE:
+            out.append(
+                f"{run.name} still weighs theta0 at {c0:.3g} at step {step}: with {saved} checkpoints, {lever}"
+            )
+        elif c0 <= -THETA0_NOTE:  # BEMA's correction overshoots: it extrapolates away from theta0
+            out.append(f"{run.name} weighs theta0 at {c0:.3g} at step {step}: its bias correction extrapolates past "
+                       f"the last checkpoint; with {saved} checkpoints, {lever}")  # fmt: skip
         members = len(last_members(run.events, step, window)) if window else 0
         if window and members < window:
             out.append(f"{run.name} averages {members} checkpoints, not {window}: the run has {saved} up to "

@@ -33,6 +33,8 @@ def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, m
             if n and limit is not None and scorer.evaluated + len(batch) * len(contest.alive) > limit:
                 stopped = f"--max-evaluations {limit} reached after {n} of {len(rounds)} rounds"
                 break
+            output.log(f"{metric.task}: menu round {n + 1} of {len(rounds)}: {len(batch)} pick items for "
+                       f"{len(contest.alive)} candidates ({', '.join(contest.alive)})")  # fmt: skip
             for name in contest.alive:
                 contest.add(name, scorer.scores(menu[name], batch))
             contest.eliminate()

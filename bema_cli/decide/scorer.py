@@ -116,7 +116,7 @@ class Arena:
         target = self.load(cand)
         part = slice_task(task, ids)
         job = Job(target, [part], self.evaluation.config, f"{cand.digest}@{self.step}")
-        records, _ = evaluate_task(self.backend, job, part)  # samples are not logged by ship
+        records, _ = evaluate_task(self.backend, job, part, say=False)  # ship says its rounds; no samples
         return records
 
     def close(self) -> None:

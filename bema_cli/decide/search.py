@@ -9,6 +9,8 @@ finalist beside the menu's pick and vanilla (decision.py compares them there).
 
 from __future__ import annotations
 
+from bema_cli import output
+from bema_cli.card import recipe
 from bema_cli.decide import fit, race, select
 from bema_cli.decide.candidate import Candidate
 
@@ -30,9 +32,12 @@ def search(scorer, menu: dict, steps: list[int], survivors: list[str], pick_ids:
     def scores(c, ids, name):
         return scorer.scores(Candidate.of(name, c, steps), ids)
 
+    def say(kind: str, c: list[float]) -> None:  # a trial named by what it is: its weights
+        output.log(f"{metric.task}: {kind} trial: {recipe(Candidate.of(kind, c, steps).record, most=4)}")
+
     loss = metric.key == "loss"
     result, found, best = fit_search(scores, ingredients, pick_ids, ship_opts.fits, n, loss, duel=duel,
-                                     report_n=len(report_ids))  # fmt: skip
+                                     report_n=len(report_ids), say=say)  # fmt: skip
     for kind, c, _ in found:  # in the metric's units, on every pick item
         result[kind]["pick_value"] = select.metric_value(
             scorer.record(Candidate.of(kind, c, steps), pick_ids), metric
@@ -48,7 +53,8 @@ def search(scorer, menu: dict, steps: list[int], survivors: list[str], pick_ids:
     return out
 
 
-def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, duel=race.duel, report_n=None):
+def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, duel=race.duel, report_n=None,
+               say=None):  # fmt: skip
     """The search itself on any `scores(c, ids, name)` (oriented per-item scores, higher is better):
     the engine's (ship) or a simulated world's (bench/bench_decide.py). `ingredients`: (name, c).
     `duel` decides each "does it improve" (race.duel; race.exhaustive: every pick item, as before).
@@ -59,6 +65,8 @@ def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, du
     def better(kind: str):
         def compare(trial: list[float], incumbent: list[float]) -> bool:
             name = f"{kind}-{fit.digest(trial)}"
+            if say is not None:
+                say(kind, trial)
             won, used, diff = duel(lambda ids: scores(trial, ids, name),
                                    lambda ids: scores(incumbent, ids, name), pick_ids, report_n=report_n)  # fmt: skip
             trials.append({"run": name, "pick_items": used, "better": won, "mean_item_difference": diff})

@@ -87,9 +87,11 @@ def run_job(backend, job: Job) -> Iterator[tuple[list[dict], list[dict]]]:
         yield evaluate_task(backend, job, item)
 
 
-def evaluate_task(backend, job: Job, item: TaskInput) -> tuple[list[dict], list[dict]]:
+def evaluate_task(backend, job: Job, item: TaskInput, say: bool = True) -> tuple[list[dict], list[dict]]:
+    """One task's records for the loaded model; `say`: a progress line (ship says its rounds instead)."""
     c, target, name = job.config, job.target, item.name
-    output.step(f"{name}: {target.path} ({target.label})")
+    if say:
+        output.step(f"{name}: {target.path} ({target.label})")
     start = time.perf_counter()
     created = datetime.now(timezone.utc).isoformat(timespec="seconds")
     eval_id = uuid.uuid4().hex  # ties samples.jsonl lines to their results.jsonl records (for rescore)

@@ -248,7 +248,7 @@ def main() -> None:
         if signals.received() is not None:  # the signal's exception surfaced as another type
             _exit_interrupted(signals.received())
         if isinstance(exc, BemaError):
-            _fail(str(exc), exc.exit_code)
+            _fail(str(exc), exc.exit_code, getattr(exc, "document", None))
         if isinstance(exc, OSError):  # unwritable output, full disk, ...: still one line
             where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
             _fail(f"{exc.strerror or exc}{where}", 1)
@@ -257,19 +257,18 @@ def main() -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int, document: dict | None = None) -> None:
     """The one error line on stderr, and under --json also one JSON document on stdout, so a
-    pipeline into `jq` sees the failure (and its exit code) instead of an empty input."""
+    pipeline into `jq` sees the failure (and its exit code) instead of an empty input; with the
+    work's own document when the failure came after it (a ship whose push was refused)."""
     output.error(message)
     output.drop_empty_library_log()
     from bema_cli.io.commit import remove_empty_made
 
     remove_empty_made()  # an OUT made for a command that wrote nothing there
     if "--json" in sys.argv[1:]:
-        import json
-
         try:
-            print(json.dumps({"error": message, "exit_code": code}), flush=True)
+            print(output.to_json({**(document or {}), "error": message, "exit_code": code}), flush=True)
         except (BrokenPipeError, OSError):
             pass
     sys.exit(code)

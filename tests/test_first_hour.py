@@ -53,8 +53,10 @@ def test_loss_rows_in_trls_formats_are_read_and_others_refused_naming_the_line(t
     path.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"prompt": "only a prompt"}) + "\n")
     with pytest.raises(InputError) as err:
         data.read_loss_records(path, 10)
-    assert str(err.value).startswith(f"{path}:2: expected ") and '{"prompt": str, "completion": str}' in str(
-        err.value
+    said = str(err.value)  # the line, what it holds, and what is expected
+    assert (
+        said.startswith(f"{path}:2: an object with keys 'prompt'; expected ")
+        and '{"prompt": str, "completion": str}' in said
     )
 
 

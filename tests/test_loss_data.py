@@ -41,3 +41,15 @@ def test_a_longer_file_says_how_much_of_it_is_scored(tmp_path, capfd):
     assert "scoring the first 3 of its 5 records (--loss-samples)" in capfd.readouterr().err
     read_loss_records(path, 5)
     assert "scoring the first" not in capfd.readouterr().err
+
+
+def test_a_longer_file_is_sampled_with_a_seed_in_file_order(tmp_path, capfd):
+    """A file sorted by source is not judged on its head: a seeded sample, the same for one seed."""
+    path = tmp_path / "heldout.jsonl"
+    path.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(400)))
+    a, b = read_loss_records(path, 200, seed=1), read_loss_records(path, 200, seed=1)
+    assert a == b and len(a) == 200
+    order = [int(r["text"].split()[1]) for r in a]
+    assert order == sorted(order) and order[-1] > 300 and order != list(range(200))
+    assert "scoring a seeded sample of 200 of its 400 records" in capfd.readouterr().err
+    assert read_loss_records(path, 200, seed=2) != a

@@ -245,3 +245,44 @@ def test_the_dry_runs_projection_counts_a_floor_per_forward(world, tmp_path):
     doc = json.loads(r.stdout)
     at_most = doc["evaluations"]["at_most"]
     assert doc["projection"]["parts_seconds"]["forward"] >= round(FORWARD_FLOOR_S * at_most, 1) - 0.1, doc
+
+
+def test_allow_gaps_reaches_the_fits(world, tmp_path):
+    """The gap error's own advice, --allow-gaps, carries through the fits (they died in an internal
+    stabilize that never got the flag): the vectors are computed from the very plan that allows it."""
+    run = converged_run(world["base"], world["star"], tmp_path / "run", steps=(100, 200, 300, 400, 500, 600),
+                        reach_at=4)  # fmt: skip
+    (run / "checkpoint-600" / "trainer_state.json").write_text(
+        json.dumps({"global_step": 600, "save_steps": 100})
+    )
+    shutil.rmtree(run / "checkpoint-300")
+    line = one_line_error(_ship(world, run, tmp_path / "m"))
+    assert "checkpoint step(s) 300 missing" in line and "--allow-gaps" in line, line
+    r = _ship(world, run, tmp_path / "m", "--allow-gaps")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["fitted"]["candidates"], doc["fitted"]  # the fits were searched
+    assert json.loads((tmp_path / "m" / "bema.json").read_text())["allow_gaps"] is True
+
+
+def test_a_refused_push_says_the_verdict_first(world, tmp_path):
+    """The Hub refuses the token after the whole decision: the verdict (and with --json the whole
+    document, with the push's error) is on stdout before the one-line error, exit 6."""
+    from hub_standin import HubStandIn
+
+    run = converged_run(world["base"], world["star"], tmp_path / "run", steps=(100, 200), reach_at=2)
+    with HubStandIn() as hub:
+        env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1",
+               "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "hf_wrong"}  # fmt: skip
+        args = ["ship", run, "--base", world["base"], "--tasks", "loss", "--loss-data", world["data"],
+                "--backend", "transformers", "--fit", "none", "--push", "org/model"]  # fmt: skip
+        r = run_bema(*args, "--out", tmp_path / "m", env=env)
+        assert r.returncode == 6 and r.stdout.startswith("ship "), (r.stdout, r.stderr)
+        assert "refused the token" in r.stderr.strip().splitlines()[-1]
+        r = run_bema(*args, "--out", tmp_path / "m2", "--json", env=env)
+        doc = json.loads(r.stdout)
+        assert (
+            r.returncode == 6
+            and doc["verdict"].startswith("ship ")
+            and "refused the token" in doc["push_error"]
+        )

@@ -115,11 +115,10 @@ def ship(
     from pathlib import Path
 
     from bema_cli.card import CARD_PATHS
-    from bema_cli.decide.budget import budget_line
     from bema_cli.decide.push import check_repo_id, token_missing
     from bema_cli.decide.ship import DEFAULT_GRID, ShipOptions, check
     from bema_cli.decide.ship import ship as run
-    from bema_cli.errors import HubAuthError, InputError, UsageError
+    from bema_cli.errors import BemaError, HubAuthError, InputError, UsageError
     from bema_cli.eval.evaluate import LIBRARY_LOG
     from bema_cli.stabilize import Options
     from bema_cli.stabilize import grid as menu
@@ -159,6 +158,17 @@ def ship(
             raise InputError(f"ship decides on --loss-data FILE (held-out loss) or on --tasks; with neither "
                              f"it decides on gsm8k, and found {exc}") from None  # fmt: skip
         raise
+    except BemaError as exc:  # a refused push: the decision is made and the model written; say it first
+        if getattr(exc, "document", None) is not None and not json_:  # --json: the error's document holds it
+            _say(exc.document, json_)
+        raise
+    _say(doc, json_)
+
+
+def _say(doc: dict, json_: bool) -> None:
+    """The --json document, or the verdict (or the dry run's budget) and its notes."""
+    from bema_cli.decide.budget import budget_line
+
     if doc.get("stages"):
         output.log(stages.line(doc["stages"]))
     if json_:

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bema_cli import card, output
-from bema_cli.errors import HubAuthError, HubNetworkError, HubRepoError, InputError, UsageError
+from bema_cli.errors import BemaError, HubAuthError, HubNetworkError, HubRepoError, InputError, UsageError
 
 CONNECT_TIMEOUT = 10.0  # seconds to open a connection; --timeout bounds each wait for an answer
 CLIENT_BACKOFF = 30.0  # huggingface_hub's own retries of an LFS part after the deadline: at most its backoff
@@ -307,3 +307,16 @@ def _transport_errors() -> tuple[type, ...]:
             if isinstance(k, type) and issubclass(k, BaseException)  # httpx.Timeout is a setting
         ]
     return tuple(kinds)
+
+
+def pushed(doc: dict, out: Path, repo_id: str) -> None:
+    """Push DIR; a refused push still carries the decision (`document`), so the verdict is said
+    before the error: the model is written and decided, only its upload failed."""
+    from bema_cli import stages
+
+    try:
+        with stages.stage("push"):
+            doc["pushed"] = push(out, repo_id)
+    except BemaError as exc:
+        exc.document = {**doc, "push_error": str(exc)}
+        raise

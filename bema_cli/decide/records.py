@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bema_cli import output, stages
+from bema_cli import output
 from bema_cli.decide.write import WORK
 from bema_cli.errors import InputError, OutputError
 from bema_cli.io.fingerprint import file_digest
@@ -95,10 +95,9 @@ def up_to_date(out: Path, request: dict, push_to: str | None) -> dict:
     output.log(f"up to date: {out} holds the shipped model for this request (--overwrite decides again)")
     doc = {**doc, "up_to_date": True}
     if push_to:
-        from bema_cli.decide.push import push
+        from bema_cli.decide.push import pushed
 
-        with stages.stage("push"):
-            doc["pushed"] = push(out, push_to)
+        pushed(doc, out, push_to)
     return doc
 
 

@@ -148,10 +148,9 @@ def _ship(
     with stages.stage("write"), stages.kept():  # stabilize's own reset would drop the sweep's stages
         doc["written"] = _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, stab, made)
     if ship_opts.push:
-        from bema_cli.decide.push import push
+        from bema_cli.decide.push import pushed
 
-        with stages.stage("push"):
-            doc["pushed"] = push(out, ship_opts.push)
+        pushed(doc, out, ship_opts.push)
     # where the whole command's time went: engine_start, walk, swap, loss/generate, write, push
     doc["stages"] = stages.report()
     return doc

@@ -160,8 +160,9 @@ def load_shots(task: ModuleType, files: list[Path], k: int, seed: int) -> dict[s
     return {subject: [group[i] for i in select(len(group), k, seed)] for subject, group in groups.items()}
 
 
-def read_loss_records(path: str | Path, limit: int) -> list[dict]:
-    """The first `limit` records of a loss jsonl, in the formats TRL's SFTTrainer trains on:
+def read_loss_records(path: str | Path, limit: int, seed: int | None = None) -> list[dict]:
+    """`limit` records of a loss jsonl (the first ones; with `seed`, a seeded sample in file order,
+    so a file sorted by source or task is not judged on its head), in the formats TRL's SFTTrainer trains on:
     {"text": str}, {"messages": [{"role","content"}...]}, {"prompt": str, "completion": str}, or
     {"prompt": [messages], "completion": [messages]} (conversational prompt-completion)."""
     path = Path(path)
@@ -169,6 +170,11 @@ def read_loss_records(path: str | Path, limit: int) -> list[dict]:
         raise InputError(f"{path}: loss data file not found")
     records = []
     rows = read_rows(path)
+    total = len(rows)
+    if seed is not None and total > limit:
+        import random
+
+        rows = [rows[i] for i in sorted(random.Random(seed).sample(range(total), limit))]
     for where, row in rows:
         if len(records) >= limit:
             break
@@ -182,10 +188,11 @@ def read_loss_records(path: str | Path, limit: int) -> list[dict]:
         records.append(record)
     if not records:
         raise InputError(f"{path}: no records")
-    if len(rows) > len(records):  # said, so a file sorted by source is not judged on its head unawares
+    if total > len(records):  # said: a verdict on 200 of 400 records is not one on the file
         from bema_cli import output
 
-        output.warn(f"{path}: scoring the first {len(records)} of its {len(rows)} records (--loss-samples)")
+        which = "a seeded sample of" if seed is not None else "the first"
+        output.warn(f"{path}: scoring {which} {len(records)} of its {total} records (--loss-samples)")
     return records
 
 

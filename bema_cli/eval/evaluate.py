@@ -246,7 +246,9 @@ class Evaluation:
                 if path is None:
                     raise UsageError(f"task {name} needs {flag} FILE.jsonl")
                 item = TaskInput(name, task_protocol(c, name, str(Path(path).resolve())), {})
-                item.loss_records = data.read_loss_records(path, c.loss_samples)
+                item.loss_records = data.read_loss_records(path, c.loss_samples, c.selection_seed)
+                if len(data.read_rows(Path(path))) > c.loss_samples:  # which records: part of the key
+                    item.protocol["loss_sample_seed"] = c.selection_seed
                 digest = resume.file_sha256(Path(path))
             else:
                 task = get_task(name)

@@ -268,7 +268,10 @@ def _fail(message: str, code: int, document: dict | None = None) -> None:
     remove_empty_made()  # an OUT made for a command that wrote nothing there
     if "--json" in sys.argv[1:]:
         try:
-            print(output.to_json({**(document or {}), "error": message, "exit_code": code}), flush=True)
+            print(
+                output.to_json({**(document or {}), "error": message, "exit_code": code}, indent=None),
+                flush=True,
+            )
         except (BrokenPipeError, OSError):
             pass
     sys.exit(code)

@@ -114,14 +114,15 @@ def decide_once(world: World, menu: dict, raced: bool, opts) -> dict:
     pick, report = select.sides(world.ids, opts.holdout, opts.seed)
     pick_ids, report_ids = [world.ids[i] for i in pick], [world.ids[i] for i in report]
     if raced:
-        made = race_menu(scorer, menu, pick_ids, report_ids, opts, metric)
+        made = race_menu(scorer, menu, pick_ids, report_ids, opts, metric, progress=False)
         chosen, records, survivors = made["chosen"], made["records"], made["race"]["survivors"]
     else:
         records = [scorer.record(c, world.ids) for c in menu.values()]
         chosen = select.select(records, metric, "last", opts.holdout, opts.resamples, opts.seed)
         survivors = list(menu)
     duel = race.duel if raced else race.exhaustive
-    fitted = search.search(scorer, menu, STEPS, survivors, pick_ids, report_ids, opts, metric, duel=duel)
+    fitted = search.search(scorer, menu, STEPS, survivors, pick_ids, report_ids, opts, metric, duel=duel,
+                           progress=False)  # fmt: skip
     made, why = decision.decide(chosen, fitted, metric, opts, records)
     shipped = (fitted["best"]["candidate"] if made["kind"] == "fitted" else menu[made["run"]]).coefficients(
         STEPS

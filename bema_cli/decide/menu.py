@@ -18,7 +18,8 @@ class Budget(Exception):
     """--max-evaluations reached: the race stops where it is."""
 
 
-def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, metric, limit=None) -> dict:
+def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, metric, limit=None,
+              progress: bool = True) -> dict:  # fmt: skip
     """`menu`: {name: candidate.Candidate}, vanilla's included. {"chosen": select's document on the
     finalists (winner: the pick among the survivors), "race": what happened, "records": the
     finalists' records on every item}."""
@@ -33,8 +34,9 @@ def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, m
             if n and limit is not None and scorer.evaluated + len(batch) * len(contest.alive) > limit:
                 stopped = f"--max-evaluations {limit} reached after {n} of {len(rounds)} rounds"
                 break
-            output.log(f"{metric.task}: menu round {n + 1} of {len(rounds)}: {len(batch)} pick items for "
-                       f"{len(contest.alive)} candidates ({', '.join(contest.alive)})")  # fmt: skip
+            if progress:  # a line per round (the benchmark's thousands of races say none)
+                output.log(f"{metric.task}: menu round {n + 1} of {len(rounds)}: {len(batch)} pick items for "
+                           f"{len(contest.alive)} candidates ({', '.join(contest.alive)})")  # fmt: skip
             for name in contest.alive:
                 contest.add(name, scorer.scores(menu[name], batch))
             contest.eliminate()

@@ -21,7 +21,7 @@ RANK_ITEMS = 32  # the soup's ingredients are ordered by their mean on the first
 
 
 def search(scorer, menu: dict, steps: list[int], survivors: list[str], pick_ids: list, report_ids: list,
-           ship_opts, metric, duel=race.duel) -> dict:  # fmt: skip
+           ship_opts, metric, duel=race.duel, progress: bool = True) -> dict:  # fmt: skip
     """The fits at the decision's step over (theta0, `steps`), scored by `scorer` (the arena's
     engine: nothing written) on the pick items, raced; the best of them then on the report items (a
     finalist). `menu`: {name: Candidate} (the vectors the race scored: not evaluated again)."""
@@ -37,7 +37,7 @@ def search(scorer, menu: dict, steps: list[int], survivors: list[str], pick_ids:
 
     loss = metric.key == "loss"
     result, found, best = fit_search(scores, ingredients, pick_ids, ship_opts.fits, n, loss, duel=duel,
-                                     report_n=len(report_ids), say=say)  # fmt: skip
+                                     report_n=len(report_ids), say=say if progress else None)  # fmt: skip
     for kind, c, _ in found:  # in the metric's units, on every pick item
         result[kind]["pick_value"] = select.metric_value(
             scorer.record(Candidate.of(kind, c, steps), pick_ids), metric

@@ -286,3 +286,14 @@ def test_a_refused_push_says_the_verdict_first(world, tmp_path):
             and doc["verdict"].startswith("ship ")
             and "refused the token" in doc["push_error"]
         )
+
+
+def test_sweep_says_why_an_average_lags_too(world, tmp_path):
+    run = converged_run(world["base"], world["star"], tmp_path / "run", steps=(100, 200, 300), reach_at=2)
+    r = run_bema("sweep", run, "--base", world["base"], "--out", tmp_path / "s", "--method", "ema,lawa",
+                 "--window", "4", "--at", "last", "--tasks", "loss", "--loss-data", world["data"],
+                 "--backend", "transformers", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    notes = json.loads(r.stdout)["notes"]
+    assert any(n.startswith("ema-k0.5 still weighs theta0 at ") for n in notes), notes
+    assert "lawa-w4 averages 3 checkpoints, not 4: the run has 3 up to step 300" in notes

@@ -131,6 +131,8 @@ def sweep(
         follow=follow_opts if follow else None,
         validated=lambda: output.send_library_output(Path(out) / LIBRARY_LOG),
     )  # fmt: skip
+    if not dry_run and not follow:
+        doc["notes"] = _lag_notes(opts, doc)
     if json_:
         output.print_json(doc)
     elif dry_run:
@@ -149,6 +151,24 @@ def sweep(
             f"{memory['peak_rss_bema'] / 1e9:.2f} + engine processes {memory['peak_rss_engine'] / 1e9:.2f})"
         )
         output.log(stages.line(doc["stages"]))
+        for note in doc.get("notes", []):
+            output.log(f"note: {note}")
+
+
+def _lag_notes(opts, doc: dict) -> list[str]:
+    """Why an average may lose at the last step evaluated, read off its vector (as ship says it)."""
+    from bema_cli.decide.candidate import lag_notes, menu
+    from bema_cli.errors import BemaError
+    from bema_cli.sweep.walk import plan_sweep
+
+    steps = [r["step"] for r in doc.get("records", []) if isinstance(r.get("step"), int) and r["step"] > 0]
+    if not steps:
+        return []
+    try:
+        plan = plan_sweep(opts)
+        return lag_notes(plan, menu(plan, max(steps)), max(steps))
+    except (BemaError, KeyError):  # a checkpoint gone since: the notes are not worth an error
+        return []
 
 
 PANELS = {

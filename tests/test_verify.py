@@ -207,3 +207,27 @@ def test_an_input_gone_is_exit_3_as_the_help_says(stabilized, tmp_path):
     shutil.rmtree(run / "checkpoint-20")
     line = one_line_error(run_bema("verify", out / "ema-k0.5" / "checkpoint-40"), 3)
     assert "an input it was made from is gone: 20" in line, line
+
+
+def test_verify_of_a_stabilize_output_writes_nothing(stabilized, tmp_path):
+    """Rebuilt in memory by the sweep's walker: no folder beside the output (a user's folder named
+    like bema's staging stays), nothing in TMPDIR, and two verifies of one folder at once both pass."""
+    import subprocess
+
+    from conftest import BEMA
+
+    folder = stabilized["out"] / "bema-k0.5-e0.2" / "checkpoint-40"
+    mine = folder.parent / f".bema-tmp-verify-{folder.name}"  # a user's folder of that name
+    mine.mkdir(exist_ok=True)
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    before = sorted(p.name for p in folder.parent.iterdir())
+    env = {**__import__("os").environ, "TMPDIR": str(tmp)}
+    procs = [subprocess.Popen([str(BEMA), "verify", str(folder), "--json"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        assert json.loads(out)["rebuilt"] == "in memory"
+    assert sorted(p.name for p in folder.parent.iterdir()) == before and mine.is_dir()
+    assert not list(tmp.iterdir())

@@ -3,8 +3,9 @@
 
 A model written from a vector (ship, select --write) is rebuilt tensor by tensor in memory, as
 write.write_vector summed it (fit.combined), and compared as it streams: nothing is written. An
-output of `bema stabilize` is rebuilt by the streaming stabilize engine (its settings, step and
-theta0 from the record) in a private temporary folder. The stored vector is never trusted: where
+output of `bema stabilize` is rebuilt in memory too, by the sweep's walker advanced to its step with
+the record's settings (bitwise what stabilize writes); only where that walk would not fit in memory,
+by the stabilize engine in a private temporary folder. The stored vector is never trusted: where
 the record names a method and its settings, the vector is computed again from them and the steps
 (candidate.menu) and a stored vector that differs is said. The inputs' fingerprints are compared
 first, so a difference is laid at the right door: an input changed since, or the weights.
@@ -143,8 +144,56 @@ def _from_vector(record: dict, doc: dict):
     return ((info.name, value) for info, value in combined(terms, template))
 
 
+WALK_SHARE = 0.5  # of the memory available: a model whose walk fits is rebuilt in memory
+
+
+def _from_walk(record: dict):
+    """(name, tensor) of a `bema stabilize` output rebuilt in memory, nothing written: the sweep's
+    walker advanced to the step with the record's settings gives, tensor for tensor, what stabilize
+    writes (tests/test_sweep.py holds them bitwise equal); None when the walk would not fit in memory."""
+    from bema_cli.decide.candidate import stabilizer_params
+    from bema_cli.machine import available_memory
+    from bema_cli.schedule import Schedule
+    from bema_cli.stabilize import Options
+    from bema_cli.sweep.walk import plan_sweep, sweep_options
+
+    source = Path(record["source_checkpoint"])
+    out_dtype = record.get("out_dtype") if record.get("out_dtype") not in (None, "mixed", "input") else None
+    try:
+        schedule = Schedule(**stabilizer_params(record)).resolved()
+    except UsageError as exc:
+        raise InputError(f"{source}: the record's settings are not valid ({exc})") from None
+    opts = sweep_options(Options(checkpoint_dir=str(run_of(source)), schedules=[schedule],
+                                 out=str(source / ".bema-unused"), base=record.get("theta0_source"),
+                                 accum_dtype=record.get("accum_dtype", "float32"), out_dtype=out_dtype,
+                                 allow_gaps=bool(record.get("allow_gaps"))))  # fmt: skip
+    plan = plan_sweep(opts)
+    held = 4 + sum(
+        len(t.names) if not t.window else t.ring for t in plan.tracks
+    )  # theta, theta0, out, blocks
+    if plan.lora is not None or plan.base_index.nbytes * 2 * held > WALK_SHARE * available_memory():
+        return None
+    step = int(record["step"])
+    return _walk(plan, opts, step)
+
+
+def _walk(plan, opts, step: int):
+    from bema_cli.sweep.walk import Walker
+
+    walker = Walker(plan, opts)
+    try:
+        for s in [s for s in plan.read_steps if s <= step]:
+            walker.advance(s)
+            if s != step:
+                walker.finish()
+        yield from walker.weights(plan.runs[0].name)
+    finally:
+        walker.close()
+
+
 def _from_stabilize(record: dict, folder: Path):
-    """(name, tensor) of `bema stabilize`'s rebuild, made in a private temporary folder."""
+    """(name, tensor) of `bema stabilize`'s rebuild, made in a private temporary folder (a model whose
+    walk in memory would not fit)."""
     from safetensors import safe_open
 
     tmp = Path(tempfile.mkdtemp(prefix="bema-verify-"))
@@ -170,12 +219,17 @@ def verify(folder: Path) -> dict:
         raise InputError(f"{folder}: an input it was made from is gone: {gone[0]}")
     stored = doc.get("coefficients")
     vector = _vector_differs(stored, recomputed(record))
+    rebuilt = "in memory"
     if isinstance(record.get("coefficients"), dict):  # written from a vector: rebuilt in memory
         if record["coefficients"] != stored:
             vector = vector or ["record"]
         tensors, differ = _compare(folder, _from_vector(record, doc))
-    else:
-        tensors, differ = _compare(folder, _from_stabilize(record, folder))
+    else:  # a stabilize output: walked in memory where it fits, else rebuilt in a temporary folder
+        walked = _from_walk(record)
+        if walked is None:
+            rebuilt = "in a temporary folder (the walk in memory would not fit)"
+        tensors, differ = _compare(folder, walked if walked is not None else _from_stabilize(record, folder))
     return {"folder": str(folder), "identical": not differ and not vector, "tensors": tensors, "differ": differ,
+            "rebuilt": rebuilt,
             "vector_differs": vector, "changed_inputs": changed, "record": record, "coefficients": stored,
             "bema_version": record.get("bema_version")}  # fmt: skip

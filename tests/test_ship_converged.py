@@ -123,6 +123,7 @@ def test_ship_without_loss_data_or_tasks_says_what_it_decides_on(world, tmp_path
     assert "ship decides on --loss-data FILE (held-out loss) or on --tasks" in line, line
 
 
+@pytest.mark.slow  # ship runs beyond the default run's budget: `make test-slow`
 def test_the_same_request_spelled_relative_is_the_same_and_another_file_names_its_flag(world, tmp_path):
     run = converged_run(world["base"], world["star"], tmp_path / "run", steps=(100, 200), reach_at=2)
     shutil.copy(world["data"], tmp_path / "heldout.jsonl")
@@ -139,6 +140,7 @@ def test_the_same_request_spelled_relative_is_the_same_and_another_file_names_it
     assert "differs in: " in line and "--loss-data" in line, line
 
 
+@pytest.mark.slow  # ship runs beyond the default run's budget: `make test-slow`
 def test_copies_of_a_held_out_row_are_one_item(world, tmp_path):
     """40 identical held-out rows gave a zero-width '95% interval' and an average shipped: copies are
     one independent item. 12 rows 4 times over are 12 items: too few report items to decide on."""
@@ -170,6 +172,7 @@ def test_out_as_a_symbolic_link_is_refused_before_any_work(world, tmp_path):
     assert (tmp_path / "link").is_symlink() and not list((tmp_path / "real").iterdir())
 
 
+@pytest.mark.slow  # ship runs beyond the default run's budget: `make test-slow`
 @pytest.mark.parametrize("edit", ["swap", "duplicate", "none"])
 def test_an_interrupted_ships_records_are_chained_and_an_edit_is_refused(world, tmp_path, edit):
     """The race's records as a killed ship leaves them (no ship.json, no seal): resumed as they are,
@@ -198,6 +201,7 @@ def test_an_interrupted_ships_records_are_chained_and_an_edit_is_refused(world, 
     assert f"{results}: record " in line and "changed since bema appended it" in line, line
 
 
+@pytest.mark.slow  # ship runs beyond the default run's budget: `make test-slow`
 def test_held_out_rows_far_above_the_training_loss_are_warned_about(world, tmp_path):
     """vanilla's held-out loss twice the run's last logged training loss (and half a nat above): the rows
     may not be in the shape the run trained on, said as a warning and a note."""
@@ -215,6 +219,7 @@ def test_held_out_rows_far_above_the_training_loss_are_warned_about(world, tmp_p
     assert r.returncode == 0 and not any("held-out loss" in n for n in json.loads(r.stdout).get("notes", []))
 
 
+@pytest.mark.slow  # ship runs beyond the default run's budget: `make test-slow`
 def test_report_on_a_ship_folder_shows_the_decisions_table(world, tmp_path):
     """`bema report DIR` on a shipped model: the decision's rows, every one on the same report items,
     the shipped one marked, the verdict; no race record of a candidate dropped after 16 items, and no
@@ -234,6 +239,7 @@ def test_report_on_a_ship_folder_shows_the_decisions_table(world, tmp_path):
     assert json.loads(run_bema("report", out, "--json").stdout)["verdict"] == doc["verdict"]
 
 
+@pytest.mark.slow  # ship runs beyond the default run's budget: `make test-slow`
 def test_the_dry_runs_projection_counts_a_floor_per_forward(world, tmp_path):
     """On a tiny model FLOP/s alone projected 10-14x low: every held-out record is a forward with a
     per-call floor (sweep/project.FORWARD_FLOOR_S, measured), counted for each evaluation at most."""
@@ -247,6 +253,7 @@ def test_the_dry_runs_projection_counts_a_floor_per_forward(world, tmp_path):
     assert doc["projection"]["parts_seconds"]["forward"] >= round(FORWARD_FLOOR_S * at_most, 1) - 0.1, doc
 
 
+@pytest.mark.slow  # ship runs beyond the default run's budget: `make test-slow`
 def test_allow_gaps_reaches_the_fits(world, tmp_path):
     """The gap error's own advice, --allow-gaps, carries through the fits (they died in an internal
     stabilize that never got the flag): the vectors are computed from the very plan that allows it."""
@@ -265,6 +272,7 @@ def test_allow_gaps_reaches_the_fits(world, tmp_path):
     assert json.loads((tmp_path / "m" / "bema.json").read_text())["allow_gaps"] is True
 
 
+@pytest.mark.slow  # ship runs beyond the default run's budget: `make test-slow`
 def test_a_refused_push_says_the_verdict_first(world, tmp_path):
     """The Hub refuses the token after the whole decision: the verdict (and with --json the whole
     document, with the push's error) is on stdout before the one-line error, exit 6."""
@@ -288,6 +296,7 @@ def test_a_refused_push_says_the_verdict_first(world, tmp_path):
         )
 
 
+@pytest.mark.slow  # ship runs beyond the default run's budget: `make test-slow`
 def test_sweep_says_why_an_average_lags_too(world, tmp_path):
     run = converged_run(world["base"], world["star"], tmp_path / "run", steps=(100, 200, 300), reach_at=2)
     r = run_bema("sweep", run, "--base", world["base"], "--out", tmp_path / "s", "--method", "ema,lawa",

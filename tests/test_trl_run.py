@@ -12,6 +12,7 @@ import pytest
 from conftest import run_bema
 
 trl = pytest.importorskip("trl")  # the test extras install it (pyproject: test)
+pytestmark = pytest.mark.slow  # a training run and a ship: the end-to-end suite (`make test-slow`)
 
 TOLERANCE = 5e-5  # nats per record: bema's float32 forward against float64 (measured up to 1.0e-5)
 

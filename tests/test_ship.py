@@ -97,7 +97,9 @@ def test_steady_drift_ships_vanilla_and_says_so(runs, tmp_path):
     plain = run_bema("ship", runs["drift"], "--base", runs["base"], "--out", out, "--tasks", "loss",
                      "--loss-data", runs["data"], "--backend", "transformers")  # fmt: skip
     assert plain.returncode == 0 and "up to date" in plain.stderr
-    assert plain.stdout.strip() == doc["verdict"]
+    lines = plain.stdout.strip().splitlines()  # the verdict, then a note per average that lags
+    assert lines[0] == doc["verdict"] and all(x.startswith("note: ") for x in lines[1:]), plain.stdout
+    assert lines[1:] == [f"note: {n}" for n in doc["notes"]]
 
 
 def test_up_to_date_answers_only_the_same_request(runs, tmp_path):

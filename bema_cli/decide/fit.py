@@ -18,8 +18,6 @@ an anytime-valid interval tells it apart from the incumbent, else it is decided 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -92,10 +90,6 @@ class Combiner:
             if dtype is not None and value.is_floating_point() and value.dtype != dtype:
                 value = value.to(dtype)
             yield info.name, value
-
-
-def digest(c: list[float]) -> str:
-    return hashlib.sha256(json.dumps([round(x, 12) for x in c]).encode()).hexdigest()[:10]
 
 
 def greedy_soup(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from bema_cli import output
 from bema_cli.card import recipe
 from bema_cli.decide import fit, race, select
-from bema_cli.decide.candidate import Candidate
+from bema_cli.decide.candidate import Candidate, digest
 
 FITS = ("soup", "simplex")
 SOUP_CHECKPOINTS = 4  # the last saved checkpoints that join the menu as soup ingredients
@@ -37,7 +37,8 @@ def search(scorer, menu: dict, steps: list[int], survivors: list[str], pick_ids:
 
     loss = metric.key == "loss"
     result, found, best = fit_search(scores, ingredients, pick_ids, ship_opts.fits, n, loss, duel=duel,
-                                     report_n=len(report_ids), say=say if progress else None)  # fmt: skip
+                                     report_n=len(report_ids), say=say if progress else None,
+                                     name_of=lambda c: Candidate.of("", c, steps).digest)  # fmt: skip
     for kind, c, _ in found:  # in the metric's units, on every pick item
         result[kind]["pick_value"] = select.metric_value(
             scorer.record(Candidate.of(kind, c, steps), pick_ids), metric
@@ -45,7 +46,8 @@ def search(scorer, menu: dict, steps: list[int], survivors: list[str], pick_ids:
     out = {"doc": result, "best": None, "found": [kind for kind, _, _ in found]}
     if best is not None:
         kind, c, method = best
-        cand = Candidate.of(f"{kind}-{fit.digest(c)}", c, steps)
+        cand = Candidate.of(kind, c, steps)
+        cand = Candidate(f"{kind}-{cand.digest}", cand.vector)  # named by the one digest of its vector
         rec = scorer.record(cand, report_ids)  # the finalist on the report items
         out["best"] = {"kind": kind, "candidate": cand, "method": method, "record": rec,
                        "ingredients": result.get("soup", {}).get("ingredients")}  # fmt: skip
@@ -54,7 +56,7 @@ def search(scorer, menu: dict, steps: list[int], survivors: list[str], pick_ids:
 
 
 def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, duel=race.duel, report_n=None,
-               say=None):  # fmt: skip
+               say=None, name_of=None):  # fmt: skip
     """The search itself on any `scores(c, ids, name)` (oriented per-item scores, higher is better):
     the engine's (ship) or a simulated world's (bench/bench_decide.py). `ingredients`: (name, c).
     `duel` decides each "does it improve" (race.duel; race.exhaustive: every pick item, as before).
@@ -64,7 +66,7 @@ def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, du
 
     def better(kind: str):
         def compare(trial: list[float], incumbent: list[float]) -> bool:
-            name = f"{kind}-{fit.digest(trial)}"
+            name = f"{kind}-{(name_of or _index_digest)(trial)}"
             if say is not None:
                 say(kind, trial)
             won, used, diff = duel(lambda ids: scores(trial, ids, name),
@@ -93,6 +95,11 @@ def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, du
         found.append(("simplex", c, f"simplex-k{k}"))
     best = max(found, key=lambda f: sum(scores(f[1], pick_ids, f[0])), default=None)  # the first of equals
     return result, found, best
+
+
+def _index_digest(c: list[float]) -> str:
+    """A vector's digest keyed by basis index (fit_search on a world with no steps)."""
+    return digest({str(i): x for i, x in enumerate(c)})
 
 
 def ingredients_of(

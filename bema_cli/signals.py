@@ -3,9 +3,7 @@ cleanup code (temp folders removed, locks released), then exit 130, 143 or 129 (
 
 SLURM and Kubernetes stop jobs with SIGTERM, a closed terminal sends SIGHUP; without a
 handler Python dies on the spot and leaves its temp folders behind. `deferred()` holds a
-signal back for a few milliseconds while the output commit renames folders (io/commit.py); a
-signal held back by another thread is handed to the main thread at the block's end, so it ends the
-run rather than that thread alone.
+signal back for a few milliseconds while the output commit renames folders (io/commit.py).
 """
 
 from __future__ import annotations
@@ -68,12 +66,7 @@ def deferred() -> Iterator[None]:
         _deferring -= 1
         if not _deferring and _pending is not None:
             signum, _pending = _pending, None
-            if threading.current_thread() is threading.main_thread():
-                _raise(signum)
-            else:  # raised here it would end this thread alone and the run would go on: the main one's
-                import _thread
-
-                _thread.interrupt_main(signum)
+            _raise(signum)
 
 
 @contextmanager

@@ -12,6 +12,7 @@ float64 reference in test_stabilize/test_windows).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -28,6 +29,7 @@ GRID = ["--method", "bema,ema,lawa,wsm", "--window", "2", "--schedule", "minus-s
 PROTOCOL = ["--tasks", "gsm8k,loss", "--n-samples", "2", "--max-new-tokens", "8", "--limit", "3",
             "--dtype", "float32", "--log-samples"]  # fmt: skip
 VOLATILE = ("model_path", "created", "eval_id", "seconds")
+VLLM_REL = 1e-6
 
 
 def make_run(base: Path, run: Path, steps=STEPS, scale: float = 0.02) -> None:
@@ -100,7 +102,19 @@ def samples(out: Path) -> dict:
             for s in read_jsonl(out / "samples.jsonl")}  # fmt: skip
 
 
-def same_as_disk(disk: Path, swept: Path) -> None:
+def close(x, y, rel: float) -> bool:
+    """`x == y`, floats within `rel` (relative; 0: bitwise) and every other value exactly."""
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(close(x[k], y[k], rel) for k in x)
+    if isinstance(x, list) and isinstance(y, list):
+        return len(x) == len(y) and all(close(u, v, rel) for u, v in zip(x, y))
+    if isinstance(x, float) and isinstance(y, float):
+        return x == y or math.isclose(x, y, rel_tol=rel, abs_tol=0.0)
+    return x == y
+
+
+def same_as_disk(disk: Path, swept: Path, rel: float = 0.0) -> None:
+    """`rel`: the numbers' tolerance (0 on transformers: the same bytes through the same forward)."""
     a, b = keyed(disk), keyed(swept)
     assert sorted(a) == sorted(b) and len(a) == 5 * 3 * 2  # (vanilla + 4 configs) x (0, 20, 40) x 2 tasks
     for key in a:
@@ -108,15 +122,14 @@ def same_as_disk(disk: Path, swept: Path) -> None:
         wx, wy = x.pop("resume_key").pop("weights"), y.pop("resume_key").pop("weights")
         for field in VOLATILE:
             x.pop(field), y.pop(field)
-        assert x == y, key  # metrics, per-item scores, stabilizer, protocol, seeds, dtype, backend
+        assert close(x, y, rel), (key, x, y)  # metrics, per-item scores, stabilizer, protocol, seeds, dtype, backend
         if key[0] == "vanilla" or key[1] == 0:  # the same files on both paths: the same fingerprint
             assert wx == wy
         else:
             assert b[key]["model_path"] == f"sweep:{key[0]}/checkpoint-{key[1]}" and wy.startswith("sweep:")
-    # held-out loss exactly equal (tolerance 0: the same bytes through the same forward pass)
-    assert (
-        a["bema-k0.5-e0.2", 40, "loss"]["metrics"]["loss"]
-        == b["bema-k0.5-e0.2", 40, "loss"]["metrics"]["loss"]
+    # held-out loss equal (within `rel`: 0 on transformers, the same bytes through the same forward pass)
+    assert close(
+        a["bema-k0.5-e0.2", 40, "loss"]["metrics"]["loss"], b["bema-k0.5-e0.2", 40, "loss"]["metrics"]["loss"], rel
     )
     sa, sb = samples(disk), samples(swept)
     assert sa == sb  # sampled generations, seeded: identical text
@@ -127,6 +140,8 @@ def same_as_disk(disk: Path, swept: Path) -> None:
         b[r, 40, "loss"]["metrics"]["loss"] for r in ("vanilla", "bema-k0.5-e0.2", "ema-k0.5", "lawa-w2")
     }
     assert len(losses) == 4
+    ranked = sorted(losses)
+    assert min(v / u - 1 for u, v in zip(ranked, ranked[1:])) > 10 * rel  # the tolerance separates them
     # nothing but records (and logs) in the sweep's folder: no weight file was ever written
     assert sorted(p.name for p in swept.iterdir()) <= [
         "libraries.log",
@@ -293,7 +308,11 @@ def test_sweep_equals_disk_path_on_vllm(world, tmp_path, engine_process):
     )
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("starting vLLM engine") == 1
-    same_as_disk(tmp_path / "disk" / "results", tmp_path / "sweep")
+    # vLLM on CPU: bitwise in 4 local runs (idle and loaded), but once in CI the base's loss differed
+    # by 8e-9 relative between the two engines (one started on the files, one on dummy weights with
+    # the same bytes reloaded): its kernels are not bitwise reproducible across engines everywhere.
+    # 1e-6 still separates every config (their losses differ by more than 10x that, asserted below).
+    same_as_disk(tmp_path / "disk" / "results", tmp_path / "sweep", rel=VLLM_REL)
     doc = json.loads(r.stdout)
     memory = doc["memory"]
     # the motion comes back from the engine's worker (its own process with "1")

@@ -107,7 +107,7 @@ def close(x, y, rel: float) -> bool:
     if isinstance(x, dict) and isinstance(y, dict):
         return x.keys() == y.keys() and all(close(x[k], y[k], rel) for k in x)
     if isinstance(x, list) and isinstance(y, list):
-        return len(x) == len(y) and all(close(u, v, rel) for u, v in zip(x, y))
+        return len(x) == len(y) and all(close(u, v, rel) for u, v in zip(x, y, strict=True))
     if isinstance(x, float) and isinstance(y, float):
         return x == y or math.isclose(x, y, rel_tol=rel, abs_tol=0.0)
     return x == y
@@ -122,14 +122,20 @@ def same_as_disk(disk: Path, swept: Path, rel: float = 0.0) -> None:
         wx, wy = x.pop("resume_key").pop("weights"), y.pop("resume_key").pop("weights")
         for field in VOLATILE:
             x.pop(field), y.pop(field)
-        assert close(x, y, rel), (key, x, y)  # metrics, per-item scores, stabilizer, protocol, seeds, dtype, backend
+        assert close(x, y, rel), (
+            key,
+            x,
+            y,
+        )  # metrics, per-item scores, stabilizer, protocol, seeds, dtype, backend
         if key[0] == "vanilla" or key[1] == 0:  # the same files on both paths: the same fingerprint
             assert wx == wy
         else:
             assert b[key]["model_path"] == f"sweep:{key[0]}/checkpoint-{key[1]}" and wy.startswith("sweep:")
     # held-out loss equal (within `rel`: 0 on transformers, the same bytes through the same forward pass)
     assert close(
-        a["bema-k0.5-e0.2", 40, "loss"]["metrics"]["loss"], b["bema-k0.5-e0.2", 40, "loss"]["metrics"]["loss"], rel
+        a["bema-k0.5-e0.2", 40, "loss"]["metrics"]["loss"],
+        b["bema-k0.5-e0.2", 40, "loss"]["metrics"]["loss"],
+        rel,
     )
     sa, sb = samples(disk), samples(swept)
     assert sa == sb  # sampled generations, seeded: identical text
@@ -141,7 +147,9 @@ def same_as_disk(disk: Path, swept: Path, rel: float = 0.0) -> None:
     }
     assert len(losses) == 4
     ranked = sorted(losses)
-    assert min(v / u - 1 for u, v in zip(ranked, ranked[1:])) > 10 * rel  # the tolerance separates them
+    assert (
+        min(v / u - 1 for u, v in zip(ranked, ranked[1:], strict=False)) > 10 * rel
+    )  # the tolerance separates them
     # nothing but records (and logs) in the sweep's folder: no weight file was ever written
     assert sorted(p.name for p in swept.iterdir()) <= [
         "libraries.log",

@@ -46,13 +46,12 @@ def hub_base_model(theta0_source: str, theta0_dir: Path | None = None) -> str | 
 
 
 PATH_KEYS = ("source_checkpoint", "theta0_source")
-CARD_PATHS = ("short", "full")
 
 
-def shown_path(value: str, paths: str = "short") -> str:
+def shown_path(value: str) -> str:
     """A path as a card shows it: a Hub id as it is; a local path as its last two parts
-    (run/checkpoint-40), never the absolute path a push would publish, unless `paths` is "full"."""
-    if paths == "full" or (REPO_ID.match(value) and not Path(value).exists()):
+    (run/checkpoint-40), never the absolute path a push would publish (an older bema's records hold them)."""
+    if REPO_ID.match(value) and not Path(value).exists():
         return value
     parts = Path(value).parts
     return "/".join(parts[-2:]) if len(parts) >= 2 else value
@@ -85,21 +84,18 @@ def card(
     base_model: str | None,
     adapter: bool = False,
     evaluation: list[dict] | None = None,
-    paths: str = "short",
     selected: bool = False,
 ) -> str:
     """README.md text for one output folder described by its bema.json `record`.
 
     `evaluation`: model-index results, each {"task", "dataset", "metric", "value"} with optional
     "interval" ([lo, hi], a 95% paired-bootstrap interval) and "vs" (what it is a difference to).
-    `paths`: "short" (folder names, the default) or "full" (absolute local paths). `selected`: chosen
+    `selected`: chosen
     by `bema select`/`bema ship` (a vanilla one is the raw checkpoint, not an average)."""
     from huggingface_hub import EvalResult, ModelCardData
 
     method = record.get("method", "vanilla")
-    record = {
-        k: shown_path(v, paths) if k in PATH_KEYS and isinstance(v, str) else v for k, v in record.items()
-    }
+    record = {k: shown_path(v) if k in PATH_KEYS and isinstance(v, str) else v for k, v in record.items()}
     results = [
         EvalResult(
             task_type="text-generation",

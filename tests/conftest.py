@@ -26,6 +26,12 @@ def run_bema(*args: str, cwd: str | Path | None = None, env: dict | None = None,
     )
 
 
+def names(name: str, folder: str | Path) -> bool:
+    """A record's name for an input (provenance.input_name) is `folder`'s path inside a folder it
+    shares with the output: relative, and a tail of the real path (never the absolute path itself)."""
+    return not Path(name).is_absolute() and Path(folder).resolve().as_posix().endswith("/" + name)
+
+
 def one_line_error(proc: subprocess.CompletedProcess, code: int | None = None) -> str:
     """The one stderr line of a refused run, checked: non-zero exit (`code` when given), `error: ...`,
     nothing else on stderr, no traceback. Returns the line for the caller's own checks."""

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import names
 
 from bema_cli import durations
 from bema_cli.errors import UsageError
@@ -201,7 +202,7 @@ def test_megatron_bridge_iter_folders_are_read_from_their_hf_export(run10, tmp_p
         )
     doc = _stabilize(mb, base, tmp_path / "out", "--method", "lawa", "--window", "61440tok", "--final-only")
     record = json.loads((tmp_path / "out" / "lawa-w2" / "checkpoint-30" / "bema.json").read_text())
-    assert record["source_checkpoint"] == str(mb / "iter_0000030" / "hf") and record["member_steps"] == [
+    assert names(record["source_checkpoint"], mb / "iter_0000030" / "hf") and record["member_steps"] == [
         20,
         30,
     ]

@@ -85,7 +85,7 @@ def test_served_written_and_verified_weights_are_the_float64_sum(tmp_path, monke
     else:
         c = menu_at(tmp_path / "menu", grid(["bema"], [0.5], [0.2]), 50)[vector]
     cand = Candidate.of(vector, c, STEPS)
-    record = model_record(cand, 50, {"method": "soup"}, folders, str(base))
+    record = model_record(cand, 50, {"method": "soup"}, folders, str(base), tmp_path / "out")
     out = write_vector(cand, folders, folders["50"], tmp_path / "out", record)
     got = load_file(out / "model.safetensors")
     combiner = fit.Combiner([base, *(run / f"checkpoint-{s}" for s in STEPS)], folders["50"])

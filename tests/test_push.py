@@ -17,8 +17,6 @@ from conftest import one_line_error, run_bema
 from hub_standin import TOKEN, HubStandIn, Repo
 from trajectory import write_trajectory
 
-from bema_cli import card
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
@@ -51,25 +49,17 @@ def test_push_uploads_every_file_in_one_commit(checkpoint):
         repo = hub.repos["org/bema-tiny"]
         assert repo.kind == "model" and repo.private
         uploaded = repo.branches["main"]
-        record = json.loads(uploaded.pop("bema.json"))
-        mine = json.loads(local.pop("bema.json"))
-        assert uploaded == local  # every byte, weights (LFS) and text (inline) alike
-        assert {"README.md", "model.safetensors", "config.json"} <= set(local)
-        # bema.json names the run's folders as the card does, never the absolute local paths
-        assert record["source_checkpoint"] == "run/checkpoint-20" and mine["source_checkpoint"].endswith(
-            "/run/checkpoint-20"
-        )
-        assert (
-            record["theta0_source"] == f"{checkpoint.parents[2].name}/base"
-            and str(checkpoint.parents[2]) in mine["theta0_source"]
-        )
-        assert {k: v for k, v in record.items() if k not in card.PATH_KEYS} == {
-            k: v for k, v in mine.items() if k not in card.PATH_KEYS
-        }
-        assert str(checkpoint.parents[2]) not in json.dumps(record)
+        assert uploaded == local  # every byte, weights (LFS), bema.json and text (inline) alike
+        assert {"README.md", "model.safetensors", "config.json", "bema.json"} <= set(local)
+        # nothing of the machine: bema.json and the weights' header name the run's folders as the
+        # card does (inside the folder the output shares with them), never an absolute local path
+        record = json.loads(uploaded["bema.json"])
+        assert record["source_checkpoint"] == "run/checkpoint-20" and record["theta0_source"] == "base"
+        for name, data in uploaded.items():
+            assert str(checkpoint.parents[2]).encode() not in data, name
         (commit,) = repo.commits
         assert commit["header"]["summary"] == "bema: bema-k0.5-e0.2 at checkpoint-20" == doc["commit_message"]
-        sizes = sum(map(len, local.values())) + len(json.dumps(record, indent=2)) + 1
+        sizes = sum(map(len, local.values()))
         assert doc["commit_oid"] == commit["oid"] and doc["bytes"] == sizes
         assert any(c.startswith("PUT /lfs-upload/") for c in hub.calls)  # the safetensors went by LFS
         # the revision it made, read back from the branch's head, in --json and in the local bema.json
@@ -78,9 +68,9 @@ def test_push_uploads_every_file_in_one_commit(checkpoint):
         assert pushed == {"repo_id": "org/bema-tiny", "revision": "main", "revision_sha": commit["oid"],
                           "commit_url": doc["commit_url"]}  # fmt: skip
         local = {p.name: p.read_bytes() for p in checkpoint.iterdir() if p.is_file()}
-        # a second push to a branch, --paths full: the repo is kept, the branch made, a new commit lands
-        # there, with bema.json as it is here
-        proc = run_bema("push", checkpoint, "--repo-id", "org/bema-tiny", "--revision", "v2", "--paths", "full",
+        # a second push to a branch: the repo is kept, the branch made, a new commit lands there,
+        # with bema.json as it is here
+        proc = run_bema("push", checkpoint, "--repo-id", "org/bema-tiny", "--revision", "v2",
                         "--commit-message", "again", env=hub_env(hub.url))  # fmt: skip
         assert proc.returncode == 0, proc.stderr
         uploaded = repo.branches["v2"]
@@ -89,6 +79,22 @@ def test_push_uploads_every_file_in_one_commit(checkpoint):
         recorded = json.loads((checkpoint / "bema.json").read_text())["pushed"][-1]
         assert recorded["revision"] == "v2" and recorded["revision_sha"] == repo.commits[-1]["oid"]
         assert "pushed" in proc.stdout
+
+
+def test_an_older_records_absolute_paths_are_shortened_as_uploaded(tmp_path):
+    """bema.json of an older bema held absolute local paths: the uploaded copy names the folders as
+    the card does; the local copy is left as it is."""
+    from bema_cli.decide.push import published_record
+
+    old = {"run": "ema-k0.5", "step": 40, "source_checkpoint": "/home/me/proj/run/checkpoint-40",
+           "theta0_source": "/home/me/models/base", "coefficients": {"theta0": 0.5, "/home/me/proj/run/checkpoint-40": 0.5}}  # fmt: skip
+    (tmp_path / "bema.json").write_text(json.dumps(old))
+    sent = json.loads(published_record(tmp_path))
+    assert sent["source_checkpoint"] == "run/checkpoint-40" and sent["theta0_source"] == "models/base"
+    assert sent["coefficients"] == {"theta0": 0.5, "run/checkpoint-40": 0.5} and "/home/me" not in json.dumps(
+        sent
+    )
+    assert json.loads((tmp_path / "bema.json").read_text()) == old
 
 
 def test_dry_run_lists_files_and_contacts_nobody(checkpoint):
@@ -100,8 +106,7 @@ def test_dry_run_lists_files_and_contacts_nobody(checkpoint):
         doc = json.loads(proc.stdout)
         sizes = {f["path"]: f["bytes"] for f in doc["files"]}
         local = {p.name: p.stat().st_size for p in checkpoint.iterdir() if p.is_file()}
-        assert sizes.pop("bema.json") < local.pop("bema.json")  # as uploaded: the paths shortened
-        assert sizes == local
+        assert sizes == local  # as it is here
         assert hub.calls == [] and not hub.repos
         plain = run_bema(
             "push", checkpoint.parent.parent, "--repo-id", "org/x", "--dry-run", env=hub_env(hub.url)

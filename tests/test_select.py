@@ -296,9 +296,8 @@ def test_select_end_to_end_and_write_the_winner(evaluated_run, tmp_path):
     assert str(root) not in text and "checkpoint-20" in text  # folder names, not absolute paths
     line = one_line_error(run_bema("select", root / "results", "--metric", "loss", "--write", out), 4)
     assert "already exists" in line
-    full = tmp_path / "full"
-    proc = run_bema("select", root / "results", "--metric", "loss", "--write", full, "--card-paths", "full")
-    assert proc.returncode == 0 and str(root / "run" / "checkpoint-20") in (full / "README.md").read_text()
+    for file in (p for p in out.iterdir() if p.is_file()):  # nothing of the machine, headers included
+        assert str(root).encode() not in file.read_bytes(), file.name
     parsed = ModelCard.load(out / "README.md")
     (result,) = parsed.data.eval_results
     assert result.metric_type == "loss" and result.metric_value == pytest.approx(doc["winner"]["value"])

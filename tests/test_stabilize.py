@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BEMA, run_bema, vllm_available
+from conftest import BEMA, names, run_bema, vllm_available
 from reference import reference, ulp
 from trajectory import finetune_trajectory, load_model, write_trajectory
 
@@ -60,7 +60,7 @@ def check_outputs(doc: dict, base_dir: Path, run_dir: Path, accum64: bool = Fals
         for key in ("run", "method", "kappa", "eta", "gamma", "rho", "tau", "phi", "step", "alpha", "beta"):
             # bema.json keeps the file format's "inf" (eta of an EMA); --json numbers are numbers or null
             assert record[key] == o[key] or (record[key], o[key]) == ("inf", None), key
-        assert record["source_checkpoint"] == str(run_dir.resolve() / f"checkpoint-{o['step']}")
+        assert names(record["source_checkpoint"], run_dir / f"checkpoint-{o['step']}")
         if o["run"] not in refs:
             hyper = {
                 k: record[k] for k in ("method", "preset", "gamma", "rho", "tau", "phi", "beta_min", "kappa")
@@ -161,7 +161,7 @@ def test_implicit_checkpoint_0_and_base_first(tmp_path):
     doc = stabilize(run_dir, "--out", tmp_path / "a", "--final-only")
     (o,) = doc["outputs"]
     record = json.loads((Path(o["path"]) / "bema.json").read_text())
-    assert record["theta0_source"] == str((run_dir / "checkpoint-0").resolve())
+    assert names(record["theta0_source"], run_dir / "checkpoint-0")
     check_outputs(doc, run_dir / "checkpoint-0", run_dir)
     doc = stabilize(run_dir, "--base", "first", "--out", tmp_path / "b", "--final-only", "--eta", "inf")
     assert json.loads((Path(doc["outputs"][0]["path"]) / "bema.json").read_text())["eta"] == "inf"
@@ -262,8 +262,8 @@ def test_base_from_hub_cache_offline_and_name_or_path(tmp_path):
         cfg = run_dir / f"checkpoint-{step}" / "config.json"
         cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "_name_or_path": str(base_dir)}))
     doc = stabilize(run_dir, "--out", tmp_path / "b")
-    assert json.loads((Path(doc["outputs"][0]["path"]) / "bema.json").read_text())["theta0_source"] == str(
-        base_dir
+    assert names(
+        json.loads((Path(doc["outputs"][0]["path"]) / "bema.json").read_text())["theta0_source"], base_dir
     )
     check_outputs(doc, base_dir, run_dir)
 

@@ -129,7 +129,7 @@ def test_a_fitted_average_carries_its_coefficients_and_verifies(stabilized, tmp_
     run = stabilized["run"]
     folders = {"theta0": stabilized["base"], **{str(s): run / f"checkpoint-{s}" for s in STEPS}}
     cand = Candidate.of("soup-x", [0.1, 0.0, 0.2, 0.3, 0.4], STEPS)
-    record = model_record(cand, 40, {"method": "soup"}, folders, str(stabilized["base"]))
+    record = model_record(cand, 40, {"method": "soup"}, folders, str(stabilized["base"]), tmp_path / "soup")
     out = write_vector(cand, folders, folders["40"], tmp_path / "soup", record)
     doc = provenance.read(out)
     want = {"theta0": 0.1, "20": 0.2, "30": 0.3, "40": 0.4}
@@ -207,6 +207,39 @@ def test_an_input_gone_is_exit_3_as_the_help_says(stabilized, tmp_path):
     shutil.rmtree(run / "checkpoint-20")
     line = one_line_error(run_bema("verify", out / "ema-k0.5" / "checkpoint-40"), 3)
     assert "an input it was made from is gone: 20" in line, line
+
+
+@pytest.mark.parametrize("theta0", ["base", "checkpoint-0"])
+def test_inputs_are_named_and_found_again_when_moved_with_run_and_base(tmp_path, theta0):
+    """Nothing of the machine in the record: the inputs are named inside the folder the output shares
+    with them (t/run/checkpoint-40) and verify finds them from the folder's place; moved away, it says
+    to pass --run and --base (exit 3), and with them it rebuilds bitwise. theta0 a folder of its own,
+    or the run's checkpoint-0 (found in --run)."""
+    steps = [0, *STEPS] if theta0 == "checkpoint-0" else STEPS  # seed 7: no other test's identical copy
+    base, run = write_trajectory(tmp_path / "t", steps, seed=7)
+    out = tmp_path / "out"
+    flags = ["--base", base] if theta0 == "base" else []
+    assert run_bema("stabilize", run, *flags, "--out", out, "--method", "bema").returncode == 0
+    folder = out / "bema-k0.5-e0.2" / "checkpoint-40"
+    record = provenance.read(folder)["record"]
+    want = "t/base" if theta0 == "base" else "t/run/checkpoint-0"
+    assert record["source_checkpoint"] == "t/run/checkpoint-40" and record["theta0_source"] == want
+    assert record == json.loads((folder / "bema.json").read_text())
+    assert run_bema("verify", folder).returncode == 0
+    moved = tmp_path / "elsewhere" / "deeper"
+    moved.mkdir(parents=True)
+    shutil.move(str(tmp_path / "t"), str(moved / "t2"))
+    line = one_line_error(run_bema("verify", folder), 3)
+    assert "t/run/checkpoint-40 is not found near it" in line and "--run" in line, line
+    r = run_bema("verify", folder, "--run", moved / "t2" / "run")  # theta0 found beside the run or in it
+    assert r.returncode == 0 and "bitwise identical" in r.stdout, r.stderr
+    if theta0 == "base":  # theta0 moved apart: said as such, and --base finds it
+        shutil.move(str(moved / "t2" / "base"), str(tmp_path / "elsewhere" / "b"))
+        line = one_line_error(run_bema("verify", folder, "--run", moved / "t2" / "run"), 3)
+        assert "its theta0 t/base is not found" in line and "--base" in line, line
+        again = ["--run", moved / "t2" / "run", "--base", tmp_path / "elsewhere" / "b"]
+        r = run_bema("verify", folder, *again)
+        assert r.returncode == 0 and "bitwise identical" in r.stdout, r.stderr
 
 
 def test_verify_of_a_stabilize_output_writes_nothing(stabilized, tmp_path):

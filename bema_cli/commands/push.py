@@ -36,25 +36,15 @@ def push(
     retries: Annotated[
         int, typer.Option("--retries", help="Tries again (after 1, 2, 4... s) when the Hub does not answer.")
     ] = 3,
-    paths: Annotated[
-        str,
-        typer.Option(
-            "--paths",
-            help="How the uploaded bema.json names local folders: short (run/checkpoint-40, as the model card) or full (absolute local paths). The local copy keeps full paths.",
-        ),
-    ] = "short",
     json: JsonOpt = False,
 ) -> None:
     """Upload a stabilized checkpoint (weights, config, tokenizer, bema.json, model card) to the Hub.
 
     Uses huggingface_hub (HfApi.create_repo, HfApi.create_commit) with the token from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hub. Exit codes: 3 not a bema output, 6 no or refused token, 2 a bad --repo-id, 7 the name is another kind of repo (or the Hub refused it), 8 the Hub is unreachable, silent past --timeout after --retries, or failing.
     """
-    from bema_cli.card import CARD_PATHS
     from bema_cli.decide.push import push as run
     from bema_cli.errors import UsageError
 
-    if paths not in CARD_PATHS:
-        raise UsageError(f"--paths: choose {' or '.join(CARD_PATHS)}, got {paths!r}")
     if not timeout > 0 or retries < 0:
         raise UsageError(f"--timeout must be > 0 and --retries >= 0, got {timeout} and {retries}")
     doc = run(
@@ -66,7 +56,6 @@ def push(
         dry_run,
         timeout=timeout,
         retries=retries,
-        paths=paths,
     )
     if json:
         output.print_json(doc)

@@ -12,13 +12,6 @@ from bema_cli import output
 from bema_cli.eval.targets import SWEEP_SCHEME
 from bema_cli.options import JsonOpt, SeedOpt
 
-CardPathsOpt = Annotated[
-    str,
-    typer.Option(
-        "--card-paths",
-        help="short: the card names folders (run/checkpoint-40) and Hub ids; full: absolute local paths.",
-    ),
-]
 AllowMissingOpt = Annotated[
     bool,
     typer.Option(
@@ -58,7 +51,6 @@ def select(
             help="Write the winner (its config at its step) as this model folder, through bema stabilize, with its card.",
         ),
     ] = None,
-    card_paths: CardPathsOpt = "short",
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace a model folder bema wrote at --write DIR.")
     ] = False,
@@ -69,20 +61,16 @@ def select(
     For each config: its value, the difference to the winner and to vanilla at the same step with a paired bootstrap 95% interval over the items (prompts, or held-out loss records), an exact McNemar test beside it for yes/no items, and whether it is statistically tied with the best. Ties go to vanilla, then the simplest config, then the later step. --write DIR writes the winner as the model folder DIR, with its model card.
     """
     from bema_cli import report
-    from bema_cli.card import CARD_PATHS
     from bema_cli.decide import select as sel
-    from bema_cli.errors import UsageError
 
     parsed = sel.parse_metric(metric)
     sel.check_flags(at, holdout, resamples)  # instantly, before the results are read
-    if card_paths not in CARD_PATHS:
-        raise UsageError(f"--card-paths: choose {' or '.join(CARD_PATHS)}, got {card_paths!r}")
     _, records = report.load(inputs)
     doc = sel.select(records, parsed, at, holdout, resamples, seed, allow_missing)
     if write:
         from bema_cli.decide.write import write_winner
 
-        doc["written"] = write_winner(doc, records, Path(write), card_paths, overwrite)
+        doc["written"] = write_winner(doc, records, Path(write), overwrite)
     if json:
         output.print_json(doc)
     else:

@@ -11,7 +11,6 @@ from bema_cli.commands.eval_options import (
     eval_settings,
 )
 from bema_cli.commands.flags import EngineFlags, EvalFlags, GridFlags, InputFlags, with_flags
-from bema_cli.commands.select import CardPathsOpt
 from bema_cli.options import (
     JsonOpt,
     parse_size,
@@ -93,7 +92,6 @@ def ship(
         str | None,
         typer.Option("--out-dtype", help="The dtype the configs are cast to (default: the inputs')."),
     ] = None,
-    card_paths: CardPathsOpt = "short",
     overwrite: Annotated[
         bool,
         typer.Option("--overwrite", help="Decide again and replace the model folder bema wrote at --out."),
@@ -114,19 +112,16 @@ def ship(
     """
     from pathlib import Path
 
-    from bema_cli.card import CARD_PATHS
     from bema_cli.decide.push import check_repo_id, token_missing
     from bema_cli.decide.ship import DEFAULT_GRID, ShipOptions, check
     from bema_cli.decide.ship import ship as run
-    from bema_cli.errors import BemaError, HubAuthError, InputError, UsageError
+    from bema_cli.errors import BemaError, HubAuthError, InputError
     from bema_cli.eval.evaluate import LIBRARY_LOG
     from bema_cli.stabilize import Options
     from bema_cli.stabilize import grid as menu
     from bema_cli.sweep.session import SweepOptions, parse_at
 
     parse_at(at)
-    if card_paths not in CARD_PATHS:
-        raise UsageError(f"--card-paths: choose {' or '.join(CARD_PATHS)}, got {card_paths!r}")
     if push:
         check_repo_id(push)
         if (missing := token_missing()) is not None:  # before the race, not after an hour of it
@@ -139,7 +134,7 @@ def ship(
         tasks = "loss" if ev.loss_data is not None else "gsm8k"
     race = str(Path(out).parent / f".{Path(out).name}.bema-ship" / "race")
     evaluation, engine = eval_settings(ev, eng, tasks, race)
-    ship_opts = ShipOptions(Path(out), metric, holdout, at, fits, resamples, select_seed, card_paths, overwrite,
+    ship_opts = ShipOptions(Path(out), metric, holdout, at, fits, resamples, select_seed, overwrite,
                             push, max_evaluations, dry_run,
                             reads=(Path(grid.config).expanduser(),) if grid.config else ())  # fmt: skip
     check(ship_opts, evaluation)

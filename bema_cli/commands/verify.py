@@ -22,12 +22,22 @@ def verify(
     folder: Annotated[
         str, typer.Argument(help="A model folder bema wrote (stabilize, select --write, ship).")
     ],
+    run_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--run", help="The training run's folder, where it is now (default: found near FOLDER by name)."
+        ),
+    ] = None,
+    base: Annotated[
+        str | None,
+        typer.Option("--base", help="theta0 where it is now: a folder or a Hub id (default: found by name)."),
+    ] = None,
     json: JsonOpt = False,
 ) -> None:
-    """Rebuild FOLDER from the record inside its safetensors files (the method and its settings, the steps, the coefficients, the inputs' fingerprints) and the inputs it names, and say bitwise which tensors differ. Exit 0 when every tensor is identical, 1 when any differs (the inputs that changed since are named), 3 when there is no record or an input is gone."""
+    """Rebuild FOLDER from the record inside its safetensors files (the method and its settings, the steps, the coefficients, the inputs' fingerprints) and the inputs it names, and say bitwise which tensors differ. The record names its inputs (run/checkpoint-40), never by absolute paths: they are found near FOLDER by name and fingerprint, or where --run and --base say. Exit 0 when every tensor is identical, 1 when any differs (the inputs that changed since are named), 3 when there is no record or an input is gone or not found."""
     from bema_cli.decide.verify import verify as run
 
-    doc = run(Path(folder))
+    doc = run(Path(folder), Path(run_dir) if run_dir else None, base)
     if json:  # one document on stdout, the difference said on stderr, exit 1
         output.print_json(doc)
         if not doc["identical"]:

@@ -79,12 +79,11 @@ def push(
     endpoint: str | None = None,
     timeout: float = 60.0,
     retries: int = 3,
-    paths: str = "short",
 ) -> dict:
     """Create the model repo if needed and upload the checkpoint folder in one commit; the --json document."""
     check_repo_id(repo_id)
     folder = checkpoint_folder(path)
-    record = published_record(folder, paths)
+    record = published_record(folder)
     files = [(name, len(record) if name == "bema.json" else size) for name, size in upload_list(folder)]
     doc = {
         "folder": str(folder),
@@ -171,10 +170,9 @@ def _record_push(folder: Path, doc: dict) -> None:
     os.replace(tmp, path)
 
 
-def published_record(folder: Path, paths: str = "short") -> bytes:
-    """bema.json as the Hub gets it: the local folders it names shown as the model card shows them
-    (card.shown_path: run/checkpoint-40 unless `paths` is "full"), so a push publishes no absolute
-    local path. The local copy keeps them: `bema verify` rebuilds from them."""
+def published_record(folder: Path) -> bytes:
+    """bema.json as the Hub gets it: as it is, but for a record of an older bema, whose absolute local
+    paths are shown as the model card shows them (card.shown_path: run/checkpoint-40)."""
     from bema_cli.io.checkpoints import read_json
 
     record = read_json(folder / "bema.json")
@@ -184,10 +182,10 @@ def published_record(folder: Path, paths: str = "short") -> bytes:
         )
     for key in card.PATH_KEYS:
         if isinstance(record.get(key), str):
-            record[key] = card.shown_path(record[key], paths)
+            record[key] = card.shown_path(record[key])
     if isinstance(record.get("coefficients"), dict):  # keyed by step (an older bema's: by input folder)
         record["coefficients"] = {
-            k if k == "theta0" or k.isdigit() else card.shown_path(k, paths): v
+            k if k == "theta0" or k.isdigit() else card.shown_path(k): v
             for k, v in record["coefficients"].items()
         }
     return (output.to_json(record) + "\n").encode()

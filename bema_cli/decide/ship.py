@@ -60,7 +60,6 @@ class ShipOptions:
     fits: tuple[str, ...] = FITS
     resamples: int = select.RESAMPLES
     seed: int = 0
-    card_paths: str = "short"
     overwrite: bool = False
     push: str | None = None
     max_evaluations: int | None = None  # (candidate, item) pairs the race may evaluate; None: no bound
@@ -189,9 +188,9 @@ def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, stab
     tmp = staging(out, "ship")
     try:
         folder = tmp / "model"
-        record = model_record(cand, step, settings, folders, made["base_source"], **extra)
+        record = model_record(cand, step, settings, folders, made["base_source"], out, **extra)
         write_vector(cand, folders, folders[str(step)], folder, record)
-        write_card(folder, chosen, rows, ship_opts.card_paths)
+        write_card(folder, chosen, rows, made["base_source"], folders["theta0"])
         (work / "ship.json").write_text(output.to_json(_public(doc)) + "\n")
         sealed.seal(work)
         shutil.move(str(work), str(folder / WORK))  # the records and ship.json; no candidate was kept

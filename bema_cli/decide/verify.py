@@ -9,6 +9,10 @@ by the stabilize engine in a private temporary folder. The stored vector is neve
 the record names a method and its settings, the vector is computed again from them and the steps
 (candidate.menu) and a stored vector that differs is said. The inputs' fingerprints are compared
 first, so a difference is laid at the right door: an input changed since, or the weights.
+
+The record names its inputs (run/checkpoint-40, a Hub id or models/base), never by absolute local
+paths: they are found again near the folder by name and fingerprint (provenance.find_input), or
+where --run and --base say they went.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from bema_cli import card
 from bema_cli.decide.candidate import THETA0
 from bema_cli.decide.write import rebuild_average
 from bema_cli.errors import InputError, UsageError
@@ -207,12 +212,59 @@ def _from_stabilize(record: dict, folder: Path):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def verify(folder: Path) -> dict:
+def located(record: dict, doc: dict, folder: Path, run: Path | None, base: str | None) -> dict:
+    """The record with its inputs' names replaced by their folders now: the source checkpoint under
+    `run` (--run) or found near `folder`; theta0 as --base gives it, else found near the folder or
+    the run by name and fingerprint, else (a Hub id) from the local Hub cache."""
+    from bema_cli.io.checkpoints import resolve_model
+
+    inputs = doc.get("inputs") if isinstance(doc.get("inputs"), dict) else {}
+    name, step = record["source_checkpoint"], int(record["step"])
+    given = Path(run).expanduser().resolve() if run is not None else None
+    if given is not None:  # the run moved: its checkpoint at the record's step
+        source = next((c.path for c in find_checkpoints(given) if c.step == step), None)
+    else:
+        source = provenance.find_input(name, [folder], inputs.get(str(step)))
+    if source is None or not source.is_dir():
+        raise InputError(
+            f"{folder}: its source checkpoint {name} is not found "
+            + (
+                f"in --run {run}"
+                if run is not None
+                else "near it (moved?); pass --run RUN (and --base BASE) where they are now"
+            )
+        )
+    out = {**record, "source_checkpoint": str(source)}
+    theta0 = record.get("theta0_source")
+    if base is not None:
+        out["theta0_source"] = str(resolve_model(base).path)
+    elif isinstance(theta0, str) and theta0 != "first":
+        print_ = inputs.get(THETA0)
+        found = provenance.find_input(theta0, [folder], print_)
+        if found is None and given is not None:  # moved with the run: in it (checkpoint-0) or beside it
+            near = [given / Path(theta0).name, given.parent / Path(theta0).name]
+            found = next((f for f in near if f.is_dir() and provenance.input_print(f) == print_), None)
+        if found is None and card.REPO_ID.match(theta0):
+            try:  # a Hub id: the local cache's copy (as stabilize resolved it)
+                found = resolve_model(theta0).path
+            except InputError:
+                found = None
+        if found is None:
+            raise InputError(
+                f"{folder}: its theta0 {theta0} is not found near it (moved?); pass --base BASE where it is now"
+            )
+        out["theta0_source"] = str(found)
+    return out
+
+
+def verify(folder: Path, run: Path | None = None, base: str | None = None) -> dict:
     """The --json document: which tensors of `folder` differ bitwise from its rebuild, whether its
-    stored vector is the one its method computes, and which inputs changed since it was written."""
+    stored vector is the one its method computes, and which inputs changed since it was written.
+    `run`/`base` (--run, --base): where the inputs are now, when they moved."""
     folder = Path(folder)
     doc = provenance.read(folder)
-    record = doc["record"]
+    named = doc["record"]
+    record = located(named, doc, folder, run, base)
     changed = changed_inputs(record, doc)
     gone = [c for c in changed if c.endswith(": gone)")]
     if gone:  # nothing to rebuild from: exit 3, not "differs"
@@ -231,5 +283,5 @@ def verify(folder: Path) -> dict:
         tensors, differ = _compare(folder, walked if walked is not None else _from_stabilize(record, folder))
     return {"folder": str(folder), "identical": not differ and not vector, "tensors": tensors, "differ": differ,
             "rebuilt": rebuilt,
-            "vector_differs": vector, "changed_inputs": changed, "record": record, "coefficients": stored,
+            "vector_differs": vector, "changed_inputs": changed, "record": named, "coefficients": stored,
             "bema_version": record.get("bema_version")}  # fmt: skip

@@ -95,7 +95,10 @@ def place(folder: Path, out: Path, overwrite: bool) -> None:
 
 
 def source_of(winner: dict, records: list[dict]) -> tuple[Path, str | None, dict]:
-    """(the checkpoint the winner's step came from, theta0's source, its stabilizer settings)."""
+    """(the checkpoint the winner's step came from, theta0's folder or Hub id, its stabilizer settings)."""
+    from bema_cli.io import provenance
+    from bema_cli.io.provenance import find_input
+
     path = Path(winner["path"] or "")
     stab = dict(winner.get("stabilizer") or {"method": "vanilla"})
     if str(winner["path"] or "").startswith(SWEEP_SCHEME):  # evaluated by `bema sweep`, never on disk
@@ -105,9 +108,16 @@ def source_of(winner: dict, records: list[dict]) -> tuple[Path, str | None, dict
                 f"{winner['path']}: no vanilla record at step {winner['step']} names the checkpoint it came from"
             )
         source, base = Path(raw[-1]["model_path"]), stab.get("theta0_source")
-    elif (path / "bema.json").is_file():
+    elif (path / "bema.json").is_file():  # a stabilize output: its inputs by name, found near it
         record = json.loads((path / "bema.json").read_text())
-        source, base = Path(record["source_checkpoint"]), record.get("theta0_source")
+        inputs = provenance.read(path).get("inputs") or {}
+        found = find_input(record["source_checkpoint"], [path], inputs.get(str(winner["step"])))
+        if found is None:
+            raise InputError(
+                f"{path}: its source checkpoint {record['source_checkpoint']} is not found near it; "
+                "writing it needs it (and its run)"
+            )
+        source, base = found, record.get("theta0_source")
     else:  # a vanilla checkpoint of the run itself; theta0 is the evaluated base, when there was one
         source, stab = path, {"method": "vanilla"}
         base = next((r.get("model_path") for r in records if r.get("is_base")), None)
@@ -119,7 +129,22 @@ def source_of(winner: dict, records: list[dict]) -> tuple[Path, str | None, dict
         raise InputError(
             f"{source}: the winner's source checkpoint is gone; writing it needs it (and its run)"
         )
-    return source, base, stab
+    return source, theta0_folder(base, records, source), stab
+
+
+def theta0_folder(name: str | None, records: list[dict], source: Path) -> str | None:
+    """theta0 as a record names it (provenance.input_name), found again: the evaluated base's own
+    folder when the results hold it under that name, else the folder of that name near the run,
+    else the name as it is (a Hub id, or "first")."""
+    from bema_cli.io.provenance import find_input
+
+    if not name or name == "first" or Path(name).is_absolute():
+        return name
+    for r in records:
+        if r.get("is_base") and r.get("model_path") and Path(r["model_path"]).as_posix().endswith("/" + name):
+            return r["model_path"]
+    found = find_input(name, [run_of(source)], None)
+    return str(found) if found is not None else name
 
 
 def rebuild_average(record: dict, tmp: Path) -> Path:
@@ -149,19 +174,22 @@ def _stabilize_one(source: Path, base, stab: dict, step: int, tmp: Path, **more)
 
 
 def model_record(
-    cand, step: int, settings: dict, folders: dict[str, Path], base_source: str, **extra
+    cand, step: int, settings: dict, folders: dict[str, Path], base_source: str, out: Path, **extra
 ) -> dict:
     """bema.json (and the header's record) of a model written from a vector: the candidate's method
     and settings (`settings`: a menu config's stabilizer keys, or {"method": ...}), its step, its
-    coefficients keyed by "theta0" and step (the one record shape), and what they were read from."""
+    coefficients keyed by "theta0" and step (the one record shape), and what they were read from,
+    named (provenance.input_name), never by absolute local paths."""
     from bema_cli import __version__
     from bema_cli.eval.targets import STABILIZER_KEYS
+    from bema_cli.io import provenance
 
     skip = ("accum_dtype", "out_dtype", "theta0_source")
     params = {k: settings[k] for k in STABILIZER_KEYS if k in settings and k not in skip}
     return {
         "bema_version": __version__, "run": cand.name, **params, "step": step, "coefficients": cand.record,
-        "averaged_steps": cand.steps(), "source_checkpoint": str(folders[str(step)]), "theta0_source": base_source,
+        "averaged_steps": cand.steps(), "source_checkpoint": provenance.input_name(folders[str(step)], out),
+        "theta0_source": provenance.input_name(base_source, out),
         "accum_dtype": "float64", "out_dtype": "input", **extra,
     }  # fmt: skip
 
@@ -200,16 +228,16 @@ def evaluation_rows(doc: dict, value: float, interval, versus: dict | None) -> l
              "vs": f"vs vanilla {fmt_diff(versus)}" if versus else ""}]  # fmt: skip
 
 
-def write_card(folder: Path, doc: dict, evaluation: list[dict], paths: str) -> None:
+def write_card(folder: Path, doc: dict, evaluation: list[dict], base_source: str, base_dir: Path) -> None:
+    """The card of a model written from a vector; its Hub base from theta0 as it was read
+    (`base_source`: a Hub id or the local folder `base_dir`), not from the record's name for it."""
     record = json.loads((folder / "bema.json").read_text())
-    base_model = card.hub_base_model(record["theta0_source"], None)
-    text = card.card(record, base_model, evaluation=evaluation, paths=paths, selected=True)
+    base_model = card.hub_base_model(base_source, base_dir)
+    text = card.card(record, base_model, evaluation=evaluation, selected=True)
     (folder / "README.md").write_text(text)
 
 
-def write_winner(
-    doc: dict, records: list[dict], out: Path, paths: str = "short", overwrite: bool = False
-) -> dict:
+def write_winner(doc: dict, records: list[dict], out: Path, overwrite: bool = False) -> dict:
     """The winner of a `select` document written as `out` itself, with its card: its vector (computed
     from its record's settings on its run) through the one writer, as ship writes."""
     from bema_cli.decide.candidate import of_settings
@@ -225,9 +253,10 @@ def write_winner(
     tmp = staging(out, "write")
     try:
         folder = tmp / "model"
-        record = model_record(cand, w["step"], stab, folders, base_source)
+        record = model_record(cand, w["step"], stab, folders, base_source, out)
         write_vector(cand, folders, Path(source), folder, record)
-        write_card(folder, doc, evaluation_rows(doc, w["value"], w["interval"], w["vs_vanilla"]), paths)
+        rows = evaluation_rows(doc, w["value"], w["interval"], w["vs_vanilla"])
+        write_card(folder, doc, rows, base_source, folders["theta0"])
         place(folder, out, overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -42,10 +42,14 @@ def truncate(delta, rank: int):
 def adapter_config(layout: Adapter, rank: int, base_source: str) -> dict:
     """The training adapter's config at the new uniform rank (patterns cleared: every module has rank R).
     Its base stays portable: a Hub id the user gave, else the training adapter's own
-    base_model_name_or_path, else the local path theta0 was read from."""
+    base_model_name_or_path, else theta0's folder by name (never an absolute local path: a push
+    publishes this file)."""
+    from bema_cli.io.provenance import input_name
+
     given = layout.config.get("base_model_name_or_path")
-    if Path(base_source).is_absolute() and isinstance(given, str) and given:
-        base_source = given
+    if Path(base_source).is_absolute():
+        usable = isinstance(given, str) and given and not Path(given).is_absolute()
+        base_source = given if usable else input_name(base_source)
     return {
         **layout.config,
         "r": rank,

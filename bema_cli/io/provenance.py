@@ -4,7 +4,8 @@ its inputs and weights inside the checkpoint). A copy or an upload of the weight
 it; `bema verify DIR` rebuilds the model from it and says bitwise which tensors differ.
 
 The record: bema.json's content (the version, the method and its settings, the steps averaged,
-theta0's source), the coefficient vector over (theta0, each input step) where the run computed it
+theta0's source, each named as the model card names it and never by an absolute local path: a push
+publishes the header with the weights), the coefficient vector over (theta0, each input step) where the run computed it
 from theta0 (stabilize/meta.coefficient_vectors; a fitted average's are its definition), and a
 fingerprint per input (io/fingerprint.py's cheap one: header and sampled bytes of each weight file).
 """
@@ -14,11 +15,65 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
 from bema_cli.errors import InputError
 
 KEY = "bema"
+
+
+def input_name(folder: str | Path, out: str | Path | None = None) -> str:
+    """How a record names an input: a Hub id as it is; a local folder by its path inside the folder
+    it shares with the output `out` (runs/sft/checkpoint-40 for a run at ~/proj/runs/sft and an
+    output under ~/proj), else by its last two parts (sft/checkpoint-40). Never the absolute path:
+    the user's home and project would go to the Hub inside the weights. `find_input` finds the
+    folder again from that name (under the output's ancestors) and the recorded fingerprint."""
+    path = Path(folder)
+    if not path.is_absolute():
+        return str(folder)  # a Hub id (or a name already)
+    if out is not None:
+        common = Path(os.path.commonpath([path, Path(out).expanduser().resolve()]))
+        if common != Path(common.anchor) and path != common:
+            return path.relative_to(common).as_posix()
+    return "/".join(path.parts[-2:])
+
+
+def find_input(name: str, near: list[Path], fingerprint: str | None) -> Path | None:
+    """The local folder a record names, found again: the path itself where the record holds one (an
+    older bema's), else `name` under a folder of `near` or one of its ancestors (a ship's DIR sits
+    beside its run, a stabilize output under the project that holds the run): the first whose
+    fingerprint is the recorded one, failing that the first of that name (then reported as changed).
+    Copied elsewhere: one level below those ancestors, the fingerprint's match only. None: not found."""
+    path = Path(name)
+    if path.is_absolute():
+        return path if path.is_dir() else None
+    roots = list(dict.fromkeys(r for p in near for r in (Path(p).resolve(), *Path(p).resolve().parents)))
+    found = [root / path for root in roots if (root / path).is_dir()]
+    match = _printed(found, fingerprint)
+    if match is not None or found:
+        return match or found[0]
+    # copied elsewhere: one level down from the ancestors too, where only the fingerprint may choose
+    below = [c / path for root in roots for c in _children(root) if (c / path).is_dir()]
+    return _printed(below, fingerprint) if fingerprint else None
+
+
+def _printed(folders: list[Path], fingerprint: str | None) -> Path | None:
+    """The first of `folders` whose fingerprint is `fingerprint` (any, when it is None)."""
+    for folder in folders:
+        try:
+            if fingerprint is None or input_print(folder) == fingerprint:
+                return folder
+        except (OSError, InputError):
+            continue
+    return None
+
+
+def _children(folder: Path) -> list[Path]:
+    try:
+        return sorted(c for c in folder.iterdir() if not c.name.startswith(".") and c.is_dir())
+    except OSError:
+        return []
 
 
 CHEAP = ("name", "size", "header_sha256", "sample_sha256")  # fingerprint's keys that need no full read

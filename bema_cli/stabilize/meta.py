@@ -32,15 +32,16 @@ def hyper(s: Schedule, leave_out: tuple[str, ...] = ()) -> dict:
 
 
 def record(run: Run, step: int, source: Path, base_source: str, opts: Options, out_dtype: str) -> dict:
-    """The bema.json of one output (contract shared with eval/report)."""
+    """The bema.json of one output (contract shared with eval/report). Its inputs are named, never by
+    their absolute local paths (provenance.input_name); `bema verify` finds them again."""
     return {
         "bema_version": __version__,
         "run": run.name,
         **hyper(run.schedule),
         "step": step,
         **weights(run, step),
-        "source_checkpoint": str(source),
-        "theta0_source": base_source,
+        "source_checkpoint": provenance.input_name(source, opts.out),
+        "theta0_source": provenance.input_name(base_source, opts.out),
         "accum_dtype": opts.accum_dtype,
         "out_dtype": out_dtype,
         # the checkpoints this output's trajectory read (a gap passed over with --allow-gaps shows here)
@@ -91,7 +92,13 @@ def out_dtype_name(plan: Plan, opts: Options) -> str:
 
 
 def finish_folder(
-    folder: Path, source: Path, base_dir: Path, record: dict, opts: Options, model: bool = True
+    folder: Path,
+    source: Path,
+    base_dir: Path,
+    base_source: str,
+    record: dict,
+    opts: Options,
+    model: bool = True,
 ) -> None:
     """Config/tokenizer files (a model's from the checkpoint, else the base; an adapter's from its
     checkpoint only, so it is not mistaken for a model folder), bema.json and the model card."""
@@ -99,7 +106,7 @@ def finish_folder(
     if record["out_dtype"] != "mixed":
         _set_config_dtype(folder / "config.json", record["out_dtype"])
     (folder / "bema.json").write_text(output.to_json(record) + "\n")
-    base_model = card.hub_base_model(record["theta0_source"], base_dir)
+    base_model = card.hub_base_model(base_source, base_dir)
     (folder / "README.md").write_text(
         card.card(json.loads(output.to_json(record)), base_model, adapter=not model)
     )
@@ -355,6 +362,14 @@ def finish_outputs(plan: Plan, opts: Options, outputs: Outputs) -> int:
         made = record(run, step, ckpt[step], plan.base_source, opts, out_dtype)
         if plan.lora is not None:
             made["lora"] = finish_lora(writer.folder, plan)
-        finish_folder(writer.folder, ckpt[step], plan.base_index.folder, made, opts, plan.lora_rank is None)
+        finish_folder(
+            writer.folder,
+            ckpt[step],
+            plan.base_index.folder,
+            plan.base_source,
+            made,
+            opts,
+            plan.lora_rank is None,
+        )
         written += writer.nbytes
     return written

@@ -3,7 +3,10 @@ cleanup code (temp folders removed, locks released), then exit 130, 143 or 129 (
 
 SLURM and Kubernetes stop jobs with SIGTERM, a closed terminal sends SIGHUP; without a
 handler Python dies on the spot and leaves its temp folders behind. `deferred()` holds a
-signal back for a few milliseconds while the output commit renames folders (io/commit.py).
+signal back for a few milliseconds while the output commit renames folders (io/commit.py). The
+handler runs in the main thread, and only there can its exception end the run: a block held by
+another thread is waited for (its renames finish), then the main thread raises. (Raised at the end
+of that thread's block, it ended that thread alone and the run went on to exit 0.)
 """
 
 from __future__ import annotations
@@ -14,8 +17,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_deferring = 0
-_pending: int | None = None
+OTHERS_WAIT_S = 30.0  # the longest the main thread waits for other threads' deferred blocks
+_deferring: dict[int, int] = {}  # thread ident -> depth of its deferred() blocks
+_quiet = threading.Condition(
+    threading.RLock()
+)  # reentrant: the handler may run inside deferred()'s bookkeeping
+_pending: int | None = None  # a signal the main thread's own block holds
 _received: int | None = None  # the signal that ended the run, once its exception is raised
 
 
@@ -43,9 +50,11 @@ def received() -> int | None:
 
 def _handler(signum: int, frame) -> None:
     global _pending
-    if _deferring:
+    if _deferring.get(threading.get_ident()):  # the main thread's own block: at its end
         _pending = signum
         return
+    with _quiet:  # another thread's block (a commit's renames): let it finish, then end the run here
+        _quiet.wait_for(lambda: not _deferring, timeout=OTHERS_WAIT_S)
     _raise(signum)
 
 
@@ -57,14 +66,21 @@ def install() -> None:
 
 @contextmanager
 def deferred() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM/SIGHUP until the block ends, then act on the last one that arrived."""
-    global _deferring, _pending
-    _deferring += 1
+    """Hold SIGINT/SIGTERM/SIGHUP until the block ends, then act on the last one that arrived (in the
+    main thread: a block in another thread delays the main thread's exception until it ends)."""
+    global _pending
+    me = threading.get_ident()
+    with _quiet:
+        _deferring[me] = _deferring.get(me, 0) + 1
     try:
         yield
     finally:
-        _deferring -= 1
-        if not _deferring and _pending is not None:
+        with _quiet:
+            _deferring[me] -= 1
+            if not _deferring[me]:
+                del _deferring[me]
+            _quiet.notify_all()
+        if me not in _deferring and _pending is not None:
             signum, _pending = _pending, None
             _raise(signum)
 

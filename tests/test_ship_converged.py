@@ -220,6 +220,25 @@ def test_held_out_rows_far_above_the_training_loss_are_warned_about(world, tmp_p
 
 
 @pytest.mark.slow  # ship runs beyond the default run's budget: `make test-slow`
+def test_held_out_loss_that_training_raised_is_warned_about(world, tmp_path):
+    """A run that walks away from what the held-out rows favour (theta0 is the optimum, the run ends at
+    the untrained model): vanilla's held-out loss is above theta0's on the report items, said as a
+    warning and a note with the likely causes; a run that walks toward it says nothing so."""
+    run = converged_run(world["star"], world["base"], tmp_path / "run", steps=(100, 200), reach_at=2)
+    r = run_bema("ship", run, "--base", world["star"], "--out", tmp_path / "m", "--tasks", "loss", "--loss-data",
+                 world["data"], "--backend", "transformers", "--json", "--fit", "none")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    (note,) = [n for n in doc["notes"] if "above theta0's" in n]
+    n = doc["select"]["selection"]["reported_on"]
+    assert f"on the same {n} report items: training made these rows less likely" in note, note
+    assert "warning: vanilla's held-out loss" in r.stderr
+    toward = converged_run(world["base"], world["star"], tmp_path / "toward", steps=(100, 200), reach_at=2)
+    r = _ship(world, toward, tmp_path / "m2", "--fit", "none")
+    assert r.returncode == 0 and not any("above theta0's" in n for n in json.loads(r.stdout)["notes"])
+
+
+@pytest.mark.slow  # ship runs beyond the default run's budget: `make test-slow`
 def test_report_on_a_ship_folder_shows_the_decisions_table(world, tmp_path):
     """`bema report DIR` on a shipped model: the decision's rows, every one on the same report items,
     the shipped one marked, the verdict; no race record of a candidate dropped after 16 items, and no

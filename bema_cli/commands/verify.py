@@ -22,15 +22,9 @@ def verify(
     folder: Annotated[
         str, typer.Argument(help="A model folder bema wrote (stabilize, select --write, ship).")
     ],
-    run_dir: Annotated[
-        str | None,
-        typer.Option(
-            "--run", help="The training run's folder, where it is now (default: found near FOLDER by name)."
-        ),
-    ] = None,
+    run_dir: Annotated[str | None, typer.Option("--run", help="The run's folder, if it moved.")] = None,
     base: Annotated[
-        str | None,
-        typer.Option("--base", help="theta0 where it is now: a folder or a Hub id (default: found by name)."),
+        str | None, typer.Option("--base", help="theta0 (folder or Hub id), if it moved.")
     ] = None,
     json: JsonOpt = False,
 ) -> None:

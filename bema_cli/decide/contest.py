@@ -77,6 +77,7 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
             fitted = search(scorer, menu, steps, raced["race"]["survivors"], pick_ids, report_ids, ship_opts,
                             metric)  # fmt: skip
         decision, why = decide(chosen, fitted, metric, ship_opts, records)
+        base_note = _base_note(scorer, step, report_ids, metric)
         if raced["race"]["stopped"]:
             why += f" ({raced['race']['stopped']}: the fits were not searched)"
         shipped = fitted["best"]["candidate"] if decision["kind"] == "fitted" else menu[decision["run"]]
@@ -90,7 +91,7 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
     raced["race"]["evaluations"] = {"items": scorer.evaluated + other_items, "exhaustive_design": exhaustive}
     return {"chosen": chosen, "records": records, "fitted": fitted, "decision": decision, "verdict": why,
             "race": raced["race"], "other_tasks": others, "memory": memory, "backend": evaluation.backend_name,
-            "motion": moved, "notes": [*_shape_note(plan, chosen, metric), *candidate.lag_notes(plan, menu, step)],
+            "motion": moved, "notes": [*_shape_note(plan, chosen, metric), *base_note, *candidate.lag_notes(plan, menu, step)],
             "candidates": menu, "steps": steps, "basis": basis,
             "base_source": plan.base_source}  # fmt: skip
 
@@ -125,6 +126,29 @@ def _shape_note(plan, chosen, metric) -> list[str]:
             f"{train:.3g} ({state.parent.name}/trainer_state.json): the held-out rows may not be in the shape "
             'the run trained on ({"messages"} rows score every turn; prompt/completion training learns the '
             "completions alone): docs/usage.md says which shape matches which training format")  # fmt: skip
+    output.warn(note)
+    return [note]
+
+
+def _base_note(scorer, step: int, ids: list, metric) -> list[str]:
+    """Held-out loss that training raised: vanilla above theta0 on the report items means the run
+    made these rows less likely (rows in a shape it did not train on, or a run that overfit). Costs
+    theta0's loss on the report items; said, and warned, with the likely causes."""
+    if metric.key != "loss" or not ids:
+        return []
+    base = candidate.Candidate.keyed("theta0", {candidate.THETA0: 1.0})
+    losses = {}
+    for cand in (candidate.vanilla(step), base):
+        scorer.scores(cand, ids)
+        got = scorer.cache[cand.digest]
+        losses[cand.name] = sum(got[i][0] for i in ids) / max(sum(got[i][1] for i in ids), 1)
+    held, before = losses["vanilla"], losses["theta0"]
+    if held <= before:
+        return []
+    note = (f"vanilla's held-out loss {held:.3g} nats/token is above theta0's {before:.3g} on the same "
+            f"{len(ids)} report items: training made these rows less likely. They may not be in the shape "
+            "the run trained on (docs/usage.md says which shape matches which training format), or the "
+            "run overfit")  # fmt: skip
     output.warn(note)
     return [note]
 

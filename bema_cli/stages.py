@@ -16,18 +16,21 @@ from contextlib import contextmanager
 _lock = threading.Lock()
 _seconds: dict[str, float] = {}
 _bytes: dict[str, int] = {}
+_count: dict[str, int] = {}  # how many times each stage ran (ship's swaps: stages.swap.count)
 
 
 def reset() -> None:
     with _lock:
         _seconds.clear()
         _bytes.clear()
+        _count.clear()
 
 
 def add(name: str, seconds: float, nbytes: int = 0) -> None:
     with _lock:
         _seconds[name] = _seconds.get(name, 0.0) + seconds
         _bytes[name] = _bytes.get(name, 0) + nbytes
+        _count[name] = _count.get(name, 0) + 1
 
 
 @contextmanager
@@ -45,25 +48,28 @@ def kept() -> Iterator[None]:
     runs stabilize for its basis coefficients and its final write): what the nested one timed is
     dropped, the caller times the whole of it as its own stage."""
     with _lock:
-        seconds, nbytes = dict(_seconds), dict(_bytes)
+        seconds, nbytes, count = dict(_seconds), dict(_bytes), dict(_count)
     try:
         yield
     finally:
         with _lock:
             _seconds.clear()
             _bytes.clear()
+            _count.clear()
             _seconds.update(seconds)
             _bytes.update(nbytes)
+            _count.update(count)
 
 
 def report() -> dict:
-    """{stage: {"seconds", "bytes", "gb_per_s"}} in the order the stages first ran."""
+    """{stage: {"seconds", "bytes", "gb_per_s", "count"}} in the order the stages first ran."""
     with _lock:
         return {
             name: {
                 "seconds": round(s, 4),
                 "bytes": _bytes[name],
                 "gb_per_s": round(_bytes[name] / s / 1e9, 3) if _bytes[name] and s > 0 else None,
+                "count": _count[name],
             }
             for name, s in _seconds.items()
         }

@@ -30,6 +30,7 @@ import math
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +72,7 @@ class World:
         self.z[:, 0] = 0.0
         self.lam = lam
         self.evaluated: set[tuple] = set()  # (vector, item) pairs a design paid for
+        self.loaded, self.swaps = None, 0  # the vector in the "engine"; how often another came in
 
     def nll(self, c, ids) -> np.ndarray:
         c = np.asarray(c, float)
@@ -89,6 +91,8 @@ class World:
         `ids`; every (vector, item) paid for is counted."""
         c = cand.coefficients(STEPS)
         self.evaluated.update((cand.digest, i) for i in ids)
+        if cand.digest != self.loaded:  # as the arena swaps (scorer.Arena.load)
+            self.loaded, self.swaps = cand.digest, self.swaps + 1
         return [self.record(cand.name, c, ids)]
 
     def record(self, run: str, c, ids) -> dict:
@@ -136,6 +140,7 @@ def decide_once(world: World, menu: dict, raced: bool, opts) -> dict:
     second = items if not raced else 2 * len(world.ids)
     vanilla = menu["vanilla"].coefficients(STEPS)
     return {"kind": made["kind"], "average": made["kind"] != "vanilla", "truth": world.truth(shipped),
+            "swaps": world.swaps,
             "vanilla_truth": world.truth(vanilla), "items": items, "items_two_tasks": items + second,
             "verdict": why}  # fmt: skip
 
@@ -151,6 +156,21 @@ def wilson(k: int, n: int) -> tuple[float, float]:
     return mid - half, mid + half
 
 
+@contextmanager
+def design_of(design: str):
+    """ "before": the race as it was before fewer swaps (rounds doubling what was seen, every round
+    in the same order); "raced": today's (race.ROUND_GROWTH, menu.SNAKE)."""
+    from bema_cli.decide import menu, race
+
+    saved = race.ROUND_GROWTH, menu.SNAKE
+    if design == "before":
+        race.ROUND_GROWTH, menu.SNAKE = 2, False
+    try:
+        yield
+    finally:
+        race.ROUND_GROWTH, menu.SNAKE = saved
+
+
 def run(reps: int, items: int, seed: int, lam_power: float = LAM_POWER) -> dict:
     from bema_cli.decide.ship import ShipOptions
 
@@ -162,9 +182,10 @@ def run(reps: int, items: int, seed: int, lam_power: float = LAM_POWER) -> dict:
         rows = []
         for r in range(reps):
             pair = {}
-            for design in ("raced", "exhaustive"):
+            for design in ("raced", "before", "exhaustive"):
                 world = World(np.random.default_rng([seed, r, int(lam * 1e6)]), items, lam)
-                pair[design] = decide_once(world, menu, design == "raced", opts)
+                with design_of(design):
+                    pair[design] = decide_once(world, menu, design != "exhaustive", opts)
             rows.append(pair)
         out[world_name] = rows
     return out
@@ -180,6 +201,17 @@ def summarise(res: dict) -> list[tuple[str, str, str, str]]:
     raced = sum(p["raced"]["items"] for p in both)
     whole = raced / sum(p["exhaustive"]["items"] for p in both)
     add("item evaluations, raced / exhaustive (menu, fits, report)", f"{whole:.2f}", "<= 0.3", whole <= 0.3)
+    before = sum(p["before"]["items"] for p in both) / sum(p["exhaustive"]["items"] for p in both)
+    add("  the same, before fewer swaps (rounds x2)", f"{before:.2f}")
+    swaps, swaps_before = (np.mean([p[d]["swaps"] for p in both]) for d in ("raced", "before"))
+    add("swaps per ship, raced / before fewer swaps", f"{swaps:.1f} / {swaps_before:.1f} = {swaps / swaps_before:.2f}",
+        "<= 0.5", swaps / swaps_before <= 0.5)  # fmt: skip
+    for world in ("null", "power"):
+        rows = res[world]
+        same = sum(p["raced"]["average"] == p["before"]["average"] for p in rows)
+        lo, hi = wilson(same, len(rows))
+        add(f"{world}: same decision as before fewer swaps", f"{same / len(rows):.3f} [{lo:.3f}, {hi:.3f}]",
+            ">= 0.95", same / len(rows) >= 0.95)  # fmt: skip
     two = sum(p["raced"]["items_two_tasks"] for p in both) / sum(
         p["exhaustive"]["items_two_tasks"] for p in both
     )

@@ -173,3 +173,52 @@ def test_the_corrected_difference_never_has_the_shipped_differences_opposite_sig
         assert 0.0 <= c <= x, (x, c)
     assert power.corrected(1.9601, se) == 0.0  # the unclamped estimate is about -2.4 here
     assert power.corrected(8.0, se) == pytest.approx(8.0, abs=1e-6)
+
+
+def test_each_menu_round_starts_with_the_candidate_loaded_last():
+    """Swaps are half of a ship's time: the menu's rounds run in snake order, so the candidate the
+    engine holds at a round's end is the next round's first (one swap fewer a round), and the race
+    decides the same whatever the order. Counted as the arena swaps: a load of another vector."""
+    from pathlib import Path
+
+    from bema_cli.decide import menu as menu_module
+    from bema_cli.decide.candidate import Candidate
+    from bema_cli.decide.menu import race_menu
+    from bema_cli.decide.scorer import ItemScorer
+    from bema_cli.decide.select import Metric
+    from bema_cli.decide.ship import ShipOptions
+    from bema_cli.eval.results import ResultsFile
+
+    steps = [10, 20, 30]
+    rng = np.random.default_rng(3)
+    noise = rng.normal(0.0, 1.0, size=(4, 200))
+    cands = {n: Candidate.of(n, c, steps) for n, c in (("vanilla", [0, 0, 0, 1]), ("a", [0, 0, 0.5, 0.5]),
+                                                      ("b", [0, 1 / 3, 1 / 3, 1 / 3]), ("c", [0.1, 0, 0.4, 0.5]))}  # fmt: skip
+    means = {"vanilla": 10.0, "a": 9.9, "b": 9.95, "c": 10.0}  # close: every round keeps them all
+
+    def run(snake: bool):
+        loads = []
+
+        def evaluate(cand, task, ids):
+            if not loads or loads[-1] != cand.name:
+                loads.append(cand.name)
+            row = list(cands).index(cand.name)
+            nll = [(means[cand.name] + 0.05 * noise[row, i]) * 10 for i in ids]
+            return [{"run": cand.name, "step": 30, "task": "loss", "model_path": cand.name, "is_base": False,
+                     "items": {"ids": list(ids), "nll": nll, "tokens": [10] * len(ids)}, "protocol": {},
+                     "seeds": None, "n_samples": 1, "n_prompts": len(ids), "backend": "sim", "dtype": "float64"}]  # fmt: skip
+
+        menu_module.SNAKE = snake
+        try:
+            scorer = ItemScorer(evaluate, None, Metric("loss", "loss", False), ResultsFile(None))
+            made = race_menu(scorer, cands, list(range(100)), list(range(100, 200)),
+                             ShipOptions(out=Path("unused"), resamples=200), Metric("loss", "loss", False),
+                             progress=False)  # fmt: skip
+        finally:
+            menu_module.SNAKE = True
+        return len(loads), made["race"]["survivors"], made["chosen"]["winner"]["run"]
+
+    snaked, plain = run(True), run(False)
+    rounds = len(race.rounds(list(range(100))))
+    assert snaked[1:] == plain[1:]  # the same race, the same pick
+    assert plain[0] - snaked[0] >= rounds - 1, (snaked, plain)  # a swap saved at each round's start

@@ -51,6 +51,8 @@ def test_noisy_iterates_ship_an_average_as_a_model_folder(runs, tmp_path):
     assert {"walk", "loss", "swap", "write"} <= set(doc["stages"]), sorted(doc["stages"])
     assert "fit_basis" not in doc["stages"]  # the menu's vectors are computed in memory, no stabilize
     assert doc["stages"]["swap"]["seconds"] > 0 and "stages: " in r.stderr
+    # every menu candidate was swapped in at least once, and the swaps are counted beside their seconds
+    assert doc["stages"]["swap"]["count"] >= len(doc["race"]["survivors"]) + len(doc["race"]["dropped"])
     card = ModelCard.load(out / "README.md")
     assert card.data.eval_results[0].metric_type == "loss"
     assert str(runs["root"]) not in (out / "README.md").read_text()  # no absolute local path

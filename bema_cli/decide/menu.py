@@ -13,6 +13,8 @@ from __future__ import annotations
 from bema_cli import output
 from bema_cli.decide import race, select
 
+SNAKE = True  # each round in the order opposite to the last's (bench/bench_decide.py's "before" runs without)
+
 
 class Budget(Exception):
     """--max-evaluations reached: the race stops where it is."""
@@ -37,7 +39,8 @@ def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, m
             if progress:  # a line per round (the benchmark's thousands of races say none)
                 output.log(f"{metric.task}: menu round {n + 1} of {len(rounds)}: {len(batch)} pick items for "
                            f"{len(contest.alive)} candidates ({', '.join(contest.alive)})")  # fmt: skip
-            for name in contest.alive:
+            # snake order: the candidate loaded last is the first of the next round (one swap fewer)
+            for name in contest.alive if n % 2 == 0 or not SNAKE else contest.alive[::-1]:
                 contest.add(name, scorer.scores(menu[name], batch))
             contest.eliminate()
             bar.advance(task)

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,9 @@ SIGMA_ITEM = 0.15  # z_ij's spread (per token)
 SIGMA_B = 0.3  # the records' difficulty spread
 THETA0_COST = 0.6  # A: the loss per token of moving all the way back to theta0
 LAM_POWER = 0.045  # the power world's weight-noise loss (exhaustive power near the paper's 80%)
+# --min-effect E (nats/token) on each world: the power world's averages gain 0.02-0.04 (lawa-w8 0.039):
+# 0.03 leaves some worth shipping; 0.045 none (every average shipped there is an error)
+EFFECTS = {"null": ["effect 0.02"], "power": ["effect 0.03", "effect 0.045"]}
 
 
 def menu_vectors(work: Path) -> dict:
@@ -117,16 +121,20 @@ def decide_once(world: World, menu: dict, raced: bool, opts) -> dict:
     scorer = ItemScorer(world.evaluate, None, metric, ResultsFile(None))
     pick, report = select.sides(world.ids, opts.holdout, opts.seed)
     pick_ids, report_ids = [world.ids[i] for i in pick], [world.ids[i] for i in report]
+    stopped = None
     if raced:
         made = race_menu(scorer, menu, pick_ids, report_ids, opts, metric, progress=False)
         chosen, records, survivors = made["chosen"], made["records"], made["race"]["survivors"]
+        stopped = made["race"]["stopped"]
     else:
         records = [scorer.record(c, world.ids) for c in menu.values()]
         chosen = select.select(records, metric, "last", opts.holdout, opts.resamples, opts.seed)
         survivors = list(menu)
     duel = race.duel if raced else race.exhaustive
-    fitted = search.search(scorer, menu, STEPS, survivors, pick_ids, report_ids, opts, metric, duel=duel,
-                           progress=False)  # fmt: skip
+    fitted = None  # as contest: a race stopped early (--min-effect) searches no fits
+    if stopped is None:
+        fitted = search.search(scorer, menu, STEPS, survivors, pick_ids, report_ids, opts, metric, duel=duel,
+                               progress=False)  # fmt: skip
     made, why = decision.decide(chosen, fitted, metric, opts, records)
     shipped = (fitted["best"]["candidate"] if made["kind"] == "fitted" else menu[made["run"]]).coefficients(
         STEPS
@@ -140,7 +148,7 @@ def decide_once(world: World, menu: dict, raced: bool, opts) -> dict:
     second = items if not raced else 2 * len(world.ids)
     vanilla = menu["vanilla"].coefficients(STEPS)
     return {"kind": made["kind"], "average": made["kind"] != "vanilla", "truth": world.truth(shipped),
-            "swaps": world.swaps,
+            "swaps": world.swaps, "stopped": stopped is not None,
             "vanilla_truth": world.truth(vanilla), "items": items, "items_two_tasks": items + second,
             "verdict": why}  # fmt: skip
 
@@ -182,10 +190,14 @@ def run(reps: int, items: int, seed: int, lam_power: float = LAM_POWER) -> dict:
         rows = []
         for r in range(reps):
             pair = {}
-            for design in ("raced", "before", "exhaustive"):
+            for design in ("raced", "before", "exhaustive", *EFFECTS[world_name]):
                 world = World(np.random.default_rng([seed, r, int(lam * 1e6)]), items, lam)
+                effect = float(design.split(" ")[1]) if design.startswith("effect") else 0.0
                 with design_of(design):
-                    pair[design] = decide_once(world, menu, design != "exhaustive", opts)
+                    pair[design] = decide_once(
+                        world, menu, design != "exhaustive", replace(opts, min_effect=effect)
+                    )
+                    pair[design]["min_effect"] = effect
             rows.append(pair)
         out[world_name] = rows
     return out
@@ -206,6 +218,22 @@ def summarise(res: dict) -> list[tuple[str, str, str, str]]:
     swaps, swaps_before = (np.mean([p[d]["swaps"] for p in both]) for d in ("raced", "before"))
     add("swaps per ship, raced / before fewer swaps", f"{swaps:.1f} / {swaps_before:.1f} = {swaps / swaps_before:.2f}",
         "<= 0.5", swaps / swaps_before <= 0.5)  # fmt: skip
+    for world, designs in EFFECTS.items():
+        for design in designs:
+            rows, e = res[world], float(design.split(" ")[1])
+            n = len(rows)
+            short = sum(
+                p[design]["average"] and p[design]["vanilla_truth"] - p[design]["truth"] < e for p in rows
+            )
+            lo, hi = wilson(short, n)
+            add(f"{world}: --min-effect {e:g}: an average shipped whose true gain is under it",
+                f"{short / n:.3f} [{lo:.3f}, {hi:.3f}]", "<= 0.05", short / n <= 0.05)  # fmt: skip
+            ships = sum(p[design]["average"] for p in rows)
+            stops = sum(p[design]["stopped"] for p in rows)
+            add(
+                "  averages shipped; races stopped early, no fit searched",
+                f"{ships / n:.3f}; {stops / n:.3f}",
+            )
     for world in ("null", "power"):
         rows = res[world]
         same = sum(p["raced"]["average"] == p["before"]["average"] for p in rows)

@@ -32,6 +32,21 @@ def ship(runs, name, out, *extra):
     return json.loads(r.stdout), r
 
 
+def test_min_effect_ships_vanilla_unless_an_average_clears_it(runs, tmp_path):
+    """--min-effect E: an average ships only if its interval against vanilla lies beyond E. On the
+    noisy run, where an average ships at E = 0 (the test below), E = 5 nats/token is out of reach:
+    every candidate's sequence against vanilla ends below it after a round, the race stops, no fit is
+    searched, and vanilla ships with the verdict naming the margin. A negative E is refused."""
+    doc, r = ship(runs, "noisy", tmp_path / "model", "--min-effect", "5")
+    assert doc["decision"]["run"] == "vanilla", doc["verdict"]
+    stopped = doc["race"]["stopped"]
+    assert stopped.startswith("every candidate's sequence lies within --min-effect 5 of vanilla after 1 of"), stopped
+    assert "the fits were not searched" in doc["verdict"] and not doc.get("fitted")
+    assert "--min-effect 5" in doc["verdict"] or "not beyond its interval" in doc["verdict"], doc["verdict"]
+    line = one_line_error(run_bema("ship", runs["noisy"], "--out", tmp_path / "m2", "--min-effect", "-1"), 2)
+    assert "--min-effect" in line, line
+
+
 def test_noisy_iterates_ship_an_average_as_a_model_folder(runs, tmp_path):
     from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM

@@ -67,6 +67,14 @@ def ship(
             min=1,
         ),
     ] = None,
+    min_effect: Annotated[
+        float,
+        typer.Option(
+            "--min-effect",
+            help="Ship an average only if its interval against vanilla lies beyond this difference (the "
+            "metric's units: nats/token for loss); the race stops early once no candidate can reach it.",
+        ),
+    ] = 0.0,
     method: Annotated[
         str | None,
         typer.Option(
@@ -115,7 +123,7 @@ def ship(
     from bema_cli.decide.push import check_repo_id, token_missing
     from bema_cli.decide.ship import DEFAULT_GRID, ShipOptions, check
     from bema_cli.decide.ship import ship as run
-    from bema_cli.errors import BemaError, HubAuthError, InputError
+    from bema_cli.errors import BemaError, HubAuthError, InputError, UsageError
     from bema_cli.eval.evaluate import LIBRARY_LOG
     from bema_cli.stabilize import Options
     from bema_cli.stabilize import grid as menu
@@ -134,8 +142,10 @@ def ship(
         tasks = "loss" if ev.loss_data is not None else "gsm8k"
     race = str(Path(out).parent / f".{Path(out).name}.bema-ship" / "race")
     evaluation, engine = eval_settings(ev, eng, tasks, race)
+    if not min_effect >= 0:
+        raise UsageError(f"--min-effect: a difference in the metric's units, >= 0; got {min_effect}")
     ship_opts = ShipOptions(Path(out), metric, holdout, at, fits, resamples, select_seed, overwrite,
-                            push, max_evaluations, dry_run,
+                            push, max_evaluations, dry_run=dry_run, min_effect=min_effect,
                             reads=(Path(grid.config).expanduser(),) if grid.config else ())  # fmt: skip
     check(ship_opts, evaluation)
     if grid.given(method):

@@ -39,14 +39,15 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
     report_ids = _report_ids(vanilla_rec, ship_opts)
     van = select.restrict(vanilla_rec, report_ids, metric)
     better = metric.higher_is_better
-    menu = w if verdict.beats_vanilla(chosen) else vanilla_row
+    effect = ship_opts.min_effect
+    menu = w if verdict.beats_vanilla(chosen, effect) else vanilla_row
     if fitted and fitted.get("best"):
         rec = fitted["best"]["record"]  # scored on the report items alone
         menu_rec = select.restrict(record_of(records, menu, metric), report_ids, metric)
         vs_menu = select.versus(rec, menu_rec, metric, None, ship_opts.seed, ship_opts.resamples)
         vs_vanilla = select.versus(rec, van, metric, None, ship_opts.seed, ship_opts.resamples)
         fitted["doc"]["best"].update(vs_menu=vs_menu, vs_vanilla=vs_vanilla)
-        if verdict.is_better(vs_menu, better) and verdict.is_better(vs_vanilla, better):
+        if verdict.is_better(vs_menu, better) and verdict.is_better(vs_vanilla, better, effect):
             value = vanilla_row["value"] + vs_vanilla["value"]  # both on the report items
             numbers = resolution(rec, van, metric, vs_vanilla)
             return (
@@ -68,7 +69,11 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
     # vanilla ships: say which candidate each half pointed at
     picked_on = chosen["selection"]["picked_on"]
     best = w if w["run"] != "vanilla" else _best_average(chosen, step, better)
-    if w["run"] != "vanilla":  # picked on the pick items, not beyond vanilla on the report items
+    if w["run"] != "vanilla" and effect and verdict.is_better(w["vs_vanilla"], better):  # not by enough
+        why = (f"{w['run']} was picked on the {picked_on} pick items, and on the {reported} report items it "
+               f"reads {fmt_d(w['vs_vanilla'])} against vanilla: beyond its interval, not beyond --min-effect "
+               f"{effect:g}")  # fmt: skip
+    elif w["run"] != "vanilla":  # picked on the pick items, not beyond vanilla on the report items
         why = (f"{w['run']} was picked on the {picked_on} pick items, and on the {reported} report items it "
                f"reads {fmt_d(w['vs_vanilla'])} against vanilla, not beyond its interval")  # fmt: skip
     elif best and best["tied_with_best"]:  # the tie rule chose vanilla on the pick items
@@ -77,7 +82,7 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
     else:
         why = f"vanilla was the best on the {picked_on} pick items"
     beaten = [c for c in chosen["candidates"] if c["step"] == step and c["run"] != w["run"] and c["vs_vanilla"]
-              and verdict.is_better(c["vs_vanilla"], better)]  # fmt: skip
+              and verdict.is_better(c["vs_vanilla"], better, effect)]  # fmt: skip
     if not beaten:  # said of what was tested there: the finalists, not every average of the menu
         tested = [c["run"] for c in chosen["candidates"] if c["step"] == step and c["run"] != "vanilla"]
         if fitted and fitted.get("best"):

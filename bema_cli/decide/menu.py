@@ -11,7 +11,7 @@ scored on the report items, where `select` reports every number. docs/eval-proto
 from __future__ import annotations
 
 from bema_cli import output
-from bema_cli.decide import race, select
+from bema_cli.decide import power, race, select
 
 SNAKE = True  # each round in the order opposite to the last's (bench/bench_decide.py's "before" runs without)
 
@@ -44,6 +44,10 @@ def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, m
                 contest.add(name, scorer.scores(menu[name], batch))
             contest.eliminate()
             bar.advance(task)
+            if ship_opts.min_effect and _all_within(contest, scorer, menu, pick_ids, ship_opts.min_effect):
+                stopped = (f"every candidate's sequence lies within --min-effect {ship_opts.min_effect:g} of "
+                           f"vanilla after {n + 1} of {len(rounds)} rounds")  # fmt: skip
+                break
     seen = pick_ids[: min(len(contest.scores[n]) for n in contest.alive)]
     picked = select.select([scorer.record(menu[n], seen) for n in contest.alive], metric, "last", None,
                            ship_opts.resamples, ship_opts.seed)  # fmt: skip
@@ -70,3 +74,24 @@ def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, m
            "pick_items": len(pick_ids), "finalists": finalists, "stopped": stopped,
            "pick": [{k: r[k] for k in ("run", "value", "tied_with_best")} for r in picked["candidates"]]}  # fmt: skip
     return {"chosen": chosen, "race": doc, "records": records}
+
+
+def _all_within(contest, scorer, menu: dict, pick_ids: list, effect: float) -> bool:
+    """Every candidate still in the race lies within `effect` of vanilla: its confidence sequence
+    against vanilla (the race's level) ends below vanilla + effect, so no average can be worth
+    shipping at --min-effect and the race (and the fits) can stop, shipping vanilla. `effect` is in
+    the metric's units (per token for loss: scaled by the items' mean tokens, as the items' scores
+    are summed NLLs)."""
+    t = min(len(contest.scores[n]) for n in contest.alive)
+    rivals = [n for n in contest.alive if n != "vanilla"]
+    if t < race.MIN_ITEMS or not rivals:
+        return False
+    got = scorer.cache[menu["vanilla"].digest]
+    scale = sum(got[i][1] for i in pick_ids[:t]) / t  # tokens per item (1 for accuracy)
+    a = contest.alpha / max(len(contest.scores) - 1, 1)
+    for name in rivals:
+        _, high = race.sequence(power.paired(contest.scores[name][:t], contest.scores["vanilla"][:t]), a,
+                                contest.horizon)  # fmt: skip
+        if high >= effect * scale:
+            return False
+    return True

@@ -63,6 +63,7 @@ class ShipOptions:
     overwrite: bool = False
     push: str | None = None
     max_evaluations: int | None = None  # (candidate, item) pairs the race may evaluate; None: no bound
+    min_effect: float = 0.0  # an average ships only if its interval against vanilla lies beyond this
     dry_run: bool = False  # say the budget (budget.py), evaluate nothing
     reads: tuple[Path, ...] = ()  # other files the request reads (a grid --config): never replaced
 

@@ -41,17 +41,18 @@ def verdict(doc: dict) -> str:
     return f"ship {where}: {name} {fmt_value(w['value'])}{vanilla}{tied}{weak}"
 
 
-def beats_vanilla(doc: dict) -> bool:
+def beats_vanilla(doc: dict, margin: float = 0.0) -> bool:
     """Whether the winner is an average that beats vanilla at its step beyond the interval of the
-    difference on the report items: only then does `bema ship` write an average."""
+    difference on the report items (and by more than `margin`, ship's --min-effect): only then does
+    `bema ship` write an average."""
     w = doc["winner"]
     return (
         w["run"] != "vanilla"
         and w["vs_vanilla"] is not None
-        and is_better(w["vs_vanilla"], doc["higher_is_better"])
+        and is_better(w["vs_vanilla"], doc["higher_is_better"], margin)
     )
 
 
-def is_better(d: dict, higher_is_better: bool) -> bool:
-    """The whole interval of a difference is on the good side of 0."""
-    return d["low"] > 0 if higher_is_better else d["high"] < 0
+def is_better(d: dict, higher_is_better: bool, margin: float = 0.0) -> bool:
+    """The whole interval of a difference is on the good side of 0 (of `margin`, beyond it)."""
+    return d["low"] > margin if higher_is_better else d["high"] < -margin

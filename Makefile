@@ -93,6 +93,7 @@ bench: install install-vllm
 	$(PY) bench/bench_sweep.py --model medium --repeats 2
 	$(PY) bench/bench_ship.py
 	$(PY) bench/bench_decide.py
+	$(PY) bench/bench_predictor.py  # #50.5: rho of the basis's prediction, tiny Qwen2, ~30 s
 	$(PY) bench/bench_motion_rule.py
 	$(PY) bench/bench_busy.py  # demo-quick idle, beside 2 busy processes, and spinning as before: ~4 min
 	$(PY) bench/bench_real.py  # Qwen2.5-0.5B/1.5B shapes: ~25 min, ~25 GB of disk in $$TMPDIR

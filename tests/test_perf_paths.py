@@ -358,3 +358,18 @@ def test_outputs_are_allocated_up_front_and_writes_reuse_their_files(tmp_path, m
     start = len(encode_header(writer.shards[0], writer.metadata))  # the header's last page: cached
     whole = (start + info.nbytes) // PAGE * PAGE - -(-start // PAGE) * PAGE
     assert writer.direct_bytes == (whole if direct == "1" else 0)
+
+
+def test_the_speed_probes_scratch_file_has_no_name_beside_the_output(tmp_path):
+    """A dry run times writes in the output's folder: with a file no listing shows (O_TMPFILE, or a
+    name unlinked at once), so nothing appears beside DIR while it runs and nothing stays after a kill."""
+    import os
+
+    from bema_cli.io.probe import _scratch
+
+    fd = _scratch(tmp_path)
+    try:
+        assert os.write(fd, b"x" * 4096) == 4096 and os.fstat(fd).st_nlink == 0
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        os.close(fd)

@@ -40,7 +40,9 @@ def test_min_effect_ships_vanilla_unless_an_average_clears_it(runs, tmp_path):
     doc, r = ship(runs, "noisy", tmp_path / "model", "--min-effect", "5")
     assert doc["decision"]["run"] == "vanilla", doc["verdict"]
     stopped = doc["race"]["stopped"]
-    assert stopped.startswith("every candidate's sequence lies within --min-effect 5 of vanilla after 1 of"), stopped
+    assert stopped.startswith(
+        "every candidate's sequence lies within --min-effect 5 of vanilla after 1 of"
+    ), stopped
     assert "the fits were not searched" in doc["verdict"] and not doc.get("fitted")
     assert "--min-effect 5" in doc["verdict"] or "not beyond its interval" in doc["verdict"], doc["verdict"]
     line = one_line_error(run_bema("ship", runs["noisy"], "--out", tmp_path / "m2", "--min-effect", "-1"), 2)

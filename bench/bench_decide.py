@@ -153,6 +153,30 @@ def decide_once(world: World, menu: dict, raced: bool, opts) -> dict:
             "verdict": why}  # fmt: skip
 
 
+def guard_passes(true_gap: float, margin: float, items: int, reps: int, seed: int) -> int:
+    """How often ship's guard (guard.holds on select.versus, as contest runs it) passes an average
+    whose accuracy on a guard task is vanilla's + true_gap; items paired, 10% + |gap| of them
+    discordant (averages of one run disagree on few items)."""
+    from bema_cli.decide import guard, select
+
+    metric = select.Metric("gsm8k", "flexible", True)
+
+    def record(run, correct):
+        return {"run": run, "step": STEPS[-1], "task": "gsm8k", "model_path": run, "is_base": False, "protocol": {},
+                "seeds": None, "n_samples": 1, "n_prompts": items, "backend": "sim", "dtype": "float64",
+                "items": {"ids": list(range(items)), "flexible": correct.astype(float).tolist()}}  # fmt: skip
+
+    rng, passed = np.random.default_rng(seed), 0
+    share = 0.1 + abs(true_gap)
+    for _ in range(reps):
+        vanilla = rng.random(items) < 0.5
+        discordant, wins = rng.random(items) < share, rng.random(items) < (1 + true_gap / share) / 2
+        average, vanilla = np.where(discordant, wins, vanilla), np.where(discordant, ~wins, vanilla)
+        vs = select.versus(record("avg", average), record("vanilla", vanilla), metric, None, 0, 1000)
+        passed += guard.holds(vs, True, margin)
+    return passed
+
+
 def wilson(k: int, n: int) -> tuple[float, float]:
     if n == 0:
         return math.nan, math.nan
@@ -185,7 +209,11 @@ def run(reps: int, items: int, seed: int, lam_power: float = LAM_POWER) -> dict:
     opts = ShipOptions(out=Path("unused"), resamples=1000)
     with tempfile.TemporaryDirectory() as tmp:
         menu = menu_vectors(Path(tmp) / "basis")
-    out = {}
+    from bema_cli.decide.guard import DEFAULT_MARGIN
+
+    m, n = DEFAULT_MARGIN["accuracy"], max(reps, 500)
+    out = {"guard": {"reps": n, "margin": m, "worse_by_margin": guard_passes(-m, m, 660, n, seed),
+                     "as_good": guard_passes(0.0, m, 660, n, seed + 1)}}  # fmt: skip
     for world_name, lam in (("null", 0.0), ("power", lam_power)):
         rows = []
         for r in range(reps):
@@ -209,6 +237,13 @@ def summarise(res: dict) -> list[tuple[str, str, str, str]]:
     def add(check, measured, target="(info)", ok=None):
         table.append((check, measured, target, "" if ok is None else ("PASS" if ok else "FAIL")))
 
+    g = res["guard"]
+    lo, hi = wilson(g["worse_by_margin"], g["reps"])
+    rate = g["worse_by_margin"] / g["reps"]
+    add(f"guard (gsm8k-sized, 660 items): passes an average worse by its margin {g['margin']:g}",
+        f"{rate:.3f} [{lo:.3f}, {hi:.3f}]", "<= 0.05", rate <= 0.05)  # fmt: skip
+    lo, hi = wilson(g["as_good"], g["reps"])
+    add("  passes one as good as vanilla", f"{g['as_good'] / g['reps']:.3f} [{lo:.3f}, {hi:.3f}]")
     both = res["null"] + res["power"]
     raced = sum(p["raced"]["items"] for p in both)
     whole = raced / sum(p["exhaustive"]["items"] for p in both)
@@ -243,8 +278,8 @@ def summarise(res: dict) -> list[tuple[str, str, str, str]]:
     two = sum(p["raced"]["items_two_tasks"] for p in both) / sum(
         p["exhaustive"]["items_two_tasks"] for p in both
     )
-    add("  same with a second task reported (gsm8k,loss)", f"{two:.2f}", "<= 0.3", two <= 0.3)
-    for world, rows in res.items():
+    add("  same with a second task (gsm8k,loss): a guard", f"{two:.2f}", "<= 0.3", two <= 0.3)
+    for world, rows in ((w, res[w]) for w in ("null", "power")):
         n = len(rows)
         same = sum(p["raced"]["average"] == p["exhaustive"]["average"] for p in rows)
         lo, hi = wilson(same, n)

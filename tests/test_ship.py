@@ -49,6 +49,37 @@ def test_min_effect_ships_vanilla_unless_an_average_clears_it(runs, tmp_path):
     assert "--min-effect" in line, line
 
 
+@pytest.mark.slow  # two ships with a generation task: `make test-slow`
+def test_a_guard_task_blocks_an_average_it_cannot_show_not_worse(runs, tmp_path):
+    """--tasks loss,gsm8k: loss decides, gsm8k guards. The tiny model answers no gsm8k item, so the
+    average and vanilla tie there exactly: within the default margin (0.03) the average ships; with
+    --guard-margin 0 nothing can show it is not worse, and vanilla ships, the verdict naming the guard."""
+    from test_eval import write_data
+
+    data = write_data(tmp_path / "data")
+    args = [
+        "--tasks",
+        "loss,gsm8k",
+        "--data-dir",
+        data,
+        "--limit",
+        "6",
+        "--max-new-tokens",
+        "4",
+        "--fit",
+        "none",
+    ]
+    doc, _ = ship(runs, "noisy", tmp_path / "m", *args)
+    assert doc["decision"]["run"] != "vanilla", doc["verdict"]
+    (g,) = doc["guards"]
+    assert g["task"] == "gsm8k" and g["passed"] and g["margin"] == 0.03
+    assert doc["other_tasks"]["gsm8k"]["guard"] == {"margin": 0.03, "passed": True}
+    doc, _ = ship(runs, "noisy", tmp_path / "m0", *args, "--guard-margin", "0")
+    assert doc["decision"]["run"] == "vanilla" and doc["decision"]["blocked"]["guard"] == "gsm8k"
+    assert "but the guard gsm8k blocked it" in doc["verdict"], doc["verdict"]
+    assert json.loads((tmp_path / "m0" / "bema.json").read_text())["run"] == "vanilla"
+
+
 def test_noisy_iterates_ship_an_average_as_a_model_folder(runs, tmp_path):
     from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM

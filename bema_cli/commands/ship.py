@@ -75,6 +75,14 @@ def ship(
             "metric's units: nats/token for loss); the race stops early once no candidate can reach it.",
         ),
     ] = 0.0,
+    guard_margin: Annotated[
+        float | None,
+        typer.Option(
+            "--guard-margin",
+            help="With several tasks, the ones --metric does not name guard the decision: an average ships only "
+            "if shown not worse than vanilla on each by more than this (default: 0.03 accuracy, 0.02 nats/token).",
+        ),
+    ] = None,
     method: Annotated[
         str | None,
         typer.Option(
@@ -142,10 +150,12 @@ def ship(
         tasks = "loss" if ev.loss_data is not None else "gsm8k"
     race = str(Path(out).parent / f".{Path(out).name}.bema-ship" / "race")
     evaluation, engine = eval_settings(ev, eng, tasks, race)
+    if guard_margin is not None and not guard_margin >= 0:
+        raise UsageError(f"--guard-margin: a difference in the guard's units, >= 0; got {guard_margin}")
     if not min_effect >= 0:
         raise UsageError(f"--min-effect: a difference in the metric's units, >= 0; got {min_effect}")
     ship_opts = ShipOptions(Path(out), metric, holdout, at, fits, resamples, select_seed, overwrite,
-                            push, max_evaluations, dry_run=dry_run, min_effect=min_effect,
+                            push, max_evaluations, dry_run=dry_run, min_effect=min_effect, guard_margin=guard_margin,
                             reads=(Path(grid.config).expanduser(),) if grid.config else ())  # fmt: skip
     check(ship_opts, evaluation)
     if grid.given(method):

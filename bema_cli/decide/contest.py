@@ -3,8 +3,8 @@
 1. the menu raced on the pick items of the metric's task at the decision's step (menu.py);
 2. the fits searched on the pick items, raced too (search.py);
 3. the finalists on the report items; the rule (decision.py);
-4. every other task for the shipped model and vanilla only, on all their items (reported, never
-   used to decide).
+4. every other task for the shipped model and vanilla only, on all their items: reported, and a
+   guard (guard.py): an average shown worse than vanilla there by more than the margin is blocked.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 from dataclasses import replace
 
 from bema_cli import output
-from bema_cli.decide import candidate, select
+from bema_cli.decide import candidate, guard, select
 from bema_cli.decide.decision import decide
 from bema_cli.decide.menu import race_menu
 from bema_cli.decide.scorer import Arena, ItemScorer, arena_targets
@@ -82,6 +82,12 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
             why += f" ({raced['race']['stopped']}: the fits were not searched)"
         shipped = fitted["best"]["candidate"] if decision["kind"] == "fitted" else menu[decision["run"]]
         others, other_items = _other_tasks(arena, config, metric, shipped, menu["vanilla"], work)
+        guards = guard.check(others, ship_opts.guard_margin)
+        if guards and not guards[0]["passed"]:  # the first is a blocking one, when there is one
+            why = guard.blocked_verdict(decision, why, guards[0])
+            van = next(c for c in chosen["candidates"] if c["run"] == "vanilla" and c["step"] == step)
+            decision = {"run": "vanilla", "step": step, "kind": "vanilla", "value": van["value"],
+                        "blocked": {"run": decision["run"], "kind": decision["kind"], "guard": guards[0]["task"]}}  # fmt: skip
     finally:
         arena.close()
     moved = _motion(arena, plan, work)
@@ -90,7 +96,7 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
     exhaustive = (len(menu) + trials) * len(ids) * len(tasks)  # every candidate, every item, every task
     raced["race"]["evaluations"] = {"items": scorer.evaluated + other_items, "exhaustive_design": exhaustive}
     return {"chosen": chosen, "records": records, "fitted": fitted, "decision": decision, "verdict": why,
-            "race": raced["race"], "other_tasks": others, "memory": memory, "backend": evaluation.backend_name,
+            "race": raced["race"], "other_tasks": others, "guards": guards, "memory": memory, "backend": evaluation.backend_name,
             "motion": moved, "notes": [*_shape_note(plan, chosen, metric), *base_note, *candidate.lag_notes(plan, menu, step)],
             "candidates": menu, "steps": steps, "basis": basis,
             "base_source": plan.base_source}  # fmt: skip
@@ -166,7 +172,8 @@ def _motion(arena, plan, work) -> dict | None:
 
 def _other_tasks(arena, config, metric, shipped, vanilla, work) -> tuple[dict, int]:
     """Each task other than the metric's, for the shipped candidate and vanilla only: their values and
-    the paired difference on every item (nothing here decides)."""
+    the paired difference on every item, which guard.check reads (a guard blocks an average shown
+    worse than vanilla there by more than its margin)."""
     out, evaluated = {}, 0
     for task in config.tasks:
         if task == metric.task or task == "train_loss":
@@ -177,6 +184,7 @@ def _other_tasks(arena, config, metric, shipped, vanilla, work) -> tuple[dict, i
         mine, van = scorer.record(shipped, ids), scorer.record(vanilla, ids)
         evaluated += scorer.evaluated
         same = shipped.digest == vanilla.digest
-        out[task] = {"metric": m.name, "shipped": select.metric_value(mine, m), "vanilla": select.metric_value(van, m),
+        out[task] = {"metric": m.name, "higher_is_better": m.higher_is_better, "candidate": shipped.name,
+                     "shipped": select.metric_value(mine, m), "vanilla": select.metric_value(van, m),
                      "vs_vanilla": None if same else select.versus(mine, van, m, None, 0)}  # fmt: skip
     return out, evaluated

@@ -65,6 +65,9 @@ def request(stab, config, ship_opts, inputs: list[Path], metric) -> dict:
     doc = {"inputs": files, "grid": sorted(repr(s) for s in stab.schedules), "evaluation": evaluation,
            "metric": metric.name, "holdout": ship_opts.holdout, "at": ship_opts.at, "fits": list(ship_opts.fits),
            "resamples": ship_opts.resamples, "seed": ship_opts.seed}  # fmt: skip
+    # flags added later join only when set, so an earlier ship's request stays the same question
+    doc |= {"min_effect": ship_opts.min_effect} if ship_opts.min_effect else {}
+    doc |= {"guard_margin": ship_opts.guard_margin} if ship_opts.guard_margin is not None else {}
     flat = {k: v for k, v in doc.items() if k != "inputs"}
     digest = hashlib.sha256(output.to_json(doc).encode()).hexdigest()[:32]
     return {

@@ -64,6 +64,7 @@ class ShipOptions:
     push: str | None = None
     max_evaluations: int | None = None  # (candidate, item) pairs the race may evaluate; None: no bound
     min_effect: float = 0.0  # an average ships only if its interval against vanilla lies beyond this
+    guard_margin: float | None = None  # the other tasks' non-inferiority margin (None: guard.DEFAULT_MARGIN)
     dry_run: bool = False  # say the budget (budget.py), evaluate nothing
     reads: tuple[Path, ...] = ()  # other files the request reads (a grid --config): never replaced
 
@@ -140,6 +141,8 @@ def _ship(
     doc["decision"], doc["verdict"] = made["decision"], made["verdict"]
     if made["other_tasks"]:
         doc["other_tasks"] = made["other_tasks"]
+    if made["guards"]:
+        doc["guards"] = made["guards"]
     if made["notes"]:  # why an average may lose: its vector's weight on theta0, a window wider than the run
         doc["notes"] = made["notes"]
     if made["motion"]:  # can averaging help here? (motion.py), measured as the walk read the run

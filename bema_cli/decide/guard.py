@@ -1,0 +1,59 @@
+"""Guard tasks: with several tasks, --metric decides and every other task guards the decision.
+
+An average the metric would ship is shipped only if, on each guard, it is shown not worse than
+vanilla by more than the guard's margin: a one-sided non-inferiority test, read off the paired
+bootstrap 95% interval of (average - vanilla) on the guard's items (its bound on the bad side beyond
+-margin: a one-sided test at 2.5%). Accuracy cannot separate averages of one run (a 3-point gap
+needs ~430-860 paired items per contender at 80% power), so a guard does not ask an average to be
+better there, only not clearly worse; the margin says what "clearly" is. A blocked average is not
+replaced by another: vanilla ships, and the verdict names the guard. docs/eval-protocol.md, "Guards".
+"""
+
+from __future__ import annotations
+
+from bema_cli.decide import verdict
+
+# Default margins, in each metric's units: 3 points of accuracy, 0.02 nats/token of loss. On GSM8K's
+# 660 items with 10% of them discordant, an average as good as vanilla passes 3 points 69% of the
+# time (2 points: 41%; 4 points: 93%), and one worse by the margin 2-4% (bench/bench_decide.py).
+DEFAULT_MARGIN = {"loss": 0.02, "accuracy": 0.03}
+
+
+def margin_of(higher_is_better: bool, given: float | None) -> float:
+    """The guard's margin: --guard-margin when given, else the default for its kind of metric."""
+    if given is not None:
+        return given
+    return DEFAULT_MARGIN["accuracy" if higher_is_better else "loss"]
+
+
+def holds(vs: dict, higher_is_better: bool, margin: float) -> bool:
+    """The average is shown not worse than vanilla by more than `margin`: the whole interval of
+    (average - vanilla) lies above -margin (for a loss, below +margin)."""
+    return vs["low"] > -margin if higher_is_better else vs["high"] < margin
+
+
+def check(others: dict, given: float | None) -> list[dict]:
+    """Each guard's verdict for the average `others` scored (contest._other_tasks' document, which
+    gains a `guard` entry per task): the blocking ones first. None blocks when the shipped model is
+    vanilla itself (no difference to test)."""
+    out = []
+    for task, doc in others.items():
+        if doc.get("vs_vanilla") is None:
+            continue
+        higher = doc["higher_is_better"]
+        margin = margin_of(higher, given)
+        passed = holds(doc["vs_vanilla"], higher, margin)
+        doc["guard"] = {"margin": margin, "passed": passed}
+        out.append({"task": task, "metric": doc["metric"], "higher_is_better": higher, "margin": margin,
+                    "passed": passed, "vs_vanilla": doc["vs_vanilla"]})  # fmt: skip
+    return sorted(out, key=lambda g: g["passed"])
+
+
+def blocked_verdict(decision: dict, why: str, guard: dict) -> str:
+    """The verdict of a ship a guard blocked: vanilla, what the metric said, and which guard said no."""
+    shape = "above" if guard["higher_is_better"] else "below"
+    return (
+        f"ship vanilla at step {decision['step']}: {decision['run']} won on the metric ({why.split(': ', 1)[-1]}), "
+        f"but the guard {guard['task']} blocked it: {guard['metric']} {verdict.fmt_diff(guard['vs_vanilla'])} "
+        f"against vanilla, not shown {shape} {'-' if shape == 'above' else '+'}{guard['margin']:g} (--guard-margin)"
+    )

@@ -1,0 +1,82 @@
+"""Guard tasks (decide/guard.py): an average is shipped only if, on each task --metric does not name,
+it is shown not worse than vanilla by more than the guard's margin. Checked by simulation through
+ship's own paired bootstrap (select.versus) on worlds whose truth is known, each rate with its
+Wilson interval: an average worse by exactly the margin passes at most 5% of the time (one-sided
+2.5% by construction), and one as good as vanilla passes most of the time (the test is not vacuous)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from bema_cli.decide import guard, select
+
+METRIC = select.Metric("gsm8k", "flexible", True)
+
+
+def _record(run: str, correct: np.ndarray) -> dict:
+    return {"run": run, "step": 80, "task": "gsm8k", "model_path": run, "is_base": False, "protocol": {},
+            "seeds": None, "n_samples": 1, "n_prompts": len(correct), "backend": "sim", "dtype": "float32",
+            "items": {"ids": list(range(len(correct))), "flexible": correct.astype(float).tolist()}}  # fmt: skip
+
+
+def _pass_rate(true_gap: float, margin: float, items: int, reps: int, seed: int) -> tuple[int, int]:
+    """How often the guard passes an average whose accuracy is vanilla's + true_gap (paired items:
+    the two disagree on a tenth of them, as averages of one run do)."""
+    rng = np.random.default_rng(seed)
+    passed, share = 0, 0.1 + abs(true_gap)  # discordant items: the average right and vanilla wrong, or
+    up = (1 + true_gap / share) / 2  # the reverse, tilted so the mean difference is true_gap exactly
+    for _ in range(reps):
+        vanilla = rng.random(items) < 0.5
+        discordant = rng.random(items) < share
+        wins = rng.random(items) < up
+        average = np.where(discordant, wins, vanilla)
+        vanilla = np.where(discordant, ~wins, vanilla)
+        vs = select.versus(_record("avg", average), _record("vanilla", vanilla), METRIC, None, 0, 1000)
+        passed += guard.holds(vs, True, margin)
+    return passed, reps
+
+
+def _wilson(k: int, n: int) -> tuple[float, float]:
+    z, p = 1.959964, k / n
+    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return mid - half, mid + half
+
+
+def test_a_guard_passes_an_average_worse_by_its_margin_at_most_5_percent_of_the_time():
+    k, n = _pass_rate(true_gap=-0.05, margin=0.05, items=400, reps=300, seed=1)
+    lo, hi = _wilson(k, n)
+    assert k / n <= 0.05 and lo <= 0.05, (k, n, lo, hi)
+    k0, n0 = _pass_rate(true_gap=0.0, margin=0.05, items=400, reps=100, seed=2)
+    assert k0 / n0 >= 0.8, (k0, n0)  # as good as vanilla: it passes
+
+
+def test_check_blocks_first_and_names_the_guard():
+    others = {
+        "gsm8k": {"metric": "gsm8k:flexible", "higher_is_better": True,
+                  "vs_vanilla": {"value": -0.04, "low": -0.09, "high": 0.01}},
+        "boolq": {"metric": "boolq:flexible", "higher_is_better": True,
+                  "vs_vanilla": {"value": 0.0, "low": -0.01, "high": 0.01}},
+        "mmlu_hs": {"metric": "mmlu_hs:flexible", "higher_is_better": True, "vs_vanilla": None},
+    }  # fmt: skip
+    guards = guard.check(others, None)
+    assert [(g["task"], g["passed"]) for g in guards] == [("gsm8k", False), ("boolq", True)]
+    assert others["gsm8k"]["guard"] == {"margin": 0.03, "passed": False} and "guard" not in others["mmlu_hs"]
+    assert [g["passed"] for g in guard.check(others, 0.1)] == [True, True]  # a wider margin lets it through
+    loss = {
+        "loss": {
+            "metric": "loss",
+            "higher_is_better": False,
+            "vs_vanilla": {"value": 0.01, "low": 0.0, "high": 0.03},
+        }
+    }
+    assert guard.check(loss, None)[0]["passed"] is False and guard.check(loss, 0.05)[0]["passed"] is True
+    said = guard.blocked_verdict(
+        {"run": "lawa-w4", "step": 80}, "ship lawa-w4 at step 80: loss 1.2 vs ...", guards[0]
+    )
+    assert (
+        said.startswith("ship vanilla at step 80: lawa-w4 won on the metric")
+        and "guard gsm8k blocked it" in said
+    )

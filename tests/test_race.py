@@ -175,10 +175,12 @@ def test_the_corrected_difference_never_has_the_shipped_differences_opposite_sig
     assert power.corrected(8.0, se) == pytest.approx(8.0, abs=1e-6)
 
 
-def test_each_menu_round_starts_with_the_candidate_loaded_last():
-    """Swaps are half of a ship's time: the menu's rounds run in snake order, so the candidate the
-    engine holds at a round's end is the next round's first (one swap fewer a round), and the race
-    decides the same whatever the order. Counted as the arena swaps: a load of another vector."""
+def test_each_candidate_is_swapped_in_once_and_the_race_decides_as_with_rounds():
+    """Swaps are half of a ship's time. Visited once (menu.VISIT, the default), each candidate is
+    loaded once and scored round by round while it stays loaded: as many swaps as candidates, and the
+    same race as rounds of every candidate. With rounds (the design before), snake order saves one
+    swap a round and decides the same whatever the order. Counted as the arena swaps: a load of
+    another vector."""
     from pathlib import Path
 
     from bema_cli.decide import menu as menu_module
@@ -196,7 +198,7 @@ def test_each_menu_round_starts_with_the_candidate_loaded_last():
                                                       ("b", [0, 1 / 3, 1 / 3, 1 / 3]), ("c", [0.1, 0, 0.4, 0.5]))}  # fmt: skip
     means = {"vanilla": 10.0, "a": 9.9, "b": 9.95, "c": 10.0}  # close: every round keeps them all
 
-    def run(snake: bool):
+    def run(snake: bool, visit: bool = False):
         loads = []
 
         def evaluate(cand, task, ids):
@@ -208,17 +210,20 @@ def test_each_menu_round_starts_with_the_candidate_loaded_last():
                      "items": {"ids": list(ids), "nll": nll, "tokens": [10] * len(ids)}, "protocol": {},
                      "seeds": None, "n_samples": 1, "n_prompts": len(ids), "backend": "sim", "dtype": "float64"}]  # fmt: skip
 
-        menu_module.SNAKE = snake
+        menu_module.SNAKE, menu_module.VISIT = snake, visit
         try:
             scorer = ItemScorer(evaluate, None, Metric("loss", "loss", False), ResultsFile(None))
             made = race_menu(scorer, cands, list(range(100)), list(range(100, 200)),
                              ShipOptions(out=Path("unused"), resamples=200), Metric("loss", "loss", False),
                              progress=False)  # fmt: skip
         finally:
-            menu_module.SNAKE = True
-        return len(loads), made["race"]["survivors"], made["chosen"]["winner"]["run"]
+            menu_module.SNAKE, menu_module.VISIT = True, True
+        return len(loads), made["race"]["survivors"], made["chosen"]["winner"]["run"], loads
 
-    snaked, plain = run(True), run(False)
+    snaked, plain, visited = run(True), run(False), run(True, visit=True)
     rounds = len(race.rounds(list(range(100))))
-    assert snaked[1:] == plain[1:]  # the same race, the same pick
+    assert snaked[1:3] == plain[1:3] == visited[1:3]  # the same race, the same pick
     assert plain[0] - snaked[0] >= rounds - 1, (snaked, plain)  # a swap saved at each round's start
+    menu_loads = visited[3][: visited[3].index("c") + 1]  # the menu's race, before the report items
+    assert menu_loads == ["vanilla", "a", "b", "c"], visited[3]  # once each
+    assert visited[0] < snaked[0] < plain[0]  # fewest swaps: one visit each

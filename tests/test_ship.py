@@ -304,9 +304,12 @@ def test_max_evaluations_stops_the_race_and_says_so(runs, tmp_path):
     fits are not searched, and the verdict says where it stopped; without it the race runs on."""
     doc, _ = ship(runs, "noisy", tmp_path / "m", "--max-evaluations", "60")
     race = doc["race"]
-    assert race["stopped"].startswith("--max-evaluations 60 reached after 1 of 2 rounds"), race
-    assert race["pick_items_seen"] == 16  # the first round always runs (8 candidates x 16 items)
-    assert race["evaluations"]["items"] <= 8 * 16 + 3 * 18  # that round, then the finalists' report items
+    # vanilla always runs on its 22 pick items, a second candidate (44 pairs), not a third (66 > 60)
+    assert race["stopped"].startswith("--max-evaluations 60 reached after 2 of 8 candidates"), race
+    assert race["pick_items_seen"] == 22
+    assert (
+        race["evaluations"]["items"] <= 2 * 22 + 3 * 18 + 18
+    )  # those two, the finalists' and theta0's report items
     assert "fitted" not in doc and "--max-evaluations 60 reached" in doc["verdict"]
     full, _ = ship(runs, "noisy", tmp_path / "full")
     assert full["race"]["stopped"] is None and full["race"]["pick_items_seen"] == 22

@@ -83,8 +83,8 @@ def test_ship_says_why_an_average_lags_and_the_card_gives_the_recipe(world, tmp_
     human = run_bema("ship", run, "--base", world["base"], "--out", tmp_path / "m2", "--tasks", "loss", "--loss-data",
                      world["data"], "--backend", "transformers", "--fit", "none")  # fmt: skip
     assert human.returncode == 0 and "note: ema-k0.5 still weighs theta0" in human.stdout, human.stderr
-    # progress: a line per menu round and per fit trial, named by what it is, never a digest
-    assert "loss: menu round 1 of " in human.stderr and "fit:" not in human.stderr, human.stderr
+    # progress: a line per menu candidate and per fit trial, named by what it is, never a digest
+    assert "loss: menu candidate 1 of " in human.stderr and "fit:" not in human.stderr, human.stderr
     record = json.loads((out / "bema.json").read_text())
     assert set(record["coefficients"]) <= {"theta0", "100", "200", "300"}
     assert abs(sum(record["coefficients"].values()) - 1) < 1e-9

@@ -62,8 +62,8 @@ def ship(
         int | None,
         typer.Option(
             "--max-evaluations",
-            help="Stop the menu's race before a round would pass this many (candidate, item) pairs, and "
-            "decide on what it has (no fits); the first round always runs.",
+            help="Stop the menu's race before a candidate would pass this many (candidate, item) pairs, and "
+            "decide on what it has (no fits); vanilla always runs on every pick item.",
             min=1,
         ),
     ] = None,

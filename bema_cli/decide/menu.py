@@ -1,9 +1,10 @@
 """The menu's race on the pick items, and its finalists on the report items.
 
-Every menu config and vanilla is scored at the decision's step in rounds of pick items
-(race.Race: a config is dropped once the confidence sequence puts it below the leader; vanilla
-never is). The survivors run to the last pick item, and `select`'s own rule picks among them on
-the pick items (best, the paired-bootstrap tie with it, the tie rule). Only the finalists, the
+Every menu config and vanilla is scored at the decision's step, each swapped into the engine once:
+vanilla on every pick item, then each config in rounds of pick items while it is loaded (race.Race:
+it is dropped once the confidence sequence puts it below the best of those scored before it;
+vanilla never is). The survivors run to the last pick item, and `select`'s own rule picks among them
+on the pick items (best, the paired-bootstrap tie with it, the tie rule). Only the finalists, the
 pick and vanilla (and, when the tie rule picked vanilla, the best average it passed over), are
 scored on the report items, where `select` reports every number. docs/eval-protocol.md, "Racing".
 """
@@ -13,7 +14,8 @@ from __future__ import annotations
 from bema_cli import output
 from bema_cli.decide import power, race, select
 
-SNAKE = True  # each round in the order opposite to the last's (bench/bench_decide.py's "before" runs without)
+VISIT = True  # each candidate swapped in once; False: rounds (bench/bench_decide.py's "before")
+SNAKE = True  # with rounds, each round in the order opposite to the last's
 
 
 class Budget(Exception):
@@ -28,26 +30,10 @@ def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, m
     names = ["vanilla", *(n for n in menu if n != "vanilla")]
     contest = race.Race(names, horizon=len(pick_ids), protect=["vanilla"])
     rounds = race.rounds(pick_ids)
-    stopped = None
-    with output.progress("rounds") as bar:
-        task = bar.add_task("racing the menu (pick items)", total=len(rounds))
-        for n, batch in enumerate(rounds):
-            # the first round always runs: a pick needs items (said in --max-evaluations' help)
-            if n and limit is not None and scorer.evaluated + len(batch) * len(contest.alive) > limit:
-                stopped = f"--max-evaluations {limit} reached after {n} of {len(rounds)} rounds"
-                break
-            if progress:  # a line per round (the benchmark's thousands of races say none)
-                output.log(f"{metric.task}: menu round {n + 1} of {len(rounds)}: {len(batch)} pick items for "
-                           f"{len(contest.alive)} candidates ({', '.join(contest.alive)})")  # fmt: skip
-            # snake order: the candidate loaded last is the first of the next round (one swap fewer)
-            for name in contest.alive if n % 2 == 0 or not SNAKE else contest.alive[::-1]:
-                contest.add(name, scorer.scores(menu[name], batch))
-            contest.eliminate()
-            bar.advance(task)
-            if ship_opts.min_effect and _all_within(contest, scorer, menu, pick_ids, ship_opts.min_effect):
-                stopped = (f"every candidate's sequence lies within --min-effect {ship_opts.min_effect:g} of "
-                           f"vanilla after {n + 1} of {len(rounds)} rounds")  # fmt: skip
-                break
+    if VISIT:
+        stopped = _visit(contest, scorer, menu, rounds, ship_opts, metric, limit, progress)
+    else:
+        stopped = _rounds(contest, scorer, menu, rounds, pick_ids, ship_opts, metric, limit, progress)
     seen = pick_ids[: min(len(contest.scores[n]) for n in contest.alive)]
     picked = select.select([scorer.record(menu[n], seen) for n in contest.alive], metric, "last", None,
                            ship_opts.resamples, ship_opts.seed)  # fmt: skip
@@ -76,22 +62,84 @@ def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, m
     return {"chosen": chosen, "race": doc, "records": records}
 
 
-def _all_within(contest, scorer, menu: dict, pick_ids: list, effect: float) -> bool:
-    """Every candidate still in the race lies within `effect` of vanilla: its confidence sequence
-    against vanilla (the race's level) ends below vanilla + effect, so no average can be worth
-    shipping at --min-effect and the race (and the fits) can stop, shipping vanilla. `effect` is in
-    the metric's units (per token for loss: scaled by the items' mean tokens, as the items' scores
-    are summed NLLs)."""
-    t = min(len(contest.scores[n]) for n in contest.alive)
-    rivals = [n for n in contest.alive if n != "vanilla"]
-    if t < race.MIN_ITEMS or not rivals:
+def _rounds(contest, scorer, menu, rounds, pick_ids, ship_opts, metric, limit, progress) -> str | None:
+    """Every alive candidate on each round's items, then the eliminations (a swap per candidate and round)."""
+    stopped = None
+    with output.progress("rounds") as bar:
+        task = bar.add_task("racing the menu (pick items)", total=len(rounds))
+        for n, batch in enumerate(rounds):
+            # the first round always runs: a pick needs items (said in --max-evaluations' help)
+            if n and limit is not None and scorer.evaluated + len(batch) * len(contest.alive) > limit:
+                stopped = f"--max-evaluations {limit} reached after {n} of {len(rounds)} rounds"
+                break
+            if progress:  # a line per round (the benchmark's thousands of races say none)
+                output.log(f"{metric.task}: menu round {n + 1} of {len(rounds)}: {len(batch)} pick items for "
+                           f"{len(contest.alive)} candidates ({', '.join(contest.alive)})")  # fmt: skip
+            # snake order: the candidate loaded last is the first of the next round (one swap fewer)
+            for name in contest.alive if n % 2 == 0 or not SNAKE else contest.alive[::-1]:
+                contest.add(name, scorer.scores(menu[name], batch))
+            contest.eliminate()
+            bar.advance(task)
+            if ship_opts.min_effect and _all_within(contest, scorer, menu, pick_ids, ship_opts.min_effect):
+                stopped = (f"every candidate's sequence lies within --min-effect {ship_opts.min_effect:g} of "
+                           f"vanilla after {n + 1} of {len(rounds)} rounds")  # fmt: skip
+                break
+    return stopped
+
+
+def _visit(contest, scorer, menu, rounds, ship_opts, metric, limit, progress) -> str | None:
+    """Each candidate swapped in once: vanilla on every pick item, then each other candidate round
+    by round while it stays loaded, left (dropped) as soon as its sequence against the best of those
+    already scored lies above 0, or (--min-effect) within the margin of vanilla; one that completes
+    is a survivor, and the survivors before it meet it again on the items they all have. One swap
+    per candidate, where rounds cost one per candidate and round (bench/bench_decide.py)."""
+    stopped, pick, effect = None, [i for b in rounds for i in b], ship_opts.min_effect
+    with output.progress("candidates") as bar:
+        task = bar.add_task("racing the menu (pick items)", total=len(contest.alive))
+        for k, name in enumerate(list(contest.alive)):
+            # vanilla (the first) always runs on every pick item: a pick needs items
+            if k and limit is not None and scorer.evaluated + len(pick) > limit:
+                stopped = f"--max-evaluations {limit} reached after {k} of {len(contest.scores)} candidates"
+                contest.alive = [n for n in contest.alive if contest.scores[n]]
+                break
+            if progress:  # a line per candidate (the benchmark's thousands of races say none)
+                output.log(f"{metric.task}: menu candidate {k + 1} of {len(contest.scores)}: {name} on up to "
+                           f"{len(pick)} pick items")  # fmt: skip
+            for batch in rounds:
+                contest.add(name, scorer.scores(menu[name], batch))
+                if contest.behind(name):
+                    break
+                if effect and name != "vanilla" and _within(contest, scorer, menu, name, pick, effect):
+                    contest.retire(name, f"within --min-effect {effect:g} of vanilla")
+                    break
+            if name in contest.alive:  # complete: the others scored so far meet it again
+                for other in [n for n in contest.alive if n != name]:
+                    contest.behind(other)
+            bar.advance(task)
+    retired = any(d["by"].startswith("within --min-effect") for d in contest.dropped.values())
+    if stopped is None and retired and contest.alive == ["vanilla"]:
+        stopped = (
+            f"every candidate's sequence lies within --min-effect {effect:g} of vanilla, or below another's"
+        )
+    return stopped
+
+
+def _within(contest, scorer, menu: dict, name: str, pick_ids: list, effect: float) -> bool:
+    """`name`'s confidence sequence against vanilla (the race's level) ends below vanilla + effect,
+    so it cannot be worth shipping at --min-effect. `effect` is in the metric's units (per token for
+    loss: scaled by the items' mean tokens, as the items' scores are summed NLLs)."""
+    t = len(contest.scores[name])
+    if t < race.MIN_ITEMS:
         return False
     got = scorer.cache[menu["vanilla"].digest]
     scale = sum(got[i][1] for i in pick_ids[:t]) / t  # tokens per item (1 for accuracy)
     a = contest.alpha / max(len(contest.scores) - 1, 1)
-    for name in rivals:
-        _, high = race.sequence(power.paired(contest.scores[name][:t], contest.scores["vanilla"][:t]), a,
-                                contest.horizon)  # fmt: skip
-        if high >= effect * scale:
-            return False
-    return True
+    diffs = power.paired(contest.scores[name][:t], contest.scores["vanilla"][:t])
+    return race.sequence(diffs, a, contest.horizon)[1] < effect * scale
+
+
+def _all_within(contest, scorer, menu: dict, pick_ids: list, effect: float) -> bool:
+    """Every candidate still in the race lies within `effect` of vanilla (`_within`): no average can
+    be worth shipping at --min-effect, and the race (and the fits) can stop, shipping vanilla."""
+    rivals = [n for n in contest.alive if n != "vanilla"]
+    return bool(rivals) and all(_within(contest, scorer, menu, n, pick_ids, effect) for n in rivals)

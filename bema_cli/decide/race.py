@@ -105,6 +105,29 @@ class Race:
         self.alive = [n for n in self.alive if n not in out]
         return out
 
+    def behind(self, name: str) -> bool:
+        """Drop `name` if its sequence against the best of the candidates scored on at least its items
+        (on those items) lies above 0: a candidate visited once, item by item, is checked against the
+        ones already scored. The same comparison as `eliminate`, at `name`'s own count of items."""
+        t = len(self.scores[name])
+        rivals = [n for n in self.alive if n != name and len(self.scores[n]) >= t]
+        if t < MIN_ITEMS or not rivals or name in self.protect:
+            return False
+        lead = max(rivals, key=lambda n: sum(self.scores[n][:t]))
+        if sum(self.scores[lead][:t]) <= sum(self.scores[name][:t]):
+            return False
+        lo, hi = sequence(paired(self.scores[lead][:t], self.scores[name][:t]), self.alpha / max(len(self.scores) - 1, 1),
+                          self.horizon)  # fmt: skip
+        if lo > 0:
+            self.alive.remove(name)
+            self.dropped[name] = {"after": t, "by": lead, "interval": [lo, hi]}
+        return lo > 0
+
+    def retire(self, name: str, why: str) -> None:
+        """Leave `name` out for a reason other than a rival (ship's --min-effect)."""
+        self.alive.remove(name)
+        self.dropped[name] = {"after": len(self.scores[name]), "by": why, "interval": None}
+
 
 def duel(
     trial: Callable[[list], list[float]],

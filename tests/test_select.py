@@ -345,3 +345,22 @@ def test_at_all_ranks_every_step_against_vanilla_at_the_same_step():
     assert rows[("a", 2)]["vs_vanilla"]["value"] == pytest.approx(0.05)  # and at step 2
     assert (doc["winner"]["run"], doc["winner"]["step"]) == ("a", 2)
     assert select(records, GSM, at="1")["winner"]["step"] == 1
+
+
+def test_select_write_of_a_vector_without_theta0_writes_and_verifies(evaluated_run, tmp_path):
+    """A winner whose vector has no theta0 term (vanilla: the checkpoint itself) is written through
+    the one writer with its card (it ended in KeyError 'theta0' when the card looked for theta0's
+    folder), and verify rebuilds it bitwise."""
+    from bema_cli import report
+    from bema_cli.decide import select as sel
+    from bema_cli.decide.write import write_winner
+
+    _, records = report.load([str(evaluated_run / "results")])
+    doc = sel.select(records, sel.parse_metric("loss"), "last", None, 200, 0)
+    row = next(c for c in doc["candidates"] if c["run"] == "vanilla")
+    doc["winner"] = {k: row[k] for k in sel.WINNER_KEYS} | {"tied_with": []}
+    out = tmp_path / "vanilla"
+    write_winner(doc, records, out)
+    written = json.loads((out / "bema.json").read_text())
+    assert written["run"] == "vanilla" and written["coefficients"] == {"20": 1.0}
+    assert run_bema("verify", out).returncode == 0

@@ -228,7 +228,9 @@ def evaluation_rows(doc: dict, value: float, interval, versus: dict | None) -> l
              "vs": f"vs vanilla {fmt_diff(versus)}" if versus else ""}]  # fmt: skip
 
 
-def write_card(folder: Path, doc: dict, evaluation: list[dict], base_source: str, base_dir: Path) -> None:
+def write_card(
+    folder: Path, doc: dict, evaluation: list[dict], base_source: str, base_dir: Path | None
+) -> None:
     """The card of a model written from a vector; its Hub base from theta0 as it was read
     (`base_source`: a Hub id or the local folder `base_dir`), not from the record's name for it."""
     record = json.loads((folder / "bema.json").read_text())
@@ -256,7 +258,7 @@ def write_winner(doc: dict, records: list[dict], out: Path, overwrite: bool = Fa
         record = model_record(cand, w["step"], stab, folders, base_source, out)
         write_vector(cand, folders, Path(source), folder, record)
         rows = evaluation_rows(doc, w["value"], w["interval"], w["vs_vanilla"])
-        write_card(folder, doc, rows, base_source, folders["theta0"])
+        write_card(folder, doc, rows, base_source, folders.get("theta0"))  # no theta0 term: none
         place(folder, out, overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -35,14 +35,13 @@ def ship(runs, name, out, *extra):
 def test_min_effect_ships_vanilla_unless_an_average_clears_it(runs, tmp_path):
     """--min-effect E: an average ships only if its interval against vanilla lies beyond E. On the
     noisy run, where an average ships at E = 0 (the test below), E = 5 nats/token is out of reach:
-    every candidate's sequence against vanilla ends below it after a round, the race stops, no fit is
+    each candidate's sequence against vanilla ends below it after a round, the race stops, no fit is
     searched, and vanilla ships with the verdict naming the margin. A negative E is refused."""
     doc, r = ship(runs, "noisy", tmp_path / "model", "--min-effect", "5")
     assert doc["decision"]["run"] == "vanilla", doc["verdict"]
     stopped = doc["race"]["stopped"]
-    assert stopped.startswith(
-        "every candidate's sequence lies within --min-effect 5 of vanilla after 1 of"
-    ), stopped
+    assert stopped.startswith("every candidate's sequence lies within --min-effect 5 of vanilla"), stopped
+    assert all(d["after"] == 16 for d in doc["race"]["dropped"].values())  # each left after one round
     assert "the fits were not searched" in doc["verdict"] and not doc.get("fitted")
     assert "--min-effect 5" in doc["verdict"] or "not beyond its interval" in doc["verdict"], doc["verdict"]
     line = one_line_error(run_bema("ship", runs["noisy"], "--out", tmp_path / "m2", "--min-effect", "-1"), 2)
@@ -194,7 +193,11 @@ def test_a_killed_ship_resumes_evaluating_nothing_twice(runs, tmp_path):
     assert len(lines) > 8  # the race's rounds and the finalists' report items
     results.write_text("".join(lines[:-2]))  # and before its last two evaluations
     again, r = ship(runs, "drift", out, "--fit", "none")
-    assert sum(line.startswith("loss: ") for line in r.stderr.splitlines()) == 2  # only the missing two
+    missing = sum(len(json.loads(x)["items"]["ids"]) for x in lines[-2:])
+    assert again["race"]["evaluations"]["items"] == missing  # only the missing two slices, evaluated again
+    assert len((out / ".bema-ship" / "race" / "loss" / "results.jsonl").read_text().splitlines()) == len(
+        lines
+    )
     assert again["verdict"] == first["verdict"] and again["decision"] == first["decision"]
 
 
@@ -235,8 +238,12 @@ def test_records_are_sealed_and_no_fitted_model_is_kept(runs, tmp_path):
     assert (work / "seal.json").is_file()
     results = work / "race" / "loss" / "results.jsonl"
     rows = [json.loads(x) for x in results.read_text().splitlines()]
-    assert rows[0]["items"]["ids"] == rows[1]["items"]["ids"]  # two candidates' first round
-    rows[0]["items"], rows[1]["items"] = rows[1]["items"], rows[0]["items"]
+    first: dict = {}  # each candidate's first record: the same first round of pick items
+    for n, row in enumerate(rows):
+        first.setdefault(row["candidate"], n)
+    i, j = list(first.values())[:2]
+    assert rows[i]["items"]["ids"] == rows[j]["items"]["ids"]  # two candidates' first round
+    rows[i]["items"], rows[j]["items"] = rows[j]["items"], rows[i]["items"]
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     r = run_bema("ship", runs["noisy"], "--base", runs["base"], "--out", out, "--tasks", "loss",
                  "--loss-data", runs["data"], "--backend", "transformers")  # fmt: skip

@@ -132,8 +132,7 @@ def _shape_note(plan, chosen, metric) -> list[str]:
             f"{train:.3g} ({state.parent.name}/trainer_state.json): the held-out rows may not be in the shape "
             'the run trained on ({"messages"} rows score every turn; prompt/completion training learns the '
             "completions alone): docs/usage.md says which shape matches which training format")  # fmt: skip
-    output.warn(note)
-    return [note]
+    return _said(note)
 
 
 def _base_note(scorer, step: int, ids: list, metric) -> list[str]:
@@ -155,6 +154,11 @@ def _base_note(scorer, step: int, ids: list, metric) -> list[str]:
             f"{len(ids)} report items: training made these rows less likely. They may not be in the shape "
             "the run trained on (docs/usage.md says which shape matches which training format), or the "
             "run overfit")  # fmt: skip
+    return _said(note)
+
+
+def _said(note: str) -> list[str]:
+    """A note on the held-out data, warned on stderr and kept in ship's notes."""
     output.warn(note)
     return [note]
 

@@ -70,7 +70,7 @@ def read_records(path: Path) -> list[dict]:
             raise InputError(f"{where}: 'step' must be an integer in [0, 2**53) or null, got {step!r}")
         if not isinstance(record["metrics"], dict):
             raise InputError(f"{where}: 'metrics' must be an object")
-        records.append({**record, "_where": where})
+        records.append({**record, "_where": where, "_folder": str(path.parent)})
     return records
 
 

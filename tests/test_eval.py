@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_bema
+from conftest import names, run_bema
 
 from bema_cli.eval import data
 from bema_cli.eval.backends.base import SEED_RULE
@@ -90,7 +90,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def test_records_follow_the_contract(evaluated):
-    records, raw, stab = evaluated["records"], evaluated["raw"], evaluated["stab"]
+    records = evaluated["records"]
     assert records == read_jsonl(evaluated["out"] / "results.jsonl")  # --json prints what was written
     # (base x 2 runs + raw + stabilized) x 4 tasks
     assert len(records) == 16
@@ -100,14 +100,18 @@ def test_records_follow_the_contract(evaluated):
         assert keys <= set(r), keys - set(r)
         assert (r["backend"], r["dtype"]) == ("transformers", "float32")
     base = [r for r in records if r["is_base"]]
-    assert {(r["run"], r["step"], r["model_path"]) for r in base} == {
-        ("vanilla", 0, str(evaluated["base"])),
-        ("bema_k0.5", 0, str(evaluated["base"])),
-    }
-    vanilla = [r for r in records if r["model_path"] == str(raw)]
+    assert {(r["run"], r["step"]) for r in base} == {("vanilla", 0), ("bema_k0.5", 0)}
+    assert all(names(r["model_path"], evaluated["base"]) for r in base)
+    # a model and a data file are named by their path inside the folder they share with --out, never
+    # by a path of this machine (the records travel with OUT, and a ship's with the model it wrote)
+    for file in ("results.jsonl", "samples.jsonl"):
+        text = (evaluated["out"] / file).read_text()
+        assert str(evaluated["root"]) not in text and str(evaluated["base"]) not in text, file
+    assert {r["protocol"]["data"] for r in records if r["task"] == "loss"} == {"data/heldout.jsonl"}
+    vanilla = [r for r in records if r["model_path"] == "run/checkpoint-20"]
     assert {(r["run"], r["step"]) for r in vanilla} == {("vanilla", 20)}
     assert all(r["stabilizer"] == {"method": "vanilla"} for r in vanilla)
-    stabilized = [r for r in records if r["model_path"] == str(stab / "bema_k0.5" / "checkpoint-20")]
+    stabilized = [r for r in records if r["model_path"] == "stab/bema_k0.5/checkpoint-20"]
     assert {(r["run"], r["step"]) for r in stabilized} == {("bema_k0.5", 20)}
     assert stabilized[0]["stabilizer"]["kappa"] == 0.5 and stabilized[0]["stabilizer"]["method"] == "bema"
     assert all(r["stabilizer"]["eta"] == 0.2 for r in base if r["run"] == "bema_k0.5")
@@ -224,7 +228,9 @@ def test_loss_matches_independent_float64_computation(evaluated):
         total -= float(logp.gather(1, x[0, 1:, None])[first - 1 :].sum())
         count += len(ids) - first
     assert formats == {"messages", "text", "prompt", "prompt-chat"}
-    record = next(r for r in evaluated["records"] if r["model_path"] == str(path) and r["task"] == "loss")
+    record = next(
+        r for r in evaluated["records"] if r["model_path"] == "run/checkpoint-20" and r["task"] == "loss"
+    )
     assert record["metrics"]["tokens"] == count
     # fp32 forward pass vs float64: agreement to 1e-5 relative
     assert record["metrics"]["loss"] == pytest.approx(total / count, rel=1e-5)
@@ -236,7 +242,7 @@ def test_resume_skips_done_pairs_and_force_redoes_them(evaluated):
     results = evaluated["out"] / "results.jsonl"
     lines = read_jsonl(results)
     target = next(
-        i for i, r in enumerate(lines) if r["task"] == "loss" and r["model_path"] == str(evaluated["raw"])
+        i for i, r in enumerate(lines) if r["task"] == "loss" and r["model_path"] == "run/checkpoint-20"
     )
     true_loss = lines[target]["metrics"]["loss"]
     lines[target]["metrics"]["loss"] = 999.0  # marks the record: kept if skipped, replaced if redone
@@ -252,7 +258,7 @@ def test_resume_skips_done_pairs_and_force_redoes_them(evaluated):
     assert proc.returncode == 0, proc.stderr
     after = read_jsonl(results)
     assert len(after) == len(lines)  # replaced, not duplicated
-    redone = [r for r in after if r["task"] == "loss" and r["model_path"] == str(evaluated["raw"])]
+    redone = [r for r in after if r["task"] == "loss" and r["model_path"] == "run/checkpoint-20"]
     assert len(redone) == 1 and redone[0]["metrics"]["loss"] == pytest.approx(true_loss, rel=1e-6)
 
 
@@ -298,7 +304,7 @@ def test_results_written_before_an_error_are_kept(evaluated, tmp_path):
     assert str(broken) in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()[-1]) < 400
     (record,) = read_jsonl(out / "results.jsonl")
-    assert record["model_path"] == str(evaluated["raw"]) and record["task"] == "loss"
+    assert names(record["model_path"], evaluated["raw"]) and record["task"] == "loss"
 
 
 def _bare(src: Path, dst: Path, drop: tuple[str, ...]) -> Path:

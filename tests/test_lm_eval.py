@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import one_line_error, run_bema
+from conftest import names, one_line_error, run_bema
 from test_eval import read_jsonl
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -80,11 +80,14 @@ def test_lm_eval_tasks_equal_lm_evals_own_run(toy):
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(proc.stdout)["records"]
     assert records == read_jsonl(out / "results.jsonl")
-    assert {(r["model_path"], r["task"]) for r in records} == {
+    model = {
+        r["model_path"]: next(str(m) for m in toy["models"] if names(r["model_path"], m)) for r in records
+    }
+    assert {(model[r["model_path"]], r["task"]) for r in records} == {
         (str(m), f"lm_eval:{t}") for m in toy["models"] for t in TASKS
     }
     for r in records:
-        expected = toy["reference"][r["model_path"]][r["task"].removeprefix("lm_eval:")]
+        expected = toy["reference"][model[r["model_path"]]][r["task"].removeprefix("lm_eval:")]
         assert r["metrics"] == expected, r["task"]  # exactly lm-eval's numbers
         assert r["lm_eval"]["task"] == r["task"].removeprefix("lm_eval:") and r["backend"] == "transformers"
     ppl = {
@@ -148,7 +151,7 @@ def test_lm_eval_on_the_shared_vllm_engine_equals_a_fresh_one(toy, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("starting vLLM engine") == 1
     mine = {r["task"].removeprefix("lm_eval:"): r["metrics"] for r in json.loads(proc.stdout)["records"]
-            if r["model_path"] == str(trained)}  # fmt: skip
+            if names(r["model_path"], trained)}  # fmt: skip
     engine = {"pretrained": str(trained), "dtype": "float32", "enforce_eager": True, "enable_chunked_prefill": False,
               "max_num_batched_tokens": 8192, "max_model_len": 2048, "gpu_memory_utilization": 0.7}  # fmt: skip
     result = lm_eval.simple_evaluate(model="vllm", model_args=engine, tasks=list(TASKS),

@@ -367,11 +367,13 @@ def test_allow_gaps_is_recorded_in_the_shipped_folder_and_theta0_is_the_base(run
     assert r.returncode == 0, r.stderr
     record = json.loads((out / "bema.json").read_text())
     assert record["allow_gaps"] is True and names(record["theta0_source"], runs["base"])
-    for file in (p for p in out.iterdir() if p.is_file()):  # nothing of the machine in what a push sends
-        assert (
-            str(tmp_path).encode() not in file.read_bytes()
-            and str(runs["base"]).encode() not in file.read_bytes()
-        )
+    # nothing of the machine in what a push sends, nor in the records kept in DIR/.bema-ship (an
+    # `hf upload DIR` sends them too): the race's results, the request, the motion, ship.json
+    for file in (p for p in out.rglob("*") if p.is_file()):
+        data = file.read_bytes()
+        assert str(tmp_path).encode() not in data and str(runs["root"]).encode() not in data, file
+        assert str(runs["base"]).encode() not in data, file
+    assert (out / ".bema-ship" / "request.json").is_file() and (out / ".bema-ship" / "motion.json").is_file()
     assert "| allow gaps | true" in (out / "README.md").read_text()
 
 

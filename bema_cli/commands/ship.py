@@ -124,7 +124,7 @@ def ship(
 ) -> None:
     """Judge the run's averages in memory, pick with intervals, fit an average, and write the one to ship.
 
-    The menu (default: vanilla, EMA, BEMA at eta 0.2 and 0.5, LAWA and WSM over 4 and 8 checkpoints) is judged at the last saved step in one engine; the pick is made on --holdout of the items and every number reported on the rest. An average is written only if it beats vanilla beyond its 95% interval; else the raw checkpoint is, and the verdict says so. Ties go to vanilla, then the simplest config, then the later step.
+    The menu (default: vanilla, EMA, BEMA at eta 0.2 and 0.5, LAWA and WSM over 4 and 8 checkpoints, or all of a shorter run) is judged at the last saved step in one engine; the pick is made on --holdout of the items and every number reported on the rest. An average is written only if it beats vanilla beyond its 95% interval; else the raw checkpoint is, and the verdict says so. Ties go to vanilla, then the simplest config, then the later step.
     """
     from pathlib import Path
 
@@ -160,8 +160,8 @@ def ship(
     check(ship_opts, evaluation)
     if grid.given(method):
         schedules, durations = grid.schedules(method, checkpoint_dir)
-    else:  # the menu
-        schedules, durations = menu(**DEFAULT_GRID, **grid.common()), {}
+    else:  # the menu, its windows no wider than the run: 3 checkpoints make lawa-w3, not lawa-w4 of 3
+        schedules, durations = menu(**{**DEFAULT_GRID, "windows": _windows(checkpoint_dir)}, **grid.common()), {}
     opts = Options(checkpoint_dir=checkpoint_dir, schedules=schedules, out=race, base=base, device=device,
                    out_dtype=out_dtype, durations=durations or None, **inputs.options())  # fmt: skip
     limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
@@ -178,6 +178,20 @@ def ship(
             _say(exc.document, json_)
         raise
     _say(doc, json_)
+
+
+def _windows(checkpoint_dir: str) -> list[int]:
+    """The menu's windows (DEFAULT_GRID's), each at most the run's checkpoint count: a window wider
+    than the run averages what there is, under the name of what it averages."""
+    from bema_cli.decide.ship import DEFAULT_GRID
+    from bema_cli.errors import BemaError
+    from bema_cli.io.checkpoints import find_checkpoints
+
+    try:
+        count = len(find_checkpoints(checkpoint_dir))
+    except BemaError:  # said with its fix where the run is read
+        return DEFAULT_GRID["windows"]
+    return sorted({min(w, count) for w in DEFAULT_GRID["windows"]}) if count > 1 else DEFAULT_GRID["windows"]
 
 
 def _say(doc: dict, json_: bool) -> None:

@@ -54,14 +54,17 @@ def check_sealed(work: Path) -> None:
 
 def request(stab, config, ship_opts, inputs: list[Path], metric) -> dict:
     """What makes two ship calls the same question: the inputs (each weight file's path, size and
-    modification time), the grid, the evaluation settings and the flags that change the decision."""
+    modification time, summed into one digest), the grid, the evaluation settings and the flags that
+    change the decision. A file the evaluation reads is named as the records name it (a relative and
+    an absolute spelling alike, no path of this machine: the request is kept in DIR) with its digest."""
     import hashlib
 
     files = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in inputs if f.is_file()]
     evaluation = {k: v for k, v in vars(config).items() if k not in ("out", "log_samples", "force")}
-    for key in PATHS:  # a path spelled relative or absolute is the same file
+    for key in PATHS:
         if evaluation.get(key):
-            evaluation[key] = str(Path(evaluation[key]).expanduser().resolve())
+            path = Path(evaluation[key]).expanduser()
+            evaluation[key] = config.name(path) + (f" {file_digest(path)}" if path.is_file() else "")
     doc = {"inputs": files, "grid": sorted(repr(s) for s in stab.schedules), "evaluation": evaluation,
            "metric": metric.name, "holdout": ship_opts.holdout, "at": ship_opts.at, "fits": list(ship_opts.fits),
            "resamples": ship_opts.resamples, "seed": ship_opts.seed}  # fmt: skip

@@ -99,7 +99,6 @@ def source_of(winner: dict, records: list[dict]) -> tuple[Path, str | None, dict
     from bema_cli.io import provenance
     from bema_cli.io.provenance import find_input
 
-    path = Path(winner["path"] or "")
     stab = dict(winner.get("stabilizer") or {"method": "vanilla"})
     if str(winner["path"] or "").startswith(SWEEP_SCHEME):  # evaluated by `bema sweep`, never on disk
         raw = [r for r in records if r.get("run") == "vanilla" and r.get("step") == winner["step"]]
@@ -107,8 +106,8 @@ def source_of(winner: dict, records: list[dict]) -> tuple[Path, str | None, dict
             raise InputError(
                 f"{winner['path']}: no vanilla record at step {winner['step']} names the checkpoint it came from"
             )
-        source, base = Path(raw[-1]["model_path"]), stab.get("theta0_source")
-    elif (path / "bema.json").is_file():  # a stabilize output: its inputs by name, found near it
+        source, base = _found(raw[-1]["model_path"], records), stab.get("theta0_source")
+    elif ((path := _found(winner["path"] or "", records)) / "bema.json").is_file():  # a stabilize output
         record = json.loads((path / "bema.json").read_text())
         inputs = provenance.read(path).get("inputs") or {}
         found = find_input(record["source_checkpoint"], [path], inputs.get(str(winner["step"])))
@@ -132,18 +131,27 @@ def source_of(winner: dict, records: list[dict]) -> tuple[Path, str | None, dict
     return source, theta0_folder(base, records, source), stab
 
 
+def _found(name: str, records: list[dict]) -> Path:
+    """A model the records name (provenance.record_name), found again near the results that name it."""
+    from bema_cli.io.provenance import find_input
+
+    found = find_input(name, _near(records), None) if name else None
+    return found if found is not None else Path(name)
+
+
+def _near(records: list[dict]) -> list[Path]:
+    """The folders of the results files the records were read from (report.read_records)."""
+    return [Path(f) for f in dict.fromkeys(r.get("_folder") for r in records) if f]
+
+
 def theta0_folder(name: str | None, records: list[dict], source: Path) -> str | None:
-    """theta0 as a record names it (provenance.input_name), found again: the evaluated base's own
-    folder when the results hold it under that name, else the folder of that name near the run,
+    """theta0 as a record names it (provenance.input_name), found again near the results and the run,
     else the name as it is (a Hub id, or "first")."""
     from bema_cli.io.provenance import find_input
 
     if not name or name == "first" or Path(name).is_absolute():
         return name
-    for r in records:
-        if r.get("is_base") and r.get("model_path") and Path(r["model_path"]).as_posix().endswith("/" + name):
-            return r["model_path"]
-    found = find_input(name, [run_of(source)], None)
+    found = find_input(name, [*_near(records), run_of(source)], None)
     return str(found) if found is not None else name
 
 

@@ -234,7 +234,7 @@ class Evaluation:
                 lm_eval_bridge.check_data(
                     name.split(":", 1)[1], c.lm_eval_include
                 )  # before any engine starts
-                source = str(Path(c.lm_eval_include).resolve()) if c.lm_eval_include else "lm_eval"
+                source = c.name(c.lm_eval_include) if c.lm_eval_include else "lm_eval"
                 digest = resume.folder_sha256(c.lm_eval_include) if c.lm_eval_include else None
                 item = TaskInput(name, task_protocol(c, name, source), {})
             elif name in LOSS_TASKS:
@@ -245,7 +245,7 @@ class Evaluation:
                 )
                 if path is None:
                     raise UsageError(f"task {name} needs {flag} FILE.jsonl")
-                item = TaskInput(name, task_protocol(c, name, str(Path(path).resolve())), {})
+                item = TaskInput(name, task_protocol(c, name, c.name(path)), {})
                 item.loss_records = data.read_loss_records(path, c.loss_samples, c.selection_seed)
                 if len(data.read_rows(Path(path))) > c.loss_samples:  # which records: part of the key
                     item.protocol["loss_sample_seed"] = c.selection_seed
@@ -253,7 +253,7 @@ class Evaluation:
             else:
                 task = get_task(name)
                 sources = files[name] + shot_files.get(name, [])
-                item = TaskInput(name, task_protocol(c, name, ", ".join(map(str, files[name]))), {})
+                item = TaskInput(name, task_protocol(c, name, ", ".join(map(c.name, files[name]))), {})
                 item.docs = data.load_docs(task, files[name], c.limit or task.DEFAULT_LIMIT, c.selection_seed)
                 if c.num_fewshot:
                     item.shots = data.load_shots(task, shot_files[name], c.num_fewshot, c.selection_seed)
@@ -297,10 +297,10 @@ class Evaluation:
             for name, item in self.inputs.items():
                 key = {**item.resume_key, "weights": fingerprint}
                 runs = target.record_runs()
-                have = {run: self.results.find((str(target.path), run, name)) for run, _ in runs}
+                have = {run: self.results.find((self.config.name(target.path), run, name)) for run, _ in runs}
                 old = [r for r in have.values() if r is not None]
                 if target.is_base and not old:  # the base evaluated earlier for other runs counts too
-                    old = [r for r in self.results.records if r["model_path"] == str(target.path)
+                    old = [r for r in self.results.records if r["model_path"] == self.config.name(target.path)
                            and r["task"] == name and r.get("is_base")][-1:]  # fmt: skip
                 # a record of bema < 0.5 lacks the per-item scores `bema select` needs: evaluated again
                 old = [r for r in old if "items" in r or is_lm_eval(name)]
@@ -351,7 +351,9 @@ class Evaluation:
         finally:
             if backend is not None:
                 backend.close()
-        keys = {(str(t.path), r, n) for t in targets for r, _ in t.record_runs() for n in self.inputs}
+        keys = {
+            (self.config.name(t.path), r, n) for t in targets for r, _ in t.record_runs() for n in self.inputs
+        }
         return [r for r in self.results.records if (r["model_path"], r["run"], r["task"]) in keys]
 
 

@@ -56,6 +56,13 @@ class EvalConfig:
         )
         return [Path(p).expanduser() for p in named if p]
 
+    def name(self, path: str | Path) -> str:
+        """How the records name a model or a data file: by its path inside the folder it shares with
+        --out (provenance.record_name), never by an absolute path of this machine."""
+        from bema_cli.io.provenance import record_name
+
+        return record_name(path, self.out)
+
 
 @dataclass
 class TaskInput:
@@ -90,14 +97,13 @@ def run_job(backend, job: Job) -> Iterator[tuple[list[dict], list[dict]]]:
 def evaluate_task(backend, job: Job, item: TaskInput, say: bool = True) -> tuple[list[dict], list[dict]]:
     """One task's records for the loaded model; `say`: a progress line (ship says its rounds instead)."""
     c, target, name = job.config, job.target, item.name
+    model = c.name(target.path)
     if say:
         output.step(f"{name}: {target.path} ({target.label})")
     start = time.perf_counter()
     created = datetime.now(timezone.utc).isoformat(timespec="seconds")
     eval_id = uuid.uuid4().hex  # ties samples.jsonl lines to their results.jsonl records (for rescore)
-    template = (
-        f"file:{Path(c.chat_template_file).resolve()}" if c.chat_template_file else backend.template_source
-    )
+    template = f"file:{c.name(c.chat_template_file)}" if c.chat_template_file else backend.template_source
     extra, samples, record_seeds = {}, [], item.resume_key["seeds"]
     if is_lm_eval(name):
         from bema_cli.eval import lm_eval_bridge
@@ -105,7 +111,7 @@ def evaluate_task(backend, job: Job, item: TaskInput, say: bool = True) -> tuple
         with stages.stage("lm_eval"):
             metrics, extra, n_prompts, n_samples, logged = lm_eval_bridge.evaluate(backend, name, c)
         samples = [
-            {"eval_id": eval_id, "model_path": str(target.path), "run": None if target.is_base else target.run,
+            {"eval_id": eval_id, "model_path": model, "run": None if target.is_base else target.run,
              "step": target.step, "is_base": target.is_base, "task": name, **x}
             for x in logged
         ]  # fmt: skip
@@ -137,7 +143,7 @@ def evaluate_task(backend, job: Job, item: TaskInput, say: bool = True) -> tuple
         extra["items"] = scoring.prompt_items([d["_id"] for d in docs], scored)
         n_prompts, n_samples = len(docs), c.n_samples
         samples = [
-            {"eval_id": eval_id, "model_path": str(target.path), "run": None if target.is_base else target.run,
+            {"eval_id": eval_id, "model_path": model, "run": None if target.is_base else target.run,
              "step": target.step, "is_base": target.is_base, "task": name, "doc_id": d["_id"],
              "subject": d.get("subject"), "prompt": p, "seed": None if c.temperature == 0 else seed,
              "responses": resp, "gold": task.gold(d), **scoring.sample_fields(s)}
@@ -145,7 +151,7 @@ def evaluate_task(backend, job: Job, item: TaskInput, say: bool = True) -> tuple
         ]  # fmt: skip
     seconds = round(time.perf_counter() - start, 3)
     records = [
-        {"bema_version": __version__, "created": created, "eval_id": eval_id, "model_path": str(target.path),
+        {"bema_version": __version__, "created": created, "eval_id": eval_id, "model_path": model,
          "run": run, "step": target.step, **({"label": target.label} if target.step is None else {}),
          "stabilizer": stabilizer, "task": name, "metrics": metrics, **extra, "n_prompts": n_prompts,
          "n_samples": n_samples, "backend": backend.name, "dtype": backend.dtype,

@@ -96,6 +96,17 @@ def write_jsonl_atomic(path: Path, objects: list[dict]) -> None:
         raise OutputError(f"{path}: cannot write ({exc.strerror})") from None
 
 
+def _named(record: dict, out_dir) -> dict:
+    """A record of an older bema named its model by an absolute path: read under today's name for it
+    (provenance.input_name), so that it still counts when the run resumes."""
+    from bema_cli.io.provenance import input_name
+
+    path = record.get("model_path")
+    if isinstance(path, str) and Path(path).is_absolute():
+        return {**record, "model_path": input_name(path, out_dir)}
+    return record
+
+
 class ResultsFile:
     """OUT/results.jsonl: existing records (for resuming) and appends of new ones."""
 
@@ -109,7 +120,7 @@ class ResultsFile:
                 raise OutputError(f"{self.path.parent}: cannot create ({exc.strerror})") from None
             if self.path.is_file():
                 cut_torn_tail(self.path)
-                self.records = read_jsonl(self.path)
+                self.records = [_named(r, out_dir) for r in read_jsonl(self.path)]
 
     def find(self, key: tuple) -> dict | None:
         return next((r for r in reversed(self.records) if record_key(r) == key), None)

@@ -86,8 +86,18 @@ def differences(old: dict | None, new: dict) -> list[str]:
     return [
         f"{k} {_short(a.get(k))} -> {_short(b.get(k))}"
         for k in sorted(a.keys() | b.keys())
-        if a.get(k) != b.get(k) and not (k in RETIRED and k not in b)
+        if not _same(a.get(k), b.get(k)) and not (k in RETIRED and k not in b)
     ]
+
+
+def _same(old, new) -> bool:
+    """Equal, or an older bema's absolute path for a file now named by its tail (provenance.input_name)."""
+    if old == new:
+        return True
+    if not (isinstance(old, str) and isinstance(new, str)):
+        return False
+    old, new = old.removeprefix("file:"), new.removeprefix("file:")
+    return old.startswith("/") and not new.startswith("/") and old.endswith("/" + new)
 
 
 # fields older keys held that no longer change results: a record carrying them still resumes

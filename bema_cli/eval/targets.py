@@ -21,6 +21,7 @@ from bema_cli.io.checkpoints import (
     resolve_model,
     step_of,
 )
+from bema_cli.io.provenance import find_input
 from bema_cli.io.reader import safetensors_files
 from bema_cli.stabilize.meta import read_manifest, read_record
 
@@ -123,11 +124,12 @@ def vanilla_of(inputs: list[str]) -> list[str]:
         steps = {o.get("step") for run in manifest.get("runs", []) for o in run.get("outputs", [])}
         for c in manifest.get("checkpoints", []):
             if c.get("step") in steps and isinstance(c.get("path"), str):
-                if not Path(c["path"]).is_dir():
+                folder = find_input(c["path"], [path], None)  # named as bema.json names it
+                if folder is None:
                     raise InputError(
                         f"{path}: its checkpoint of step {c['step']} is gone ({c['path']}); --with-vanilla needs it"
                     )
-                found.append(c["path"])
+                found.append(str(folder))
     return found
 
 

@@ -39,6 +39,16 @@ def input_name(folder: str | Path, out: str | Path | None = None) -> str:
     return "/".join(path.parts[-2:])
 
 
+def record_name(path: str | Path, out: str | Path | None) -> str:
+    """How a result names a local input (a model folder, a data file): `input_name` against the
+    output `out` (the working folder without one), resolved first so that a relative and an absolute
+    spelling name the same file. A Hub id or a `sweep:` name, no local path, is kept as it is."""
+    local = Path(path).expanduser()
+    if not local.exists():
+        return str(path)
+    return input_name(local.resolve(), out if out is not None else Path.cwd())
+
+
 def find_input(name: str, near: list[Path], fingerprint: str | None) -> Path | None:
     """The local folder a record names, found again: the path itself where the record holds one (an
     older bema's), else `name` under a folder of `near` or one of its ancestors (a ship's DIR sits

@@ -219,7 +219,7 @@ def _stabilize(
         with stages.stage("commit"):
             txn.commit(
                 entries,
-                manifest=meta.manifest(plan, old, outputs=kept),
+                manifest=meta.manifest(plan, old, outputs=kept, out=out),
                 interim_manifest=meta.manifest(plan, old, with_new=False) if old and replaced else None,
             )
             state_commit.tidy(out)  # what --keep-last dropped, state folders no run needs any more

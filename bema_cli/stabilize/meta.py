@@ -205,11 +205,16 @@ def is_bema_run(folder: Path, old_manifest: dict | None) -> bool:
 
 
 def manifest(
-    plan: Plan, old_manifest: dict | None, with_new: bool = True, outputs: dict[str, list[int]] | None = None
+    plan: Plan,
+    old_manifest: dict | None,
+    with_new: bool = True,
+    outputs: dict[str, list[int]] | None = None,
+    out: Path | None = None,
 ) -> dict:
     """OUT/manifest.json: the old one's runs, minus same-named runs of this call, plus (with_new) this
     call's runs. Without them it is the interim manifest written while run folders are swapped.
-    `outputs`: run -> every output step on disk after the commit (a continued run keeps earlier ones)."""
+    `outputs`: run -> every output step on disk after the commit (a continued run keeps earlier ones).
+    theta0 and the checkpoints are named as bema.json names them (against OUT), never by a local path."""
     old_runs = old_manifest["runs"] if old_manifest else []
     runs = [
         {
@@ -229,8 +234,10 @@ def manifest(
     return {
         "bema_version": __version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "theta0_source": plan.base_source,
-        "checkpoints": [{"step": c.step, "path": str(c.path)} for c in plan.checkpoints],
+        "theta0_source": provenance.input_name(plan.base_source, out),
+        "checkpoints": [
+            {"step": c.step, "path": provenance.input_name(c.path, out)} for c in plan.checkpoints
+        ],
         "runs": kept + runs,
     }
 

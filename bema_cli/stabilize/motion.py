@@ -183,9 +183,10 @@ def save(folder, plan, judged: dict) -> None:
     from bema_cli import __version__
     from bema_cli.io.checkpoints import run_of
     from bema_cli.io.commit import write_json_atomic
+    from bema_cli.io.provenance import record_name
 
-    record = {"bema_version": __version__, "checkpoint_dir": str(run_of(plan.checkpoints[0].path)),
-              "base": str(plan.base_index.folder), "motion": judged["motion"],
+    record = {"bema_version": __version__, "checkpoint_dir": record_name(run_of(plan.checkpoints[0].path), folder),
+              "base": record_name(plan.base_index.folder, folder), "motion": judged["motion"],
               "motion_verdict": judged["motion_verdict"]}  # fmt: skip
     write_json_atomic(Path(folder).expanduser() / FILE, record)
 

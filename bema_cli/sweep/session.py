@@ -172,7 +172,12 @@ def say_resumed(evaluation: Evaluation, at: list[Target], jobs: list[Job]) -> No
 
 
 def finish_doc(doc: dict, evaluation: Evaluation, at: list[Target], t0: float) -> dict:
-    keys = {(str(t.path), r, n) for t in at for r, _ in t.record_runs() for n in evaluation.inputs}
+    keys = {
+        (evaluation.config.name(t.path), r, n)
+        for t in at
+        for r, _ in t.record_runs()
+        for n in evaluation.inputs
+    }
     doc["records"] = [r for r in evaluation.results.records if (r["model_path"], r["run"], r["task"]) in keys]
     doc["bema_version"], doc["seconds"] = __version__, time.perf_counter() - t0
     # this process's stages: a Ray actor's or vLLM worker's own time is inside its calls

@@ -161,7 +161,8 @@ def ship(
     if grid.given(method):
         schedules, durations = grid.schedules(method, checkpoint_dir)
     else:  # the menu, its windows no wider than the run: 3 checkpoints make lawa-w3, not lawa-w4 of 3
-        schedules, durations = menu(**{**DEFAULT_GRID, "windows": _windows(checkpoint_dir)}, **grid.common()), {}
+        windows = _windows(checkpoint_dir)
+        schedules, durations = menu(**{**DEFAULT_GRID, "windows": windows}, **grid.common()), {}
     opts = Options(checkpoint_dir=checkpoint_dir, schedules=schedules, out=race, base=base, device=device,
                    out_dtype=out_dtype, durations=durations or None, **inputs.options())  # fmt: skip
     limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None

@@ -43,6 +43,7 @@ THETA0_COST = 0.6  # A: the loss per token of moving all the way back to theta0
 LAM_POWER = 0.045  # the power world's weight-noise loss (exhaustive power near the paper's 80%)
 # --min-effect E (nats/token) on each world: the power world's averages gain 0.02-0.04 (lawa-w8 0.039):
 # 0.03 leaves some worth shipping; 0.045 none (every average shipped there is an error)
+BOTH_FITS = ("soup", "simplex")  # --fit's default on loss before the soup was left to be asked for
 EFFECTS = {"null": ["effect 0.02"], "power": ["effect 0.03", "effect 0.045"]}
 
 
@@ -115,9 +116,11 @@ def decide_once(world: World, menu: dict, raced: bool, opts) -> dict:
     from bema_cli.decide import decision, race, search, select
     from bema_cli.decide.menu import race_menu
     from bema_cli.decide.scorer import ItemScorer
+    from bema_cli.decide.ship import fits_for
     from bema_cli.eval.results import ResultsFile
 
     metric = select.Metric("loss", "loss", False)
+    opts = fits_for(opts, metric)  # as ship resolves --fit
     scorer = ItemScorer(world.evaluate, None, metric, ResultsFile(None))
     pick, report = select.sides(world.ids, opts.holdout, opts.seed)
     pick_ids, report_ids = [world.ids[i] for i in pick], [world.ids[i] for i in report]
@@ -190,7 +193,7 @@ def wilson(k: int, n: int) -> tuple[float, float]:
 
 @contextmanager
 def design_of(design: str):
-    """ "before": the race as it was before fewer swaps (every candidate in each round of pick items,
+    """ "before": the race as it was before fewer swaps (every candidate in each round of pick items, both fits,
     rounds doubling what was seen, every round in the same order); "raced": today's (menu.VISIT:
     each candidate swapped in once)."""
     from bema_cli.decide import menu, race
@@ -222,9 +225,11 @@ def run(reps: int, items: int, seed: int, lam_power: float = LAM_POWER) -> dict:
             for design in ("raced", "before", "exhaustive", *EFFECTS[world_name]):
                 world = World(np.random.default_rng([seed, r, int(lam * 1e6)]), items, lam)
                 effect = float(design.split(" ")[1]) if design.startswith("effect") else 0.0
+                # the designs before: both fits on loss; today's: ship's own default (fits_for)
+                fits = BOTH_FITS if design in ("before", "exhaustive") else None
                 with design_of(design):
                     pair[design] = decide_once(
-                        world, menu, design != "exhaustive", replace(opts, min_effect=effect)
+                        world, menu, design != "exhaustive", replace(opts, min_effect=effect, fits=fits)
                     )
                     pair[design]["min_effect"] = effect
             rows.append(pair)

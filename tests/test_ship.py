@@ -103,11 +103,10 @@ def test_noisy_iterates_ship_an_average_as_a_model_folder(runs, tmp_path):
     card = ModelCard.load(out / "README.md")
     assert card.data.eval_results[0].metric_type == "loss"
     assert str(runs["root"]) not in (out / "README.md").read_text()  # no absolute local path
-    # a soup starts from the best ingredient and keeps only what improves it: never worse than the
-    # menu's best on the pick items; a simplex (it starts at LAWA-w4) may be, and then is not shipped
+    # loss's default fit is the simplex alone (the soup only with --fit soup); a simplex (it starts
+    # at LAWA-w4) may end worse than the menu's best on the pick items, and then is not shipped
+    assert "simplex" in doc["fitted"] and "soup" not in doc["fitted"], sorted(doc["fitted"])
     menu = min(c["picked_value"] for c in doc["select"]["candidates"])
-    if "pick_value" in doc["fitted"].get("soup", {}):
-        assert doc["fitted"]["soup"]["pick_value"] <= menu + 1e-12
     if doc["fitted"]["best"]["pick_value"] > menu:
         assert decision["kind"] != "fitted"
     if decision["kind"] == "fitted":  # then its coefficients stream into bema.json, summing to 1
@@ -333,9 +332,11 @@ def test_dry_run_says_the_budget_and_writes_nothing(runs, tmp_path):
     doc = json.loads(r.stdout)
     ev = doc["evaluations"]
     assert doc["items"] == {"pick": 22, "report": 18, "other_tasks": 0}
-    # 8 candidates (7 configs, vanilla) and 22 fit trials (10 soup, 12 simplex) at most on the pick
-    # items, 3 finalists on the report items; before: every one (and the 2 fits) on every item
-    assert ev["at_most"] == (8 + 22) * 22 + 3 * 18 < ev["exhaustive_design"] == (8 + 22 + 2) * 40
+    # 8 candidates (7 configs, vanilla) and 12 fit trials (the simplex: loss's default fit) at most on
+    # the pick items, 3 finalists on the report items; before: every one (and the fit) on every item
+    assert ev["at_most"] == (8 + 12) * 22 + 3 * 18 < ev["exhaustive_design"] == (8 + 12 + 1) * 40
+    both = json.loads(run_bema(*args, "--json", "--fit", "soup,simplex").stdout)["evaluations"]  # +10 soups
+    assert both["at_most"] == (8 + 22) * 22 + 3 * 18 and both["exhaustive_design"] == (8 + 22 + 2) * 40
     assert doc["projection"]["seconds"] > 0 and doc["mdd"]["value"] is None  # loss: no spread known yet
     assert list(tmp_path.iterdir()) == []  # nothing written beside DIR either
     # can averaging help? the motion measured by one read of the run, before any engine starts
@@ -386,7 +387,9 @@ def test_megatrons_thinning_reaches_ship_and_sweep(runs, tmp_path):
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     # 4 kept checkpoints (20, 40, 60, 80): the soup's ingredients are the menu and them, minus one
-    assert doc["step"] == 80 and doc["candidates"]["fit_trials_at_most"] == 8 + 4 - 2 + 12
+    assert doc["step"] == 80 and doc["candidates"]["fit_trials_at_most"] == 12  # loss: the simplex alone
+    r = run_bema("ship", runs["noisy"], "--out", tmp_path / "m", *args, "--fit", "soup,simplex")
+    assert json.loads(r.stdout)["candidates"]["fit_trials_at_most"] == 8 + 4 - 2 + 12, r.stderr
     r = run_bema("sweep", runs["noisy"], "--out", tmp_path / "s", *args, "--method", "ema", "--at", "all")
     assert r.returncode == 0, r.stderr
     assert (

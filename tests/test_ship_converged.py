@@ -44,6 +44,9 @@ def test_a_run_that_converged_early_ships_and_scores_each_vector_once(world, tmp
     # the last 10 checkpoints are theta*: vanilla and every window over them are the same model
     assert doc["decision"]["step"] == 1200
     assert doc["decision"]["run"] == "vanilla", doc["verdict"]
+    # loss's default fit: the simplex alone (bench_decide: the soup found no better model, at a third
+    # more swaps); it is what the request records
+    assert "simplex" in doc["fitted"] and "soup" not in doc["fitted"], sorted(doc["fitted"])
     # no (vector, item) pair is evaluated twice, whatever name asked for it
     seen: dict = {}
     for rec in _results(out):

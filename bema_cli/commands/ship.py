@@ -51,9 +51,12 @@ def ship(
     fit: Annotated[
         str,
         typer.Option(
-            "--fit", help="Fitted averages after the menu: soup,simplex (simplex: loss only), or none."
+            "--fit",
+            help="Fitted averages after the menu: soup, simplex (loss only), both, or none "
+            "[default: simplex on loss, soup on accuracy].",
+            show_default=False,
         ),
-    ] = "soup,simplex",
+    ] = "auto",
     resamples: Annotated[int, typer.Option("--resamples", help="Paired bootstrap resamples.")] = 2000,
     select_seed: Annotated[
         int, typer.Option("--select-seed", help="Seed of the pick/report split and the bootstrap.")
@@ -144,7 +147,7 @@ def ship(
             if not dry_run:
                 raise HubAuthError(f"--push {push}: {missing}")
             output.warn(f"--push {push}: {missing}")
-    fits = () if fit.strip() == "none" else tuple(parse_str_list(fit, "--fit"))
+    fits = _fits(fit)
     defaulted = tasks is None and ev.loss_data is None
     if tasks is None:  # the decision is made on loss when there is held-out data: no generation task
         tasks = "loss" if ev.loss_data is not None else "gsm8k"
@@ -179,6 +182,12 @@ def ship(
             _say(exc.document, json_)
         raise
     _say(doc, json_)
+
+
+def _fits(text: str) -> tuple[str, ...] | None:
+    """--fit: None for auto (decide/ship.fits_for says it per metric), () for none, else the list."""
+    word = text.strip()
+    return None if word == "auto" else () if word == "none" else tuple(parse_str_list(text, "--fit"))
 
 
 def _windows(checkpoint_dir: str) -> list[int]:

@@ -58,7 +58,7 @@ def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
     other_items = sum(len(item_ids(evaluation.inputs[t])) for t in others)
     at_most = (menu + fits) * len(pick) + (3 if fits else 2) * len(report) + 2 * other_items
     tasks_items = len(ids) + other_items
-    exhaustive = (menu + fits + (2 if fits else 0)) * tasks_items
+    exhaustive = (menu + fits + bool(soup) + bool(simplex)) * tasks_items  # each fit found, on every item
     doc = {"dry_run": True, "metric": metric.name, "step": step, "candidates": {"menu": menu, "fit_trials_at_most": fits},
            "items": {"pick": len(pick), "report": len(report), "other_tasks": other_items},
            "evaluations": {"at_most": at_most, "exhaustive_design": exhaustive},

@@ -53,7 +53,7 @@ def ship(
         typer.Option(
             "--fit",
             help="Fitted averages after the menu: soup, simplex (loss only), both, or none "
-            "[default: simplex on loss, soup on accuracy].",
+            "(default: simplex on loss, soup on accuracy).",
             show_default=False,
         ),
     ] = "auto",

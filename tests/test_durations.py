@@ -333,6 +333,9 @@ def test_the_sweeps_walk_measures_the_same_motion_against_float64(run10, monkeyp
         walker.finish()
     rows = motion.rows(walker.motion_sums())
     walker.close()
+    # the previous checkpoint is read again from its files a block at a time, never held as a second
+    # model beside a held theta_s (it was: +1 model of memory on a GPU sweep)
+    assert "theta-prev" not in walker.ws.buffers, sorted(walker.ws.buffers)
     ref = _motion_reference(run, base, steps)
     # a grid of windows alone never reads theta0: its first step is not measured (as stabilize's)
     assert [r["step"] for r in rows] == (steps[1:] if methods == ("lawa",) else steps)

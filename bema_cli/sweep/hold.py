@@ -53,15 +53,18 @@ def index_streams(index: ModelIndex) -> bool:
 
 def state_bytes(plan: Plan, accum_dtype: str, device: str = "cpu") -> int:
     """What the walk holds (the estimate `bema sweep` checks before reading anything): theta0, theta_s
-    (and the previous checkpoint) and ring slices where held (`reread`), in the held dtype; EMA-family states in the accumulation
-    dtype; the blocks."""
+    and ring slices where held (`reread`), in the held dtype, and the previous checkpoint beside a
+    held theta_s only where its files cannot be read by element range; EMA-family states in the
+    accumulation dtype; the blocks."""
     numel = sum(t.numel for t in plan.out_tensors if t.dtype in FLOATING)
     again_theta, again_theta0 = reread(plan, device)
     rings = sum(t.ring for t in plan.tracks if t.window)
     burnin = any(step <= plan.runs[0].schedule.tau for step in plan.read_steps)  # theta0 = theta_s
     theta0 = not again_theta0 and (plan.theta0_index is not None or burnin)  # windows alone: none
-    # a held theta_s has a held copy of the previous checkpoint beside it, for the motion (motion.py)
-    held = 2 * (not again_theta) + theta0 + (0 if again_theta else rings)
+    # the motion (motion.py) reads the previous checkpoint again from its files, a block at a time;
+    # a held theta_s of a checkpoint that cannot be read so has a held copy of it beside it
+    streams = all(index_streams(index) for index in plan.indexes.values())
+    held = (not again_theta) * (1 + (not streams)) + theta0 + (0 if again_theta else rings)
     accumulated = sum(len(STATE_TENSORS[t.method]) for t in plan.tracks if not t.window)
     hold, accum = DTYPES[TAG_OF[hold_dtype(plan, accum_dtype)]][1], DTYPES[TAG_OF[accum_dtype]][1]
     blocks = 6 + (max((t.ring for t in plan.tracks if t.window), default=0) if again_theta else 0)

@@ -114,11 +114,13 @@ class Walker:
         self._step_files = ExitStack()  # the current step's reader, kept open while theta_s is read again
         self._theta0_files = ExitStack()  # theta0's reader (the base's, or a burn-in checkpoint's)
         self._theta0_reader: ChunkReader | None = None
-        # the motion (motion.py): the previous checkpoint's files stay open one step longer (read
-        # again, from the page cache, where theta_s is), or a held theta_s is copied before the next
+        # the motion (motion.py): the previous checkpoint's files stay open one step longer and a
+        # block of it is read again (from the page cache) beside theta_s's, held or not; only a
+        # checkpoint that cannot be read by element range is copied before the next step
         self.motion = UnitMotion()
         self._prev_files = ExitStack()
         self._prev_held = None
+        self._kept_reader: ChunkReader | None = None  # this step's files, read again at the next
         self._parts: dict[int, list] = {}
         self.theta0 = None if again_theta0 else ws.view("theta0", size, self.hold)
 
@@ -221,6 +223,7 @@ class Walker:
         self._prev_files.close()
         self._prev_files = self._step_files.pop_all()  # the previous checkpoint's reader, if it had one
         self._reader = reader = self._step_files.enter_context(index.open())
+        self._kept_reader = reader if index_streams(index) else None
         self.raw = read_raw(reader, self.unit)
         self.step = step
         indexed = step in self.plan.indexes
@@ -237,8 +240,9 @@ class Walker:
             if self.theta is None:
                 self.theta = self.ws.view("theta", self.size, self.hold)
             load(reader, self.unit, self.theta, self.scratch)
-            self._step_files.close()
-            self._reader = None  # nothing to read again from: a FileRing cannot take this step
+            if self._kept_reader is None:  # nothing to read again from
+                self._step_files.close()
+            self._reader = None  # theta_s is held: a FileRing cannot take this step
             if self.check:
                 check_finite(index, self.unit, self.theta, 0, self.size)
         reads_theta0 = any(e.action == "burnin" or s.method == "ouema" for s, e in updates)
@@ -263,8 +267,8 @@ class Walker:
             if self.plan.theta0_index is None:
                 return None
             return (self._theta0_reader, None) if self.theta0 is None else (None, self.theta0)
-        if self._reader is not None:
-            return self._reader, None
+        if self._kept_reader is not None:  # read again a block at a time: no second model held
+            return self._kept_reader, None
         if self._prev_held is None:
             self._prev_held = self.ws.view("theta-prev", self.size, self.hold)
         self._prev_held.copy_(self.theta)

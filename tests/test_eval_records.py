@@ -157,6 +157,11 @@ def test_torn_final_lines_are_cut_on_resume(first, tmp_path):
     assert f"{samples}:" in proc.stderr
     records = read_jsonl(results)  # every line parses again
     assert sorted(r["task"] for r in records) == ["gsm8k", "loss"]
+    # the copied OUT names the model by another tail of its path (inside the folder OUT shares with
+    # it): the same weights, so the gsm8k record is this model's, renamed, not evaluated again
+    assert {r["model_path"] for r in records} == {str(first["model"].relative_to(first["root"].parent))}, (
+        records
+    )
     assert all(json.loads(line) for line in samples.read_text().splitlines())
 
 

@@ -101,14 +101,20 @@ def _items(record: dict, metric: Metric, where: str) -> dict:
 
 
 def _check_same_protocol(records: list[dict]) -> None:
+    """One protocol across the records; a data file named by another tail of its path (a moved OUT:
+    provenance.input_name) is the same file, as a resume takes it (eval.resume.differences)."""
+    from bema_cli.eval.resume import differences
+
     first = records[0]
     for r in records[1:]:
         for key in SAME:
             if r.get(key) != first.get(key):
                 diff = key
                 if isinstance(r.get(key), dict) and isinstance(first.get(key), dict):
-                    keys = sorted(set(r[key]) | set(first[key]))
-                    diff = next((f"{key}.{k}" for k in keys if r[key].get(k) != first[key].get(k)), key)
+                    found = differences(first[key], r[key])
+                    if not found:
+                        continue
+                    diff = f"{key}.{found[0].split(' ')[0]}"
                 raise InputError(
                     f"{r['_where']}: evaluated with another protocol than {first['_where']} ({diff} differs); "
                     "select compares records of one protocol only"

@@ -293,6 +293,7 @@ class Evaluation:
         jobs, refused, copies = [], [], []
         for target in targets:
             fingerprint = (fingerprints or {}).get(target.path) or resume.weights_fingerprint(target.path)
+            self.results.rehome(self.config.name(target.path), fingerprint)
             todo = []
             for name, item in self.inputs.items():
                 key = {**item.resume_key, "weights": fingerprint}

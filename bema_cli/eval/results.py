@@ -122,6 +122,23 @@ class ResultsFile:
                 cut_torn_tail(self.path)
                 self.records = [_named(r, out_dir) for r in read_jsonl(self.path)]
 
+    def rehome(self, name: str, weights: str) -> None:
+        """Records of the model `name` made while OUT (or the model) sat elsewhere name it by a longer or
+        shorter tail of its path (provenance.input_name is relative to the folder both share): with
+        the same weights, they are this model's, renamed in place (the file rewritten at once)."""
+
+        def tails(a, b) -> bool:
+            return isinstance(a, str) and a != b and (a.endswith("/" + b) or b.endswith("/" + a))
+
+        moved = [
+            i for i, r in enumerate(self.records)
+            if tails(r.get("model_path"), name) and (r.get("resume_key") or {}).get("weights") == weights
+        ]  # fmt: skip
+        for i in moved:
+            self.records[i] = {**self.records[i], "model_path": name}
+        if moved and self.path is not None:
+            write_jsonl_atomic(self.path, self.records)
+
     def find(self, key: tuple) -> dict | None:
         return next((r for r in reversed(self.records) if record_key(r) == key), None)
 

@@ -91,13 +91,17 @@ def differences(old: dict | None, new: dict) -> list[str]:
 
 
 def _same(old, new) -> bool:
-    """Equal, or an older bema's absolute path for a file now named by its tail (provenance.input_name)."""
+    """Equal, or the same files named by longer or shorter tails of their paths: records name a file
+    inside the folder it shares with OUT (provenance.input_name), so a moved OUT, or an older bema's
+    absolute path, names it by another tail. Its content is the key's digest (data_sha256)."""
     if old == new:
         return True
     if not (isinstance(old, str) and isinstance(new, str)):
         return False
-    old, new = old.removeprefix("file:"), new.removeprefix("file:")
-    return old.startswith("/") and not new.startswith("/") and old.endswith("/" + new)
+    olds, news = old.removeprefix("file:").split(", "), new.removeprefix("file:").split(", ")
+    return len(olds) == len(news) and all(
+        a == b or a.endswith("/" + b) or b.endswith("/" + a) for a, b in zip(olds, news, strict=True)
+    )
 
 
 # fields older keys held that no longer change results: a record carrying them still resumes

@@ -364,3 +364,21 @@ def test_select_write_of_a_vector_without_theta0_writes_and_verifies(evaluated_r
     written = json.loads((out / "bema.json").read_text())
     assert written["run"] == "vanilla" and written["coefficients"] == {"20": 1.0}
     assert run_bema("verify", out).returncode == 0
+
+
+def test_a_data_file_named_by_another_tail_of_its_path_is_one_protocol():
+    """Records name a data file inside the folder it shares with OUT (provenance.input_name): those
+    kept from before OUT moved name it by a longer tail. That is one protocol; another file is not."""
+    rng = np.random.default_rng(1)
+    scores = rng.uniform(0, 1, 40)
+    here = {**PROTOCOL, "data": "data/gsm8k.jsonl"}
+    moved = {**PROTOCOL, "data": "proj/data/gsm8k.jsonl"}
+    doc = select(
+        [record("vanilla", 100, scores, protocol=here), record("ema", 100, scores, protocol=moved)], GSM
+    )
+    assert {c["run"] for c in doc["candidates"]} == {"vanilla", "ema"}
+    other = {**PROTOCOL, "data": "data/other.jsonl"}
+    with pytest.raises(InputError, match=r"protocol\.data differs"):
+        select(
+            [record("vanilla", 100, scores, protocol=here), record("ema", 100, scores, protocol=other)], GSM
+        )

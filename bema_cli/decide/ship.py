@@ -5,7 +5,7 @@ It composes the parts that exist and adds no statistics of its own:
    the last saved step (or --at);
 2. `bema select` picks on one part of the items (--holdout) and reports on the other, with the tie
    rule (vanilla, then the simplest, then the later step);
-3. fitted averages (fit.py: greedy soup, then simplex weights on held-out loss), fitted on the pick
+3. fitted averages (fit.py: simplex weights on held-out loss, a greedy soup on accuracy; --fit), fitted on the pick
    items; one is shipped only if it beats the menu's pick on the report items, beyond the interval;
 4. an average is written only if it beats vanilla beyond its interval on the report items; else the
    raw checkpoint is, and the verdict names the averages tested there, none beating vanilla;

@@ -166,7 +166,7 @@ def stabilize_args(out: Path, cfg: DemoConfig) -> list[str]:
 
 def ship_args(out: Path, cfg: DemoConfig, backend: str) -> list[str]:
     """The one command a user runs: judge the menu in memory at the last step, pick on half of the
-    held-out loss records and report on the other half, fit a soup and simplex weights, write
+    held-out loss records and report on the other half, fit simplex weights (loss's default fit), write
     the model folder to ship (an average only if it beats vanilla beyond its interval)."""
     return [
         "ship", str(out / "sft"), "--base", str(out / "base"), "--out", str(out / "ship"), "--tasks", "loss",

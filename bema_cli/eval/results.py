@@ -126,13 +126,12 @@ class ResultsFile:
         """Records of the model `name` made while OUT (or the model) sat elsewhere name it by a longer or
         shorter tail of its path (provenance.input_name is relative to the folder both share): with
         the same weights, they are this model's, renamed in place (the file rewritten at once)."""
-
-        def tails(a, b) -> bool:
-            return isinstance(a, str) and a != b and (a.endswith("/" + b) or b.endswith("/" + a))
+        from bema_cli.io.provenance import same_tail
 
         moved = [
             i for i, r in enumerate(self.records)
-            if tails(r.get("model_path"), name) and (r.get("resume_key") or {}).get("weights") == weights
+            if r.get("model_path") != name and same_tail(r.get("model_path"), name)
+            and (r.get("resume_key") or {}).get("weights") == weights
         ]  # fmt: skip
         for i in moved:
             self.records[i] = {**self.records[i], "model_path": name}

@@ -94,14 +94,14 @@ def _same(old, new) -> bool:
     """Equal, or the same files named by longer or shorter tails of their paths: records name a file
     inside the folder it shares with OUT (provenance.input_name), so a moved OUT, or an older bema's
     absolute path, names it by another tail. Its content is the key's digest (data_sha256)."""
+    from bema_cli.io.provenance import same_tail
+
     if old == new:
         return True
     if not (isinstance(old, str) and isinstance(new, str)):
         return False
     olds, news = old.removeprefix("file:").split(", "), new.removeprefix("file:").split(", ")
-    return len(olds) == len(news) and all(
-        a == b or a.endswith("/" + b) or b.endswith("/" + a) for a, b in zip(olds, news, strict=True)
-    )
+    return len(olds) == len(news) and all(same_tail(a, b) for a, b in zip(olds, news, strict=True))
 
 
 # fields older keys held that no longer change results: a record carrying them still resumes

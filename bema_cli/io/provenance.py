@@ -49,6 +49,15 @@ def record_name(path: str | Path, out: str | Path | None) -> str:
     return input_name(local.resolve(), out if out is not None else Path.cwd())
 
 
+def same_tail(a, b) -> bool:
+    """Two names of one local input made against different outputs (or an older bema's absolute path
+    and today's name): equal, or one the other's tail. A record read from a moved OUT names its
+    inputs so (input_name is relative to the folder the input shares with OUT)."""
+    return (
+        isinstance(a, str) and isinstance(b, str) and (a == b or a.endswith("/" + b) or b.endswith("/" + a))
+    )
+
+
 def find_input(name: str, near: list[Path], fingerprint: str | None) -> Path | None:
     """The local folder a record names, found again: the path itself where the record holds one (an
     older bema's), else `name` under a folder of `near` or one of its ancestors (a ship's DIR sits

@@ -83,19 +83,12 @@ def _root(
 
 PANELS = {"stabilize": stabilize.PANELS, "sweep": sweep.PANELS}  # option panels of commands that declare them
 # in the order a user meets them: try it, average, judge, pick, ship, then the tools around them
-app.command("demo")(demo.demo)
-app.command("stabilize")(stabilize.stabilize)
-app.command("eval")(evaluate.evaluate)
-app.command("sweep")(sweep.sweep)
-app.command("select")(select.select)
-app.command("ship")(ship.ship)
-app.command("push")(push.push)
-app.command("report")(report.report)
-app.command("rescore")(evaluate.rescore)
-app.command("simulate")(simulate.simulate)
-app.command("env")(env.env)
-app.command("version")(env.version)
-app.command("verify")(verify.verify)
+COMMANDS = {"demo": demo.demo, "stabilize": stabilize.stabilize, "eval": evaluate.evaluate, "sweep": sweep.sweep,
+            "select": select.select, "ship": ship.ship, "push": push.push, "report": report.report,
+            "rescore": evaluate.rescore, "simulate": simulate.simulate, "env": env.env, "version": env.version,
+            "verify": verify.verify}  # fmt: skip
+for _name, _command in COMMANDS.items():
+    app.command(_name)(_command)
 
 
 _KINDS = {"int_parsing": "an integer", "float_parsing": "a number", "bool_parsing": "true or false"}

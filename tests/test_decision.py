@@ -62,7 +62,7 @@ def test_the_decision_benchmark_runs_ship_s_decision_code():
     assert rows["null: false claims, raced"]["result"] == "PASS"
     assert rows["null: same decision (an average, or vanilla)"]["result"] == "PASS"
     ratio = float(rows["item evaluations, raced / exhaustive (menu, fits, report)"]["measured"])
-    assert ratio <= 0.3  # the target: the race, the futility bound, the simplex alone on loss (0.26)
+    assert ratio <= 0.3  # today's 0.26 (the race, the futility bound, the simplex alone on loss); #50 asks 0.2
     assert doc["example_verdict"].startswith("ship ")
 
 
@@ -85,7 +85,7 @@ def test_a_difference_below_the_arithmetics_resolution_is_a_tie():
         contest = race.Race(["vanilla", "wsm"], horizon=n, protect=["wsm"])
         contest.add("vanilla", (-van).tolist())
         contest.add("wsm", (-avg).tolist())
-        assert contest.eliminate() == (["vanilla"] if wins else []), rel
+        assert contest.behind("vanilla") is wins, rel
         vs = select.versus(record("wsm", avg.tolist(), tokens.tolist()), record("vanilla", van.tolist(),
                            tokens.tolist()), metric, None, 0)  # fmt: skip
         assert bool(vs["high"] < 0) is wins, (rel, vs)

@@ -65,10 +65,13 @@ def test_a_race_keeps_the_best_and_drops_the_clearly_worse():
         means = {"best": 0.3, "a": 0.0, "b": 0.0, "c": 0.0, "worst": -1.0}
         scores = {k: shared + m + rng.normal(0, 0.5, size=items) for k, m in means.items()}
         r = race.Race(list(means), horizon=items, protect=["a"])
-        for batch in race.rounds(range(items)):
-            for name in r.alive:
+        for name in list(means):  # each visited once, as ship's menu race does (menu._visit)
+            for batch in race.rounds(range(items)):
                 r.add(name, scores[name][batch].tolist())
-            r.eliminate()
+                if r.behind(name):
+                    break
+            for other in [n for n in r.alive if n != name] if name in r.alive else []:
+                r.behind(other)
         best_dropped += "best" in r.dropped
         worst_dropped_early += r.dropped.get("worst", {}).get("after", items) < items
         assert "a" in r.alive  # protected (vanilla) is never dropped
@@ -175,15 +178,15 @@ def test_the_corrected_difference_never_has_the_shipped_differences_opposite_sig
     assert power.corrected(8.0, se) == pytest.approx(8.0, abs=1e-6)
 
 
-def test_each_candidate_is_swapped_in_once_and_the_race_decides_as_with_rounds():
-    """Swaps are half of a ship's time. Visited once (menu.VISIT, the default), each candidate is
-    loaded once and scored round by round while it stays loaded: as many swaps as candidates, and the
-    same race as rounds of every candidate. With rounds (the design before), snake order saves one
-    swap a round and decides the same whatever the order. Counted as the arena swaps: a load of
-    another vector."""
+def test_each_candidate_is_swapped_in_once_and_the_race_picks_as_select_on_every_pick_item():
+    """Swaps are half of a ship's time. Each candidate is loaded once and scored round by round while
+    it stays loaded (menu._visit): as many swaps as candidates in the menu's race. Where nobody can
+    be dropped, the race's pick is select's pick on every pick item (the design with every candidate
+    on every item; bench/bench_decide.py measures the design with rounds beside it). Counted as the
+    arena swaps: a load of another vector."""
     from pathlib import Path
 
-    from bema_cli.decide import menu as menu_module
+    from bema_cli.decide import select
     from bema_cli.decide.candidate import Candidate
     from bema_cli.decide.menu import race_menu
     from bema_cli.decide.scorer import ItemScorer
@@ -196,34 +199,28 @@ def test_each_candidate_is_swapped_in_once_and_the_race_decides_as_with_rounds()
     noise = rng.normal(0.0, 1.0, size=(4, 200))
     cands = {n: Candidate.of(n, c, steps) for n, c in (("vanilla", [0, 0, 0, 1]), ("a", [0, 0, 0.5, 0.5]),
                                                       ("b", [0, 1 / 3, 1 / 3, 1 / 3]), ("c", [0.1, 0, 0.4, 0.5]))}  # fmt: skip
-    means = {"vanilla": 10.0, "a": 9.9, "b": 9.95, "c": 10.0}  # close: every round keeps them all
+    means = {"vanilla": 10.0, "a": 9.99, "b": 9.995, "c": 10.0}  # close: the race keeps them all
+    loads = []
 
-    def run(snake: bool, visit: bool = False):
-        loads = []
+    def evaluate(cand, task, ids):
+        if not loads or loads[-1] != cand.name:
+            loads.append(cand.name)
+        row = list(cands).index(cand.name)
+        nll = [(means[cand.name] + 0.05 * noise[row, i]) * 10 for i in ids]
+        return [{"run": cand.name, "step": 30, "task": "loss", "model_path": cand.name, "is_base": False,
+                 "items": {"ids": list(ids), "nll": nll, "tokens": [10] * len(ids)}, "protocol": {},
+                 "seeds": None, "n_samples": 1, "n_prompts": len(ids), "backend": "sim", "dtype": "float64"}]  # fmt: skip
 
-        def evaluate(cand, task, ids):
-            if not loads or loads[-1] != cand.name:
-                loads.append(cand.name)
-            row = list(cands).index(cand.name)
-            nll = [(means[cand.name] + 0.05 * noise[row, i]) * 10 for i in ids]
-            return [{"run": cand.name, "step": 30, "task": "loss", "model_path": cand.name, "is_base": False,
-                     "items": {"ids": list(ids), "nll": nll, "tokens": [10] * len(ids)}, "protocol": {},
-                     "seeds": None, "n_samples": 1, "n_prompts": len(ids), "backend": "sim", "dtype": "float64"}]  # fmt: skip
-
-        menu_module.SNAKE, menu_module.VISIT = snake, visit
-        try:
-            scorer = ItemScorer(evaluate, None, Metric("loss", "loss", False), ResultsFile(None))
-            made = race_menu(scorer, cands, list(range(100)), list(range(100, 200)),
-                             ShipOptions(out=Path("unused"), resamples=200), Metric("loss", "loss", False),
-                             progress=False)  # fmt: skip
-        finally:
-            menu_module.SNAKE, menu_module.VISIT = True, True
-        return len(loads), made["race"]["survivors"], made["chosen"]["winner"]["run"], loads
-
-    snaked, plain, visited = run(True), run(False), run(True, visit=True)
-    rounds = len(race.rounds(list(range(100))))
-    assert snaked[1:3] == plain[1:3] == visited[1:3]  # the same race, the same pick
-    assert plain[0] - snaked[0] >= rounds - 1, (snaked, plain)  # a swap saved at each round's start
-    menu_loads = visited[3][: visited[3].index("c") + 1]  # the menu's race, before the report items
-    assert menu_loads == ["vanilla", "a", "b", "c"], visited[3]  # once each
-    assert visited[0] < snaked[0] < plain[0]  # fewest swaps: one visit each
+    metric, opts = Metric("loss", "loss", False), ShipOptions(out=Path("unused"), resamples=200)
+    scorer = ItemScorer(evaluate, None, metric, ResultsFile(None))
+    pick_ids = list(range(100))
+    made = race_menu(scorer, cands, pick_ids, list(range(100, 200)), opts, metric, progress=False)
+    assert made["race"]["survivors"] == list(cands)
+    menu_loads = loads[: loads.index("c") + 1]  # the menu's race, before the report items
+    assert menu_loads == ["vanilla", "a", "b", "c"], loads  # once each
+    whole = select.select(
+        [scorer.record(c, pick_ids) for c in cands.values()], metric, "last", None, 200, opts.seed
+    )
+    assert made["race"]["pick"] == [
+        {k: r[k] for k in ("run", "value", "tied_with_best")} for r in whole["candidates"]
+    ]

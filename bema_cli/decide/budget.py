@@ -106,8 +106,7 @@ def _max_new(task: str) -> int:
 
 def _jobs(evaluation, targets: dict, task, pick, report, ids, candidates: int, others: list) -> list[Job]:
     """The evaluations at most, as jobs the sweep's projection reads: every pick item per candidate
-    (a swap each, menu.VISIT; with rounds, a job per candidate and round), the finalists' report
-    items, the other tasks for two."""
+    (a swap each: menu._visit), the finalists' report items, the other tasks for two."""
     from bema_cli.decide.scorer import slice_task
 
     vanilla = targets["vanilla"]
@@ -115,10 +114,7 @@ def _jobs(evaluation, targets: dict, task, pick, report, ids, candidates: int, o
     def sliced(positions):
         return slice_task(task, [ids[i] for i in positions])
 
-    from bema_cli.decide import menu
-
-    visits = [pick] if menu.VISIT else race.rounds(pick)
-    out = [Job(vanilla, [sliced(r)], evaluation.config, "") for r in visits for _ in range(candidates)]
+    out = [Job(vanilla, [sliced(pick)], evaluation.config, "") for _ in range(candidates)]
     out += [Job(vanilla, [sliced(report)], evaluation.config, "") for _ in range(3)]
     out += [
         Job(vanilla, [evaluation.inputs[t] for t in others], evaluation.config, "")

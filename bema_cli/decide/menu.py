@@ -14,13 +14,6 @@ from __future__ import annotations
 from bema_cli import output
 from bema_cli.decide import power, race, select
 
-VISIT = True  # each candidate swapped in once; False: rounds (bench/bench_decide.py's "before")
-SNAKE = True  # with rounds, each round in the order opposite to the last's
-
-
-class Budget(Exception):
-    """--max-evaluations reached: the race stops where it is."""
-
 
 def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, metric, limit=None,
               progress: bool = True) -> dict:  # fmt: skip
@@ -29,11 +22,7 @@ def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, m
     finalists' records on every item}."""
     names = ["vanilla", *(n for n in menu if n != "vanilla")]
     contest = race.Race(names, horizon=len(pick_ids), protect=["vanilla"])
-    rounds = race.rounds(pick_ids)
-    if VISIT:
-        stopped = _visit(contest, scorer, menu, rounds, ship_opts, metric, limit, progress)
-    else:
-        stopped = _rounds(contest, scorer, menu, rounds, pick_ids, ship_opts, metric, limit, progress)
+    stopped = _visit(contest, scorer, menu, race.rounds(pick_ids), ship_opts, metric, limit, progress)
     seen = pick_ids[: min(len(contest.scores[n]) for n in contest.alive)]
     picked = select.select([scorer.record(menu[n], seen) for n in contest.alive], metric, "last", None,
                            ship_opts.resamples, ship_opts.seed)  # fmt: skip
@@ -60,31 +49,6 @@ def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, m
            "pick_items": len(pick_ids), "finalists": finalists, "stopped": stopped,
            "pick": [{k: r[k] for k in ("run", "value", "tied_with_best")} for r in picked["candidates"]]}  # fmt: skip
     return {"chosen": chosen, "race": doc, "records": records}
-
-
-def _rounds(contest, scorer, menu, rounds, pick_ids, ship_opts, metric, limit, progress) -> str | None:
-    """Every alive candidate on each round's items, then the eliminations (a swap per candidate and round)."""
-    stopped = None
-    with output.progress("rounds") as bar:
-        task = bar.add_task("racing the menu (pick items)", total=len(rounds))
-        for n, batch in enumerate(rounds):
-            # the first round always runs: a pick needs items (said in --max-evaluations' help)
-            if n and limit is not None and scorer.evaluated + len(batch) * len(contest.alive) > limit:
-                stopped = f"--max-evaluations {limit} reached after {n} of {len(rounds)} rounds"
-                break
-            if progress:  # a line per round (the benchmark's thousands of races say none)
-                output.log(f"{metric.task}: menu round {n + 1} of {len(rounds)}: {len(batch)} pick items for "
-                           f"{len(contest.alive)} candidates ({', '.join(contest.alive)})")  # fmt: skip
-            # snake order: the candidate loaded last is the first of the next round (one swap fewer)
-            for name in contest.alive if n % 2 == 0 or not SNAKE else contest.alive[::-1]:
-                contest.add(name, scorer.scores(menu[name], batch))
-            contest.eliminate()
-            bar.advance(task)
-            if ship_opts.min_effect and _all_within(contest, scorer, menu, pick_ids, ship_opts.min_effect):
-                stopped = (f"every candidate's sequence lies within --min-effect {ship_opts.min_effect:g} of "
-                           f"vanilla after {n + 1} of {len(rounds)} rounds")  # fmt: skip
-                break
-    return stopped
 
 
 def _visit(contest, scorer, menu, rounds, ship_opts, metric, limit, progress) -> str | None:
@@ -136,10 +100,3 @@ def _within(contest, scorer, menu: dict, name: str, pick_ids: list, effect: floa
     a = contest.alpha / max(len(contest.scores) - 1, 1)
     diffs = power.paired(contest.scores[name][:t], contest.scores["vanilla"][:t])
     return race.sequence(diffs, a, contest.horizon)[1] < effect * scale
-
-
-def _all_within(contest, scorer, menu: dict, pick_ids: list, effect: float) -> bool:
-    """Every candidate still in the race lies within `effect` of vanilla (`_within`): no average can
-    be worth shipping at --min-effect, and the race (and the fits) can stop, shipping vanilla."""
-    rivals = [n for n in contest.alive if n != "vanilla"]
-    return bool(rivals) and all(_within(contest, scorer, menu, n, pick_ids, effect) for n in rivals)

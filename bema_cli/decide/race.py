@@ -25,9 +25,7 @@ from bema_cli.decide.power import mdd, mean_sd, paired
 
 ALPHA = 0.05  # chance, over a whole race, of dropping the truly best candidate
 ROUND_ITEMS = 16  # the first round's items; each later look at ROUND_GROWTH x what was seen
-ROUND_GROWTH = (
-    2  # 16, 32, 64, ...: a swap per candidate and round (x4: 15% fewer swaps, 40% more items: bench_decide)
-)
+ROUND_GROWTH = 2  # 16, 32, 64, ...: the looks of a candidate while it is loaded
 MIN_ITEMS = (
     16  # no look before one round: on skewed items the plug-in variance of 8 missed 7.8% (tests/test_race.py)
 )
@@ -35,12 +33,11 @@ BEHIND_ITEMS = 32  # a duel's trial not ahead by BEHIND_SE standard errors after
 BEHIND_SE = 1.0
 
 
-def rounds(ids: Sequence, growth: int | None = None) -> list[list]:
+def rounds(ids: Sequence) -> list[list]:
     """The items in rounds that look after 16, 32, 64, ... of them (ROUND_GROWTH; and after the last):
-    each candidate is swapped in once a round, so log2 of the items many swaps, not one per 16 items.
-    The confidence sequence is valid at any looks; fewer looks trade later stops (more items) for
-    fewer swaps, measured side by side by bench/bench_decide.py."""
-    growth = growth or ROUND_GROWTH
+    log2 of the items many looks, not one per 16 items. The confidence sequence is valid at any
+    looks; fewer looks stop later (more items)."""
+    growth = ROUND_GROWTH
     out, lo, size = [], 0, ROUND_ITEMS
     while lo < len(ids):
         out.append(list(ids[lo : lo + size]))
@@ -86,29 +83,10 @@ class Race:
         t = min(len(self.scores[n]) for n in self.alive)
         return max(self.alive, key=lambda n: sum(self.scores[n][:t]))
 
-    def eliminate(self) -> list[str]:
-        """Drop every candidate whose sequence against the leader lies above 0; returns those dropped."""
-        t = min(len(self.scores[n]) for n in self.alive)
-        if t < MIN_ITEMS or len(self.alive) < 2:
-            return []
-        lead = self.leader()
-        a = self.alpha / max(len(self.scores) - 1, 1)
-        out = []
-        for name in self.alive:
-            if name == lead or name in self.protect:
-                continue
-            diffs = paired(self.scores[lead][:t], self.scores[name][:t])
-            lo, hi = sequence(diffs, a, self.horizon)
-            if lo > 0:
-                out.append(name)
-                self.dropped[name] = {"after": t, "by": lead, "interval": [lo, hi]}
-        self.alive = [n for n in self.alive if n not in out]
-        return out
-
     def behind(self, name: str) -> bool:
         """Drop `name` if its sequence against the best of the candidates scored on at least its items
         (on those items) lies above 0: a candidate visited once, item by item, is checked against the
-        ones already scored. The same comparison as `eliminate`, at `name`'s own count of items."""
+        ones already scored."""
         t = len(self.scores[name])
         rivals = [n for n in self.alive if n != name and len(self.scores[n]) >= t]
         if t < MIN_ITEMS or not rivals or name in self.protect:

@@ -93,6 +93,7 @@ bench: install install-vllm
 	$(PY) bench/bench_sweep.py --model medium --repeats 2
 	$(PY) bench/bench_ship.py
 	$(PY) bench/bench_decide.py
+	$(PY) bench/bench_combine.py
 	$(PY) bench/bench_predictor.py  # #50.5: rho of the basis's prediction, tiny Qwen2, ~30 s
 	$(PY) bench/bench_motion_rule.py
 	$(PY) bench/bench_busy.py  # demo-quick idle, beside 2 busy processes, and spinning as before: ~4 min
@@ -108,6 +109,7 @@ bench-quick: install install-vllm
 	$(PY) bench/bench_sweep.py --quick
 	$(PY) bench/bench_ship.py --repeats 1 --backend transformers
 	$(PY) bench/bench_decide.py --reps 20
+	$(PY) bench/bench_combine.py --params 50 --repeats 1
 	$(PY) bench/bench_motion_rule.py --reps 20
 	$(PY) bench/bench_busy.py --no-spinning
 

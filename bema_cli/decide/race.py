@@ -11,8 +11,8 @@ variance plugged in. For the mean of t paired per-item differences d_1..d_t, wit
     mean_t +- sd_t * sqrt( 2 (t rho^2 + 1) / (t^2 rho^2) * log( sqrt(t rho^2 + 1) / a ) )
 
 rho sets the t where it is tightest (here: all the pick items, where a fixed-n test would look).
-A candidate is dropped when the sequence for (leader - candidate) lies above 0. Each comparison
-runs at a / (K - 1) (Bonferroni over the K - 1 rivals of whichever candidate is truly best), so the
+A candidate is dropped when the sequence for (leader - candidate) lies above 0, the leader being
+the best of the candidates scored on its items. Each comparison runs at a / (K - 1) (Bonferroni over the K - 1 rivals of whichever candidate is truly best), so the
 best is dropped with probability <= a over the whole race. docs/eval-protocol.md, "Racing".
 """
 
@@ -78,10 +78,6 @@ class Race:
 
     def add(self, name: str, values: Sequence[float]) -> None:
         self.scores[name].extend(values)
-
-    def leader(self) -> str:
-        t = min(len(self.scores[n]) for n in self.alive)
-        return max(self.alive, key=lambda n: sum(self.scores[n][:t]))
 
     def behind(self, name: str) -> bool:
         """Drop `name` if its sequence against the best of the candidates scored on at least its items

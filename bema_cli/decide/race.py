@@ -13,7 +13,8 @@ variance plugged in. For the mean of t paired per-item differences d_1..d_t, wit
 rho sets the t where it is tightest (here: all the pick items, where a fixed-n test would look).
 A candidate is dropped when the sequence for (leader - candidate) lies above 0, the leader being
 the best of the candidates scored on its items. Each comparison runs at a / (K - 1) (Bonferroni
-over the K - 1 rivals of whichever candidate is truly best), so the best is dropped with probability <= a over the whole race. docs/eval-protocol.md, "Racing".
+over the K - 1 rivals of whichever candidate is truly best), so the best is dropped with
+probability <= a over the whole race. docs/eval-protocol.md, "Racing".
 """
 
 from __future__ import annotations

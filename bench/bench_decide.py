@@ -200,7 +200,6 @@ def _rounds_before(contest, scorer, menu, rounds, ship_opts, metric, limit, prog
             contest.add(name, scorer.scores(menu[name], batch))
         for name in list(contest.alive):
             contest.behind(name)
-    return None
 
 
 @contextmanager

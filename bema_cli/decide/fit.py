@@ -64,9 +64,11 @@ def combined(terms: list[tuple[Path, float]], template: Path) -> Iterator[tuple[
             value = torch.empty(info.shape, dtype=getattr(torch, DTYPES[info.dtype][0]))
             flat, row = value.view(-1), max(1, info.numel // rows)
             step = max(1, COMBINE_BLOCK // row)  # rows at a time: float64 scratch bounded, same sums
-            if acc_buf.numel() < min(rows, step) * row:
-                acc_buf, term_buf = (torch.empty(min(rows, step) * row, dtype=torch.float64) for _ in "at")
-                raw = torch.empty(min(rows, step) * row * 8, dtype=torch.uint8)
+            block = min(rows, step) * row
+            if acc_buf.numel() < block:  # grown to the largest block so far, then reused
+                acc_buf = torch.empty(block, dtype=torch.float64)
+                term_buf = torch.empty(block, dtype=torch.float64)
+                raw = torch.empty(block * 8, dtype=torch.uint8)  # a term's bytes: at most 8 per element
             for lo in range(0, rows, step):
                 hi = min(rows, lo + step)
                 acc, term = acc_buf[: (hi - lo) * row].zero_(), term_buf[: (hi - lo) * row]

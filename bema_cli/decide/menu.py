@@ -76,9 +76,7 @@ def _visit(contest, scorer, menu, rounds, ship_opts, metric, limit, progress) ->
                 if effect and name != "vanilla" and _within(contest, scorer, menu, name, pick, effect):
                     contest.retire(name, f"within --min-effect {effect:g} of vanilla")
                     break
-            if name in contest.alive:  # complete: the others scored so far meet it again
-                for other in [n for n in contest.alive if n != name]:
-                    contest.behind(other)
+            contest.completed(name)
             bar.advance(task)
     retired = any(d["by"].startswith("within --min-effect") for d in contest.dropped.values())
     if stopped is None and retired and contest.alive == ["vanilla"]:

@@ -38,12 +38,11 @@ def rounds(ids: Sequence) -> list[list]:
     """The items in rounds that look after 16, 32, 64, ... of them (ROUND_GROWTH; and after the last):
     log2 of the items many looks, not one per 16 items. The confidence sequence is valid at any
     looks; fewer looks stop later (more items)."""
-    growth = ROUND_GROWTH
     out, lo, size = [], 0, ROUND_ITEMS
     while lo < len(ids):
         out.append(list(ids[lo : lo + size]))
         lo += size
-        size = lo * (growth - 1)  # the next look at growth x what was seen
+        size = lo * (ROUND_GROWTH - 1)  # the next look at ROUND_GROWTH x what was seen
     return out
 
 
@@ -97,6 +96,13 @@ class Race:
             self.alive.remove(name)
             self.dropped[name] = {"after": t, "by": lead, "interval": [lo, hi]}
         return lo > 0
+
+    def completed(self, name: str) -> None:
+        """`name` reached its last item still in the race: each candidate scored before it meets it
+        again on the items they share (`behind`), so one visit each decides as rounds would."""
+        if name in self.alive:
+            for other in [n for n in self.alive if n != name]:
+                self.behind(other)
 
     def retire(self, name: str, why: str) -> None:
         """Leave `name` out for a reason other than a rival (ship's --min-effect)."""

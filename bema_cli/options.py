@@ -93,10 +93,6 @@ SigmaRelOpt = _grid("--sigma-rel", "power: EDM2's relative width of the power EM
 PowerGammaOpt = _grid(
     "--power-gamma", "power: the exponent gamma directly (instead of --sigma-rel).", "from --sigma-rel"
 )
-GammaOpt = Annotated[
-    str | None,
-    typer.Option("--power-gamma", help="power: the exponent gamma directly (instead of --sigma-rel)."),
-]
 GammaOpt = Annotated[float, typer.Option("--gamma", help="Step multiplier in w(s) = rho + gamma*s.")]
 RhoOpt = Annotated[float, typer.Option("--rho", help="Lag offset in w(s) = rho + gamma*s.")]
 TauOpt = Annotated[
@@ -221,6 +217,14 @@ AllowGapsOpt = Annotated[
         help="Go on when checkpoints the run's cadence (trainer_state.json save_steps, or the state's history) says were saved are gone.",
     ),
 ]
+FollowOpt = Annotated[
+    bool,
+    typer.Option(
+        "--follow",
+        help="Keep watching CHECKPOINT_DIR and take each new checkpoint once it is complete (stabilize writes "
+        "its outputs, sweep evaluates it).",
+    ),
+]
 UntilStepOpt = Annotated[
     int | None, typer.Option("--until-step", help="--follow: stop once this step is processed.")
 ]
@@ -235,6 +239,26 @@ SettleOpt = Annotated[
         "--settle",
         help="--follow, runs without trainer_state.json: seconds a checkpoint's content must hold still (default max(5, 2 x --poll)).",
     ),
+]
+# sweep and ship: the walk that holds every config's average in memory
+WalkBaseOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--base", help="theta0: a model folder or Hub repo id (default: as bema stabilize infers it)."
+    ),
+]
+WalkMemoryOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--max-memory", help="Memory the sweep may hold, states and engine (default: what is available)."
+    ),
+]
+WalkDeviceOpt = Annotated[
+    str,
+    typer.Option("--device", help="Where the sweep's states live: auto (the GPU when present), cpu or cuda."),
+]
+WalkDtypeOpt = Annotated[
+    str | None, typer.Option("--out-dtype", help="The dtype the configs are cast to (default: the inputs').")
 ]
 CastBaseOpt = Annotated[
     bool,

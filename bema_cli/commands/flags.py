@@ -45,6 +45,7 @@ from bema_cli.options import (
     CastBaseOpt,
     EtaOpt,
     ExecutorOpt,
+    FollowOpt,
     GammaOpt,
     GridConfigOpt,
     HalfLifeOpt,
@@ -65,10 +66,16 @@ from bema_cli.options import (
     TauOpt,
     TokensPerStepOpt,
     UntilStepOpt,
+    WalkBaseOpt,
+    WalkDeviceOpt,
+    WalkDtypeOpt,
+    WalkMemoryOpt,
     WindowOpt,
     WorkersOpt,
+    check_seconds,
     parse_float_list,
     parse_int_list,
+    parse_size,
     parse_str_list,
 )
 
@@ -185,12 +192,50 @@ class InputFlags:
 
 @dataclass(frozen=True)
 class FollowFlags:
-    """--follow's pacing (stabilize, sweep)."""
+    """--follow and its pacing (stabilize, sweep)."""
 
+    follow: FollowOpt = False
     until_step: UntilStepOpt = None
     idle_timeout: IdleTimeoutOpt = None
     poll: PollOpt = 2.0
     settle: SettleOpt = None
+
+    def pace(self):
+        """The follower's io.watch.Pace, or None without --follow (where its pacing flags are refused)."""
+        from bema_cli.io.watch import Pace
+
+        if not self.follow and (self.until_step is not None or self.idle_timeout is not None):
+            raise UsageError("--until-step and --idle-timeout only apply with --follow")
+        check_seconds(self.poll, "--poll")
+        check_seconds(self.settle, "--settle", zero_ok=True)
+        check_seconds(self.idle_timeout, "--idle-timeout", zero_ok=True)  # 0: take what is there, then stop
+        if self.until_step is not None and self.until_step < 0:
+            raise UsageError(f"--until-step: must be a step >= 0, got {self.until_step}")
+        return Pace(self.poll, self.until_step, self.idle_timeout, self.settle) if self.follow else None
+
+
+@dataclass(frozen=True)
+class WalkFlags:
+    """The walk that holds every config's average in memory (sweep, ship): theta0, memory, device, dtype."""
+
+    base: WalkBaseOpt = None
+    max_memory: WalkMemoryOpt = None
+    device: WalkDeviceOpt = "auto"
+    out_dtype: WalkDtypeOpt = None
+
+    def options(self, checkpoint_dir: str, schedules, out: str, durations: dict, inputs: InputFlags):
+        """The run to walk, as stabilize.Options."""
+        from bema_cli.stabilize import Options
+
+        return Options(checkpoint_dir=checkpoint_dir, schedules=schedules, out=out, base=self.base, device=self.device,
+                       out_dtype=self.out_dtype, durations=durations or None, **inputs.options())  # fmt: skip
+
+    def sweep_options(self, at: str, dry_run: bool = False):
+        """The sweep's own settings (sweep.session.SweepOptions): --at and the memory it may hold."""
+        from bema_cli.sweep.session import SweepOptions
+
+        limit = parse_size(self.max_memory, "--max-memory") if self.max_memory is not None else None
+        return SweepOptions(at=at, memory_limit=limit, dry_run=dry_run)
 
 
 @dataclass(frozen=True)

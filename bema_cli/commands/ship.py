@@ -7,24 +7,17 @@ from typing import Annotated
 import typer
 
 from bema_cli import output, stages
-from bema_cli.commands.eval_options import (
-    eval_settings,
-)
-from bema_cli.commands.flags import EngineFlags, EvalFlags, GridFlags, InputFlags, with_flags
-from bema_cli.options import (
-    JsonOpt,
-    parse_size,
-    parse_str_list,
-)
+from bema_cli.commands.eval_options import eval_settings
+from bema_cli.commands.flags import EngineFlags, EvalFlags, GridFlags, InputFlags, WalkFlags, with_flags
+from bema_cli.options import JsonOpt, parse_str_list
 
 
-@with_flags(grid=GridFlags, inputs=InputFlags, ev=EvalFlags, eng=EngineFlags)
+@with_flags(grid=GridFlags, inputs=InputFlags, walk=WalkFlags, ev=EvalFlags, eng=EngineFlags)
 def ship(
     checkpoint_dir: Annotated[str, typer.Argument(help="Training output folder (checkpoint-N folders).")],
     out: Annotated[
         str, typer.Option("--out", "-o", help="The model folder to write (weights, config, tokenizer, card).")
     ],
-    base: Annotated[str | None, typer.Option("--base", help="theta0: a model folder or Hub repo id.")] = None,
     at: Annotated[
         str, typer.Option("--at", help="The step to judge: last (the last saved) or a step.")
     ] = "last",
@@ -100,17 +93,6 @@ def ship(
             help="Comma list of tasks, as bema eval takes them (default: loss alone with --loss-data, which then decides; else gsm8k).",
         ),
     ] = None,
-    max_memory: Annotated[str | None, typer.Option("--max-memory", help="Memory the sweep may hold.")] = None,
-    device: Annotated[
-        str,
-        typer.Option(
-            "--device", help="Where the sweep's states live: auto (the GPU when present), cpu or cuda."
-        ),
-    ] = "auto",
-    out_dtype: Annotated[
-        str | None,
-        typer.Option("--out-dtype", help="The dtype the configs are cast to (default: the inputs')."),
-    ] = None,
     overwrite: Annotated[
         bool,
         typer.Option("--overwrite", help="Decide again and replace the model folder bema wrote at --out."),
@@ -122,6 +104,7 @@ def ship(
     *,
     grid: GridFlags,
     inputs: InputFlags,
+    walk: WalkFlags,
     ev: EvalFlags,
     eng: EngineFlags,
 ) -> None:
@@ -136,9 +119,8 @@ def ship(
     from bema_cli.decide.ship import ship as run
     from bema_cli.errors import BemaError, HubAuthError, InputError, UsageError
     from bema_cli.eval.evaluate import LIBRARY_LOG
-    from bema_cli.stabilize import Options
     from bema_cli.stabilize import grid as menu
-    from bema_cli.sweep.session import SweepOptions, parse_at
+    from bema_cli.sweep.session import parse_at
 
     parse_at(at)
     if push:
@@ -166,11 +148,9 @@ def ship(
     else:  # the menu, its windows no wider than the run: 3 checkpoints make lawa-w3, not lawa-w4 of 3
         windows = _windows(checkpoint_dir)
         schedules, durations = menu(**{**DEFAULT_GRID, "windows": windows}, **grid.common()), {}
-    opts = Options(checkpoint_dir=checkpoint_dir, schedules=schedules, out=race, base=base, device=device,
-                   out_dtype=out_dtype, durations=durations or None, **inputs.options())  # fmt: skip
-    limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
+    opts = walk.options(checkpoint_dir, schedules, race, durations, inputs)
     try:
-        doc = run(opts, evaluation, engine, ship_opts, SweepOptions(at=at, memory_limit=limit),
+        doc = run(opts, evaluation, engine, ship_opts, walk.sweep_options(at),
                   validated=lambda: output.send_library_output(Path(race) / LIBRARY_LOG))  # fmt: skip
     except InputError as exc:
         if defaulted and str(exc).startswith("no data"):  # the user never named gsm8k: say why it is there

@@ -17,7 +17,6 @@ from bema_cli.options import (
     MethodOpt,
     OutDirOpt,
     OverwriteOpt,
-    check_seconds,
     parse_int_list,
     parse_size,
 )
@@ -120,13 +119,6 @@ def stabilize(
             "(header, first and last 64 KiB; cheaper on slow storage).",
         ),
     ] = "full",
-    follow: Annotated[
-        bool,
-        typer.Option(
-            "--follow",
-            help="Keep watching CHECKPOINT_DIR and process each new checkpoint once it is complete.",
-        ),
-    ] = False,
     *,
     grid: GridFlags,
     inputs: InputFlags,
@@ -156,6 +148,7 @@ def stabilize(
             )
         checkpoints = read_checkpoint_list(sys.stdin.read())
 
+    follow = fol.follow
     schedules, durations = grid.schedules(method, checkpoint_dir, checkpoints, follow)
     opts = Options(
         checkpoint_dir=checkpoint_dir, schedules=schedules, out=out, base=base,
@@ -179,17 +172,11 @@ def stabilize(
         raise UsageError("--no-state: --follow continues from the state; drop one of them")
     if follow:
         opts = replace(opts, no_state=False)  # every round continues the last one's state
-    if not follow and (fol.until_step is not None or fol.idle_timeout is not None):
-        raise UsageError("--until-step and --idle-timeout only apply with --follow")
-    check_seconds(fol.poll, "--poll")
-    check_seconds(fol.settle, "--settle", zero_ok=True)
-    check_seconds(fol.idle_timeout, "--idle-timeout", zero_ok=True)  # 0: process what is there, then stop
-    if fol.until_step is not None and fol.until_step < 0:
-        raise UsageError(f"--until-step: must be a step >= 0, got {fol.until_step}")
+    pace = fol.pace()
     executor = where.options()
     with session(executor) if not dry_run else nullcontext():  # Ray's workers start while the driver plans
-        if follow:
-            _follow(opts, executor, json_out, fol.poll, fol.until_step, fol.idle_timeout, fol.settle)
+        if pace is not None:
+            _follow(opts, executor, json_out, pace)
             return
         doc = run(opts, executor)
     if opts.durations:
@@ -204,7 +191,7 @@ def stabilize(
         _print_summary(doc)
 
 
-def _follow(opts, executor_opts, json_out: bool, poll: float, until_step, idle_timeout, settle=None) -> None:
+def _follow(opts, executor_opts, json_out: bool, pace) -> None:
     from bema_cli.stabilize import stabilize
     from bema_cli.stabilize.follow import follow
 
@@ -222,7 +209,7 @@ def _follow(opts, executor_opts, json_out: bool, poll: float, until_step, idle_t
     def run(o):
         return stabilize(o, executor_opts)
 
-    follow(opts, run, emit, poll=poll, until_step=until_step, idle_timeout=idle_timeout, settle=settle)
+    follow(opts, run, emit, pace)
 
 
 def _gb(n: int) -> str:

@@ -20,19 +20,17 @@ from bema_cli.commands.flags import (
     FollowFlags,
     GridFlags,
     InputFlags,
+    WalkFlags,
     with_flags,
 )
 from bema_cli.options import (
     JsonOpt,
     MethodOpt,
-    check_seconds,
-    parse_size,
 )
 
 
-@with_flags(
-    grid=GridFlags, inputs=InputFlags, fol=FollowFlags, where=ExecutorFlags, ev=EvalFlags, eng=EngineFlags
-)
+@with_flags(grid=GridFlags, inputs=InputFlags, fol=FollowFlags, walk=WalkFlags, where=ExecutorFlags, ev=EvalFlags,
+            eng=EngineFlags)  # fmt: skip
 def sweep(
     checkpoint_dir: Annotated[
         str, typer.Argument(help="Training output folder (checkpoint-N, step_N, ... folders).")
@@ -40,12 +38,6 @@ def sweep(
     out: Annotated[
         str, typer.Option("--out", "-o", help="Results folder (results.jsonl; no weights are written).")
     ],
-    base: Annotated[
-        str | None,
-        typer.Option(
-            "--base", help="theta0: a model folder or Hub repo id (default: as bema stabilize infers it)."
-        ),
-    ] = None,
     at: Annotated[
         str,
         typer.Option("--at", help="Steps to evaluate: all, last, every:N or a comma list (0 = theta0)."),
@@ -61,30 +53,12 @@ def sweep(
     tasks: TasksOpt = "boolq,gsm8k,mmlu_hs",
     log_samples: LogSamplesOpt = False,
     force: ForceOpt = False,
-    max_memory: Annotated[
-        str | None,
-        typer.Option(
-            "--max-memory", help="Memory the sweep may hold, states and engine (default: what is available)."
-        ),
-    ] = None,
-    device: Annotated[
-        str, typer.Option("--device", help="Where the states live: auto (the GPU when present), cpu or cuda.")
-    ] = "auto",
-    out_dtype: Annotated[
-        str | None,
-        typer.Option("--out-dtype", help="The dtype the configs are cast to (default: the inputs')."),
-    ] = None,
-    follow: Annotated[
-        bool,
-        typer.Option(
-            "--follow", help="Keep watching CHECKPOINT_DIR; evaluate each new checkpoint as it lands."
-        ),
-    ] = False,
     json_: JsonOpt = False,
     *,
     grid: GridFlags,
     inputs: InputFlags,
     fol: FollowFlags,
+    walk: WalkFlags,
     where: ExecutorFlags,
     ev: EvalFlags,
     eng: EngineFlags,
@@ -99,36 +73,23 @@ def sweep(
 
     from bema_cli.eval.evaluate import LIBRARY_LOG
     from bema_cli.eval.results import records_table
-    from bema_cli.stabilize import Options
     from bema_cli.sweep.run import sweep as run
-    from bema_cli.sweep.session import SweepOptions, parse_at
+    from bema_cli.sweep.session import parse_at
 
     parse_at(at)  # instantly, before any input is read
     evaluation, engine = eval_settings(ev, eng, tasks, out, log_samples, force)
+    follow = fol.follow
     schedules, durations = grid.schedules(method, checkpoint_dir, follow=follow)
-    opts = Options(
-        checkpoint_dir=checkpoint_dir, schedules=schedules, out=str(Path(out) / ".sweep"), base=base, device=device,
-        out_dtype=out_dtype, durations=durations or None, **inputs.options(),
-    )  # fmt: skip
+    opts = walk.options(checkpoint_dir, schedules, str(Path(out) / ".sweep"), durations, inputs)
     if follow and inputs.min_interval is not None:
         from bema_cli.errors import UsageError
 
         raise UsageError(
             "--min-interval: the thinned set anchors at the last step, which --follow does not know yet"
         )
-    if not follow and (fol.until_step is not None or fol.idle_timeout is not None):
-        from bema_cli.errors import UsageError
-
-        raise UsageError("--until-step and --idle-timeout only apply with --follow")
-    check_seconds(fol.poll, "--poll")
-    check_seconds(fol.settle, "--settle", zero_ok=True)
-    check_seconds(fol.idle_timeout, "--idle-timeout", zero_ok=True)
-    limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
-    follow_opts = {"poll": fol.poll, "until_step": fol.until_step, "idle_timeout": fol.idle_timeout,
-                   "settle": fol.settle}  # fmt: skip
+    pace = fol.pace()
     doc = run(
-        opts, evaluation, engine, SweepOptions(at=at, memory_limit=limit, dry_run=dry_run), executor=where.options(),
-        follow=follow_opts if follow else None,
+        opts, evaluation, engine, walk.sweep_options(at, dry_run), executor=where.options(), follow=pace,
         validated=lambda: output.send_library_output(Path(out) / LIBRARY_LOG),
     )  # fmt: skip
     if not dry_run and not follow:

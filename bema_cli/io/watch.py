@@ -213,6 +213,21 @@ class Watcher:
         return same
 
 
+@dataclass(frozen=True)
+class Pace:
+    """How a follower waits (--poll, --until-step, --idle-timeout, --settle): `stabilize --follow` and
+    `sweep --follow` alike."""
+
+    poll: float = 2.0  # seconds between looks at the run folder
+    until_step: int | None = None  # stop once this step is processed
+    idle_timeout: float | None = None  # stop after this many seconds without a new checkpoint
+    settle: float | None = None  # seconds a marker-less checkpoint must hold still (None: max(5, 2 x poll))
+
+    def watcher(self, folder: str | Path) -> Watcher:
+        settle = max(SETTLE_FLOOR, 2 * self.poll) if self.settle is None else self.settle
+        return Watcher(Path(folder).expanduser(), settle=settle)
+
+
 def wait_for(poll: Callable[[], bool], interval: float, timeout: float | None, sleep=time.sleep) -> bool:
     """Call `poll` every `interval` seconds until it returns True (-> True) or `timeout` passes (-> False).
 

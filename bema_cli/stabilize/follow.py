@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bema_cli import output, signals
 from bema_cli.errors import InputError
-from bema_cli.io.watch import SETTLE_FLOOR, Watcher, wait_for
+from bema_cli.io.watch import Pace, Watcher, wait_for
 from bema_cli.stabilize import state
 from bema_cli.stabilize.plan import Options
 
@@ -54,16 +54,18 @@ def _look(watcher: Watcher, consumed: list[int], seen_through: int, opts: Option
     return any(s > seen_through for s in ready)
 
 
-def follow(opts: Options, run_once: Callable[[Options], dict], emit: Callable[[dict], None], **kw) -> dict:
-    """Watch opts.checkpoint_dir until `until_step` is processed or `idle_timeout` seconds pass without
-    a new checkpoint; `run_once` is the batch `stabilize`. Returns totals over all rounds.
-    `poll` and `idle_timeout` are checked by the command (options.check_seconds).
+def follow(
+    opts: Options, run_once: Callable[[Options], dict], emit: Callable[[dict], None], pace: Pace
+) -> dict:
+    """Watch opts.checkpoint_dir until `pace.until_step` is processed or `pace.idle_timeout` seconds pass
+    without a new checkpoint; `run_once` is the batch `stabilize`. Returns totals over all rounds.
+    The pace is checked by the command (FollowFlags.pace).
 
     Ctrl-C / SIGTERM end it like any bema run (exit 130 / 143) with OUT consistent: the same
     command later resumes from the last committed step.
     """
     try:
-        return _follow(opts, run_once, emit, **kw)
+        return _follow(opts, run_once, emit, pace)
     except (KeyboardInterrupt, signals.Terminated):
         done = _consumed(Path(opts.out).expanduser().resolve())
         at = f"step {done[-1]}" if done else "no step yet"
@@ -75,15 +77,11 @@ def _follow(
     opts: Options,
     run_once: Callable[[Options], dict],
     emit: Callable[[dict], None],
-    *,
-    poll: float = 2.0,
-    until_step: int | None = None,
-    idle_timeout: float | None = None,
-    settle: float | None = None,
+    pace: Pace,
 ) -> dict:
     out = Path(opts.out).expanduser().resolve()
-    settle = max(SETTLE_FLOOR, 2 * poll) if settle is None else settle
-    watcher = Watcher(Path(opts.checkpoint_dir).expanduser(), settle=settle)
+    poll, until_step, idle_timeout = pace.poll, pace.until_step, pace.idle_timeout
+    watcher = pace.watcher(opts.checkpoint_dir)
     totals = {"outputs": 0, "read_bytes": 0, "written_bytes": 0, "state_bytes": 0, "rounds": 0}
     first = True
     import torch  # noqa: F401  (imported now, not when the first checkpoint is waiting to be read)

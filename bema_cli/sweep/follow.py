@@ -20,7 +20,7 @@ from bema_cli.io.aux_files import copy_aux_files
 from bema_cli.io.checkpoints import Checkpoint
 from bema_cli.io.fingerprint import weight_files
 from bema_cli.io.reader import open_checkpoint
-from bema_cli.io.watch import SETTLE_FLOOR, Watcher, hold_files, release, wait_for
+from bema_cli.io.watch import Pace, Watcher, hold_files, release, wait_for
 from bema_cli.signals import Terminated
 from bema_cli.stabilize import gaps
 from bema_cli.sweep.session import (
@@ -128,19 +128,14 @@ class Follow:
     """--follow: evaluate each checkpoint of a live run as it lands, in one engine, nothing written.
     Ctrl-C keeps every record written; the same command resumes."""
 
-    def __init__(self, stab, config, engine, sweep_opts, follow: dict, validated):
+    def __init__(self, stab, config, engine, sweep_opts, pace: Pace, validated):
         self.at = parse_at(sweep_opts.at)  # a bad --at is refused before anything starts
         if self.at[0] == "last":
             raise UsageError("--at last: a followed run has no last step yet; use all, every:N or a list")
         self.stab, self.config, self.engine, self.sweep_opts = stab, config, engine, sweep_opts
-        self.poll, self.until = follow["poll"], follow["until_step"]
-        self.idle_timeout, self.validated = follow["idle_timeout"], validated
-        settle = follow["settle"]
-        watcher = Watcher(
-            Path(stab.checkpoint_dir).expanduser(),
-            settle=max(SETTLE_FLOOR, 2 * self.poll) if settle is None else settle,
-        )
-        self.landed = Landed(watcher, self.poll, stab.allow_gaps)
+        self.poll, self.until = pace.poll, pace.until_step
+        self.idle_timeout, self.validated = pace.idle_timeout, validated
+        self.landed = Landed(pace.watcher(stab.checkpoint_dir), self.poll, stab.allow_gaps)
         self.plan = self.walk = self.evaluation = None
         self.folder_of: dict[int, Path] = {}
         self.aux_of: dict[int, Path] = {}

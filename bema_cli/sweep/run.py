@@ -23,6 +23,7 @@ from bema_cli.eval.backends.base import EngineOptions
 from bema_cli.eval.evaluate import Evaluation, validate
 from bema_cli.eval.job import EvalConfig
 from bema_cli.io.commit import locked
+from bema_cli.io.watch import Pace
 from bema_cli.machine import PeakRss, return_freed_memory
 from bema_cli.stabilize.plan import Options
 from bema_cli.sweep.follow import Follow
@@ -52,10 +53,10 @@ def sweep(
     engine: EngineOptions,
     sweep_opts: SweepOptions,
     executor: ExecutorOptions | None = None,
-    follow: dict | None = None,
+    follow: Pace | None = None,
     validated=None,
 ) -> dict:
-    """Run one sweep (batch, or --follow with `follow` = its poll settings); returns the --json document,
+    """Run one sweep (batch, or --follow at the given pace); returns the --json document,
     whose memory.peak_rss counts the engine's own processes too (vLLM's engine core runs apart)."""
     stages.reset()
     return_freed_memory()

@@ -23,18 +23,7 @@ from bema_cli.io.reader import open_checkpoint
 from bema_cli.io.watch import Pace, Watcher, hold_files, release, wait_for
 from bema_cli.signals import Terminated
 from bema_cli.stabilize import gaps
-from bema_cli.sweep.session import (
-    Walk,
-    at_chosen,
-    check_inputs,
-    fingerprints,
-    finish_doc,
-    input_prints,
-    judge_motion,
-    memory_doc,
-    parse_at,
-    targets,
-)
+from bema_cli.sweep import session
 from bema_cli.sweep.walk import add_landed, check_landed, plan_sweep
 
 
@@ -77,7 +66,7 @@ class Landed:
             aux = self.aux / f"checkpoint-{step}"
             aux.mkdir()
             copy_aux_files(aux, [folder])
-            item = {"step": step, "folder": folder, "held": held, "aux": aux, "inputs": input_prints({step: folder})[step],
+            item = {"step": step, "folder": folder, "held": held, "aux": aux, "inputs": session.input_prints({step: folder})[step],
                     "vanilla": resume.weights_fingerprint(folder), "index": open_checkpoint(folder, like=self.like)}  # fmt: skip
         except (FileNotFoundError, InputError) as exc:
             if folder.is_dir() and not isinstance(exc, FileNotFoundError):
@@ -129,7 +118,7 @@ class Follow:
     Ctrl-C keeps every record written; the same command resumes."""
 
     def __init__(self, stab, config, engine, sweep_opts, pace: Pace, validated):
-        self.at = parse_at(sweep_opts.at)  # a bad --at is refused before anything starts
+        self.at = session.parse_at(sweep_opts.at)  # a bad --at is refused before anything starts
         if self.at[0] == "last":
             raise UsageError("--at last: a followed run has no last step yet; use all, every:N or a list")
         self.stab, self.config, self.engine, self.sweep_opts = stab, config, engine, sweep_opts
@@ -166,16 +155,16 @@ class Follow:
         if [c.step for c in self.plan.checkpoints] != steps:
             gone = sorted(set(steps) - {c.step for c in self.plan.checkpoints})
             raise InputError(f"{self.folder_of[gone[0]]}: disappeared before it could be read")
-        check_inputs(self.config, dict(self.folder_of), self.plan, [])
+        session.check_inputs(self.config, dict(self.folder_of), self.plan, [])
         if self.validated is not None:
             self.validated()
         self.evaluation = Evaluation(self.config, self.engine)
-        self.doc, self.stab = memory_doc(
+        self.doc, self.stab = session.memory_doc(
             self.plan, self.stab, self.config, self.engine, self.evaluation, self.sweep_opts
         )
         self.landed.like = set(self.plan.base_index.tensors)
         output.log(f"following {self.landed.watcher.run_dir} (poll every {self.poll:g} s)")
-        self.walk = Walk(self.evaluation.backend_name, self.evaluation.engine, replace(self.stab, ready_steps=steps),
+        self.walk = session.Walk(self.evaluation.backend_name, self.evaluation.engine, replace(self.stab, ready_steps=steps),
                          self.plan, self.folder_of, [], self.aux_of, starter=self.evaluation.start)  # fmt: skip
         return True
 
@@ -192,7 +181,7 @@ class Follow:
         return True
 
     def _chosen(self, steps: list[int]) -> list[int]:
-        return [s for s in steps if at_chosen(*self.at, s)]
+        return [s for s in steps if session.at_chosen(*self.at, s)]
 
     def _wait(self, left: float | None) -> bool:
         if self.plan is None:
@@ -223,10 +212,10 @@ class Follow:
                         break
                 steps, self.queued = self.queued, []
                 chosen = self._chosen(steps)
-                at = targets(self.plan, self.stab, chosen, self.folder_of) if chosen else []
+                at = session.targets(self.plan, self.stab, chosen, self.folder_of) if chosen else []
                 self.targets += at
                 jobs = (
-                    self.evaluation.plan(at, fingerprints(self.plan, at, self.inputs, self.known))
+                    self.evaluation.plan(at, session.fingerprints(self.plan, at, self.inputs, self.known))
                     if at
                     else []
                 )
@@ -245,8 +234,8 @@ class Follow:
             return {"runs": [], "evaluated": 0, "records": [], "engine_starts": 0, "written_weight_bytes": 0,
                     "memory": {}, "seconds": time.perf_counter() - t0}  # fmt: skip
         self.doc.update(self.walk.summary())
-        judge_motion(self.doc, self.plan, self.config.out)
-        return finish_doc(self.doc, self.evaluation, self.targets, t0)
+        session.judge_motion(self.doc, self.plan, self.config.out)
+        return session.finish_doc(self.doc, self.evaluation, self.targets, t0)
 
     def _advance_to(self, step: int) -> None:
         for s in [s for s in self.plan.read_steps if s <= step and s not in self.walk.walked]:

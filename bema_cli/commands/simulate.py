@@ -2,62 +2,77 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Annotated
 
 import typer
 
 from bema_cli import output
+from bema_cli.commands.flags import with_flags
 from bema_cli.options import BetaMinOpt, JsonOpt, PhiOpt, PresetOpt, SeedOpt, TauOpt, parse_str_list
 
 
-def simulate(
-    dim: Annotated[int, typer.Option("--dim", help="Dimension of theta.")] = 20,
-    lr: Annotated[float, typer.Option("--lr", help="SGD learning rate.")] = 0.05,
-    sigma: Annotated[float, typer.Option("--sigma", help="Standard deviation of the gradient noise.")] = 1.0,
-    steps: Annotated[int, typer.Option("--steps", help="SGD steps per trajectory.")] = 1000,
-    trials: Annotated[
-        int, typer.Option("--trials", help="Independent trajectories (run as one batch).")
-    ] = 1000,
+@dataclass(frozen=True)
+class SimFlags:
+    """`bema simulate`'s experiment flags, one per simulate.SimSettings field (--methods as given)."""
+
+    dim: Annotated[int, typer.Option("--dim", help="Dimension of theta.")] = 20
+    lr: Annotated[float, typer.Option("--lr", help="SGD learning rate.")] = 0.05
+    sigma: Annotated[float, typer.Option("--sigma", help="Standard deviation of the gradient noise.")] = 1.0
+    steps: Annotated[int, typer.Option("--steps", help="SGD steps per trajectory.")] = 1000
+    trials: Annotated[int, typer.Option("--trials", help="Independent SGD runs, one batch.")] = 1000
     spectrum: Annotated[
         str,
         typer.Option(
             "--spectrum", help="Eigenvalues of A: ones | linspace:LO:HI | geomspace:LO:HI | a1,a2,..."
         ),
-    ] = "ones",
+    ] = "ones"
     distance: Annotated[
         float, typer.Option("--distance", help="|theta0 - mu|: how far from the optimum SGD starts.")
-    ] = 10.0,
-    seed: SeedOpt = 0,
+    ] = 10.0
+    seed: SeedOpt = 0
     record_every: Annotated[
         int, typer.Option("--record-every", help="Report every N-th step (and the last).")
-    ] = 10,
+    ] = 10
     methods: Annotated[
         str,
         typer.Option(
             "--methods",
             help="Estimators: vanilla,ema,bema,dema,ouema,lawa,wsm,swa,power,mle (comma list).",
         ),
-    ] = "vanilla,ema,bema,dema,ouema,mle",
-    kappa: Annotated[float, typer.Option("--kappa", help="EMA decay power: beta_s = w(s)**-kappa.")] = 1.0,
+    ] = "vanilla,ema,bema,dema,ouema,mle"
+    kappa: Annotated[float, typer.Option("--kappa", help="EMA decay power: beta_s = w(s)**-kappa.")] = 1.0
     eta: Annotated[
         float, typer.Option("--eta", help="Bias-correction power: alpha_s = w(s)**-eta ('inf' = off).")
-    ] = 0.5,
-    gamma: Annotated[float, typer.Option("--gamma", help="Step multiplier in w(s) = rho + gamma*s.")] = 1.0,
-    rho: Annotated[float, typer.Option("--rho", help="Lag offset in w(s) = rho + gamma*s.")] = 1.0,
-    tau: TauOpt = 0,
-    phi: PhiOpt = None,
-    preset: PresetOpt = "paper",
-    beta_min: BetaMinOpt = None,
+    ] = 0.5
+    gamma: Annotated[float, typer.Option("--gamma", help="Step multiplier in w(s) = rho + gamma*s.")] = 1.0
+    rho: Annotated[float, typer.Option("--rho", help="Lag offset in w(s) = rho + gamma*s.")] = 1.0
+    tau: TauOpt = 0
+    phi: PhiOpt = None
+    preset: PresetOpt = "paper"
+    beta_min: BetaMinOpt = None
     window: Annotated[
         int, typer.Option("--window", help="lawa, wsm: merge the last K iterates (each SGD step is one).")
-    ] = 100,
-    schedule: Annotated[
+    ] = 100
+    merge_schedule: Annotated[
         str, typer.Option("--schedule", help="wsm: linear, minus-sqrt or cosine (each also NAME:reverse).")
-    ] = "minus-sqrt",
+    ] = "minus-sqrt"
     swa_start: Annotated[
         int | None, typer.Option("--swa-start", help="swa: average from this step (default: the first).")
-    ] = None,
-    sigma_rel: Annotated[float, typer.Option("--sigma-rel", help="power: EDM2's relative width.")] = 0.05,
+    ] = None
+    sigma_rel: Annotated[float, typer.Option("--sigma-rel", help="power: EDM2's relative width.")] = 0.05
+
+    def settings(self):
+        """The core's SimSettings, every flag checked."""
+        from bema_cli import simulate as sim
+
+        methods = tuple(parse_str_list(self.methods, "--methods"))
+        return sim.SimSettings(**{**dataclasses.asdict(self), "methods": methods}).validated()
+
+
+@with_flags(flags=SimFlags)
+def simulate(
     plot: Annotated[
         str | None, typer.Option("--plot", help="Write error-vs-step curves (Fig. 2 style) to this PNG.")
     ] = None,
@@ -68,6 +83,8 @@ def simulate(
         ),
     ] = None,
     json: JsonOpt = False,
+    *,
+    flags: SimFlags,
 ) -> None:
     """Noisy-quadratic SGD (the paper's Fig. 1a/2): how far each estimator is from the optimum, step by step.
 
@@ -79,30 +96,7 @@ def simulate(
     from bema_cli import simulate as sim
     from bema_cli import simulate_show as show
 
-    settings = sim.SimSettings(
-        dim=dim,
-        lr=lr,
-        sigma=sigma,
-        steps=steps,
-        trials=trials,
-        spectrum=spectrum,
-        distance=distance,
-        seed=seed,
-        record_every=record_every,
-        methods=tuple(parse_str_list(methods, "--methods")),
-        kappa=kappa,
-        eta=eta,
-        gamma=gamma,
-        rho=rho,
-        tau=tau,
-        phi=phi,
-        preset=preset,
-        beta_min=beta_min,
-        window=window,
-        merge_schedule=schedule,
-        swa_start=swa_start,
-        sigma_rel=sigma_rel,
-    ).validated()
+    settings = flags.settings()
     for path, flag in ((plot, "--plot"), (plot_2d, "--plot-2d")):
         if path is not None:
             figures.check_target(path, flag)

@@ -150,3 +150,16 @@ def test_a_base_with_another_tokenizer_is_warned_about(world, tmp_path):
     assert r.returncode == 0 and "its tokenizer differs from the run's" in r.stderr, r.stderr
     r = run_bema(*args, "--base", world["base"], "--out", tmp_path / "o2")
     assert r.returncode == 0 and "tokenizer differs" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("dry", [[], ["--dry-run"]])
+def test_ship_refuses_to_decide_at_theta0(world, tmp_path, dry):
+    """`--at 0` names theta0, not a checkpoint: the decision and its dry run (one shared reading of
+    the run, contest.decision_run) refuse it in one line, before any engine starts."""
+    data = tmp_path / "heldout.jsonl"
+    data.write_text("".join(json.dumps({"text": f"count {i} and {i + 1}"}) + "\n" for i in range(6)))
+    r = run_bema("ship", world["run"], "--base", world["base"], "--out", tmp_path / "model", "--at", "0",
+                 "--tasks", "loss", "--loss-data", data, "--backend", "transformers", *dry)  # fmt: skip
+    line = one_line_error(r, 2)
+    assert "--at: ship decides at a checkpoint's step, not at theta0 (0)" in line, line
+    assert not (tmp_path / "model").exists()

@@ -28,20 +28,15 @@ SIMPLEX_TRIALS = 12  # fit.SIMPLEX_BUDGET
 
 
 def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
-    from bema_cli.decide.contest import item_ids
+    from bema_cli.decide.contest import decision_run, item_ids
     from bema_cli.decide.scorer import arena_targets
     from bema_cli.eval.evaluate import Evaluation
     from bema_cli.io.probe import probe
     from bema_cli.machine import engine_speeds
     from bema_cli.stabilize.project import probe_sample
     from bema_cli.sweep.project import project
-    from bema_cli.sweep.session import at_steps
-    from bema_cli.sweep.walk import plan_sweep, sweep_options
 
-    stab = sweep_options(stab)
-    plan = plan_sweep(stab)
-    folder_of = {c.step: c.path for c in plan.checkpoints}
-    step = at_steps(ship_opts.at, sorted(folder_of))[-1]
+    stab, plan, folder_of, step = decision_run(stab, ship_opts.at)
     evaluation = Evaluation(replace(config, out=None), engine)  # a dry run writes nothing
     task = evaluation.inputs[metric.task]
     ids = item_ids(task)

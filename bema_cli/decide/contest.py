@@ -44,16 +44,25 @@ def item_ids(task) -> list:
     return ids
 
 
-def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work) -> dict:
-    from bema_cli.sweep.session import at_steps, check_inputs, memory_doc
+def decision_run(stab, at: str):
+    """The run as ship walks it (the decision and its dry run alike): (its options, the plan, {step:
+    folder}, the step decided at). theta0 (0) is refused: ship decides at a checkpoint's step."""
+    from bema_cli.sweep.session import at_steps
     from bema_cli.sweep.walk import plan_sweep, sweep_options
 
     stab = sweep_options(stab)
     plan = plan_sweep(stab)
     folder_of = {c.step: c.path for c in plan.checkpoints}
-    step = at_steps(ship_opts.at, sorted(folder_of))[-1]
+    step = at_steps(at, sorted(folder_of))[-1]
     if step == 0:
         raise UsageError("--at: ship decides at a checkpoint's step, not at theta0 (0)")
+    return stab, plan, folder_of, step
+
+
+def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work) -> dict:
+    from bema_cli.sweep.session import check_inputs, memory_doc
+
+    stab, plan, folder_of, step = decision_run(stab, ship_opts.at)
     race_config = replace(config, out=str(work / "race"))
     check_inputs(race_config, folder_of, plan, [step])
     if validated is not None:

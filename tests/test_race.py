@@ -223,3 +223,87 @@ def test_each_candidate_is_swapped_in_once_and_the_race_picks_as_select_on_every
     assert made["race"]["pick"] == [
         {k: r[k] for k in ("run", "value", "tied_with_best")} for r in whole["candidates"]
     ]
+
+
+def _effect_race(means: dict, rng, effect: float, items: int = 100):
+    """One menu race (menu._visit, ship's own) with --min-effect `effect` on a loss world: each
+    candidate's per-token NLL is its mean plus N(0, 0.05) per item, 10 tokens an item."""
+    from pathlib import Path
+
+    from bema_cli.decide import menu
+    from bema_cli.decide.candidate import Candidate
+    from bema_cli.decide.scorer import ItemScorer
+    from bema_cli.decide.select import Metric
+    from bema_cli.decide.ship import ShipOptions
+    from bema_cli.eval.results import ResultsFile
+
+    names = list(means)
+    steps = list(range(10, 10 * len(names) + 1, 10))
+    cands = {n: Candidate.of(n, [0] + [1.0 if j == k else 0.0 for j in range(len(names))], steps)
+             for k, n in enumerate(names)}  # fmt: skip
+    noise = rng.normal(0.0, 0.05, size=(len(names), items))
+
+    def evaluate(cand, task, ids):
+        row = names.index(cand.name)
+        nll = [(means[cand.name] + noise[row, i]) * 10 for i in ids]
+        return [{"run": cand.name, "step": steps[-1], "task": "loss", "model_path": cand.name, "is_base": False,
+                 "items": {"ids": list(ids), "nll": nll, "tokens": [10] * len(ids)}, "protocol": {},
+                 "seeds": None, "n_samples": 1, "n_prompts": len(ids), "backend": "sim", "dtype": "float64"}]  # fmt: skip
+
+    metric = Metric("loss", "loss", False)
+    scorer = ItemScorer(evaluate, None, metric, ResultsFile(None))
+    contest = race.Race(names, horizon=items, protect=["vanilla"])
+    opts = ShipOptions(out=Path("unused"), min_effect=effect)
+    menu._visit(contest, scorer, cands, race.rounds(list(range(items))), opts, metric, None, False)
+    return {n: d for n, d in contest.dropped.items() if d["by"].startswith(menu.WITHIN)}
+
+
+def test_min_effect_retirements_hold_their_family_wise_error_under_holm():
+    """--min-effect E retires a config whose sequence against vanilla ends below E; "config j gains
+    at least E" is a fixed hypothesis per config, so Holm's step-down (a / (K - 1 - r) after r
+    retirements) keeps the chance of retiring any config that truly gains E at <= a. 300 races of 6
+    configs: 3 gain exactly E (the null's edge, the hardest case), 3 gain nothing (retired)."""
+    rng = np.random.default_rng(5)
+    effect, races = 0.03, 300
+    means = {"vanilla": 1.0, "z1": 1.0, "z2": 1.0, "z3": 1.0,  # visited first: retired, not dropped
+             "e1": 1.0 - effect, "e2": 1.0 - effect, "e3": 1.0 - effect}  # fmt: skip
+    wrong = retired_flat = 0
+    for _ in range(races):
+        gone = _effect_race(means, rng, effect)
+        wrong += any(n.startswith("e") for n in gone)
+        retired_flat += sum(n.startswith("z") for n in gone)
+    lo, hi = wilson(wrong, races)
+    assert hi < 0.06 and wrong / races <= race.ALPHA, (wrong, lo, hi)
+    assert retired_flat / (3 * races) > 0.5, retired_flat  # the flat ones do go
+
+
+def test_min_effect_steps_down_after_each_retirement():
+    """Holm's step, path by path: a config whose sequence against vanilla clears E only at a / 3, not
+    at Bonferroni's a / 6, is retired once 3 others were (and not before)."""
+    from bema_cli.decide import menu
+
+    def edge_case(retired: int) -> bool:
+        rng = np.random.default_rng(11)
+        t, names = 100, ["vanilla", "x", "r1", "r2", "r3", "o1", "o2"]
+        contest = race.Race(names, horizon=t, protect=["vanilla"])
+        van = rng.normal(10.0, 0.5, size=t)
+        diffs = rng.normal(0.0, 0.5, size=t)
+        contest.add("vanilla", list(-van))
+        contest.add("x", list(-(van - diffs)))  # x's per-item gain over vanilla: diffs
+        for n in names[2 : 2 + retired]:
+            contest.retire(n, f"{menu.WITHIN} 0 of vanilla")
+        mean, sd = power.mean_sd(list(diffs))
+        strict = mean + race.radius(sd, t, race.ALPHA / 6, t)
+        loose = mean + race.radius(sd, t, race.ALPHA / 3, t, race.ALPHA / 6)
+        effect = (strict + loose) / 2 / 10  # per token, 10 tokens an item
+
+        class Scorer:
+            cache = {"v": {i: (0.0, 10) for i in range(t)}}
+
+        class Vanilla:
+            digest = "v"
+
+        return menu._within(contest, Scorer, {"vanilla": Vanilla}, "x", list(range(t)), effect)
+
+    assert not edge_case(0)  # Bonferroni's level: x's sequence still reaches E
+    assert edge_case(3)  # three retired: a / 3, and x is retired too

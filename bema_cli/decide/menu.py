@@ -14,6 +14,8 @@ from __future__ import annotations
 from bema_cli import output
 from bema_cli.decide import power, race, select
 
+WITHIN = "within --min-effect"  # how a config retired by --min-effect is recorded in the race's "dropped"
+
 
 def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, metric, limit=None,
               progress: bool = True) -> dict:  # fmt: skip
@@ -74,11 +76,11 @@ def _visit(contest, scorer, menu, rounds, ship_opts, metric, limit, progress) ->
                 if contest.behind(name):
                     break
                 if effect and name != "vanilla" and _within(contest, scorer, menu, name, pick, effect):
-                    contest.retire(name, f"within --min-effect {effect:g} of vanilla")
+                    contest.retire(name, f"{WITHIN} {effect:g} of vanilla")
                     break
             contest.completed(name)
             bar.advance(task)
-    retired = any(d["by"].startswith("within --min-effect") for d in contest.dropped.values())
+    retired = any(d["by"].startswith(WITHIN) for d in contest.dropped.values())
     if stopped is None and retired and contest.alive == ["vanilla"]:
         stopped = (
             f"every candidate's sequence lies within --min-effect {effect:g} of vanilla, or below another's"
@@ -87,14 +89,20 @@ def _visit(contest, scorer, menu, rounds, ship_opts, metric, limit, progress) ->
 
 
 def _within(contest, scorer, menu: dict, name: str, pick_ids: list, effect: float) -> bool:
-    """`name`'s confidence sequence against vanilla (the race's level) ends below vanilla + effect,
-    so it cannot be worth shipping at --min-effect. `effect` is in the metric's units (per token for
-    loss: scaled by the items' mean tokens, as the items' scores are summed NLLs)."""
+    """`name`'s confidence sequence against vanilla ends below vanilla + effect, so it cannot be worth
+    shipping at --min-effect. `effect` is in the metric's units (per token for loss: scaled by the
+    items' mean tokens, as the items' scores are summed NLLs).
+
+    Each config's "gains at least E over vanilla" is a fixed hypothesis, so Holm's step-down holds
+    their family-wise error at a: after r retirements the others are tested at a / (K - 1 - r),
+    the sequence's mixture kept tuned at a / (K - 1) (docs/eval-protocol.md, "Racing")."""
     t = len(contest.scores[name])
     if t < race.MIN_ITEMS:
         return False
     got = scorer.cache[menu["vanilla"].digest]
     scale = sum(got[i][1] for i in pick_ids[:t]) / t  # tokens per item (1 for accuracy)
-    a = contest.alpha / max(len(contest.scores) - 1, 1)
+    family = len(contest.scores) - 1  # every config; vanilla is the reference
+    retired = sum(d["by"].startswith(WITHIN) for d in contest.dropped.values())
+    a, tuned = contest.alpha / max(family - retired, 1), contest.alpha / max(family, 1)
     diffs = power.paired(contest.scores[name][:t], contest.scores["vanilla"][:t])
-    return race.sequence(diffs, a, contest.horizon)[1] < effect * scale
+    return race.sequence(diffs, a, contest.horizon, tuned)[1] < effect * scale

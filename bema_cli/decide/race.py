@@ -46,22 +46,26 @@ def rounds(ids: Sequence) -> list[list]:
     return out
 
 
-def radius(sd: float, t: int, a: float, horizon: int) -> float:
-    """Half-width of the two-sided level-(1 - a) confidence sequence at t items (tightest at `horizon`)."""
+def radius(sd: float, t: int, a: float, horizon: int, tuned: float | None = None) -> float:
+    """Half-width of the two-sided level-(1 - a) confidence sequence at t items (tightest at `horizon`).
+    `tuned`: the level its mixture is tuned for (default `a`); held fixed, the width only grows as `a`
+    shrinks, which Holm's step-down needs (a rejection at a looser level implies one at a stricter)."""
     if t < 2:
         return math.inf
-    log_term = -2 * math.log(a)
+    log_term = -2 * math.log(a if tuned is None else tuned)
     rho2 = (log_term + math.log(log_term + 1)) / max(horizon, 2)  # Waudby-Smith et al., eq. (2.11)
     return sd * math.sqrt(2 * (t * rho2 + 1) / (t * t * rho2) * math.log(math.sqrt(t * rho2 + 1) / a))
 
 
-def sequence(diffs: Sequence[float], a: float, horizon: int) -> tuple[float, float]:
+def sequence(
+    diffs: Sequence[float], a: float, horizon: int, tuned: float | None = None
+) -> tuple[float, float]:
     """(low, high) of the confidence sequence for the mean of the paired differences seen so far."""
     t = len(diffs)
     if t < 2:
         return -math.inf, math.inf
     mean, sd = mean_sd(diffs)
-    r = radius(sd, t, a, horizon)
+    r = radius(sd, t, a, horizon, tuned)
     return mean - r, mean + r
 
 

@@ -81,10 +81,10 @@ def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, du
     # scored already; an earlier checkpoint is scored further only inside a soup that tries it); the
     # exhaustive design orders them on every pick item, as before
     first = pick_ids if duel is race.exhaustive else pick_ids[:RANK_ITEMS]
-    scored = [(name, c, sum(scores(c, first, name))) for name, c in ingredients]
     result: dict = {"candidates": trials, "pick_items": len(pick_ids), "race": RACE_NOTE}
     found = []
-    if "soup" in fits:
+    if "soup" in fits:  # only the soup ranks them: the simplex alone loads no earlier checkpoint
+        scored = [(name, c, sum(scores(c, first, name))) for name, c in ingredients]
         names, c = fit.greedy_soup(scored, better("soup"))
         if len(names) > 1:  # a soup of one ingredient is that ingredient
             found.append(("soup", c, "soup"))

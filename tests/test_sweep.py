@@ -375,6 +375,8 @@ def test_bad_input_is_one_line(world, tmp_path):
     assert "--at last" in line
     line = one_line_error(run_bema(*base, "--follow", "--at", "20,x", *loss), 2)
     assert "--at: all, last, every:N or a comma list of steps, got '20,x'" in line
+    line = one_line_error(run_bema(*base, "--follow", "--until-step", "-1", *loss), 2)  # as stabilize's
+    assert "--until-step: must be a step >= 0, got -1" in line
     assert not (tmp_path / "o" / "results.jsonl").exists()
 
 

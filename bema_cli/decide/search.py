@@ -77,13 +77,13 @@ def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, du
 
         return compare
 
-    # the order the soup tries its ingredients in, from the first RANK_ITEMS pick items (the menu's are
-    # scored already; an earlier checkpoint is scored further only inside a soup that tries it); the
-    # exhaustive design orders them on every pick item, as before
-    first = pick_ids if duel is race.exhaustive else pick_ids[:RANK_ITEMS]
     result: dict = {"candidates": trials, "pick_items": len(pick_ids), "race": RACE_NOTE}
     found = []
-    if "soup" in fits:  # only the soup ranks them: the simplex alone loads no earlier checkpoint
+    if "soup" in fits:  # only the soup ranks ingredients: the simplex alone loads no earlier checkpoint
+        # the order the soup tries them in, from the first RANK_ITEMS pick items (the menu's are scored
+        # already; an earlier checkpoint is scored further only inside a soup that tries it); the
+        # exhaustive design orders them on every pick item, as before
+        first = pick_ids if duel is race.exhaustive else pick_ids[:RANK_ITEMS]
         scored = [(name, c, sum(scores(c, first, name))) for name, c in ingredients]
         names, c = fit.greedy_soup(scored, better("soup"))
         if len(names) > 1:  # a soup of one ingredient is that ingredient

@@ -264,3 +264,30 @@ def test_verify_of_a_stabilize_output_writes_nothing(stabilized, tmp_path):
         assert json.loads(out)["rebuilt"] == "in memory"
     assert sorted(p.name for p in folder.parent.iterdir()) == before and mine.is_dir()
     assert not list(tmp.iterdir())
+
+
+def test_the_rebuild_in_a_temporary_folder_agrees_and_names_what_differs(stabilized, tmp_path, monkeypatch):
+    """A model whose walk would not fit in memory is rebuilt by the stabilize engine in a private
+    temporary folder: bitwise what the walk gives, a changed tensor named, and the folder gone after."""
+    import tempfile
+
+    from bema_cli.decide import verify
+
+    monkeypatch.setattr(verify, "WALK_SHARE", 0.0)  # no walk fits: the other rebuild
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for run in ("ema-k0.5", "bema-k0.5-e0.2", "dema-k0.5", "lawa-w3"):
+        folder = stabilized["out"] / run / "checkpoint-30"
+        doc = verify.verify(folder)
+        assert doc["identical"] and doc["rebuilt"].startswith("in a temporary folder"), (run, doc)
+    copy = tmp_path / "copied"
+    shutil.copytree(stabilized["out"] / "dema-k0.5" / "checkpoint-30", copy)
+    path = copy / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    weights = load_file(path)
+    name = sorted(k for k, v in weights.items() if v.is_floating_point())[-1]
+    weights[name].view(-1)[0] += 1e-3
+    save_file(weights, str(path), metadata=meta)
+    doc = verify.verify(copy)
+    assert not doc["identical"] and doc["differ"] == [name], doc
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("bema-verify-")]

@@ -143,3 +143,28 @@ def test_simplex_fit_moves_weight_where_the_score_is_lower():
     uniform = loss([0, 0, 1 / 3, 1 / 3, 1 / 3])
     assert loss(c) < uniform / 2 and calls <= fit.SIMPLEX_BUDGET
     assert c[:2] == [0.0, 0.0] and math.fsum(c) == pytest.approx(1.0) and c[2] > c[3] > c[4]
+
+
+@pytest.mark.parametrize(
+    "target", [[0.0, 0.0, 0.7, 0.2, 0.1], [0.0, 0.0, 0.1, 0.3, 0.6], [0.0, 0.0, 0.2, 0.6, 0.2]]
+)
+def test_simplex_fit_never_spends_a_trial_on_a_point_already_tried(target):
+    """A duel of a point against the same incumbent is decided already (its scores are cached: it
+    costs no item and says nothing new), and an incumbent left behind is known worse: each of the
+    budget's trials is a new vector (before, a sweep after a win polled its coordinates again)."""
+
+    def loss(c):
+        return sum((x - y) ** 2 for x, y in zip(c, target, strict=True))
+
+    trials, incumbents = [], []
+
+    def better(t, best):
+        trials.append(tuple(round(x, 12) for x in t))
+        incumbents.append(tuple(round(x, 12) for x in best))
+        return loss(t) < loss(best)
+
+    c, calls = fit.simplex_fit(3, 5, better)
+    assert calls == len(trials) == fit.SIMPLEX_BUDGET  # the whole budget, on new points
+    assert len(set(trials)) == len(trials), trials
+    assert not set(trials) & {incumbents[0]}  # never back to the uniform start
+    assert loss(c) < loss([0, 0, 1 / 3, 1 / 3, 1 / 3])

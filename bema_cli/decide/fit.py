@@ -126,7 +126,10 @@ def simplex_fit(
 ) -> tuple[list[float], int]:
     """Weights on the simplex over the last `k` of n-1 checkpoints (basis indices n-k..n-1) with the
     lowest held-out loss on the pick items: coordinate search on softmax logits from the uniform
-    start, a trial kept when `better(trial, best)`. Returns (c over the whole basis, trials made)."""
+    start, a trial kept when `better(trial, best)`. Every trial is a point not tried before: one
+    already beaten (a move back to an incumbent left behind, or a move polled again from the same
+    incumbent after a later coordinate's win) would spend the budget on a known answer. Returns
+    (c over the whole basis, trials made)."""
     logits, step, calls = [0.0] * k, SIMPLEX_STEP, 0
 
     def vector(z: list[float]) -> list[float]:
@@ -135,14 +138,19 @@ def simplex_fit(
         total = sum(w)
         return [0.0] * (n - k) + [x / total for x in w]
 
+    def point(z: list[float]) -> tuple:  # logits up to a shift are one vector
+        return tuple(round(x - z[0], 9) for x in z)
+
+    tried = {point(logits)}
     while calls < SIMPLEX_BUDGET and step > 1e-3:
         improved = False
         for i in range(k):
             for move in (step, -step):
-                if calls >= SIMPLEX_BUDGET:
-                    break
                 trial = logits.copy()
                 trial[i] += move
+                if calls >= SIMPLEX_BUDGET or point(trial) in tried:
+                    continue
+                tried.add(point(trial))
                 calls += 1
                 if better(vector(trial), vector(logits)):
                     logits, improved = trial, True

@@ -94,6 +94,7 @@ bench: install install-vllm
 	$(PY) bench/bench_ship.py
 	$(PY) bench/bench_decide.py
 	$(PY) bench/bench_combine.py
+	$(PY) bench/bench_simplex.py  # the simplex's accepted moves on drift worlds, 3 end rules: ~10 s
 	$(PY) bench/bench_predictor.py  # #50.5: rho of the basis's prediction, tiny Qwen2, ~30 s
 	$(PY) bench/bench_motion_rule.py
 	$(PY) bench/bench_busy.py  # demo-quick idle, beside 2 busy processes, and spinning as before: ~4 min

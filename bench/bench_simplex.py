@@ -3,10 +3,11 @@
 A world is bench_decide's (8 checkpoints, per-item noise z_ij, loss 1 + A c_0^2 + lam sum c_j^2)
 plus a drift: checkpoint j's loss is higher by drift * (8 - j) / 7, so later checkpoints are truly
 better and the best weights over the last 4 are not uniform. fit.simplex_fit runs on 100 pick
-items with ship's duel (race.duel), and three rules for a duel that reaches the last pick item:
-today's point estimate (mean > 0), one standard error ahead (the bar race._behind sets at 32
-items), and the anytime-valid sequence alone (low > 0). Printed: the fit's true loss against its
-uniform start (LAWA-w4), the rules paired on the same draws, and the items each spends.
+items with ship's duel (race.duel), today's and three others: without the futility bound's early
+look at 16 items (race.BEHIND), and two rules for a duel that reaches the last pick item instead of
+the point estimate (mean > 0): one standard error ahead (the bar race.BEHIND sets from 32 items),
+and the anytime-valid sequence alone (low > 0). Printed: the fit's true loss against its uniform
+start (LAWA-w4), each rule paired with today's on the same draws, and the items each spends.
 
     .venv/bin/python bench/bench_simplex.py [--reps 300]
 """
@@ -45,18 +46,22 @@ def world(seed: int, items: int, lam: float, drift: float):
 
 
 def at_the_end(rule: str):
-    """race.duel, with `rule` deciding a duel that ran to the last pick item."""
+    """race.duel as ship runs it ("today"), without the early look, or with `rule` deciding a duel
+    that ran to the last pick item."""
 
     def duel(trial, incumbent, ids, alpha=race.ALPHA, report_n=None):
-        won, used, diff = race.duel(trial, incumbent, ids, alpha, report_n)
-        if won and used == len(ids) and rule != "point":
+        saved = race.BEHIND
+        if rule == "no early look":
+            race.BEHIND = tuple(b for b in saved if b[0] > race.MIN_ITEMS)
+        try:
+            won, used, diff = race.duel(trial, incumbent, ids, alpha, report_n)
+        finally:
+            race.BEHIND = saved
+        if won and used == len(ids) and rule in ("1 se", "sequence"):
             d = race.paired(trial(list(ids)), incumbent(list(ids)))
             mean, sd = mean_sd(d)
-            won = (
-                mean > race.BEHIND_SE * sd / math.sqrt(len(d))
-                if rule == "1 se"
-                else race.sequence(d, alpha, len(d))[0] > 0
-            )
+            one_se = mean > race.BEHIND[-1][1] * sd / math.sqrt(len(d))
+            won = one_se if rule == "1 se" else race.sequence(d, alpha, len(d))[0] > 0
         return won, used, diff
 
     return duel
@@ -86,7 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=300)
     reps = ap.parse_args().reps
-    rules = ("point", "1 se", "sequence")
+    rules = ("today", "no early look", "1 se", "sequence")
     print(
         f"simplex fit, true loss vs its uniform start (nats/token), {reps} draws per world; paired vs today's rule"
     )
@@ -95,7 +100,7 @@ def main() -> None:
         cells = []
         for r in rules:
             gain = [g for g, _ in got[r]]
-            paired = [a - b for (a, _), (b, _) in zip(got[r], got["point"], strict=True)]
+            paired = [a - b for (a, _), (b, _) in zip(got[r], got["today"], strict=True)]
             m, sd = mean_sd(paired)
             items = np.mean([n for _, n in got[r]])
             cells.append(

@@ -109,8 +109,10 @@ def test_the_futility_bound_adds_no_win_and_stops_near_ties_early(monkeypatch):
     def of(v):
         return lambda i: v[i].tolist()
 
+    behind = race.BEHIND
+
     def duel(x, y, bound: bool):
-        monkeypatch.setattr(race, "BEHIND_ITEMS", 32 if bound else 10**9)
+        monkeypatch.setattr(race, "BEHIND", behind if bound else ())
         return race.duel(of(x), of(y), ids)
 
     used = {True: 0, False: 0}
@@ -135,6 +137,25 @@ def test_the_futility_bound_adds_no_win_and_stops_near_ties_early(monkeypatch):
         x, y = shared + 0.6 + rng.normal(0, 0.7, size=100), shared + rng.normal(0, 0.7, size=100)
         clear += duel(x, y, True)[0]
     assert clear >= 95, clear
+
+
+def test_the_early_look_stops_a_trial_behind_by_half_a_standard_error():
+    """After 16 pick items a trial behind the incumbent by more than half a standard error stops
+    there (race.BEHIND's first look); one behind by less goes on to 32, where it must be a whole
+    standard error ahead; neither can win by the bound."""
+    ids = list(range(100))
+    noise = np.array([1.0, -1.0] * 50)  # paired differences of sd ~1 around their shift
+    se16 = float(np.std(noise[:16], ddof=1)) / 4.0
+
+    def used(shift_in_se: float) -> tuple[bool, int]:
+        d = noise + shift_in_se * se16
+        won, n, _ = race.duel(lambda b: d[b].tolist(), lambda b: [0.0] * len(b), ids)
+        return won, n
+
+    assert used(-0.6) == (False, 16)
+    won, n = used(-0.4)
+    assert not won and n == 32  # past the early look; not a whole s.e. ahead at 32
+    assert used(0.3) == (False, 32)
 
 
 def test_the_minimum_detectable_difference_is_found_80_percent_of_the_time():

@@ -20,7 +20,6 @@ import json
 import random
 
 NAMES = ["Mia", "Leo", "Ava", "Sam", "Zoe", "Max", "Ivy", "Ben", "Eva", "Tom", "Lily", "Jack"]
-ITEMS = ["apples", "pens", "books", "coins", "cards", "shells", "stamps", "marbles"]
 COLORS = ["red", "blue", "green", "yellow", "black", "white"]
 OBJECTS = ["hat", "car", "kite", "bag", "cup", "ball", "bike", "coat"]
 _SYLLABLES = ["ka", "lo", "mir", "ven", "tor", "sa", "dun", "pel", "ri", "zan", "bo", "quel"]

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from types import ModuleType
 
 SCORINGS = ("strict", "flexible")  # metric suffixes: accuracy_strict, accuracy_flexible, ...
-PLOTTED = "flexible"  # what `bema report --plot` draws by default (docs/eval-protocol.md says why)
 
 
 def build_messages(task: ModuleType, doc: dict, shots: Sequence[dict] = (), cot: bool = False) -> list[dict]:

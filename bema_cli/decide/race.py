@@ -32,8 +32,8 @@ MIN_ITEMS = (
 )
 # a duel's futility bound, (items, standard errors): from 16 items a trial behind the incumbent by
 # half a standard error stops, from 32 one not ahead by a whole one (rising with the information, as
-# group-sequential futility bounds do; bench/bench_simplex.py: the early look saves 14% of the
-# search's items at no cost to the fit the simulation can see)
+# group-sequential futility bounds do; bench/bench_simplex.py: the early look saves 10-14% of the
+# search's items at no cost to the fit the simulation can resolve)
 BEHIND = ((16, -0.5), (32, 1.0))
 
 
@@ -131,7 +131,7 @@ def duel(
     report can confirm cannot change the decision); or the trial is not ahead by the standard errors
     BEHIND asks at the items seen (a non-binding futility bound, as in group-sequential trials:
     it only ever makes a trial lose, so it adds no false win; what it costs in the fit's value is
-    measured by bench/bench_decide.py). Else the point estimate on every item decides. Returns
+    measured by bench/bench_decide.py and bench/bench_simplex.py). Else the point estimate on every item decides. Returns
     (better, items used, mean difference on them)."""
     diffs: list[float] = []
     for batch in rounds(ids):

@@ -48,7 +48,8 @@ def select(
         str | None,
         typer.Option(
             "--write",
-            help="Write the winner (its config at its step) as this model folder, through bema stabilize, with its card.",
+            help="Write the winner (its config at its step) as this model folder, with its card: its coefficient "
+            "vector summed from the checkpoints, as ship writes.",
         ),
     ] = None,
     overwrite: Annotated[

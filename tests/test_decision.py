@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from bema_cli.decide import decision, select
 from bema_cli.decide.ship import ShipOptions
@@ -53,6 +54,7 @@ def test_vanilla_picked_by_the_tie_rule_while_the_report_half_favours_an_average
     assert f"{len(report)} report items: differences under " in why and made["mdd"] > 0
 
 
+@pytest.mark.slow  # the benchmark itself (~15 s): make test-slow, which CI runs
 def test_the_decision_benchmark_runs_ship_s_decision_code():
     proc = subprocess.run([sys.executable, str(BENCH), "--reps", "30", "--json"], capture_output=True,
                           text=True, timeout=600)  # fmt: skip

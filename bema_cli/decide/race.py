@@ -131,8 +131,8 @@ def duel(
     report can confirm cannot change the decision); or the trial is not ahead by the standard errors
     BEHIND asks at the items seen (a non-binding futility bound, as in group-sequential trials:
     it only ever makes a trial lose, so it adds no false win; what it costs in the fit's value is
-    measured by bench/bench_decide.py and bench/bench_simplex.py). Else the point estimate on every item decides. Returns
-    (better, items used, mean difference on them)."""
+    measured by bench/bench_decide.py and bench/bench_simplex.py). Else the point estimate on every
+    item decides. Returns (better, items used, mean difference on them)."""
     diffs: list[float] = []
     for batch in rounds(ids):
         diffs += paired(trial(batch), incumbent(batch))

@@ -14,7 +14,6 @@ import re
 import signal
 import sys
 import traceback
-from typing import Annotated
 
 import typer
 import typer._click.exceptions as click  # typer's own copy of click's exception classes
@@ -34,6 +33,7 @@ from bema_cli.commands import (
     verify,
 )
 from bema_cli.errors import BemaError
+from bema_cli.options import option
 
 app = typer.Typer(
     name="bema",
@@ -60,19 +60,17 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
-    ] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="Show Python tracebacks on errors.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only errors on stderr.")] = False,
-    verbose: Annotated[
+    version: option(
+        bool, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ) = False,
+    debug: option(bool, "--debug", help="Show Python tracebacks on errors.") = False,
+    quiet: option(bool, "--quiet", "-q", help="Only errors on stderr.") = False,
+    verbose: option(
         bool,
-        typer.Option(
-            "--verbose",
-            "-v",
-            help="Also show the libraries' own output (vLLM, transformers, lm-eval) on stderr.",
-        ),
-    ] = False,
+        "--verbose",
+        "-v",
+        help="Also show the libraries' own output (vLLM, transformers, lm-eval) on stderr.",
+    ) = False,
 ) -> None:
     global _debug
     _debug = _debug or debug

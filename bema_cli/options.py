@@ -9,36 +9,38 @@ import typer
 
 from bema_cli.errors import UsageError
 
-JsonOpt = Annotated[
-    bool, typer.Option("--json", help="Print one JSON document on stdout (logs stay on stderr).")
-]
-OutDirOpt = Annotated[str, typer.Option("--out", "-o", help="Output directory.")]
-OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace existing outputs.")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
+
+def option(kind, *names: str, help: str | None = None, **settings):
+    """A typer option as one annotation: `out: option(str, "--out", help="...") = "demo"`."""
+    return Annotated[kind, typer.Option(*names, help=help, **settings)]
+
+
+def argument(kind, help: str | None = None, **settings):
+    """A typer argument as one annotation, as `option`."""
+    return Annotated[kind, typer.Argument(help=help, **settings)]
+
+
+JsonOpt = option(bool, "--json", help="Print one JSON document on stdout (logs stay on stderr).")
+OutDirOpt = option(str, "--out", "-o", help="Output directory.")
+OverwriteOpt = option(bool, "--overwrite", help="Replace existing outputs.")
+SeedOpt = option(int, "--seed", help="Random seed.")
 
 # Where the work runs (bema_cli/cluster.py, docs/scale-out.md).
-ExecutorOpt = Annotated[
-    str,
-    typer.Option(
-        "--executor", help="local (this process) or ray (a Ray cluster; pip install 'bema-cli\\[ray]')."
-    ),
-]
-WorkersOpt = Annotated[int, typer.Option("--workers", help="Parallel workers (with --executor ray).")]
-RayAddressOpt = Annotated[
+ExecutorOpt = option(
+    str, "--executor", help="local (this process) or ray (a Ray cluster; pip install 'bema-cli\\[ray]')."
+)
+WorkersOpt = option(int, "--workers", help="Parallel workers (with --executor ray).")
+RayAddressOpt = option(
     str | None,
-    typer.Option(
-        "--ray-address",
-        help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray started in this process).",
-    ),
-]
+    "--ray-address",
+    help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray started in this process).",
+)
 
 
 # Stabilizer hyperparameters (names follow the paper's symbols; see docs/math.md). The grid's
 # dimensions are comma lists; None means "not given", so a list no method of the grid uses is an error.
 def _grid(flag: str, help: str, default: str):
-    return Annotated[
-        str | None, typer.Option(flag, help=f"{help} Comma list for a grid (default: {default}).")
-    ]
+    return option(str | None, flag, help=f"{help} Comma list for a grid (default: {default}).")
 
 
 KappaOpt = _grid("--kappa", "EMA decay power: beta_s = w(s)**-kappa.", "0.5")
@@ -67,54 +69,43 @@ HalfLifeOpt = _grid(
     "gamma = ln 2 / h - 1.",
     "from --sigma-rel",
 )
-MinIntervalOpt = Annotated[
+MinIntervalOpt = option(
     int | None,
-    typer.Option(
-        "--min-interval",
-        help="Thin the inputs as Megatron-LM's merge tool does: from the last step back, keep checkpoints at "
-        "least this many steps apart (one-shot: no state).",
-    ),
-]
-MinCheckpointsOpt = Annotated[
+    "--min-interval",
+    help="Thin the inputs as Megatron-LM's merge tool does: from the last step back, keep checkpoints at "
+    "least this many steps apart (one-shot: no state).",
+)
+MinCheckpointsOpt = option(
     int | None,
-    typer.Option(
-        "--min-checkpoints", help="Refuse a run with fewer checkpoints than this (after --min-interval)."
-    ),
-]
-TokensPerStepOpt = Annotated[
+    "--min-checkpoints",
+    help="Refuse a run with fewer checkpoints than this (after --min-interval).",
+)
+TokensPerStepOpt = option(
     float | None,
-    typer.Option(
-        "--tokens-per-step",
-        help="Tokens one optimizer step consumes, for durations in tokens (default: the trainer's own record: "
-        "num_input_tokens_seen, or Megatron-Bridge's run_config.yaml).",
-    ),
-]
+    "--tokens-per-step",
+    help="Tokens one optimizer step consumes, for durations in tokens (default: the trainer's own record: "
+    "num_input_tokens_seen, or Megatron-Bridge's run_config.yaml).",
+)
 SigmaRelOpt = _grid("--sigma-rel", "power: EDM2's relative width of the power EMA.", "0.05")
 PowerGammaOpt = _grid(
     "--power-gamma", "power: the exponent gamma directly (instead of --sigma-rel).", "from --sigma-rel"
 )
-GammaOpt = Annotated[float, typer.Option("--gamma", help="Step multiplier in w(s) = rho + gamma*s.")]
-RhoOpt = Annotated[float, typer.Option("--rho", help="Lag offset in w(s) = rho + gamma*s.")]
-TauOpt = Annotated[
-    int, typer.Option("--tau", help="Burn-in: steps <= tau restart the average (theta0 = theta_s).")
-]
-PhiOpt = Annotated[
+GammaOpt = option(float, "--gamma", help="Step multiplier in w(s) = rho + gamma*s.")
+RhoOpt = option(float, "--rho", help="Lag offset in w(s) = rho + gamma*s.")
+TauOpt = option(int, "--tau", help="Burn-in: steps <= tau restart the average (theta0 = theta_s).")
+PhiOpt = option(
     int | None,
-    typer.Option(
-        "--phi",
-        help="Update every phi steps (paper preset default: every checkpoint; reference preset: 400).",
-    ),
-]
-BetaMinOpt = Annotated[
-    float | None,
-    typer.Option("--beta-min", help="Floor on beta_s (default 0 for paper, 1e-4 for reference)."),
-]
-PresetOpt = Annotated[
+    "--phi",
+    help="Update every phi steps (paper preset default: every checkpoint; reference preset: 400).",
+)
+BetaMinOpt = option(
+    float | None, "--beta-min", help="Floor on beta_s (default 0 for paper, 1e-4 for reference)."
+)
+PresetOpt = option(
     str,
-    typer.Option(
-        "--preset", help="'paper' (Algorithm 1, TRL BEMACallback) or 'reference' (the authors' offline code)."
-    ),
-]
+    "--preset",
+    help="'paper' (Algorithm 1, TRL BEMACallback) or 'reference' (the authors' offline code).",
+)
 
 
 def _items(text: str, flag: str) -> list[str]:
@@ -190,80 +181,58 @@ def parse_size(text: str, flag: str) -> int:
     return size
 
 
-MethodOpt = Annotated[
+MethodOpt = option(
     str | None,
-    typer.Option(
-        "--method",
-        help="bema, ema, dema, ouema, lawa, wsm, swa, power, vanilla; comma list for a grid (default: bema).",
-    ),
-]
-GridConfigOpt = Annotated[
+    "--method",
+    help="bema, ema, dema, ouema, lawa, wsm, swa, power, vanilla; comma list for a grid (default: bema).",
+)
+GridConfigOpt = option(
     str | None,
-    typer.Option(
-        "--config",
-        help="A YAML grid: `methods:` mapping each method to its own parameter lists (docs/math.md); replaces --method and the grid flags.",
-    ),
-]
+    "--config",
+    help="A YAML grid: `methods:` mapping each method to its own parameter lists (docs/math.md); replaces --method and the grid flags.",
+)
 
 # stabilize and sweep: reading the run
-AccumDtypeOpt = Annotated[str, typer.Option("--accum-dtype", help="float32 or float64 accumulators.")]
-AllowNonfiniteOpt = Annotated[
-    bool, typer.Option("--allow-nonfinite", help="Do not stop on NaN/Inf in inputs.")
-]
-AllowGapsOpt = Annotated[
+AccumDtypeOpt = option(str, "--accum-dtype", help="float32 or float64 accumulators.")
+AllowNonfiniteOpt = option(bool, "--allow-nonfinite", help="Do not stop on NaN/Inf in inputs.")
+AllowGapsOpt = option(
     bool,
-    typer.Option(
-        "--allow-gaps",
-        help="Go on when checkpoints the run's cadence (trainer_state.json save_steps, or the state's history) says were saved are gone.",
-    ),
-]
-FollowOpt = Annotated[
+    "--allow-gaps",
+    help="Go on when checkpoints the run's cadence (trainer_state.json save_steps, or the state's history) says were saved are gone.",
+)
+FollowOpt = option(
     bool,
-    typer.Option(
-        "--follow",
-        help="Keep watching CHECKPOINT_DIR and take each new checkpoint once it is complete (stabilize writes "
-        "its outputs, sweep evaluates it).",
-    ),
-]
-UntilStepOpt = Annotated[
-    int | None, typer.Option("--until-step", help="--follow: stop once this step is processed.")
-]
-IdleTimeoutOpt = Annotated[
+    "--follow",
+    help="Keep watching CHECKPOINT_DIR and take each new checkpoint once it is complete (stabilize writes "
+    "its outputs, sweep evaluates it).",
+)
+UntilStepOpt = option(int | None, "--until-step", help="--follow: stop once this step is processed.")
+IdleTimeoutOpt = option(
+    float | None, "--idle-timeout", help="--follow: stop after this many seconds without a new checkpoint."
+)
+PollOpt = option(float, "--poll", help="--follow: seconds between looks at CHECKPOINT_DIR.")
+SettleOpt = option(
     float | None,
-    typer.Option("--idle-timeout", help="--follow: stop after this many seconds without a new checkpoint."),
-]
-PollOpt = Annotated[float, typer.Option("--poll", help="--follow: seconds between looks at CHECKPOINT_DIR.")]
-SettleOpt = Annotated[
-    float | None,
-    typer.Option(
-        "--settle",
-        help="--follow, runs without trainer_state.json: seconds a checkpoint's content must hold still (default max(5, 2 x --poll)).",
-    ),
-]
+    "--settle",
+    help="--follow, runs without trainer_state.json: seconds a checkpoint's content must hold still (default max(5, 2 x --poll)).",
+)
 # sweep and ship: the walk that holds every config's average in memory
-WalkBaseOpt = Annotated[
+WalkBaseOpt = option(
+    str | None, "--base", help="theta0: a model folder or Hub repo id (default: as bema stabilize infers it)."
+)
+WalkMemoryOpt = option(
     str | None,
-    typer.Option(
-        "--base", help="theta0: a model folder or Hub repo id (default: as bema stabilize infers it)."
-    ),
-]
-WalkMemoryOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--max-memory", help="Memory the sweep may hold, states and engine (default: what is available)."
-    ),
-]
-WalkDeviceOpt = Annotated[
-    str,
-    typer.Option("--device", help="Where the sweep's states live: auto (the GPU when present), cpu or cuda."),
-]
-WalkDtypeOpt = Annotated[
-    str | None, typer.Option("--out-dtype", help="The dtype the configs are cast to (default: the inputs').")
-]
-CastBaseOpt = Annotated[
+    "--max-memory",
+    help="Memory the sweep may hold, states and engine (default: what is available).",
+)
+WalkDeviceOpt = option(
+    str, "--device", help="Where the sweep's states live: auto (the GPU when present), cpu or cuda."
+)
+WalkDtypeOpt = option(
+    str | None, "--out-dtype", help="The dtype the configs are cast to (default: the inputs')."
+)
+CastBaseOpt = option(
     bool,
-    typer.Option(
-        "--cast-base",
-        help="Accept a base of another float dtype than the checkpoints (e.g. bf16 Hub base, fp32 fine-tune).",
-    ),
-]
+    "--cast-base",
+    help="Accept a base of another float dtype than the checkpoints (e.g. bf16 Hub base, fp32 fine-tune).",
+)

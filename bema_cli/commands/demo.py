@@ -2,40 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
-
 from bema_cli import output
 from bema_cli.demo.pins import pin_instruction_set
-from bema_cli.options import JsonOpt, OverwriteOpt
+from bema_cli.options import JsonOpt, OverwriteOpt, option
 
 
 def demo(
-    out: Annotated[str, typer.Option("--out", "-o", help="Output directory.")] = "demo",
-    quick: Annotated[
-        bool,
-        typer.Option("--quick", help="A tiny model and a few steps (about a minute): checks the pipeline."),
-    ] = False,
-    backend: Annotated[
+    out: option(str, "--out", "-o", help="Output directory.") = "demo",
+    quick: option(
+        bool, "--quick", help="A tiny model and a few steps (about a minute): checks the pipeline."
+    ) = False,
+    backend: option(
         str,
-        typer.Option(
-            "--backend",
-            help="bema eval backend: auto (vllm if usable, else transformers), vllm or transformers.",
-        ),
-    ] = "auto",
+        "--backend",
+        help="bema eval backend: auto (vllm if usable, else transformers), vllm or transformers.",
+    ) = "auto",
     overwrite: OverwriteOpt = False,
-    keep_failed: Annotated[
+    keep_failed: option(
         bool,
-        typer.Option(
-            "--keep-failed",
-            help="Also keep the unfinished stage's files when a stage fails or is interrupted (finished stages are always kept; rerun to continue).",
-        ),
-    ] = False,
-    seed: Annotated[
-        int,
-        typer.Option("--seed", help="Seed of the data, the models' initialisation and the training order."),
-    ] = 0,
+        "--keep-failed",
+        help="Also keep the unfinished stage's files when a stage fails or is interrupted (finished stages are always kept; rerun to continue).",
+    ) = False,
+    seed: option(
+        int, "--seed", help="Seed of the data, the models' initialisation and the training order."
+    ) = 0,
     json_out: JsonOpt = False,
 ) -> None:
     """Run the whole pipeline offline on a small model trained here: 4-11 minutes on 2 CPU cores.

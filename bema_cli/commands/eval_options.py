@@ -2,147 +2,101 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
+from bema_cli.options import option
 
 _T = "Protocol (defaults = the paper's)"
 _E = "Engine"
 DEFAULT_OUT = "results"  # `bema report results/` reads it back
 
-TasksOpt = Annotated[
+TasksOpt = option(
     str,
-    typer.Option(
-        "--tasks",
-        help="Comma list of boolq,gsm8k,mmlu_hs,loss,train_loss, then lm_eval:<task>[,<task>...] (lm-evaluation-harness tasks or groups); `list` prints them.",
-    ),
-]
-OutOpt = Annotated[
+    "--tasks",
+    help="Comma list of boolq,gsm8k,mmlu_hs,loss,train_loss, then lm_eval:<task>[,<task>...] (lm-evaluation-harness tasks or groups); `list` prints them.",
+)
+OutOpt = option(
     str | None,
-    typer.Option(
-        "--out",
-        "-o",
-        help=f"Directory for results.jsonl (and samples.jsonl); default ./{DEFAULT_OUT}, said up front.",
-    ),
-]
-BaseOpt = Annotated[
-    str | None, typer.Option("--base", help="Base model, evaluated once as step 0 of every run.")
-]
-DataDirOpt = Annotated[
-    str | None, typer.Option("--data-dir", help="Local <task>.jsonl|parquet files instead of the Hub.")
-]
-LossDataOpt = Annotated[
-    str | None, typer.Option("--loss-data", help="Held-out jsonl ({messages} or {text}); adds task loss.")
-]
-LossTrainDataOpt = Annotated[
-    str | None, typer.Option("--loss-train-data", help="Train jsonl; adds task train_loss.")
-]
-LossSamplesOpt = Annotated[
-    int, typer.Option("--loss-samples", help="First N loss records.", rich_help_panel=_T)
-]
-LossMaxTokensOpt = Annotated[
-    int, typer.Option("--loss-max-tokens", help="Truncate loss records to N tokens.", rich_help_panel=_T)
-]
-NSamplesOpt = Annotated[int, typer.Option("--n-samples", help="Samples per prompt.", rich_help_panel=_T)]
-TemperatureOpt = Annotated[
-    float, typer.Option("--temperature", help="Sampling temperature (0 = greedy).", rich_help_panel=_T)
-]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Sampling seed.", rich_help_panel=_T)]
-MaxNewTokensOpt = Annotated[
+    "--out",
+    "-o",
+    help=f"Directory for results.jsonl (and samples.jsonl); default ./{DEFAULT_OUT}, said up front.",
+)
+BaseOpt = option(str | None, "--base", help="Base model, evaluated once as step 0 of every run.")
+DataDirOpt = option(str | None, "--data-dir", help="Local <task>.jsonl|parquet files instead of the Hub.")
+LossDataOpt = option(str | None, "--loss-data", help="Held-out jsonl ({messages} or {text}); adds task loss.")
+LossTrainDataOpt = option(str | None, "--loss-train-data", help="Train jsonl; adds task train_loss.")
+LossSamplesOpt = option(int, "--loss-samples", help="First N loss records.", rich_help_panel=_T)
+LossMaxTokensOpt = option(
+    int, "--loss-max-tokens", help="Truncate loss records to N tokens.", rich_help_panel=_T
+)
+NSamplesOpt = option(int, "--n-samples", help="Samples per prompt.", rich_help_panel=_T)
+TemperatureOpt = option(float, "--temperature", help="Sampling temperature (0 = greedy).", rich_help_panel=_T)
+SeedOpt = option(int, "--seed", help="Sampling seed.", rich_help_panel=_T)
+MaxNewTokensOpt = option(
+    int | None, "--max-new-tokens", help="Default: 256 boolq/mmlu_hs, 512 gsm8k.", rich_help_panel=_T
+)
+SelectionSeedOpt = option(int, "--selection-seed", help="Seed of the prompt subset.", rich_help_panel=_T)
+LimitOpt = option(
     int | None,
-    typer.Option("--max-new-tokens", help="Default: 256 boolq/mmlu_hs, 512 gsm8k.", rich_help_panel=_T),
-]
-SelectionSeedOpt = Annotated[
-    int, typer.Option("--selection-seed", help="Seed of the prompt subset.", rich_help_panel=_T)
-]
-LimitOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--limit",
-        help="Prompts per task (per subject for mmlu_hs); default 64/128/64.",
-        rich_help_panel=_T,
-    ),
-]
-NumFewshotOpt = Annotated[
+    "--limit",
+    help="Prompts per task (per subject for mmlu_hs); default 64/128/64.",
+    rich_help_panel=_T,
+)
+NumFewshotOpt = option(
     int,
-    typer.Option(
-        "--num-fewshot",
-        help="Few-shot examples per prompt from the train split (the paper's text: 5 for BoolQ); default 0, as the authors' code.",
-        rich_help_panel=_T,
-    ),
-]
-CotOpt = Annotated[
+    "--num-fewshot",
+    help="Few-shot examples per prompt from the train split (the paper's text: 5 for BoolQ); default 0, as the authors' code.",
+    rich_help_panel=_T,
+)
+CotOpt = option(
     bool,
-    typer.Option(
-        "--cot",
-        help="Ask BoolQ and MMLU-HS for step-by-step reasoning (GSM8K always asks).",
-        rich_help_panel=_T,
-    ),
-]
-LmEvalIncludeOpt = Annotated[
+    "--cot",
+    help="Ask BoolQ and MMLU-HS for step-by-step reasoning (GSM8K always asks).",
+    rich_help_panel=_T,
+)
+LmEvalIncludeOpt = option(
     str | None,
-    typer.Option(
-        "--lm-eval-include",
-        help="Folder of local lm-eval task YAMLs for lm_eval:<task>.",
-        rich_help_panel=_T,
-    ),
-]
-ChatTemplateOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--chat-template", help="Jinja chat template file overriding the model's.", rich_help_panel=_T
-    ),
-]
-BackendOpt = Annotated[
+    "--lm-eval-include",
+    help="Folder of local lm-eval task YAMLs for lm_eval:<task>.",
+    rich_help_panel=_T,
+)
+ChatTemplateOpt = option(
+    str | None, "--chat-template", help="Jinja chat template file overriding the model's.", rich_help_panel=_T
+)
+BackendOpt = option(
     str,
-    typer.Option(
-        "--backend",
-        help="auto (vllm if usable, else transformers), vllm or transformers.",
-        rich_help_panel=_E,
-    ),
-]
-DtypeOpt = Annotated[
-    str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.", rich_help_panel=_E)
-]
-TensorParallelSizeOpt = Annotated[int, typer.Option("--tensor-parallel-size", rich_help_panel=_E)]
-DataParallelSizeOpt = Annotated[int, typer.Option("--data-parallel-size", rich_help_panel=_E)]
-GpuMemoryUtilizationOpt = Annotated[float, typer.Option("--gpu-memory-utilization", rich_help_panel=_E)]
-MaxModelLenOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--max-model-len", help="Default: min(2048, the model's max positions).", rich_help_panel=_E
-    ),
-]
-EnforceEagerOpt = Annotated[
-    bool, typer.Option("--enforce-eager", help="No CUDA graphs (always on for CPU).", rich_help_panel=_E)
-]
-BatchSizeOpt = Annotated[
+    "--backend",
+    help="auto (vllm if usable, else transformers), vllm or transformers.",
+    rich_help_panel=_E,
+)
+DtypeOpt = option(str, "--dtype", help="auto, float32, bfloat16 or float16.", rich_help_panel=_E)
+TensorParallelSizeOpt = option(int, "--tensor-parallel-size", rich_help_panel=_E)
+DataParallelSizeOpt = option(int, "--data-parallel-size", rich_help_panel=_E)
+GpuMemoryUtilizationOpt = option(float, "--gpu-memory-utilization", rich_help_panel=_E)
+MaxModelLenOpt = option(
+    int | None, "--max-model-len", help="Default: min(2048, the model's max positions).", rich_help_panel=_E
+)
+EnforceEagerOpt = option(
+    bool, "--enforce-eager", help="No CUDA graphs (always on for CPU).", rich_help_panel=_E
+)
+BatchSizeOpt = option(
     int,
-    typer.Option(
-        "--batch-size",
-        help="Prompts per transformers generate call (a prompt's samples do not depend on it).",
-        rich_help_panel=_E,
-    ),
-]
-VerifySwapOpt = Annotated[
+    "--batch-size",
+    help="Prompts per transformers generate call (a prompt's samples do not depend on it).",
+    rich_help_panel=_E,
+)
+VerifySwapOpt = option(
     bool,
-    typer.Option(
-        "--verify-swap",
-        help="vLLM: check each swapped checkpoint's probe logprobs against a fresh engine on it.",
-        rich_help_panel=_E,
-    ),
-]
-LogSamplesOpt = Annotated[
+    "--verify-swap",
+    help="vLLM: check each swapped checkpoint's probe logprobs against a fresh engine on it.",
+    rich_help_panel=_E,
+)
+LogSamplesOpt = option(
+    bool, "--log-samples", help="Write every prompt, response, answer and gold to samples.jsonl."
+)
+ForceOpt = option(
     bool,
-    typer.Option("--log-samples", help="Write every prompt, response, answer and gold to samples.jsonl."),
-]
-ForceOpt = Annotated[
-    bool,
-    typer.Option(
-        "--force",
-        help="Re-evaluate (checkpoint, task) pairs already in results.jsonl, replacing their records (also when made with another setup).",
-    ),
-]
+    "--force",
+    help="Re-evaluate (checkpoint, task) pairs already in results.jsonl, replacing their records (also when made with another setup).",
+)
 
 
 def eval_settings(ev, eng, tasks: str, out: str | None, log_samples: bool = False, force: bool = False,

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
-
 from bema_cli import output, stages
 from bema_cli.commands.eval_options import (
     DEFAULT_OUT,
@@ -21,14 +17,12 @@ from bema_cli.commands.eval_options import (
     eval_settings,
 )
 from bema_cli.commands.flags import EngineFlags, EvalFlags, ExecutorFlags, with_flags
-from bema_cli.options import JsonOpt
+from bema_cli.options import JsonOpt, argument, option
 
 
 @with_flags(ev=EvalFlags, eng=EngineFlags, where=ExecutorFlags)
 def evaluate(
-    inputs: Annotated[
-        list[str] | None, typer.Argument(help="Checkpoint folders, bema stabilize outputs or OUT dirs.")
-    ] = None,
+    inputs: argument(list[str] | None, help="Checkpoint folders, bema stabilize outputs or OUT dirs.") = None,
     tasks: TasksOpt = "boolq,gsm8k,mmlu_hs",
     out: OutOpt = None,
     base: BaseOpt = None,
@@ -38,13 +32,11 @@ def evaluate(
     verify_swap: VerifySwapOpt = False,
     log_samples: LogSamplesOpt = False,
     force: ForceOpt = False,
-    with_vanilla: Annotated[
+    with_vanilla: option(
         bool,
-        typer.Option(
-            "--with-vanilla",
-            help="Also evaluate the run's own checkpoint at every output step of a stabilize OUT folder, so bema report compares each average with vanilla at the same step.",
-        ),
-    ] = False,
+        "--with-vanilla",
+        help="Also evaluate the run's own checkpoint at every output step of a stabilize OUT folder, so bema report compares each average with vanilla at the same step.",
+    ) = False,
     json_: JsonOpt = False,
     *,
     ev: EvalFlags,
@@ -89,16 +81,11 @@ def evaluate(
 
 
 def rescore(
-    samples: Annotated[str, typer.Argument(help="samples.jsonl written by bema eval --log-samples.")],
-    results: Annotated[
-        str | None,
-        typer.Option(
-            "--results", help="results.jsonl with the records' provenance (default: next to SAMPLES)."
-        ),
-    ] = None,
-    out: Annotated[
-        str | None, typer.Option("--out", "-o", help="Write the new records to this jsonl file.")
-    ] = None,
+    samples: argument(str, help="samples.jsonl written by bema eval --log-samples."),
+    results: option(
+        str | None, "--results", help="results.jsonl with the records' provenance (default: next to SAMPLES)."
+    ) = None,
+    out: option(str | None, "--out", "-o", help="Write the new records to this jsonl file.") = None,
     json_: JsonOpt = False,
 ) -> None:
     """Recompute the scores of logged samples with the current answer-extraction rules (no generation)."""

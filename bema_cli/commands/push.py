@@ -3,39 +3,32 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
-
-import typer
 
 from bema_cli import output
-from bema_cli.options import JsonOpt
+from bema_cli.options import JsonOpt, argument, option
 
 
 def push(
-    folder: Annotated[
-        str, typer.Argument(help="A checkpoint folder bema wrote (or a `bema select --write` folder).")
-    ],
-    repo_id: Annotated[str, typer.Option("--repo-id", help="The model repo: ORG/NAME (created if needed).")],
-    private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
-    revision: Annotated[
-        str | None, typer.Option("--revision", help="Branch to commit to (created if needed; default main).")
-    ] = None,
-    commit_message: Annotated[
-        str | None, typer.Option("--commit-message", help="Commit message (default: the run and step).")
-    ] = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="List what would be uploaded and its size; contact nobody.")
-    ] = False,
-    timeout: Annotated[
+    folder: argument(str, help="A checkpoint folder bema wrote (or a `bema select --write` folder)."),
+    repo_id: option(str, "--repo-id", help="The model repo: ORG/NAME (created if needed)."),
+    private: option(bool, "--private", help="Create the repo private.") = False,
+    revision: option(
+        str | None, "--revision", help="Branch to commit to (created if needed; default main)."
+    ) = None,
+    commit_message: option(
+        str | None, "--commit-message", help="Commit message (default: the run and step)."
+    ) = None,
+    dry_run: option(
+        bool, "--dry-run", help="List what would be uploaded and its size; contact nobody."
+    ) = False,
+    timeout: option(
         float,
-        typer.Option(
-            "--timeout",
-            help="Seconds to wait for each answer from the Hub; with --retries it bounds the whole push: (retries + 1) x timeout + the backoffs (247 s by default), plus at most 30 s of the client's own retries.",
-        ),
-    ] = 60.0,
-    retries: Annotated[
-        int, typer.Option("--retries", help="Tries again (after 1, 2, 4... s) when the Hub does not answer.")
-    ] = 3,
+        "--timeout",
+        help="Seconds to wait for each answer from the Hub; with --retries it bounds the whole push: (retries + 1) x timeout + the backoffs (247 s by default), plus at most 30 s of the client's own retries.",
+    ) = 60.0,
+    retries: option(
+        int, "--retries", help="Tries again (after 1, 2, 4... s) when the Hub does not answer."
+    ) = 3,
     json: JsonOpt = False,
 ) -> None:
     """Upload a stabilized checkpoint (weights, config, tokenizer, bema.json, model card) to the Hub.

@@ -2,37 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
-
 from bema_cli import output
 from bema_cli.errors import UsageError
-from bema_cli.options import JsonOpt
+from bema_cli.options import JsonOpt, argument, option
 
 
 def report(
-    inputs: Annotated[
-        list[str], typer.Argument(help="results.jsonl files, or folders holding them (searched below).")
-    ],
-    plot: Annotated[
-        str | None,
-        typer.Option("--plot", help="Write metric-vs-step curves, one panel per task/metric, to this PNG."),
-    ] = None,
-    scoring: Annotated[
+    inputs: argument(list[str], help="results.jsonl files, or folders holding them (searched below)."),
+    plot: option(
+        str | None, "--plot", help="Write metric-vs-step curves, one panel per task/metric, to this PNG."
+    ) = None,
+    scoring: option(
         str,
-        typer.Option(
-            "--scoring",
-            help="Which generation-task accuracy --plot draws: flexible (default), strict or both. Tables show both.",
-        ),
-    ] = "flexible",
-    theta0: Annotated[
+        "--scoring",
+        help="Which generation-task accuracy --plot draws: flexible (default), strict or both. Tables show both.",
+    ) = "flexible",
+    theta0: option(
         bool,
-        typer.Option(
-            "--theta0/--no-theta0",
-            help="--plot: draw the base model's points (step 0), or leave them out (its loss can dwarf the rest).",
-        ),
-    ] = True,
+        "--theta0/--no-theta0",
+        help="--plot: draw the base model's points (step 0), or leave them out (its loss can dwarf the rest).",
+    ) = True,
     json: JsonOpt = False,
 ) -> None:
     """Tables and curves from `bema eval` results: per task, each run's final value and its best value and step.

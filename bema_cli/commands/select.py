@@ -4,57 +4,44 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated
-
-import typer
 
 from bema_cli import output
 from bema_cli.eval.targets import SWEEP_SCHEME
-from bema_cli.options import JsonOpt, SeedOpt
+from bema_cli.options import JsonOpt, SeedOpt, argument, option
 
-AllowMissingOpt = Annotated[
+AllowMissingOpt = option(
     bool,
-    typer.Option(
-        "--allow-missing",
-        help="Select at a step where some configs have no record (an interrupted run), naming them.",
-    ),
-]
-HoldoutOpt = Annotated[
+    "--allow-missing",
+    help="Select at a step where some configs have no record (an interrupted run), naming them.",
+)
+HoldoutOpt = option(
     float | None,
-    typer.Option(
-        "--holdout",
-        help="Pick on this seeded fraction of the items, report every number on the rest (default: pick and report on all).",
-    ),
-]
+    "--holdout",
+    help="Pick on this seeded fraction of the items, report every number on the rest (default: pick and report on all).",
+)
 
 
 def select(
-    inputs: Annotated[list[str], typer.Argument(help="results.jsonl files, or folders holding them.")],
-    metric: Annotated[
-        str, typer.Option("--metric", help="loss, or a task: gsm8k, boolq, mmlu_hs (:strict or :flexible).")
-    ] = "loss",
-    at: Annotated[
+    inputs: argument(list[str], help="results.jsonl files, or folders holding them."),
+    metric: option(
+        str, "--metric", help="loss, or a task: gsm8k, boolq, mmlu_hs (:strict or :flexible)."
+    ) = "loss",
+    at: option(
         str,
-        typer.Option(
-            "--at",
-            help="last (the last step every config has a record at), a step number, or all (every step).",
-        ),
-    ] = "last",
+        "--at",
+        help="last (the last step every config has a record at), a step number, or all (every step).",
+    ) = "last",
     holdout: HoldoutOpt = None,
-    resamples: Annotated[int, typer.Option("--resamples", help="Paired bootstrap resamples.")] = 2000,
+    resamples: option(int, "--resamples", help="Paired bootstrap resamples.") = 2000,
     seed: SeedOpt = 0,
     allow_missing: AllowMissingOpt = False,
-    write: Annotated[
+    write: option(
         str | None,
-        typer.Option(
-            "--write",
-            help="Write the winner (its config at its step) as this model folder, with its card: its coefficient "
-            "vector summed from the checkpoints, as ship writes.",
-        ),
-    ] = None,
-    overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace a model folder bema wrote at --write DIR.")
-    ] = False,
+        "--write",
+        help="Write the winner (its config at its step) as this model folder, with its card: its coefficient "
+        "vector summed from the checkpoints, as ship writes.",
+    ) = None,
+    overwrite: option(bool, "--overwrite", help="Replace a model folder bema wrote at --write DIR.") = False,
     json: JsonOpt = False,
 ) -> None:
     """Rank the evaluated configs (vanilla included) on one metric and name the one to ship.

@@ -2,104 +2,73 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
-
 from bema_cli import output, stages
 from bema_cli.commands.eval_options import eval_settings
 from bema_cli.commands.flags import EngineFlags, EvalFlags, GridFlags, InputFlags, WalkFlags, with_flags
-from bema_cli.options import JsonOpt, parse_str_list
+from bema_cli.options import JsonOpt, argument, option, parse_str_list
 
 
 @with_flags(grid=GridFlags, inputs=InputFlags, walk=WalkFlags, ev=EvalFlags, eng=EngineFlags)
 def ship(
-    checkpoint_dir: Annotated[str, typer.Argument(help="Training output folder (checkpoint-N folders).")],
-    out: Annotated[
-        str, typer.Option("--out", "-o", help="The model folder to write (weights, config, tokenizer, card).")
-    ],
-    at: Annotated[
-        str, typer.Option("--at", help="The step to judge: last (the last saved) or a step.")
-    ] = "last",
-    metric: Annotated[
+    checkpoint_dir: argument(str, help="Training output folder (checkpoint-N folders)."),
+    out: option(str, "--out", "-o", help="The model folder to write (weights, config, tokenizer, card)."),
+    at: option(str, "--at", help="The step to judge: last (the last saved) or a step.") = "last",
+    metric: option(
         str | None,
-        typer.Option(
-            "--metric", help="Default: loss with --loss-data, else the first task (gsm8k:strict, ...)."
-        ),
-    ] = None,
-    dry_run: Annotated[
+        "--metric",
+        help="Default: loss with --loss-data, else the first task (gsm8k:strict, ...).",
+    ) = None,
+    dry_run: option(
         bool,
-        typer.Option(
-            "--dry-run",
-            help="Say what the decision will cost (evaluations at most, generated tokens, projected time) "
-            "and the smallest difference its report items can resolve; evaluate nothing.",
-        ),
-    ] = False,
-    holdout: Annotated[
-        float,
-        typer.Option(
-            "--holdout", help="Pick on this seeded fraction of the items, report every number on the rest."
-        ),
-    ] = 0.5,
-    fit: Annotated[
+        "--dry-run",
+        help="Say what the decision will cost (evaluations at most, generated tokens, projected time) "
+        "and the smallest difference its report items can resolve; evaluate nothing.",
+    ) = False,
+    holdout: option(
+        float, "--holdout", help="Pick on this seeded fraction of the items, report every number on the rest."
+    ) = 0.5,
+    fit: option(
         str,
-        typer.Option(
-            "--fit",
-            help="Fitted averages after the menu: soup, simplex (loss only), both, or none "
-            "(default: simplex on loss, soup on accuracy).",
-            show_default=False,
-        ),
-    ] = "auto",
-    resamples: Annotated[int, typer.Option("--resamples", help="Paired bootstrap resamples.")] = 2000,
-    select_seed: Annotated[
-        int, typer.Option("--select-seed", help="Seed of the pick/report split and the bootstrap.")
-    ] = 0,
-    max_evaluations: Annotated[
+        "--fit",
+        help="Fitted averages after the menu: soup, simplex (loss only), both, or none "
+        "(default: simplex on loss, soup on accuracy).",
+        show_default=False,
+    ) = "auto",
+    resamples: option(int, "--resamples", help="Paired bootstrap resamples.") = 2000,
+    select_seed: option(int, "--select-seed", help="Seed of the pick/report split and the bootstrap.") = 0,
+    max_evaluations: option(
         int | None,
-        typer.Option(
-            "--max-evaluations",
-            help="Stop the menu's race before a candidate would pass this many (candidate, item) pairs, and "
-            "decide on what it has (no fits); vanilla always runs on every pick item.",
-            min=1,
-        ),
-    ] = None,
-    min_effect: Annotated[
+        "--max-evaluations",
+        help="Stop the menu's race before a candidate would pass this many (candidate, item) pairs, and "
+        "decide on what it has (no fits); vanilla always runs on every pick item.",
+        min=1,
+    ) = None,
+    min_effect: option(
         float,
-        typer.Option(
-            "--min-effect",
-            help="Ship an average only if its interval against vanilla lies beyond this difference (the "
-            "metric's units: nats/token for loss); the race stops early once no candidate can reach it.",
-        ),
-    ] = 0.0,
-    guard_margin: Annotated[
+        "--min-effect",
+        help="Ship an average only if its interval against vanilla lies beyond this difference (the "
+        "metric's units: nats/token for loss); the race stops early once no candidate can reach it.",
+    ) = 0.0,
+    guard_margin: option(
         float | None,
-        typer.Option(
-            "--guard-margin",
-            help="With several tasks, the ones --metric does not name guard the decision: an average ships only "
-            "if shown not worse than vanilla on each by more than this (default: 0.03 accuracy, 0.02 nats/token).",
-        ),
-    ] = None,
-    method: Annotated[
+        "--guard-margin",
+        help="With several tasks, the ones --metric does not name guard the decision: an average ships only "
+        "if shown not worse than vanilla on each by more than this (default: 0.03 accuracy, 0.02 nats/token).",
+    ) = None,
+    method: option(
         str | None,
-        typer.Option(
-            "--method",
-            help="Replace the menu: bema, ema, dema, ouema, lawa, wsm, swa, power, vanilla; comma list for a grid (default: the menu: vanilla, ema, bema at eta 0.2 and 0.5, lawa and wsm over 4 and 8 checkpoints).",
-        ),
-    ] = None,
-    tasks: Annotated[
+        "--method",
+        help="Replace the menu: bema, ema, dema, ouema, lawa, wsm, swa, power, vanilla; comma list for a grid (default: the menu: vanilla, ema, bema at eta 0.2 and 0.5, lawa and wsm over 4 and 8 checkpoints).",
+    ) = None,
+    tasks: option(
         str | None,
-        typer.Option(
-            "--tasks",
-            help="Comma list of tasks, as bema eval takes them (default: loss alone with --loss-data, which then decides; else gsm8k).",
-        ),
-    ] = None,
-    overwrite: Annotated[
-        bool,
-        typer.Option("--overwrite", help="Decide again and replace the model folder bema wrote at --out."),
-    ] = False,
-    push: Annotated[
-        str | None, typer.Option("--push", help="Then upload it to this Hub model repo (ORG/NAME).")
-    ] = None,
+        "--tasks",
+        help="Comma list of tasks, as bema eval takes them (default: loss alone with --loss-data, which then decides; else gsm8k).",
+    ) = None,
+    overwrite: option(
+        bool, "--overwrite", help="Decide again and replace the model folder bema wrote at --out."
+    ) = False,
+    push: option(str | None, "--push", help="Then upload it to this Hub model repo (ORG/NAME).") = None,
     json_: JsonOpt = False,
     *,
     grid: GridFlags,

@@ -4,64 +4,46 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Annotated
-
-import typer
 
 from bema_cli import output
 from bema_cli.commands.flags import with_flags
-from bema_cli.options import BetaMinOpt, JsonOpt, PhiOpt, PresetOpt, SeedOpt, TauOpt, parse_str_list
+from bema_cli.options import BetaMinOpt, JsonOpt, PhiOpt, PresetOpt, SeedOpt, TauOpt, option, parse_str_list
 
 
 @dataclass(frozen=True)
 class SimFlags:
     """`bema simulate`'s experiment flags, one per simulate.SimSettings field (--methods as given)."""
 
-    dim: Annotated[int, typer.Option("--dim", help="Dimension of theta.")] = 20
-    lr: Annotated[float, typer.Option("--lr", help="SGD learning rate.")] = 0.05
-    sigma: Annotated[float, typer.Option("--sigma", help="Standard deviation of the gradient noise.")] = 1.0
-    steps: Annotated[int, typer.Option("--steps", help="SGD steps per trajectory.")] = 1000
-    trials: Annotated[int, typer.Option("--trials", help="Independent SGD runs, one batch.")] = 1000
-    spectrum: Annotated[
-        str,
-        typer.Option(
-            "--spectrum", help="Eigenvalues of A: ones | linspace:LO:HI | geomspace:LO:HI | a1,a2,..."
-        ),
-    ] = "ones"
-    distance: Annotated[
-        float, typer.Option("--distance", help="|theta0 - mu|: how far from the optimum SGD starts.")
-    ] = 10.0
+    dim: option(int, "--dim", help="Dimension of theta.") = 20
+    lr: option(float, "--lr", help="SGD learning rate.") = 0.05
+    sigma: option(float, "--sigma", help="Standard deviation of the gradient noise.") = 1.0
+    steps: option(int, "--steps", help="SGD steps per trajectory.") = 1000
+    trials: option(int, "--trials", help="Independent SGD runs, one batch.") = 1000
+    spectrum: option(
+        str, "--spectrum", help="Eigenvalues of A: ones | linspace:LO:HI | geomspace:LO:HI | a1,a2,..."
+    ) = "ones"
+    distance: option(float, "--distance", help="|theta0 - mu|: how far from the optimum SGD starts.") = 10.0
     seed: SeedOpt = 0
-    record_every: Annotated[
-        int, typer.Option("--record-every", help="Report every N-th step (and the last).")
-    ] = 10
-    methods: Annotated[
-        str,
-        typer.Option(
-            "--methods",
-            help="Estimators: vanilla,ema,bema,dema,ouema,lawa,wsm,swa,power,mle (comma list).",
-        ),
-    ] = "vanilla,ema,bema,dema,ouema,mle"
-    kappa: Annotated[float, typer.Option("--kappa", help="EMA decay power: beta_s = w(s)**-kappa.")] = 1.0
-    eta: Annotated[
-        float, typer.Option("--eta", help="Bias-correction power: alpha_s = w(s)**-eta ('inf' = off).")
-    ] = 0.5
-    gamma: Annotated[float, typer.Option("--gamma", help="Step multiplier in w(s) = rho + gamma*s.")] = 1.0
-    rho: Annotated[float, typer.Option("--rho", help="Lag offset in w(s) = rho + gamma*s.")] = 1.0
+    record_every: option(int, "--record-every", help="Report every N-th step (and the last).") = 10
+    methods: option(
+        str, "--methods", help="Estimators: vanilla,ema,bema,dema,ouema,lawa,wsm,swa,power,mle (comma list)."
+    ) = "vanilla,ema,bema,dema,ouema,mle"
+    kappa: option(float, "--kappa", help="EMA decay power: beta_s = w(s)**-kappa.") = 1.0
+    eta: option(float, "--eta", help="Bias-correction power: alpha_s = w(s)**-eta ('inf' = off).") = 0.5
+    gamma: option(float, "--gamma", help="Step multiplier in w(s) = rho + gamma*s.") = 1.0
+    rho: option(float, "--rho", help="Lag offset in w(s) = rho + gamma*s.") = 1.0
     tau: TauOpt = 0
     phi: PhiOpt = None
     preset: PresetOpt = "paper"
     beta_min: BetaMinOpt = None
-    window: Annotated[
-        int, typer.Option("--window", help="lawa, wsm: merge the last K iterates (each SGD step is one).")
-    ] = 100
-    merge_schedule: Annotated[
-        str, typer.Option("--schedule", help="wsm: linear, minus-sqrt or cosine (each also NAME:reverse).")
-    ] = "minus-sqrt"
-    swa_start: Annotated[
-        int | None, typer.Option("--swa-start", help="swa: average from this step (default: the first).")
-    ] = None
-    sigma_rel: Annotated[float, typer.Option("--sigma-rel", help="power: EDM2's relative width.")] = 0.05
+    window: option(int, "--window", help="lawa, wsm: merge the last K iterates (each SGD step is one).") = 100
+    merge_schedule: option(
+        str, "--schedule", help="wsm: linear, minus-sqrt or cosine (each also NAME:reverse)."
+    ) = "minus-sqrt"
+    swa_start: option(int | None, "--swa-start", help="swa: average from this step (default: the first).") = (
+        None
+    )
+    sigma_rel: option(float, "--sigma-rel", help="power: EDM2's relative width.") = 0.05
 
     def settings(self):
         """The core's SimSettings, every flag checked."""
@@ -73,15 +55,10 @@ class SimFlags:
 
 @with_flags(flags=SimFlags)
 def simulate(
-    plot: Annotated[
-        str | None, typer.Option("--plot", help="Write error-vs-step curves (Fig. 2 style) to this PNG.")
-    ] = None,
-    plot_2d: Annotated[
-        str | None,
-        typer.Option(
-            "--plot-2d", help="Write one 2-D trajectory with vanilla/EMA/BEMA paths (Fig. 1a style)."
-        ),
-    ] = None,
+    plot: option(str | None, "--plot", help="Write error-vs-step curves (Fig. 2 style) to this PNG.") = None,
+    plot_2d: option(
+        str | None, "--plot-2d", help="Write one 2-D trajectory with vanilla/EMA/BEMA paths (Fig. 1a style)."
+    ) = None,
     json: JsonOpt = False,
     *,
     flags: SimFlags,

@@ -5,9 +5,6 @@ from __future__ import annotations
 import sys
 from contextlib import nullcontext
 from dataclasses import replace
-from typing import Annotated
-
-import typer
 
 from bema_cli import output, stages
 from bema_cli.commands.flags import ExecutorFlags, FollowFlags, GridFlags, InputFlags, with_flags
@@ -17,6 +14,8 @@ from bema_cli.options import (
     MethodOpt,
     OutDirOpt,
     OverwriteOpt,
+    argument,
+    option,
     parse_int_list,
     parse_size,
 )
@@ -25,100 +24,71 @@ from bema_cli.stabilize.project import projection_line
 
 @with_flags(grid=GridFlags, inputs=InputFlags, fol=FollowFlags, where=ExecutorFlags)
 def stabilize(
-    checkpoint_dir: Annotated[
+    checkpoint_dir: argument(
         str,
-        typer.Argument(
-            help="Training output folder (checkpoint-N, step_N, step-N, global_stepN or iter_N folders), "
-            "or - to read 'STEP PATH' lines from stdin."
-        ),
-    ],
+        help="Training output folder (checkpoint-N, step_N, step-N, global_stepN or iter_N folders), "
+        "or - to read 'STEP PATH' lines from stdin.",
+    ),
     out: OutDirOpt,
-    base: Annotated[
+    base: option(
         str | None,
-        typer.Option(
-            "--base",
-            help="theta0: a model folder, a Hub repo id, or 'first' (default: checkpoint-0, else config _name_or_path).",
-        ),
-    ] = None,
+        "--base",
+        help="theta0: a model folder, a Hub repo id, or 'first' (default: checkpoint-0, else config _name_or_path).",
+    ) = None,
     method: MethodOpt = None,
-    max_memory: Annotated[
-        str, typer.Option("--max-memory", help="Working-set budget (e.g. 2GiB); tensors are chunked to fit.")
-    ] = "2GiB",
-    max_shard_size: Annotated[
-        str, typer.Option("--max-shard-size", help="Largest output shard (e.g. 5GB).")
-    ] = "5GB",
-    device: Annotated[
+    max_memory: option(
+        str, "--max-memory", help="Working-set budget (e.g. 2GiB); tensors are chunked to fit."
+    ) = "2GiB",
+    max_shard_size: option(str, "--max-shard-size", help="Largest output shard (e.g. 5GB).") = "5GB",
+    device: option(
         str,
-        typer.Option(
-            "--device",
-            help="auto (the device projected faster for this grid on this machine; said on stderr and in --json), cpu or cuda.",
-        ),
-    ] = "auto",
-    readers: Annotated[
+        "--device",
+        help="auto (the device projected faster for this grid on this machine; said on stderr and in --json), cpu or cuda.",
+    ) = "auto",
+    readers: option(
         int | None,
-        typer.Option(
-            "--readers",
-            min=1,
-            max=64,
-            help="Threads reading checkpoints ahead of the compute (default: 2, half the cores up to 4).",
-        ),
-    ] = None,
-    out_dtype: Annotated[
-        str | None,
-        typer.Option("--out-dtype", help="float32, bfloat16, float16 (default: each tensor's input dtype)."),
-    ] = None,
-    final_only: Annotated[
-        bool, typer.Option("--final-only", help="Write only the last processed step of each run.")
-    ] = False,
-    steps: Annotated[
-        str | None, typer.Option("--steps", help="Write only these steps, e.g. 400,800.")
-    ] = None,
-    dry_run: Annotated[
-        bool,
-        typer.Option("--dry-run", help="Print the plan (steps, alpha/beta, bytes, shards); write nothing."),
-    ] = False,
+        "--readers",
+        min=1,
+        max=64,
+        help="Threads reading checkpoints ahead of the compute (default: 2, half the cores up to 4).",
+    ) = None,
+    out_dtype: option(
+        str | None, "--out-dtype", help="float32, bfloat16, float16 (default: each tensor's input dtype)."
+    ) = None,
+    final_only: option(bool, "--final-only", help="Write only the last processed step of each run.") = False,
+    steps: option(str | None, "--steps", help="Write only these steps, e.g. 400,800.") = None,
+    dry_run: option(
+        bool, "--dry-run", help="Print the plan (steps, alpha/beta, bytes, shards); write nothing."
+    ) = False,
     json_out: JsonOpt = False,
     overwrite: OverwriteOpt = False,
-    lora_output: Annotated[
+    lora_output: option(
         str,
-        typer.Option(
-            "--lora-output",
-            help="LoRA runs: merged (full model folders) or adapter (PEFT adapters of rank --lora-rank).",
-        ),
-    ] = "merged",
-    lora_rank: Annotated[
-        int | None,
-        typer.Option("--lora-rank", help="Rank of adapter outputs (truncated SVD; default: the training r)."),
-    ] = None,
-    restart: Annotated[
-        bool,
-        typer.Option(
-            "--restart", help="Ignore OUT's saved state for these runs and recompute them from theta0."
-        ),
-    ] = False,
-    keep_state: Annotated[
+        "--lora-output",
+        help="LoRA runs: merged (full model folders) or adapter (PEFT adapters of rank --lora-rank).",
+    ) = "merged",
+    lora_rank: option(
+        int | None, "--lora-rank", help="Rank of adapter outputs (truncated SVD; default: the training r)."
+    ) = None,
+    restart: option(
+        bool, "--restart", help="Ignore OUT's saved state for these runs and recompute them from theta0."
+    ) = False,
+    keep_state: option(
         bool | None,
-        typer.Option(
-            "--state/--no-state",
-            help="Write OUT/.bema-state so a later call continues the run [default: on, off with "
-            "--final-only]; --no-state saves one model-size write per EMA track.",
-            show_default=False,
-        ),
-    ] = None,
-    keep_last: Annotated[
-        int | None,
-        typer.Option(
-            "--keep-last", help="Keep only the K newest outputs of each run (like save_total_limit)."
-        ),
-    ] = None,
-    fingerprint: Annotated[
+        "--state/--no-state",
+        help="Write OUT/.bema-state so a later call continues the run [default: on, off with "
+        "--final-only]; --no-state saves one model-size write per EMA track.",
+        show_default=False,
+    ) = None,
+    keep_last: option(
+        int | None, "--keep-last", help="Keep only the K newest outputs of each run (like save_total_limit)."
+    ) = None,
+    fingerprint: option(
         str,
-        typer.Option(
-            "--fingerprint",
-            help="How consumed checkpoints are recorded in OUT's state: full (a digest of every byte, xxh3_128) or sampled "
-            "(header, first and last 64 KiB; cheaper on slow storage).",
-        ),
-    ] = "full",
+        "--fingerprint",
+        help="How consumed checkpoints are recorded in OUT's state: full (a digest of every byte, xxh3_128) or sampled "
+        "(header, first and last 64 KiB; cheaper on slow storage).",
+    ) = "full",
     *,
     grid: GridFlags,
     inputs: InputFlags,

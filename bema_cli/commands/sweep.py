@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
-
 from bema_cli import output, stages
 from bema_cli.commands.eval_options import (
     ForceOpt,
@@ -26,29 +22,24 @@ from bema_cli.commands.flags import (
 from bema_cli.options import (
     JsonOpt,
     MethodOpt,
+    argument,
+    option,
 )
 
 
 @with_flags(grid=GridFlags, inputs=InputFlags, fol=FollowFlags, walk=WalkFlags, where=ExecutorFlags, ev=EvalFlags,
             eng=EngineFlags)  # fmt: skip
 def sweep(
-    checkpoint_dir: Annotated[
-        str, typer.Argument(help="Training output folder (checkpoint-N, step_N, ... folders).")
-    ],
-    out: Annotated[
-        str, typer.Option("--out", "-o", help="Results folder (results.jsonl; no weights are written).")
-    ],
-    at: Annotated[
-        str,
-        typer.Option("--at", help="Steps to evaluate: all, last, every:N or a comma list (0 = theta0)."),
-    ] = "all",
-    dry_run: Annotated[
+    checkpoint_dir: argument(str, help="Training output folder (checkpoint-N, step_N, ... folders)."),
+    out: option(str, "--out", "-o", help="Results folder (results.jsonl; no weights are written)."),
+    at: option(
+        str, "--at", help="Steps to evaluate: all, last, every:N or a comma list (0 = theta0)."
+    ) = "all",
+    dry_run: option(
         bool,
-        typer.Option(
-            "--dry-run",
-            help="Project peak memory and wall time (a short probe of this machine), read no checkpoint.",
-        ),
-    ] = False,
+        "--dry-run",
+        help="Project peak memory and wall time (a short probe of this machine), read no checkpoint.",
+    ) = False,
     method: MethodOpt = None,
     tasks: TasksOpt = "boolq,gsm8k,mmlu_hs",
     log_samples: LogSamplesOpt = False,

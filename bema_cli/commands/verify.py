@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
 
 import typer
 
 from bema_cli import output
 from bema_cli.errors import BemaError
-from bema_cli.options import JsonOpt
+from bema_cli.options import JsonOpt, argument, option
 
 
 class Differs(BemaError):
@@ -19,13 +18,9 @@ class Differs(BemaError):
 
 
 def verify(
-    folder: Annotated[
-        str, typer.Argument(help="A model folder bema wrote (stabilize, select --write, ship).")
-    ],
-    run_dir: Annotated[str | None, typer.Option("--run", help="The run's folder, if it moved.")] = None,
-    base: Annotated[
-        str | None, typer.Option("--base", help="theta0 (folder or Hub id), if it moved.")
-    ] = None,
+    folder: argument(str, help="A model folder bema wrote (stabilize, select --write, ship)."),
+    run_dir: option(str | None, "--run", help="The run's folder, if it moved.") = None,
+    base: option(str | None, "--base", help="theta0 (folder or Hub id), if it moved.") = None,
     json: JsonOpt = False,
 ) -> None:
     """Rebuild FOLDER from the record inside its safetensors files (the method and its settings, the steps, the coefficients, the inputs' fingerprints) and the inputs it names, and say bitwise which tensors differ. The record names its inputs (run/checkpoint-40), never by absolute paths: they are found near FOLDER by name and fingerprint, or where --run and --base say. Exit 0 when every tensor is identical, 1 when any differs (the inputs that changed since are named), 3 when there is no record or an input is gone or not found."""

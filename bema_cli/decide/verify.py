@@ -24,7 +24,6 @@ from pathlib import Path
 
 from bema_cli import card
 from bema_cli.decide.candidate import THETA0
-from bema_cli.decide.write import rebuild_average
 from bema_cli.errors import InputError, UsageError
 from bema_cli.io import provenance
 from bema_cli.io.checkpoints import find_checkpoints, run_of, step_of
@@ -197,13 +196,24 @@ def _walk(plan, opts, step: int):
 
 
 def _from_stabilize(record: dict, folder: Path):
-    """(name, tensor) of `bema stabilize`'s rebuild, made in a private temporary folder (a model whose
-    walk in memory would not fit)."""
+    """(name, tensor) of the record's output written again by `bema stabilize` (its settings, step,
+    theta0, accumulation and output dtypes, gaps allowed as they were) in a private temporary folder:
+    a LoRA run's output, or a model whose walk in memory would not fit."""
     from safetensors import safe_open
 
+    from bema_cli.decide.candidate import stabilizer_params
+    from bema_cli.schedule import Schedule
+    from bema_cli.stabilize import Options, stabilize
+
+    source = Path(record["source_checkpoint"])
+    out_dtype = record.get("out_dtype") if record.get("out_dtype") not in (None, "mixed", "input") else None
     tmp = Path(tempfile.mkdtemp(prefix="bema-verify-"))
     try:
-        again = rebuild_average(record, tmp)
+        opts = Options(checkpoint_dir=str(run_of(source)), schedules=[Schedule(**stabilizer_params(record)).resolved()],
+                       out=str(tmp / "out"), base=record.get("theta0_source"), steps=[int(record["step"])],
+                       accum_dtype=record.get("accum_dtype", "float32"), no_state=True, out_dtype=out_dtype,
+                       allow_gaps=bool(record.get("allow_gaps")))  # fmt: skip
+        (again,) = [Path(o["path"]) for o in stabilize(opts)["outputs"] if o["step"] == int(record["step"])]
         for f in sorted(again.glob("*.safetensors")):
             with safe_open(str(f), "pt") as b:
                 for name in b.keys():

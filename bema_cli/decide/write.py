@@ -155,32 +155,6 @@ def theta0_folder(name: str | None, records: list[dict], source: Path) -> str | 
     return str(found) if found is not None else name
 
 
-def rebuild_average(record: dict, tmp: Path) -> Path:
-    """An output of `bema stabilize` written again from its bema.json record (`bema verify`): the
-    same settings, step, theta0, accumulation and output dtypes, gaps allowed as they were."""
-    out_dtype = record.get("out_dtype") if record.get("out_dtype") not in (None, "mixed", "input") else None
-    return _stabilize_one(Path(record["source_checkpoint"]), record.get("theta0_source"), record,
-                          int(record["step"]), tmp, out_dtype=out_dtype,
-                          allow_gaps=bool(record.get("allow_gaps")))  # fmt: skip
-
-
-def _stabilize_one(source: Path, base, stab: dict, step: int, tmp: Path, **more) -> Path:
-    from bema_cli.decide.candidate import stabilizer_params
-    from bema_cli.schedule import Schedule
-    from bema_cli.stabilize import Options, stabilize
-
-    params = stabilizer_params(stab)
-    if not source.is_dir():
-        raise InputError(f"{source}: the source checkpoint is gone; rebuilding needs it (and its run)")
-    opts = Options(
-        checkpoint_dir=str(run_of(source)), schedules=[Schedule(**params).resolved()], out=str(tmp / "out"),
-        base=base, steps=[step], accum_dtype=stab.get("accum_dtype", "float32"), no_state=True, **more,
-    )  # fmt: skip
-    result = stabilize(opts)
-    (written,) = [o for o in result["outputs"] if o["step"] == step]
-    return Path(written["path"])
-
-
 def model_record(
     cand, step: int, settings: dict, folders: dict[str, Path], base_source: str, out: Path, **extra
 ) -> dict:

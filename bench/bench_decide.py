@@ -191,7 +191,7 @@ def wilson(k: int, n: int) -> tuple[float, float]:
     return mid - half, mid + half
 
 
-def _rounds_before(contest, scorer, menu, rounds, ship_opts, metric, limit, progress) -> None:
+def _rounds_before(contest, scorer, menu, rounds, ship_opts, metric, limit, progress, early=0) -> None:
     """The menu's race before fewer swaps: every alive candidate on each round's items, in the same
     order each round (a swap per candidate and round), then every candidate behind the leader dropped.
     Installed in place of menu._visit by design_of("before"); the package races one way."""
@@ -204,17 +204,18 @@ def _rounds_before(contest, scorer, menu, rounds, ship_opts, metric, limit, prog
 
 @contextmanager
 def design_of(design: str):
-    """ "before": the race as it was before fewer swaps (`_rounds_before`; both fits); "raced": today's
-    (menu._visit: each candidate swapped in once)."""
+    """ "before": the race as it was before fewer swaps (`_rounds_before`, vanilla scored by the
+    rounds, then again on the report items; both fits); "raced": today's (menu._visit: each candidate
+    swapped in once, vanilla on both halves at once: menu._vanilla_first)."""
     from bema_cli.decide import menu
 
-    saved = menu._visit
-    if design == "before":
-        menu._visit = _rounds_before
+    saved = menu._visit, menu._vanilla_first
+    if design == "before":  # vanilla too was scored round by round, then again on the report items
+        menu._visit, menu._vanilla_first = _rounds_before, lambda *args: 0
     try:
         yield
     finally:
-        menu._visit = saved
+        menu._visit, menu._vanilla_first = saved
 
 
 def run(reps: int, items: int, seed: int, lam_power: float = LAM_POWER) -> dict:

@@ -118,3 +118,43 @@ def test_the_simplex_alone_loads_no_soup_ingredient():
 
     assert run(("simplex",)) == {"simplex"}
     assert {"lawa-w4", "vanilla", "checkpoint-30", "soup"} <= run(("soup", "simplex"))
+
+
+def test_vanilla_is_loaded_once_for_both_halves():
+    """Each load is a swap of the whole model. Vanilla is scored on its pick and its report items in
+    one load (both halves are needed whatever the race does). On a menu whose last config is clearly
+    the best (it survives, is picked, and is still loaded for its report items), every candidate is
+    loaded exactly once, in the menu's order (two more loads before: vanilla again for its report
+    items, then the pick again)."""
+    from bema_cli.decide.candidate import Candidate
+    from bema_cli.decide.menu import race_menu
+    from bema_cli.decide.scorer import ItemScorer
+    from bema_cli.eval.results import ResultsFile
+
+    rng = np.random.default_rng(3)
+    n = 120
+    tokens = rng.integers(20, 60, size=n).astype(float)
+    base = rng.normal(1.0, 0.2, size=n)
+    gain = {"vanilla": 0.0, "ema": -0.02, "lawa-w4": 0.01, "bema": 0.3}  # per token; bema far better
+    menu = {name: Candidate.of(name, [0.0, 1.0 - k / 10, k / 10], [10, 20]) for k, name in enumerate(gain)}
+    loads: list[str] = []
+
+    def evaluate(cand, task, ids):
+        if not loads or loads[-1] != cand.name:
+            loads.append(cand.name)
+        nll = [(base[i] - gain[cand.name] + rng.normal(0, 0.02)) * tokens[i] for i in ids]
+        return [{"run": cand.name, "step": 20, "task": "loss", "model_path": cand.name, "is_base": False,
+                 "items": {"ids": list(ids), "nll": nll, "tokens": tokens[ids].tolist()}, "protocol": {},
+                 "seeds": None, "n_samples": 1, "n_prompts": len(ids), "backend": "sim", "dtype": "float64"}]  # fmt: skip
+
+    metric = select.parse_metric("loss")
+    opts = ShipOptions(out=Path("unused"), resamples=500)
+    scorer = ItemScorer(evaluate, None, metric, ResultsFile(None))
+    pick, report = (list(map(int, half)) for half in select.sides(list(range(n)), opts.holdout, opts.seed))
+    made = race_menu(scorer, menu, pick, report, opts, metric, progress=False)
+    assert made["chosen"]["winner"]["run"] == "bema" and made["race"]["finalists"] == ["vanilla", "bema"]
+    assert loads == list(gain)  # each once, in the menu's order
+    dropped = made["race"]["dropped"]
+    assert scorer.evaluated == len(gain) * len(pick) + 2 * len(report) - sum(
+        len(pick) - d["after"] for d in dropped.values()
+    )  # nothing evaluated twice, nothing extra: the race's items and the two finalists' report items

@@ -100,8 +100,10 @@ def _max_new(task: str) -> int:
 
 
 def _jobs(evaluation, targets: dict, task, pick, report, ids, candidates: int, others: list) -> list[Job]:
-    """The evaluations at most, as jobs the sweep's projection reads: every pick item per candidate
-    (a swap each: menu._visit), the finalists' report items, the other tasks for two."""
+    """The evaluations at most, as jobs the sweep's projection reads, a swap each: vanilla once on
+    its pick and report items and the other tasks (menu.race_menu, contest), every other candidate
+    on the pick items (menu._visit), two more finalists on the report items, the shipped model on
+    the other tasks."""
     from bema_cli.decide.scorer import slice_task
 
     vanilla = targets["vanilla"]
@@ -109,13 +111,11 @@ def _jobs(evaluation, targets: dict, task, pick, report, ids, candidates: int, o
     def sliced(positions):
         return slice_task(task, [ids[i] for i in positions])
 
-    out = [Job(vanilla, [sliced(pick)], evaluation.config, "") for _ in range(candidates)]
-    out += [Job(vanilla, [sliced(report)], evaluation.config, "") for _ in range(3)]
-    out += [
-        Job(vanilla, [evaluation.inputs[t] for t in others], evaluation.config, "")
-        for _ in range(2)
-        if others
-    ]
+    other_inputs = [evaluation.inputs[t] for t in others]
+    out = [Job(vanilla, [sliced(pick), sliced(report), *other_inputs], evaluation.config, "")]
+    out += [Job(vanilla, [sliced(pick)], evaluation.config, "") for _ in range(candidates - 1)]
+    out += [Job(vanilla, [sliced(report)], evaluation.config, "") for _ in range(2)]
+    out += [Job(vanilla, other_inputs, evaluation.config, "")] if others else []
     return out
 
 

@@ -77,6 +77,7 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
     try:
         scorer = scorer_of(arena, metric, work)
         ids = item_ids(scorer.task)
+        others = _vanilla_on_other_tasks(arena, config, metric, menu["vanilla"], work)
         pick, report = select.sides(ids, ship_opts.holdout, ship_opts.seed)
         pick_ids, report_ids = [ids[i] for i in pick], [ids[i] for i in report]
         raced = race_menu(scorer, menu, pick_ids, report_ids, ship_opts, metric, ship_opts.max_evaluations)
@@ -86,11 +87,13 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
             fitted = search(scorer, menu, steps, raced["race"]["survivors"], pick_ids, report_ids, ship_opts,
                             metric)  # fmt: skip
         decision, why = decide(chosen, fitted, metric, ship_opts, records)
-        base_note = _base_note(scorer, step, report_ids, metric)
         if raced["race"]["stopped"]:
             why += f" ({raced['race']['stopped']}: the fits were not searched)"
         shipped = fitted["best"]["candidate"] if decision["kind"] == "fitted" else menu[decision["run"]]
-        others, other_items = _other_tasks(arena, config, metric, shipped, menu["vanilla"], work)
+        # the shipped candidate on the other tasks while it may still be loaded (the best fit, last
+        # on the report items), then theta0 for the base note
+        others, other_items = _other_tasks(others, shipped, menu["vanilla"])
+        base_note = _base_note(scorer, step, report_ids, metric)
         guards = guard.check(others, ship_opts.guard_margin)
         if guards and not guards[0]["passed"]:  # the first is a blocking one, when there is one
             why = guard.blocked_verdict(decision, why, guards[0])
@@ -183,17 +186,29 @@ def _motion(arena, plan, work) -> dict | None:
     return read_json(work / motion.FILE) if (work / motion.FILE).is_file() else None
 
 
-def _other_tasks(arena, config, metric, shipped, vanilla, work) -> tuple[dict, int]:
-    """Each task other than the metric's, for the shipped candidate and vanilla only: their values and
-    the paired difference on every item, which guard.check reads (a guard blocks an average shown
-    worse than vanilla there by more than its margin)."""
-    out, evaluated = {}, 0
+def _vanilla_on_other_tasks(arena, config, metric, vanilla, work) -> dict:
+    """{task: (its scorer, its item ids)} of each task other than the metric's, vanilla scored on every
+    item: its one load, before the race, serves every task it is reported on (whatever ships, vanilla
+    is), so only the shipped candidate is swapped in again for them."""
+    out = {}
     for task in config.tasks:
         if task == metric.task or task == "train_loss":
             continue
         m = select.Metric(task, "loss", False) if task in LOSS_TASKS else select.parse_metric(task)
         scorer = scorer_of(arena, m, work)
-        ids = item_ids(scorer.task)
+        out[task] = scorer, item_ids(scorer.task)
+        output.log(f"{task}: vanilla on its {len(out[task][1])} items (reported whatever ships; a guard)")
+        scorer.scores(vanilla, out[task][1])
+    return out
+
+
+def _other_tasks(scorers: dict, shipped, vanilla) -> tuple[dict, int]:
+    """Each task other than the metric's, for the shipped candidate and vanilla only: their values and
+    the paired difference on every item, which guard.check reads (a guard blocks an average shown
+    worse than vanilla there by more than its margin)."""
+    out, evaluated = {}, 0
+    for task, (scorer, ids) in scorers.items():
+        m = scorer.metric
         mine, van = scorer.record(shipped, ids), scorer.record(vanilla, ids)
         evaluated += scorer.evaluated
         same = shipped.digest == vanilla.digest

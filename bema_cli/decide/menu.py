@@ -1,12 +1,14 @@
 """The menu's race on the pick items, and its finalists on the report items.
 
 Every menu config and vanilla is scored at the decision's step, each swapped into the engine once:
-vanilla on every pick item, then each config in rounds of pick items while it is loaded (race.Race:
-it is dropped once the confidence sequence puts it below the best of those scored before it;
-vanilla never is). The survivors run to the last pick item, and `select`'s own rule picks among them
-on the pick items (best, the paired-bootstrap tie with it, the tie rule). Only the finalists, the
-pick and vanilla (and, when the tie rule picked vanilla, the best average it passed over), are
-scored on the report items, where `select` reports every number. docs/eval-protocol.md, "Racing".
+vanilla on every pick and report item (it is reported whatever the race does), then each config in
+rounds of pick items while it is loaded (race.Race: it is dropped once the confidence sequence puts
+it below the best of those scored before it; vanilla never is). The survivors run to the last pick
+item, and `select`'s own rule picks among them on the pick items (best, the paired-bootstrap tie
+with it, the tie rule). Only the finalists, the pick and vanilla (and, when the tie rule picked
+vanilla, the best average it passed over), are scored on the report items, where `select` reports
+every number: vanilla's were scored in its load, so one more swap at most. docs/eval-protocol.md,
+"Racing".
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, m
     finalists' records on every item}."""
     names = ["vanilla", *(n for n in menu if n != "vanilla")]
     contest = race.Race(names, horizon=len(pick_ids), protect=["vanilla"])
-    stopped = _visit(contest, scorer, menu, race.rounds(pick_ids), ship_opts, metric, limit, progress)
+    early = _vanilla_first(scorer, menu["vanilla"], pick_ids, report_ids)
+    stopped = _visit(contest, scorer, menu, race.rounds(pick_ids), ship_opts, metric, limit, progress, early)
     seen = pick_ids[: min(len(contest.scores[n]) for n in contest.alive)]
     picked = select.select([scorer.record(menu[n], seen) for n in contest.alive], metric, "last", None,
                            ship_opts.resamples, ship_opts.seed)  # fmt: skip
@@ -53,18 +56,29 @@ def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, m
     return {"chosen": chosen, "race": doc, "records": records}
 
 
-def _visit(contest, scorer, menu, rounds, ship_opts, metric, limit, progress) -> str | None:
-    """Each candidate swapped in once: vanilla on every pick item, then each other candidate round
-    by round while it stays loaded, left (dropped) as soon as its sequence against the best of those
-    already scored lies above 0, or (--min-effect) within the margin of vanilla; one that completes
-    is a survivor, and the survivors before it meet it again on the items they all have. One swap
-    per candidate, where rounds cost one per candidate and round (bench/bench_decide.py)."""
+def _vanilla_first(scorer, vanilla, pick_ids: list, report_ids: list) -> int:
+    """Vanilla on every pick and every report item, whatever the race does, in its one load (the race
+    reads the pick items alone): the report items evaluated here, which the race does not count."""
+    scorer.scores(vanilla, pick_ids)
+    before = scorer.evaluated
+    scorer.scores(vanilla, report_ids)
+    return scorer.evaluated - before
+
+
+def _visit(contest, scorer, menu, rounds, ship_opts, metric, limit, progress, early=0) -> str | None:
+    """Each candidate swapped in once: vanilla on every pick item (scored already: _vanilla_first),
+    then each other candidate round by round while it stays loaded, left (dropped) as soon as its
+    sequence against the best of those already scored lies above 0, or (--min-effect) within the
+    margin of vanilla; one that completes is a survivor, and the survivors before it meet it again
+    on the items they all have. One swap per candidate, where rounds cost one per candidate and
+    round (bench/bench_decide.py)."""
     stopped, pick, effect = None, [i for b in rounds for i in b], ship_opts.min_effect
     with output.progress("candidates") as bar:
         task = bar.add_task("racing the menu (pick items)", total=len(contest.alive))
         for k, name in enumerate(list(contest.alive)):
-            # vanilla (the first) always runs on every pick item: a pick needs items
-            if k and limit is not None and scorer.evaluated + len(pick) > limit:
+            # vanilla (the first) always runs on every pick item: a pick needs items; the limit counts
+            # the race's items, not vanilla's report items (`early`)
+            if k and limit is not None and scorer.evaluated - early + len(pick) > limit:
                 stopped = f"--max-evaluations {limit} reached after {k} of {len(contest.scores)} candidates"
                 contest.alive = [n for n in contest.alive if contest.scores[n]]
                 break

@@ -71,6 +71,8 @@ def row(name: str, run, doc: dict, projected: dict | None, floor_s: float | None
         "bema_peak_rss_gb": round(memory["peak_rss"] / 1e9, 2) if memory.get("peak_rss") else None,
         "stages": {k: v["seconds"] for k, v in (doc.get("stages") or {}).items()}, "load": load(),
     }  # fmt: skip
+    if "count" in (doc.get("stages") or {}).get("swap", {}):
+        r["swaps"] = doc["stages"]["swap"]["count"]
     if projected:
         if projected.get("memory"):
             r["rss_over_projected"] = round(run.max_rss / projected["memory"], 2)

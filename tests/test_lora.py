@@ -221,3 +221,36 @@ def test_adapter_output_keeps_a_portable_base_name():
     assert adapter_config(unnamed, 4, "/home/me/models/base")["base_model_name_or_path"] == "models/base"
     local = SimpleNamespace(config={"r": 8, "base_model_name_or_path": "/home/me/models/base"})
     assert adapter_config(local, 4, "/home/me/models/base")["base_model_name_or_path"] == "models/base"
+
+
+def test_verify_rebuilds_a_lora_runs_outputs_merged_and_adapter(tiny_model_dir, tmp_path):
+    """`bema verify` on a LoRA run's outputs: a merged model, and a PEFT adapter (its header carries
+    the record and the rank, so stabilize makes it again at that rank) are rebuilt in a temporary
+    folder, bitwise, saying why not in memory; a changed adapter tensor is named (exit 1)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    run = perturbed_adapters(base, tmp_path / "run", [10, 20, 30])
+    _stabilize(run, "--base", base, "--method", "bema", "--out", tmp_path / "merged", "--steps", "30")
+    _stabilize(run, "--base", base, "--method", "ema", "--lora-output", "adapter", "--lora-rank", "2",
+               "--out", tmp_path / "adapter", "--steps", "20,30")  # fmt: skip
+    for folder in (tmp_path / "merged" / "bema-k0.5-e0.2" / "checkpoint-30",
+                   tmp_path / "adapter" / "ema-k0.5" / "checkpoint-20",
+                   tmp_path / "adapter" / "ema-k0.5" / "checkpoint-30"):  # fmt: skip
+        r = run_bema("verify", folder, "--json")
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["identical"] and doc["rebuilt"].startswith("in a temporary folder (a LoRA run's output")
+    folder = tmp_path / "adapter" / "ema-k0.5" / "checkpoint-30"
+    path = folder / "adapter_model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["bema"])["record"]["lora"] == {"output": "adapter", "rank": 2}
+    weights = load_file(path)
+    name = sorted(weights)[0]
+    weights[name].view(-1)[0] += 1e-3
+    save_file(weights, str(path), metadata=meta)
+    r = run_bema("verify", folder, "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["differ"] == [name], r.stdout

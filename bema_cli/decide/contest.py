@@ -5,6 +5,7 @@
 3. the finalists on the report items; the rule (decision.py);
 4. every other task for the shipped model and vanilla only, on all their items: reported, and a
    guard (guard.py): an average shown worse than vanilla there by more than the margin is blocked.
+   Vanilla's are scored first, in its one load with its pick and report items (menu.race_menu).
 """
 
 from __future__ import annotations

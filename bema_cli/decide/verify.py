@@ -154,7 +154,8 @@ WALK_SHARE = 0.5  # of the memory available: a model whose walk fits is rebuilt 
 def _from_walk(record: dict):
     """(name, tensor) of a `bema stabilize` output rebuilt in memory, nothing written: the sweep's
     walker advanced to the step with the record's settings gives, tensor for tensor, what stabilize
-    writes (tests/test_sweep.py holds them bitwise equal); None when the walk would not fit in memory."""
+    writes (tests/test_sweep.py holds them bitwise equal), and None; or None and why the walk cannot
+    make it (a LoRA run's output, a walk that would not fit in memory)."""
     from bema_cli.decide.candidate import stabilizer_params
     from bema_cli.machine import available_memory
     from bema_cli.schedule import Schedule
@@ -175,10 +176,11 @@ def _from_walk(record: dict):
     held = 4 + sum(
         len(t.names) if not t.window else t.ring for t in plan.tracks
     )  # theta, theta0, out, blocks
-    if plan.lora is not None or plan.base_index.nbytes * 2 * held > WALK_SHARE * available_memory():
-        return None
-    step = int(record["step"])
-    return _walk(plan, opts, step)
+    if plan.lora is not None:
+        return None, "a LoRA run's output: the walk makes full models only"
+    if plan.base_index.nbytes * 2 * held > WALK_SHARE * available_memory():
+        return None, "the walk in memory would not fit"
+    return _walk(plan, opts, int(record["step"])), None
 
 
 def _walk(plan, opts, step: int):
@@ -197,8 +199,8 @@ def _walk(plan, opts, step: int):
 
 def _from_stabilize(record: dict, folder: Path):
     """(name, tensor) of the record's output written again by `bema stabilize` (its settings, step,
-    theta0, accumulation and output dtypes, gaps allowed as they were) in a private temporary folder:
-    a LoRA run's output, or a model whose walk in memory would not fit."""
+    theta0, accumulation and output dtypes, gaps allowed, a LoRA adapter's rank, as they were) in a
+    private temporary folder: a LoRA run's output, or a model whose walk in memory would not fit."""
     from safetensors import safe_open
 
     from bema_cli.decide.candidate import stabilizer_params
@@ -207,12 +209,15 @@ def _from_stabilize(record: dict, folder: Path):
 
     source = Path(record["source_checkpoint"])
     out_dtype = record.get("out_dtype") if record.get("out_dtype") not in (None, "mixed", "input") else None
+    lora = record.get("lora") if isinstance(record.get("lora"), dict) else {}  # an adapter's: output, rank
+    out_dtype = None if lora.get("output") == "adapter" else out_dtype  # an adapter keeps its dtype
     tmp = Path(tempfile.mkdtemp(prefix="bema-verify-"))
     try:
         opts = Options(checkpoint_dir=str(run_of(source)), schedules=[Schedule(**stabilizer_params(record)).resolved()],
                        out=str(tmp / "out"), base=record.get("theta0_source"), steps=[int(record["step"])],
                        accum_dtype=record.get("accum_dtype", "float32"), no_state=True, out_dtype=out_dtype,
-                       allow_gaps=bool(record.get("allow_gaps")))  # fmt: skip
+                       allow_gaps=bool(record.get("allow_gaps")), lora_output=lora.get("output", "merged"),
+                       lora_rank=lora.get("rank"))  # fmt: skip
         (again,) = [Path(o["path"]) for o in stabilize(opts)["outputs"] if o["step"] == int(record["step"])]
         for f in sorted(again.glob("*.safetensors")):
             with safe_open(str(f), "pt") as b:
@@ -287,9 +292,9 @@ def verify(folder: Path, run: Path | None = None, base: str | None = None) -> di
             vector = vector or ["record"]
         tensors, differ = _compare(folder, _from_vector(record, doc))
     else:  # a stabilize output: walked in memory where it fits, else rebuilt in a temporary folder
-        walked = _from_walk(record)
+        walked, why = _from_walk(record)
         if walked is None:
-            rebuilt = "in a temporary folder (the walk in memory would not fit)"
+            rebuilt = f"in a temporary folder ({why})"
         tensors, differ = _compare(folder, walked if walked is not None else _from_stabilize(record, folder))
     return {"folder": str(folder), "identical": not differ and not vector, "tensors": tensors, "differ": differ,
             "rebuilt": rebuilt,

@@ -60,11 +60,14 @@ def adapter_config(layout: Adapter, rank: int, base_source: str) -> dict:
     }
 
 
-def write_adapter(folder: Path, deltas, layout: Adapter, rank: int, base_source: str) -> dict[str, float]:
+def write_adapter(
+    folder: Path, deltas, layout: Adapter, rank: int, base_source: str, header: dict[str, str]
+) -> dict[str, float]:
     """Turn the stabilized deltas (a reader of folder's delta tensors) into adapter_model.safetensors.
 
     Returns the relative truncation error per adapted module. One module's delta and its SVD are
-    in memory at a time; tensors are streamed into the file as they are produced.
+    in memory at a time; tensors are streamed into the file as they are produced. `header`: the
+    file's metadata, bema's provenance (`bema verify` rebuilds the adapter from it).
     """
     import torch
 
@@ -84,7 +87,7 @@ def write_adapter(folder: Path, deltas, layout: Adapter, rank: int, base_source:
         plan[key] = name
     shard = plan_shards(infos, 1 << 62)[0]
     shard.filename = ADAPTER_FILE
-    writer = ShardedWriter(folder, [shard], {"bema_lora_rank": str(rank)}).open()
+    writer = ShardedWriter(folder, [shard], {**header, "bema_lora_rank": str(rank)}).open()
     errors = {}
     modules = output.track(
         layout.modules.items(), f"{folder.name}: rank-{rank} SVDs", len(layout.modules), "modules"

@@ -120,6 +120,19 @@ def metadata(record: dict, inputs: dict[str, str], coefficients: dict[str, float
     return {KEY: json.dumps(doc, separators=(",", ":"))}  # insertion order: theta0 first, steps in order
 
 
+def adapter_header(deltas: Path, lora: dict) -> dict[str, str]:
+    """The provenance of a LoRA adapter output: its stabilized deltas' (the file it is made from), the
+    record saying how to make it again (`lora`: its output kind and rank)."""
+    from safetensors import safe_open
+
+    with safe_open(str(deltas), framework="pt") as f:
+        meta = {k: v for k, v in (f.metadata() or {}).items() if k != "format"}
+    if KEY in meta:
+        doc = json.loads(meta[KEY])
+        meta[KEY] = json.dumps({**doc, "record": {**doc["record"], "lora": lora}}, separators=(",", ":"))
+    return meta
+
+
 def read(folder: Path) -> dict:
     """The provenance of a model folder, from its first safetensors file's header."""
     files = sorted(Path(folder).glob("*.safetensors"))
@@ -193,6 +206,14 @@ def _malformed(doc: dict) -> str | None:
         value = record.get(key)
         if value is not None and not _number(value) and value not in ("inf", "-inf"):
             return f"has {key} {value!r}, not a finite number"
+    lora = record.get("lora", {})
+    rank = lora.get("rank") if isinstance(lora, dict) else None
+    if (
+        not isinstance(lora, dict)
+        or lora.get("output", "merged") not in ("merged", "adapter")
+        or not (rank is None or (isinstance(rank, int) and not isinstance(rank, bool) and rank > 0))
+    ):
+        return f"has a LoRA output {lora!r} that is not one stabilize writes"
     coefficients = record.get("coefficients")
     theta0 = "theta0" in doc.get("inputs", {}) or (
         isinstance(coefficients, dict) and "theta0" in coefficients

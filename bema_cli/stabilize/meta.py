@@ -70,8 +70,9 @@ def finish_lora(folder: Path, plan: Plan) -> dict:
     if plan.lora_rank is None:
         return info
     files = model_weight_files(folder)
+    header = provenance.adapter_header(files[0], {"output": "adapter", "rank": plan.lora_rank})
     with index_model(folder, files).open() as deltas:
-        errors = write_adapter(folder, deltas, plan.lora, plan.lora_rank, plan.base_source)
+        errors = write_adapter(folder, deltas, plan.lora, plan.lora_rank, plan.base_source, header)
     for f in [*files, folder / "model.safetensors.index.json"]:
         f.unlink(missing_ok=True)
     worst = max(errors.values(), default=0.0)

@@ -148,6 +148,11 @@ def _from_vector(record: dict, doc: dict):
     return ((info.name, value) for info, value in combined(terms, template))
 
 
+def _out_dtype(record: dict) -> str | None:
+    """--out-dtype as the output was made with it (None: each tensor kept its input dtype)."""
+    return record.get("out_dtype") if record.get("out_dtype") not in (None, "mixed", "input") else None
+
+
 WALK_SHARE = 0.5  # of the memory available: a model whose walk fits is rebuilt in memory
 
 
@@ -163,7 +168,7 @@ def _from_walk(record: dict):
     from bema_cli.sweep.walk import plan_sweep, sweep_options
 
     source = Path(record["source_checkpoint"])
-    out_dtype = record.get("out_dtype") if record.get("out_dtype") not in (None, "mixed", "input") else None
+    out_dtype = _out_dtype(record)
     try:
         schedule = Schedule(**stabilizer_params(record)).resolved()
     except UsageError as exc:
@@ -208,9 +213,8 @@ def _from_stabilize(record: dict, folder: Path):
     from bema_cli.stabilize import Options, stabilize
 
     source = Path(record["source_checkpoint"])
-    out_dtype = record.get("out_dtype") if record.get("out_dtype") not in (None, "mixed", "input") else None
     lora = record.get("lora") if isinstance(record.get("lora"), dict) else {}  # an adapter's: output, rank
-    out_dtype = None if lora.get("output") == "adapter" else out_dtype  # an adapter keeps its dtype
+    out_dtype = None if lora.get("output") == "adapter" else _out_dtype(record)  # an adapter keeps its own
     tmp = Path(tempfile.mkdtemp(prefix="bema-verify-"))
     try:
         opts = Options(checkpoint_dir=str(run_of(source)), schedules=[Schedule(**stabilizer_params(record)).resolved()],

@@ -11,6 +11,7 @@ float64 reference in test_stabilize/test_windows).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -29,7 +30,7 @@ GRID = ["--method", "bema,ema,lawa,wsm", "--window", "2", "--schedule", "minus-s
 PROTOCOL = ["--tasks", "gsm8k,loss", "--n-samples", "2", "--max-new-tokens", "8", "--limit", "3",
             "--dtype", "float32", "--log-samples"]  # fmt: skip
 VOLATILE = ("model_path", "created", "eval_id", "seconds")
-VLLM_REL = 1e-6
+VLLM_REL = 1e-4
 
 
 def make_run(base: Path, run: Path, steps=STEPS, scale: float = 0.02) -> None:
@@ -102,15 +103,26 @@ def samples(out: Path) -> dict:
             for s in read_jsonl(out / "samples.jsonl")}  # fmt: skip
 
 
-def close(x, y, rel: float) -> bool:
-    """`x == y`, floats within `rel` (relative; 0: bitwise) and every other value exactly."""
+def mismatch(x, y, rel: float, at: str = "") -> str | None:
+    """Where `x` and `y` first differ ("" at the top), floats within `rel` (relative; 0: bitwise) and every
+    other value exactly; None when they agree."""
     if isinstance(x, dict) and isinstance(y, dict):
-        return x.keys() == y.keys() and all(close(x[k], y[k], rel) for k in x)
+        if x.keys() != y.keys():
+            return f"{at}: keys {sorted(x)} != {sorted(y)}"
+        return next((m for k in x if (m := mismatch(x[k], y[k], rel, f"{at}.{k}")) is not None), None)
     if isinstance(x, list) and isinstance(y, list):
-        return len(x) == len(y) and all(close(u, v, rel) for u, v in zip(x, y, strict=True))
+        if len(x) != len(y):
+            return f"{at}: length {len(x)} != {len(y)}"
+        pairs = enumerate(zip(x, y, strict=True))
+        return next((m for i, (u, v) in pairs if (m := mismatch(u, v, rel, f"{at}[{i}]")) is not None), None)
     if isinstance(x, float) and isinstance(y, float):
-        return x == y or math.isclose(x, y, rel_tol=rel, abs_tol=0.0)
-    return x == y
+        ok = x == y or math.isclose(x, y, rel_tol=rel, abs_tol=0.0)
+        return None if ok else f"{at}: {x!r} != {y!r} (relative {abs(x - y) / max(abs(x), abs(y)):.2e})"
+    return None if x == y else f"{at}: {x!r} != {y!r}"
+
+
+def close(x, y, rel: float) -> bool:
+    return mismatch(x, y, rel) is None
 
 
 def same_as_disk(disk: Path, swept: Path, rel: float = 0.0) -> None:
@@ -122,11 +134,8 @@ def same_as_disk(disk: Path, swept: Path, rel: float = 0.0) -> None:
         wx, wy = x.pop("resume_key").pop("weights"), y.pop("resume_key").pop("weights")
         for field in VOLATILE:
             x.pop(field), y.pop(field)
-        assert close(x, y, rel), (
-            key,
-            x,
-            y,
-        )  # metrics, per-item scores, stabilizer, protocol, seeds, dtype, backend
+        where = mismatch(x, y, rel)  # metrics, per-item scores, stabilizer, protocol, seeds, dtype, backend
+        assert where is None, (key, where)
         if key[0] == "vanilla" or key[1] == 0:  # the same files on both paths: the same fingerprint
             assert wx == wy
         else:
@@ -142,14 +151,11 @@ def same_as_disk(disk: Path, swept: Path, rel: float = 0.0) -> None:
     # ... and not vacuously: the configs' weights differ, so do their samples and losses
     assert any(sb["vanilla", 40, "gsm8k", d] != sb["bema-k0.5-e0.2", 40, "gsm8k", d] for d in ("0", "1", "2", "3", "4", "5")
                if ("vanilla", 40, "gsm8k", d) in sb)  # fmt: skip
-    losses = {
-        b[r, 40, "loss"]["metrics"]["loss"] for r in ("vanilla", "bema-k0.5-e0.2", "ema-k0.5", "lawa-w2")
-    }
-    assert len(losses) == 4
-    ranked = sorted(losses)
-    assert (
-        min(v / u - 1 for u, v in zip(ranked, ranked[1:], strict=False)) > 10 * rel
-    )  # the tolerance separates them
+    for step in (20, 40):  # the tolerance separates the configs: some item's NLL differs by > 10x it
+        nll = {key[0]: rec["items"]["nll"] for key, rec in b.items() if key[1:] == (step, "loss")}
+        assert len(nll) == 5
+        for x, y in itertools.combinations(nll.values(), 2):
+            assert max(abs(u - v) / abs(u) for u, v in zip(x, y, strict=True)) > 10 * rel
     # nothing but records (and logs) in the sweep's folder: no weight file was ever written
     assert sorted(p.name for p in swept.iterdir()) <= [
         "libraries.log",
@@ -316,10 +322,12 @@ def test_sweep_equals_disk_path_on_vllm(world, tmp_path, engine_process):
     )
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("starting vLLM engine") == 1
-    # vLLM on CPU: bitwise in 4 local runs (idle and loaded), but once in CI the base's loss differed
-    # by 8e-9 relative between the two engines (one started on the files, one on dummy weights with
-    # the same bytes reloaded): its kernels are not bitwise reproducible across engines everywhere.
-    # 1e-6 still separates every config (their losses differ by more than 10x that, asserted below).
+    # vLLM on CPU: bitwise in every local run (idle and loaded), but in CI once the base's loss
+    # differed by 8e-9 relative between the two engines (one started on the files, one on dummy
+    # weights with the same bytes reloaded) and once a config's by more than 1e-6: vLLM does not
+    # promise stable logprobs across engines (docs.vllm.ai, FAQ "Can the output of a prompt vary").
+    # 1e-4 still tells every config from every other: each pair's per-item NLLs differ by more than
+    # 10x that on some item (asserted below), so a config scored with another's weights fails.
     same_as_disk(tmp_path / "disk" / "results", tmp_path / "sweep", rel=VLLM_REL)
     doc = json.loads(r.stdout)
     memory = doc["memory"]

@@ -135,12 +135,28 @@ def size(n: int) -> str:
 
 def log(message: str) -> None:
     """An informational line on stderr (suppressed by --quiet)."""
-    if not _quiet:
+    if not _quiet and not _muted:
         stderr.print(message, highlight=False)
 
 
 def warn(message: str) -> None:
-    stderr.print(Text("warning:", style="yellow"), message, highlight=False)
+    if not _muted:
+        stderr.print(Text("warning:", style="yellow"), message, highlight=False)
+
+
+_muted = False
+
+
+@contextmanager
+def muted() -> Iterator[None]:
+    """No log line or warning from work done again to check it (verify's rebuild by stabilize in a
+    temporary folder): they were said when the output was made, and would name the temporary folder."""
+    global _muted
+    before, _muted = _muted, True
+    try:
+        yield
+    finally:
+        _muted = before
 
 
 def error(message: str) -> None:

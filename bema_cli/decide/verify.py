@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from bema_cli import card
+from bema_cli import card, output
 from bema_cli.decide.candidate import THETA0
 from bema_cli.errors import InputError, UsageError
 from bema_cli.io import provenance
@@ -222,7 +222,9 @@ def _from_stabilize(record: dict, folder: Path):
                        accum_dtype=record.get("accum_dtype", "float32"), no_state=True, out_dtype=out_dtype,
                        allow_gaps=bool(record.get("allow_gaps")), lora_output=lora.get("output", "merged"),
                        lora_rank=lora.get("rank"))  # fmt: skip
-        (again,) = [Path(o["path"]) for o in stabilize(opts)["outputs"] if o["step"] == int(record["step"])]
+        with output.muted():  # its warnings (a LoRA rank's truncation) were said when it was made
+            made = stabilize(opts)["outputs"]
+        (again,) = [Path(o["path"]) for o in made if o["step"] == int(record["step"])]
         for f in sorted(again.glob("*.safetensors")):
             with safe_open(str(f), "pt") as b:
                 for name in b.keys():

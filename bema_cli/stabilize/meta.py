@@ -51,9 +51,10 @@ def record(run: Run, step: int, source: Path, base_source: str, opts: Options, o
     }
 
 
-def finish_lora(folder: Path, plan: Plan) -> dict:
+def finish_lora(folder: Path, plan: Plan, shown: Path) -> dict:
     """The `lora` record of an output; for --lora-output adapter, first turn the folder's stabilized
-    deltas into a PEFT adapter of rank plan.lora_rank (truncated SVD, errors recorded and warned about)."""
+    deltas into a PEFT adapter of rank plan.lora_rank (truncated SVD, errors recorded and warned about,
+    naming the output as it will be, `shown`: `folder` is still the private temporary one)."""
     from bema_cli.io.checkpoints import model_weight_files
     from bema_cli.io.lora_out import WARN_ERROR, write_adapter
     from bema_cli.io.safetensors import index_model
@@ -79,7 +80,7 @@ def finish_lora(folder: Path, plan: Plan) -> dict:
     if worst > WARN_ERROR:
         module = max(errors, key=errors.get)
         output.warn(
-            f"{folder}: rank {plan.lora_rank} truncation loses {worst:.3g} of the stabilized delta of "
+            f"{shown}: rank {plan.lora_rank} truncation loses {worst:.3g} of the stabilized delta of "
             f"{module} (relative Frobenius norm); a larger --lora-rank or --lora-output merged is exact"
         )
     return {**info, "rank": plan.lora_rank, "max_truncation_error": worst, "truncation_error": errors}
@@ -369,7 +370,7 @@ def finish_outputs(plan: Plan, opts: Options, outputs: Outputs) -> int:
         run = next(r for r in plan.runs if r.name == name)
         made = record(run, step, ckpt[step], plan.base_source, opts, out_dtype)
         if plan.lora is not None:
-            made["lora"] = finish_lora(writer.folder, plan)
+            made["lora"] = finish_lora(writer.folder, plan, Path(opts.out) / name / f"checkpoint-{step}")
         finish_folder(
             writer.folder,
             ckpt[step],

@@ -159,6 +159,17 @@ def muted() -> Iterator[None]:
         _muted = before
 
 
+_said: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """A warning said once per command, however often the code that finds it runs (ship plans the
+    run's inputs twice: for the menu and for the sweep)."""
+    if message not in _said and not _muted:
+        _said.add(message)
+        warn(message)
+
+
 def error(message: str) -> None:
     """The one line of a failure (cli.main); newlines in the message are flattened to keep it one line."""
     stderr.print(Text("error:", style="bold red"), " ".join(str(message).split("\n")), highlight=False)

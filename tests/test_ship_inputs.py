@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import one_line_error, run_bema
+from test_eval import write_data
 from test_sweep import make_run
 
 
@@ -136,20 +138,46 @@ def test_a_staging_folder_belongs_to_exactly_one_out(tmp_path):
 
 
 def test_a_base_with_another_tokenizer_is_warned_about(world, tmp_path):
-    """Same shapes, another vocabulary: not the model the run started from, said up front."""
-    other = tmp_path / "other-base"
-    shutil.copytree(world["base"], other)
-    (other / "bema.json").unlink()
-    tok = json.loads((other / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    a, b = list(vocab)[10:12]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    (other / "tokenizer.json").write_text(json.dumps(tok))
+    """Same shapes, another vocabulary (or a token added): not the model the run started from, said up
+    front, once per command; the same tokenizer saved again by transformers (as the HF Trainer saves
+    it into every checkpoint: "" where `tokenizers` wrote null) is the same and says nothing."""
+    from transformers import AutoTokenizer
+
+    def base_with(name: str, change) -> Path:
+        other = tmp_path / name
+        shutil.copytree(world["base"], other)
+        (other / "bema.json").unlink()
+        tok = json.loads((other / "tokenizer.json").read_text())
+        change(tok)
+        (other / "tokenizer.json").write_text(json.dumps(tok))
+        return other
+
+    def swap(tok):
+        vocab = tok["model"]["vocab"]
+        a, b = list(vocab)[10:12]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+
+    def add(tok):
+        tok["added_tokens"].append({"id": len(tok["model"]["vocab"]) + len(tok["added_tokens"]), "content": "<|x|>",
+                                    "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+                                    "special": True})  # fmt: skip
+
+    resaved = tmp_path / "resaved"
+    shutil.copytree(world["base"], resaved)
+    AutoTokenizer.from_pretrained(world["base"]).save_pretrained(resaved)
+    assert (resaved / "tokenizer.json").read_text() != (world["base"] / "tokenizer.json").read_text()
     args = ["stabilize", world["run"], "--method", "ema", "--final-only"]
-    r = run_bema(*args, "--base", other, "--out", tmp_path / "o1")
-    assert r.returncode == 0 and "its tokenizer differs from the run's" in r.stderr, r.stderr
-    r = run_bema(*args, "--base", world["base"], "--out", tmp_path / "o2")
-    assert r.returncode == 0 and "tokenizer differs" not in r.stderr, r.stderr
+    for base, warned in ((base_with("swapped", swap), True), (base_with("added", add), True),
+                         (resaved, False), (world["base"], False)):  # fmt: skip
+        r = run_bema(*args, "--base", base, "--out", tmp_path / f"out-{base.name}")
+        assert r.returncode == 0 and ("its tokenizer differs from the run's" in r.stderr) == warned, (
+            base,
+            r.stderr,
+        )
+    data = write_data(tmp_path / "data")
+    r = run_bema("ship", world["run"], "--base", tmp_path / "swapped", "--out", tmp_path / "ship", "--tasks", "loss",
+                 "--loss-data", data / "heldout.jsonl", "--backend", "transformers", "--dry-run")  # fmt: skip
+    assert r.returncode == 0 and r.stderr.count("its tokenizer differs from the run's") == 1, r.stderr
 
 
 @pytest.mark.parametrize("dry", [[], ["--dry-run"]])

@@ -201,17 +201,33 @@ def prepare(opts: Options) -> Plan:
 
 def _check_tokenizer(base: Path, checkpoint: Path) -> None:
     """A base of the run's shape but another tokenizer is not the model the run started from: warned
-    (a run that added tokens differs too, and may be fine)."""
+    (a run that added tokens differs too, and may be fine). Compared by what makes a token's id (the
+    model's vocabulary, merges and settings, the added tokens), not as text: the HF Trainer saves the
+    tokenizer again through transformers, which writes "" where `tokenizers` wrote null."""
     import json
 
     mine, theirs = base / "tokenizer.json", checkpoint / "tokenizer.json"
     try:
-        same = json.loads(mine.read_text()).get("model") == json.loads(theirs.read_text()).get("model")
-    except (OSError, ValueError, AttributeError):
+        same = _token_ids(json.loads(mine.read_text())) == _token_ids(json.loads(theirs.read_text()))
+    except (OSError, ValueError, AttributeError, TypeError):
         return  # none, or not one to compare: nothing said
     if not same:
-        output.warn(f"{base}: its tokenizer differs from the run's ({theirs}): theta0 may not be the model this "
-                    "run started from (or the run added tokens); --base names the right one")  # fmt: skip
+        output.warn_once(f"{base}: its tokenizer differs from the run's ({theirs}): theta0 may not be the model "
+                         "this run started from (or the run added tokens); --base names the right one")  # fmt: skip
+
+
+def _token_ids(doc: dict) -> tuple:
+    """What decides a tokenizer.json's token ids: its model's vocabulary, merges (a "a b" string or an
+    [a, b] pair alike) and other settings (null, "" and false alike: each means none), and its added
+    tokens' ids and texts."""
+    model = dict(doc.get("model") or {})
+    merges = [
+        tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.pop("merges", None) or []
+    ]
+    vocab = model.pop("vocab", None)
+    settings = {k: v for k, v in model.items() if v not in (None, "", False)}
+    added = sorted((t.get("id"), t.get("content")) for t in doc.get("added_tokens") or [])
+    return vocab, merges, settings, added
 
 
 def drop_tied_head(index: ModelIndex, base: ModelIndex) -> None:

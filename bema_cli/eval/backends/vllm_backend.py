@@ -2,7 +2,8 @@
 
 Starting an engine costs tens of seconds (minutes for big models); reloading weights in
 place costs a read of the safetensors (vllm_swap.py: how, and `--verify-swap`), then the
-prefix cache is reset. vLLM itself is imported only inside functions.
+prefix cache is reset (or the evaluation stops: a cached prefix holds the previous weights' keys
+and values). vLLM itself is imported only inside functions.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 import pickle
 import re
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +25,8 @@ from bema_cli.eval.backends.base import EngineOptions, Sampling, resolve_dtype
 from bema_cli.eval.backends.vllm_swap import WeightSwapExtension, checkpoint_weights  # noqa: F401 (public)
 from bema_cli.io.checkpoints import read_json
 
+# how long a prefix-cache reset is tried while vLLM still holds a finished request's blocks
+RESET_WAIT_S = 5.0
 # config.json fields that must match for weights to fit the running engine
 ARCH_FIELDS = (
     "architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -140,7 +144,21 @@ class VllmBackend:
             raise BackendError(
                 f"{checkpoint}: loading weights into the vLLM engine failed ({cause(exc)})"
             ) from exc
-        self.llm.reset_prefix_cache()
+        self._forget_prefixes(str(checkpoint))
+
+    def _forget_prefixes(self, loaded: str) -> None:
+        """Drop every cached prompt prefix after new weights are loaded: their keys and values are the
+        previous model's, and a prompt sharing one (the chat template's start) would be scored partly
+        by it. vLLM refuses while a block is still held (its engine core may free a finished
+        request's blocks just after returning it): tried again for RESET_WAIT_S, then the evaluation
+        stops rather than mix two models."""
+        deadline = time.monotonic() + RESET_WAIT_S
+        while self.llm.reset_prefix_cache() is False:
+            if time.monotonic() > deadline:
+                raise BackendError(f"{loaded}: vLLM's prefix cache still holds the previous weights' keys and "
+                                   f"values after {RESET_WAIT_S:g} s (blocks in use); its scores would mix two "
+                                   "models, so the evaluation stops")  # fmt: skip
+            time.sleep(0.05)
 
     # a weight source (`bema sweep`'s walker) lives in the engine's worker
     # (vllm_swap.WeightSwapExtension), where the weights load; only step numbers and keys cross
@@ -168,7 +186,7 @@ class VllmBackend:
             self.path = folder
         tied = bool(read_json(folder / "config.json").get("tie_word_embeddings", False))
         self._rpc("bema_source_load", key, tied)
-        self.llm.reset_prefix_cache()
+        self._forget_prefixes(f"{folder} ({key})" if key else str(folder))
 
     def _rpc(self, method: str, *args):
         try:

@@ -128,6 +128,11 @@ def _set_config_dtype(path: Path, dtype: str) -> None:
         path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+def output_folder(out: Path, run: str, step: int) -> Path:
+    """Where an output lands: OUT/<run>/checkpoint-<step> (written first under OUT's temporary folder)."""
+    return out / run / f"checkpoint-{step}"
+
+
 def outputs_of(plan: Plan, out: Path) -> list[dict]:
     """The `outputs` list of the --json document (paths absolute)."""
     return [
@@ -135,7 +140,7 @@ def outputs_of(plan: Plan, out: Path) -> list[dict]:
             "run": run.name,
             **hyper(run.schedule, leave_out=("preset", "beta_min")),
             "step": step,
-            "path": str(out / run.name / f"checkpoint-{step}"),
+            "path": str(output_folder(out, run.name, step)),
             **weights(run, step),
         }
         for run in plan.runs
@@ -364,13 +369,13 @@ def finish_outputs(plan: Plan, opts: Options, outputs: Outputs) -> int:
     """After every unit is written: index files, bema.json, config/tokenizer copies; returns bytes written."""
     ckpt = {c.step: c.path for c in plan.checkpoints}
     out_dtype = out_dtype_name(plan, opts)
-    written = 0
+    out, written = Path(opts.out).expanduser().resolve(), 0
     for (name, step), writer in outputs.items():
         writer.close()
         run = next(r for r in plan.runs if r.name == name)
         made = record(run, step, ckpt[step], plan.base_source, opts, out_dtype)
         if plan.lora is not None:
-            made["lora"] = finish_lora(writer.folder, plan, Path(opts.out) / name / f"checkpoint-{step}")
+            made["lora"] = finish_lora(writer.folder, plan, output_folder(out, name, step))
         finish_folder(
             writer.folder,
             ckpt[step],

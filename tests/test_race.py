@@ -79,6 +79,61 @@ def test_a_race_keeps_the_best_and_drops_the_clearly_worse():
     assert worst_dropped_early == races
 
 
+def test_a_race_of_equals_drops_each_of_them_at_most_a_of_the_time():
+    """The hardest world for the evidence's average: 8 candidates equally good (each is "the best"),
+    skewed item scores, each visited once as ship does. Every rival's evidence is then a
+    supermartingale, and their average reaches 1/a in at most a of races: each candidate's drop rate,
+    and their pooled rate with its Wilson interval, stay under a (measured 0.0-1.5% each, 0.7% pooled;
+    Bonferroni against the leader 0.3%)."""
+    rng = np.random.default_rng(7)
+    names, items, races = [f"c{k}" for k in range(8)], 100, 800
+    drops = dict.fromkeys(names, 0)
+    for _ in range(races):
+        shared = rng.normal(0, 1, size=items)
+        scores = {n: shared + rng.exponential(0.5, size=items) for n in names}  # equal means, skewed
+        r = race.Race(names, horizon=items, protect=["c0"])
+        for name in names:
+            for batch in race.rounds(range(items)):
+                r.add(name, scores[name][batch].tolist())
+                if r.behind(name):
+                    break
+            r.completed(name)
+        for name in r.dropped:
+            drops[name] += 1
+    pooled = sum(drops.values())
+    lo, hi = wilson(pooled, races * (len(names) - 1))
+    assert hi < race.ALPHA and max(drops.values()) / races < race.ALPHA, (drops, lo, hi)
+    assert pooled > 0  # the rule does drop on noise sometimes: the level is spent, not wasted
+
+
+def test_the_race_drops_whenever_bonferroni_against_the_leader_would_and_sooner_when_rivals_agree():
+    """Path by path: where the two-sided sequence of (leader - candidate) at a / (K - 1) lies above 0
+    (the rule before), the evidence's average drops the candidate too; and where several rivals are
+    each ahead by less than that sequence can tell, their evidence adds up and drops it sooner
+    (measured: 410 drops both rules make, 119 only this one)."""
+    rng = np.random.default_rng(12)
+    names, items = ["v", "a", "b", "c", "x"], 100
+    level = race.ALPHA / (len(names) - 1)
+    both = new_only = 0
+    for k in range(300):
+        shared = rng.normal(0, 1, size=items)
+        gap = (0.25, 0.4)[k % 2]  # x behind every rival by this, items of spread ~0.7 around it
+        scores = {n: shared + rng.normal(0, 0.5, size=items) for n in names[:-1]}
+        scores["x"] = shared - gap + rng.normal(0, 0.5, size=items)
+        for t in (16, 32, 64):
+            r = race.Race(names, horizon=items, protect=["v"])
+            for n in names[:-1]:
+                r.add(n, scores[n].tolist())
+            r.add("x", scores["x"][:t].tolist())
+            lead = max(names[:-1], key=lambda n: scores[n][:t].sum())
+            lo, _ = race.sequence(power.paired(scores[lead][:t].tolist(), scores["x"][:t].tolist()), level, items)
+            dropped = r.behind("x")
+            assert dropped or not lo > 0, (k, t)  # never keeps what the rule before would drop
+            both += dropped and lo > 0
+            new_only += dropped and not lo > 0
+    assert both > 50 and new_only > 0.2 * both, (both, new_only)  # measured 410 and 119
+
+
 def test_a_duel_decides_as_the_whole_comparison_with_fewer_items():
     rng = np.random.default_rng(2)
     ids = list(range(128))

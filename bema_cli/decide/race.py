@@ -11,10 +11,15 @@ variance plugged in. For the mean of t paired per-item differences d_1..d_t, wit
     mean_t +- sd_t * sqrt( 2 (t rho^2 + 1) / (t^2 rho^2) * log( sqrt(t rho^2 + 1) / a ) )
 
 rho sets the t where it is tightest (here: all the pick items, where a fixed-n test would look).
-A candidate is dropped when the sequence for (leader - candidate) lies above 0, the leader being
-the best of the candidates scored on its items. Each comparison runs at a / (K - 1) (Bonferroni
-over the K - 1 rivals of whichever candidate is truly best), so the best is dropped with
-probability <= a over the whole race. docs/eval-protocol.md, "Racing".
+
+The menu's race drops a candidate on the same mixture read as evidence (an e-value): for each rival
+j, the one-sided mixture E_j that j's items beat the candidate's (`evidence`), and the candidate
+goes once their average over its K - 1 rivals reaches 1/a (a rival not yet scored that far counts
+0). Where the candidate is truly the best, each E_j is a nonnegative supermartingale in the items,
+so is their average, and by Ville's inequality it ever reaches 1/a with probability <= a: the best
+is dropped with probability <= a over the whole race, as with Bonferroni's a / (K - 1) against the
+leader, which this rule drops whenever that one does (and more often: rivals' evidence adds up).
+docs/eval-protocol.md, "Racing".
 """
 
 from __future__ import annotations
@@ -72,6 +77,25 @@ def sequence(
     return mean - r, mean + r
 
 
+def evidence(diffs: Sequence[float], a: float, horizon: int) -> float:
+    """The e-value, at these items, that the mean of the paired differences is above 0: Robbins'
+    normal mixture over positive slopes only (Howard, Ramdas, McAuliffe and Sekhon 2021, the one-sided
+    normal mixture), the sample variance plugged in, tuned as `radius` at level `a`. Where the true
+    mean is <= 0 it ever reaches 1/a with probability <= a (asymptotically, as `sequence` covers); it is twice the two-sided mixture behind
+    `sequence` times Phi(x) > 1/2, so it reaches 1/a whenever that sequence at `a` lies above 0."""
+    t = len(diffs)
+    if t < 2:
+        return 1.0
+    mean, sd = mean_sd(diffs)
+    if sd == 0:  # every item the same difference (ties included): certain, as `sequence` reads it
+        return math.inf if mean > 0 else 0.0
+    log_term = -2 * math.log(a)
+    rho2 = (log_term + math.log(log_term + 1)) / max(horizon, 2)  # as `radius`
+    x = t * mean / sd * math.sqrt(rho2 / (t * rho2 + 1))
+    phi = max(0.5 * math.erfc(-x / math.sqrt(2)), 1e-300)  # Phi(x); far below 0 the e-value is ~0
+    return math.exp(min(math.log(2 * phi) - 0.5 * math.log(t * rho2 + 1) + x * x / 2, 700.0))
+
+
 class Race:
     """Candidates scored item by item (oriented: higher is better); `protect`ed ones are never dropped."""
 
@@ -80,29 +104,29 @@ class Race:
         self.alive = list(names)
         self.dropped: dict[
             str, dict
-        ] = {}  # name -> {"after": items seen, "by": leader, "interval": [lo, hi]}
+        ] = {}  # name -> {"after": items seen, "by": the rival with most evidence, "evidence": average}
         self.horizon, self.protect, self.alpha = horizon, set(protect), alpha
 
     def add(self, name: str, values: Sequence[float]) -> None:
         self.scores[name].extend(values)
 
     def behind(self, name: str) -> bool:
-        """Drop `name` if its sequence against the best of the candidates scored on at least its items
-        (on those items) lies above 0: a candidate visited once, item by item, is checked against the
-        ones already scored."""
+        """Drop `name` once the evidence that its rivals beat it, averaged over its K - 1 rivals on the
+        items it has (a rival scored on fewer counts 0), reaches 1/a: a candidate visited once, item
+        by item, is checked against the ones already scored."""
         t = len(self.scores[name])
-        rivals = [n for n in self.alive if n != name and len(self.scores[n]) >= t]
-        if t < MIN_ITEMS or not rivals or name in self.protect:
+        if t < MIN_ITEMS or name in self.protect:
             return False
-        lead = max(rivals, key=lambda n: sum(self.scores[n][:t]))
-        if sum(self.scores[lead][:t]) <= sum(self.scores[name][:t]):
+        family = max(len(self.scores) - 1, 1)
+        level = self.alpha / family  # each rival's share: the mixture's tuning, as Bonferroni's level
+        against = {n: evidence(paired(s[:t], self.scores[name][:t]), level, self.horizon)
+                   for n, s in self.scores.items() if n != name and len(s) >= t}  # fmt: skip
+        total = sum(against.values())
+        if total < family / self.alpha:
             return False
-        lo, hi = sequence(paired(self.scores[lead][:t], self.scores[name][:t]), self.alpha / max(len(self.scores) - 1, 1),
-                          self.horizon)  # fmt: skip
-        if lo > 0:
-            self.alive.remove(name)
-            self.dropped[name] = {"after": t, "by": lead, "interval": [lo, hi]}
-        return lo > 0
+        self.alive.remove(name)
+        self.dropped[name] = {"after": t, "by": max(against, key=against.get), "evidence": total / family}
+        return True
 
     def completed(self, name: str) -> None:
         """`name` reached its last item still in the race: each candidate scored before it meets it
@@ -114,7 +138,7 @@ class Race:
     def retire(self, name: str, why: str) -> None:
         """Leave `name` out for a reason other than a rival (ship's --min-effect)."""
         self.alive.remove(name)
-        self.dropped[name] = {"after": len(self.scores[name]), "by": why, "interval": None}
+        self.dropped[name] = {"after": len(self.scores[name]), "by": why, "evidence": None}
 
 
 def duel(

@@ -126,7 +126,9 @@ def test_the_race_drops_whenever_bonferroni_against_the_leader_would_and_sooner_
                 r.add(n, scores[n].tolist())
             r.add("x", scores["x"][:t].tolist())
             lead = max(names[:-1], key=lambda n: scores[n][:t].sum())
-            lo, _ = race.sequence(power.paired(scores[lead][:t].tolist(), scores["x"][:t].tolist()), level, items)
+            lo, _ = race.sequence(
+                power.paired(scores[lead][:t].tolist(), scores["x"][:t].tolist()), level, items
+            )
             dropped = r.behind("x")
             assert dropped or not lo > 0, (k, t)  # never keeps what the rule before would drop
             both += dropped and lo > 0

@@ -131,6 +131,8 @@ def test_the_race_drops_whenever_bonferroni_against_the_leader_would_and_sooner_
             )
             dropped = r.behind("x")
             assert dropped or not lo > 0, (k, t)  # never keeps what the rule before would drop
+            if dropped:  # the record says what dropped it: the average evidence, past 1/a
+                assert r.dropped["x"]["log10_evidence"] >= math.log10(1 / race.ALPHA) - 0.05
             both += dropped and lo > 0
             new_only += dropped and not lo > 0
     assert both > 50 and new_only > 0.2 * both, (both, new_only)  # measured 410 and 119

@@ -87,8 +87,10 @@ def evidence(diffs: Sequence[float], a: float, horizon: int) -> float:
     if t < 2:
         return 1.0
     mean, sd = mean_sd(diffs)
-    if sd == 0:  # every item the same difference (ties included): certain, as `sequence` reads it
-        return math.inf if mean > 0 else 0.0
+    if (
+        sd == 0
+    ):  # every item the same difference (ties included): as certain as it gets, as `sequence` reads it
+        return math.exp(700.0) if mean > 0 else 0.0
     log_term = -2 * math.log(a)
     rho2 = (log_term + math.log(log_term + 1)) / max(horizon, 2)  # as `radius`
     x = t * mean / sd * math.sqrt(rho2 / (t * rho2 + 1))
@@ -102,9 +104,8 @@ class Race:
     def __init__(self, names: Sequence[str], horizon: int, protect: Sequence[str] = (), alpha: float = ALPHA):
         self.scores: dict[str, list[float]] = {n: [] for n in names}
         self.alive = list(names)
-        self.dropped: dict[
-            str, dict
-        ] = {}  # name -> {"after": items seen, "by": the rival with most evidence, "evidence": average}
+        # name -> {"after": items seen, "by": the rival with most evidence, "log10_evidence": the average's}
+        self.dropped: dict[str, dict] = {}
         self.horizon, self.protect, self.alpha = horizon, set(protect), alpha
 
     def add(self, name: str, values: Sequence[float]) -> None:
@@ -125,7 +126,8 @@ class Race:
         if total < family / self.alpha:
             return False
         self.alive.remove(name)
-        self.dropped[name] = {"after": t, "by": max(against, key=against.get), "evidence": total / family}
+        self.dropped[name] = {"after": t, "by": max(against, key=against.get),
+                              "log10_evidence": round(math.log10(total / family), 1)}  # fmt: skip
         return True
 
     def completed(self, name: str) -> None:
@@ -138,7 +140,7 @@ class Race:
     def retire(self, name: str, why: str) -> None:
         """Leave `name` out for a reason other than a rival (ship's --min-effect)."""
         self.alive.remove(name)
-        self.dropped[name] = {"after": len(self.scores[name]), "by": why, "evidence": None}
+        self.dropped[name] = {"after": len(self.scores[name]), "by": why, "log10_evidence": None}
 
 
 def duel(

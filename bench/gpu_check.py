@@ -161,9 +161,13 @@ def main() -> None:
                "--device", "cuda", "--out", args.workdir / "sweep")  # fmt: skip
     walk, swap = doc["stages"].get("walk", {}), doc["stages"].get("swap", {})
     swaps = max(1, len(doc["records"]))
-    rows.append(f"sweep --backend transformers --device cuda, states on {doc['memory']['states_device']}: "
+    memory = doc["memory"]
+    host, device = memory["peak_rss"] / world["numel"], (memory.get("peak_device") or 0) / world["numel"]
+    rows.append(f"sweep --backend transformers --device cuda, states on {memory['states_device']}: "
                 f"{doc['seconds']:.1f} s, walk {walk.get('gb_per_s') or 0:.2f} GB/s, "
-                f"{(swap.get('seconds') or 0) / swaps:.2f} s per swap ({swaps} records)")  # fmt: skip
+                f"{(swap.get('seconds') or 0) / swaps:.2f} s per swap ({swaps} records); peak host RSS "
+                f"{host:.1f} B/param (estimate {memory['estimate'] / world['numel']:.1f}), GPU {device:.1f} B/param")  # fmt: skip
+    targets.append((f"sweep's peak host RSS <= 12 B/param ({host:.1f})", host <= 12))
     if doc["memory"]["states_device"] != "cuda":
         failed.append("sweep: the states are not on the GPU")
     print("\n".join(rows))

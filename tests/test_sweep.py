@@ -337,6 +337,7 @@ def test_sweep_equals_disk_path_on_vllm(world, tmp_path, engine_process):
     assert all(r["relative"] == pytest.approx(ref[r["step"]], rel=1e-5) for r in doc["motion"])
     # the peak counts the engine core's own process (torch, vLLM, the model: > 200 MB) when it has one
     assert memory["peak_rss"] == memory["peak_rss_bema"] + memory["peak_rss_engine"], memory
+    assert memory["peak_device"] is None, memory  # nothing held on a GPU (none here): null, not 0
     if engine_process == "1":  # (in-process, short-lived helpers may still show: nothing to assert)
         assert memory["peak_rss_engine"] > 200 * 2**20, memory
 

@@ -12,6 +12,7 @@ theta0, docs/performance.md measures the cost) and evaluating only what results.
 
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -62,8 +63,17 @@ def sweep(
     return_freed_memory()
     with PeakRss() as peak:
         doc = _sweep(stab, config, engine, sweep_opts, executor, follow, validated)
-    doc["memory"].update(peak.parts())
+    doc["memory"].update(peak.parts(), peak_device=_device_peak())
     return doc
+
+
+def _device_peak() -> int | None:
+    """The most bytes torch held on the GPU during the sweep (its states, a held checkpoint, a
+    transformers engine's model), or None where nothing ran on one: the RSS peaks say nothing of it."""
+    torch = sys.modules.get("torch")  # never imported for this alone
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.max_memory_allocated())
 
 
 def projection(plan, evaluation, jobs, doc: dict, config: EvalConfig) -> dict:

@@ -84,7 +84,7 @@ def test_a_race_of_equals_drops_each_of_them_at_most_a_of_the_time():
     skewed item scores, each visited once as ship does. Every rival's evidence is then a
     supermartingale, and their average reaches 1/a in at most a of races: each candidate's drop rate,
     and their pooled rate with its Wilson interval, stay under a (measured 0.5-1.6% each, 0.77%
-    [0.57%, 1.03%] pooled; Bonferroni against the leader about 0.3%)."""
+    [0.57%, 1.03%] pooled; Bonferroni against the leader 0.27%)."""
     rng = np.random.default_rng(7)
     names, items, races = [f"c{k}" for k in range(8)], 100, 800
     drops = dict.fromkeys(names, 0)

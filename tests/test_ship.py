@@ -42,6 +42,8 @@ def test_min_effect_ships_vanilla_unless_an_average_clears_it(runs, tmp_path):
     stopped = doc["race"]["stopped"]
     assert stopped.startswith("every candidate's sequence lies within --min-effect 5 of vanilla"), stopped
     assert all(d["after"] == 16 for d in doc["race"]["dropped"].values())  # each left after one round
+    left = [line for line in r.stderr.splitlines() if " left the race after 16 of " in line]
+    assert len(left) == len(doc["race"]["dropped"]), r.stderr  # a line each, saying when and why
     assert "the fits were not searched" in doc["verdict"] and not doc.get("fitted")
     assert "--min-effect 5" in doc["verdict"] or "not beyond its interval" in doc["verdict"], doc["verdict"]
     line = one_line_error(run_bema("ship", runs["noisy"], "--out", tmp_path / "m2", "--min-effect", "-1"), 2)

@@ -85,6 +85,7 @@ def _visit(contest, scorer, menu, rounds, ship_opts, metric, limit, progress, ea
             if progress:  # a line per candidate (the benchmark's thousands of races say none)
                 output.log(f"{metric.task}: menu candidate {k + 1} of {len(contest.scores)}: {name} on up to "
                            f"{len(pick)} pick items")  # fmt: skip
+            before = set(contest.dropped)
             for batch in rounds:
                 contest.add(name, scorer.scores(menu[name], batch))
                 if contest.behind(name):
@@ -93,6 +94,8 @@ def _visit(contest, scorer, menu, rounds, ship_opts, metric, limit, progress, ea
                     contest.retire(name, f"{WITHIN} {effect:g} of vanilla")
                     break
             contest.completed(name)
+            if progress:  # it, or one scored before it that it now beats
+                _say_left(contest, [n for n in contest.dropped if n not in before], metric, len(pick))
             bar.advance(task)
     retired = any(d["by"].startswith(WITHIN) for d in contest.dropped.values())
     if stopped is None and retired and contest.alive == ["vanilla"]:
@@ -100,6 +103,18 @@ def _visit(contest, scorer, menu, rounds, ship_opts, metric, limit, progress, ea
             f"every candidate's sequence lies within --min-effect {effect:g} of vanilla, or below another's"
         )
     return stopped
+
+
+def _say_left(contest, names: list[str], metric, items: int) -> None:
+    """A line per candidate that left the race: when, and why (the rival whose evidence weighed most)."""
+    for n in names:
+        d = contest.dropped[n]
+        why = (
+            d["by"]
+            if d["log10_evidence"] is None
+            else f"the others beat it beyond the race's level (most clearly {d['by']})"
+        )
+        output.log(f"{metric.task}: {n} left the race after {d['after']} of {items} pick items: {why}")
 
 
 def _within(contest, scorer, menu: dict, name: str, pick_ids: list, effect: float) -> bool:

@@ -3,9 +3,9 @@
 Every menu config and vanilla is scored at the decision's step, each swapped into the engine once:
 vanilla on every pick and report item (it is reported whatever the race does), then each config in
 rounds of pick items while it is loaded (race.Race: it is dropped once the evidence that those
-scored before it beat it reaches the race's level; vanilla never is). The survivors run to the last pick
-item, and `select`'s own rule picks among them on the pick items (best, the paired-bootstrap tie
-with it, the tie rule). Only the finalists, the pick and vanilla (and, when the tie rule picked
+scored before it beat it reaches the race's level; vanilla never is). The survivors run to the last
+pick item, and `select`'s own rule picks among them on the pick items (best, the paired-bootstrap
+tie with it, the tie rule). Only the finalists, the pick and vanilla (and, when the tie rule picked
 vanilla, the best average it passed over), are scored on the report items, where `select` reports
 every number: vanilla's were scored in its load, so one more swap at most. docs/eval-protocol.md,
 "Racing".
@@ -68,8 +68,8 @@ def _vanilla_first(scorer, vanilla, pick_ids: list, report_ids: list) -> int:
 def _visit(contest, scorer, menu, rounds, ship_opts, metric, limit, progress, early=0) -> str | None:
     """Each candidate swapped in once: vanilla on every pick item (scored already: _vanilla_first),
     then each other candidate round by round while it stays loaded, left (dropped) as soon as the
-    evidence that those already scored beat it reaches the race's level (race.Race.behind), or (--min-effect) within the
-    margin of vanilla; one that completes is a survivor, and the survivors before it meet it again
+    evidence that those already scored beat it reaches the race's level (race.Race.behind), or
+    (--min-effect) within the margin of vanilla; one that completes is a survivor, and the survivors before it meet it again
     on the items they all have. One swap per candidate, where rounds cost one per candidate and
     round (bench/bench_decide.py)."""
     stopped, pick, effect = None, [i for b in rounds for i in b], ship_opts.min_effect

@@ -81,15 +81,14 @@ def evidence(diffs: Sequence[float], a: float, horizon: int) -> float:
     """The e-value, at these items, that the mean of the paired differences is above 0: Robbins'
     normal mixture over positive slopes only (Howard, Ramdas, McAuliffe and Sekhon 2021, the one-sided
     normal mixture), the sample variance plugged in, tuned as `radius` at level `a`. Where the true
-    mean is <= 0 it ever reaches 1/a with probability <= a (asymptotically, as `sequence` covers); it is twice the two-sided mixture behind
-    `sequence` times Phi(x) > 1/2, so it reaches 1/a whenever that sequence at `a` lies above 0."""
+    mean is <= 0 it ever reaches 1/a with probability <= a (asymptotically, as `sequence` covers).
+    It is the two-sided mixture behind `sequence` times 2 Phi(x) > 1, so it reaches 1/a whenever
+    that sequence at `a` lies above 0."""
     t = len(diffs)
     if t < 2:
         return 1.0
     mean, sd = mean_sd(diffs)
-    if (
-        sd == 0
-    ):  # every item the same difference (ties included): as certain as it gets, as `sequence` reads it
+    if sd == 0:  # every item the same difference (ties included): certain, as `sequence` reads it
         return math.exp(700.0) if mean > 0 else 0.0
     log_term = -2 * math.log(a)
     rho2 = (log_term + math.log(log_term + 1)) / max(horizon, 2)  # as `radius`

@@ -168,7 +168,7 @@ def main() -> None:
                 f"{(swap.get('seconds') or 0) / swaps:.2f} s per swap ({swaps} records); peak host RSS "
                 f"{host:.1f} B/param (estimate {memory['estimate'] / world['numel']:.1f}), GPU {device:.1f} B/param")  # fmt: skip
     targets.append((f"sweep's peak host RSS <= 12 B/param ({host:.1f})", host <= 12))
-    if doc["memory"]["states_device"] != "cuda":
+    if memory["states_device"] != "cuda":
         failed.append("sweep: the states are not on the GPU")
     print("\n".join(rows))
     print("targets: " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in targets))

@@ -54,14 +54,20 @@ def rounds(ids: Sequence) -> list[list]:
     return out
 
 
+def _mixture(a: float, horizon: int) -> float:
+    """rho^2 of the normal mixture tuned for level `a`, tightest at `horizon` items (Waudby-Smith et
+    al., eq. (2.11)): the sequence and the evidence share it."""
+    log_term = -2 * math.log(a)
+    return (log_term + math.log(log_term + 1)) / max(horizon, 2)
+
+
 def radius(sd: float, t: int, a: float, horizon: int, tuned: float | None = None) -> float:
     """Half-width of the two-sided level-(1 - a) confidence sequence at t items (tightest at `horizon`).
     `tuned`: the level its mixture is tuned for (default `a`); held fixed, the width only grows as `a`
     shrinks, which Holm's step-down needs (a rejection at a looser level implies one at a stricter)."""
     if t < 2:
         return math.inf
-    log_term = -2 * math.log(a if tuned is None else tuned)
-    rho2 = (log_term + math.log(log_term + 1)) / max(horizon, 2)  # Waudby-Smith et al., eq. (2.11)
+    rho2 = _mixture(a if tuned is None else tuned, horizon)
     return sd * math.sqrt(2 * (t * rho2 + 1) / (t * t * rho2) * math.log(math.sqrt(t * rho2 + 1) / a))
 
 
@@ -90,8 +96,7 @@ def evidence(diffs: Sequence[float], a: float, horizon: int) -> float:
     mean, sd = mean_sd(diffs)
     if sd == 0:  # every item the same difference (ties included): certain, as `sequence` reads it
         return math.exp(700.0) if mean > 0 else 0.0
-    log_term = -2 * math.log(a)
-    rho2 = (log_term + math.log(log_term + 1)) / max(horizon, 2)  # as `radius`
+    rho2 = _mixture(a, horizon)
     x = t * mean / sd * math.sqrt(rho2 / (t * rho2 + 1))
     phi = max(0.5 * math.erfc(-x / math.sqrt(2)), 1e-300)  # Phi(x); far below 0 the e-value is ~0
     return math.exp(min(math.log(2 * phi) - 0.5 * math.log(t * rho2 + 1) + x * x / 2, 700.0))

@@ -115,11 +115,12 @@ def decide_once(world: World, menu: dict, raced: bool, opts) -> dict:
     (race.exhaustive), each fitted candidate paid on every item, the same rule."""
     from bema_cli.decide import decision, race, search, select
     from bema_cli.decide.menu import race_menu
+    from bema_cli.decide.metric import Metric
     from bema_cli.decide.scorer import ItemScorer
     from bema_cli.decide.ship import fits_for
     from bema_cli.eval.results import ResultsFile
 
-    metric = select.Metric("loss", "loss", False)
+    metric = Metric("loss", "loss", False)
     opts = fits_for(opts, metric)  # as ship resolves --fit
     scorer = ItemScorer(world.evaluate, None, metric, ResultsFile(None))
     pick, report = select.sides(world.ids, opts.holdout, opts.seed)
@@ -161,8 +162,9 @@ def guard_passes(true_gap: float, margin: float, items: int, reps: int, seed: in
     whose accuracy on a guard task is vanilla's + true_gap; items paired, 10% + |gap| of them
     discordant (averages of one run disagree on few items)."""
     from bema_cli.decide import guard, select
+    from bema_cli.decide.metric import Metric
 
-    metric = select.Metric("gsm8k", "flexible", True)
+    metric = Metric("gsm8k", "flexible", True)
 
     def record(run, correct):
         return {"run": run, "step": STEPS[-1], "task": "gsm8k", "model_path": run, "is_base": False, "protocol": {},

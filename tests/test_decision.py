@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from bema_cli.decide import decision, select
+from bema_cli.decide.metric import parse_metric
 from bema_cli.decide.ship import ShipOptions
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_decide.py"
@@ -41,7 +42,7 @@ def test_vanilla_picked_by_the_tie_rule_while_the_report_half_favours_an_average
         record("vanilla", van.tolist(), tokens.tolist()),
         record("lawa-w8", lawa.tolist(), tokens.tolist()),
     ]
-    metric = select.parse_metric("loss")
+    metric = parse_metric("loss")
     chosen = select.select(records, metric, "last", opts.holdout, opts.resamples, opts.seed)
     assert chosen["winner"]["run"] == "vanilla"
     made, why = decision.decide(chosen, None, metric, opts, records)
@@ -80,7 +81,7 @@ def test_a_difference_below_the_arithmetics_resolution_is_a_tie():
     n = 120
     tokens = rng.integers(20, 60, size=n).astype(float)
     van = rng.normal(1.0, 0.2, size=n) * tokens
-    metric = select.parse_metric("loss")
+    metric = parse_metric("loss")
     for rel, wins in ((1e-7, False), (1e-3, True)):
         avg = van * (1 - rel * (1 + 0.1 * rng.random(n)))  # lower loss on every item, by `rel`
         won, _, _ = race.duel(lambda ids, a=avg: [-a[i] for i in ids], lambda ids: [-van[i] for i in ids],
@@ -147,7 +148,7 @@ def test_vanilla_is_loaded_once_for_both_halves():
                  "items": {"ids": list(ids), "nll": nll, "tokens": tokens[ids].tolist()}, "protocol": {},
                  "seeds": None, "n_samples": 1, "n_prompts": len(ids), "backend": "sim", "dtype": "float64"}]  # fmt: skip
 
-    metric = select.parse_metric("loss")
+    metric = parse_metric("loss")
     opts = ShipOptions(out=Path("unused"), resamples=500)
     scorer = ItemScorer(evaluate, None, metric, ResultsFile(None))
     pick, report = (list(map(int, half)) for half in select.sides(list(range(n)), opts.holdout, opts.seed))

@@ -12,7 +12,7 @@ from conftest import run_bema
 from test_eval import read_jsonl, write_data
 
 from bema_cli.errors import OutputError, UsageError
-from bema_cli.eval import evaluate, resume
+from bema_cli.eval import evaluate, protocol, resume
 from bema_cli.eval.backends.base import EngineOptions
 
 SMALL = dict(tasks=["gsm8k", "loss"], n_samples=2, max_new_tokens=4, limit=2, backend="transformers",
@@ -178,7 +178,7 @@ def test_torn_final_lines_are_cut_on_resume(first, tmp_path):
 def test_nonsense_values_are_usage_errors(changes, engine, flag):
     config = evaluate.EvalConfig(**{**SMALL, **changes})
     with pytest.raises(UsageError, match=flag):
-        evaluate.validate(config, EngineOptions(**engine))
+        protocol.validate(config, EngineOptions(**engine))
 
 
 def test_nonsense_values_exit_2_on_the_cli(tiny_model_dir, tmp_path):

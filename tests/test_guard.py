@@ -10,8 +10,9 @@ import numpy as np
 from test_race import wilson
 
 from bema_cli.decide import guard, select
+from bema_cli.decide.metric import Metric
 
-METRIC = select.Metric("gsm8k", "flexible", True)
+METRIC = Metric("gsm8k", "flexible", True)
 
 
 def _record(run: str, correct: np.ndarray) -> dict:

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from conftest import one_line_error, run_bema
 
-from bema_cli.decide.select import Metric, parse_metric, select, split
+from bema_cli.decide.metric import Metric, parse_metric
+from bema_cli.decide.select import select, split
 from bema_cli.errors import InputError, UsageError
 
 GSM = Metric("gsm8k", "flexible", True)
@@ -356,7 +357,7 @@ def test_select_write_of_a_vector_without_theta0_writes_and_verifies(evaluated_r
     from bema_cli.decide.write import write_winner
 
     _, records = report.load([str(evaluated_run / "results")])
-    doc = sel.select(records, sel.parse_metric("loss"), "last", None, 200, 0)
+    doc = sel.select(records, parse_metric("loss"), "last", None, 200, 0)
     row = next(c for c in doc["candidates"] if c["run"] == "vanilla")
     doc["winner"] = {k: row[k] for k in sel.WINNER_KEYS} | {"tied_with": []}
     out = tmp_path / "vanilla"

@@ -50,8 +50,9 @@ def select(
     """
     from bema_cli import report
     from bema_cli.decide import select as sel
+    from bema_cli.decide.metric import parse_metric
 
-    parsed = sel.parse_metric(metric)
+    parsed = parse_metric(metric)
     sel.check_flags(at, holdout, resamples)  # instantly, before the results are read
     _, records = report.load(inputs)
     doc = sel.select(records, parsed, at, holdout, resamples, seed, allow_missing)

@@ -17,6 +17,7 @@ from bema_cli import output
 from bema_cli.decide import candidate, guard, select
 from bema_cli.decide.decision import decide
 from bema_cli.decide.menu import race_menu
+from bema_cli.decide.metric import Metric, metric_value, parse_metric
 from bema_cli.decide.scorer import Arena, ItemScorer, arena_targets
 from bema_cli.decide.search import search
 from bema_cli.errors import UsageError
@@ -195,7 +196,7 @@ def _vanilla_on_other_tasks(arena, config, metric, vanilla, work) -> dict:
     for task in config.tasks:
         if task == metric.task or task == "train_loss":
             continue
-        m = select.Metric(task, "loss", False) if task in LOSS_TASKS else select.parse_metric(task)
+        m = Metric(task, "loss", False) if task in LOSS_TASKS else parse_metric(task)
         scorer = scorer_of(arena, m, work)
         out[task] = scorer, item_ids(scorer.task)
         output.log(f"{task}: vanilla on its {len(out[task][1])} items (reported whatever ships; a guard)")
@@ -214,6 +215,6 @@ def _other_tasks(scorers: dict, shipped, vanilla) -> tuple[dict, int]:
         evaluated += scorer.evaluated
         same = shipped.digest == vanilla.digest
         out[task] = {"metric": m.name, "higher_is_better": m.higher_is_better, "candidate": shipped.name,
-                     "shipped": select.metric_value(mine, m), "vanilla": select.metric_value(van, m),
+                     "shipped": metric_value(mine, m), "vanilla": metric_value(van, m),
                      "vs_vanilla": None if same else select.versus(mine, van, m, None, 0)}  # fmt: skip
     return out, evaluated

@@ -11,6 +11,7 @@ winner's-curse-corrected estimate (power.corrected): it passed a test on the ite
 from __future__ import annotations
 
 from bema_cli.decide import power, select, verdict
+from bema_cli.decide.metric import restrict
 
 # Fewer report items than this and the paired bootstrap's "95% interval" means nothing (one item
 # gives one resample value: an interval of zero width); ship then writes vanilla and says it cannot
@@ -37,13 +38,13 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
         )  # fmt: skip
     vanilla_rec = record_of(records, vanilla_row, metric)
     report_ids = _report_ids(vanilla_rec, ship_opts)
-    van = select.restrict(vanilla_rec, report_ids, metric)
+    van = restrict(vanilla_rec, report_ids, metric)
     better = metric.higher_is_better
     effect = ship_opts.min_effect
     menu = w if verdict.beats_vanilla(chosen, effect) else vanilla_row
     if fitted and fitted.get("best"):
         rec = fitted["best"]["record"]  # scored on the report items alone
-        menu_rec = select.restrict(record_of(records, menu, metric), report_ids, metric)
+        menu_rec = restrict(record_of(records, menu, metric), report_ids, metric)
         vs_menu = select.versus(rec, menu_rec, metric, None, ship_opts.seed, ship_opts.resamples)
         vs_vanilla = select.versus(rec, van, metric, None, ship_opts.seed, ship_opts.resamples)
         fitted["doc"]["best"].update(vs_menu=vs_menu, vs_vanilla=vs_vanilla)
@@ -58,7 +59,7 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
                 f"{menu['run']} ({fmt_d(vs_menu)}), the best of the menu; {_mdd(numbers, reported, metric)}",
             )  # fmt: skip
     if menu is not vanilla_row:
-        numbers = resolution(select.restrict(record_of(records, w, metric), report_ids, metric), van, metric,
+        numbers = resolution(restrict(record_of(records, w, metric), report_ids, metric), van, metric,
                              w["vs_vanilla"])  # fmt: skip
         vs = w["vs_vanilla"]
         return (
@@ -94,7 +95,7 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
         why += (f"; on the report items {b['run']} reads {fmt_d(b['vs_vanilla'])} against vanilla, but it was not "
                 "picked, and choosing it now would pick on the items that report it")  # fmt: skip
     numbers = (
-        resolution(select.restrict(record_of(records, best, metric), report_ids, metric), van, metric)
+        resolution(restrict(record_of(records, best, metric), report_ids, metric), van, metric)
         if best
         else {}
     )

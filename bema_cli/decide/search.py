@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from bema_cli import output
 from bema_cli.card import recipe
-from bema_cli.decide import fit, race, select
+from bema_cli.decide import fit, race
 from bema_cli.decide.candidate import Candidate, digest
+from bema_cli.decide.metric import metric_value
 
 FITS = ("soup", "simplex")
 SOUP_CHECKPOINTS = 4  # the last saved checkpoints that join the menu as soup ingredients
@@ -41,7 +42,7 @@ def search(scorer, menu: dict, steps: list[int], survivors: list[str], pick_ids:
                                      report_n=len(report_ids), say=say if progress else None,
                                      name_of=lambda c: Candidate.of("", c, steps).digest)  # fmt: skip
     for kind, c, _ in found:  # in the metric's units, on every pick item
-        result[kind]["pick_value"] = select.metric_value(
+        result[kind]["pick_value"] = metric_value(
             scorer.record(Candidate.of(kind, c, steps), pick_ids), metric
         )
     out = {"doc": result, "best": None, "found": [kind for kind, _, _ in found]}

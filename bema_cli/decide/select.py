@@ -14,90 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
 
+from bema_cli.decide.metric import Metric, per_item, value
 from bema_cli.decide.power import RESOLUTION, resolved
 from bema_cli.decide.verdict import verdict
 from bema_cli.errors import InputError, UsageError
 
 RESAMPLES = 2000
 LEVEL = 0.95
-SCORINGS = ("flexible", "strict")
 # protocol fields two records must share to be compared (the resume key minus the weights)
 SAME = ("protocol", "seeds", "n_samples", "n_prompts", "backend", "dtype")
-
-
-@dataclass(frozen=True)
-class Metric:
-    task: str
-    key: str  # "loss", or "flexible"/"strict" (the record's accuracy_<key>)
-    higher_is_better: bool
-
-    @property
-    def name(self) -> str:
-        return self.task if self.task == "loss" else f"{self.task}:{self.key}"
-
-
-def parse_metric(text: str) -> Metric:
-    """'loss' | '<task>' | '<task>:strict' | '<task>:flexible' (flexible by default, as report plots)."""
-    if text.startswith("lm_eval:"):
-        raise UsageError(
-            f"--metric {text}: lm-eval records hold lm-eval's aggregate metrics only, no per-item scores, "
-            "and select's paired intervals need them; select on a bema task or loss"
-        )
-    task, _, scoring = text.partition(":")
-    if not task:
-        raise UsageError("--metric: name a task (loss, gsm8k, boolq, mmlu_hs[:strict|:flexible])")
-    if task in ("loss", "train_loss"):
-        if scoring:
-            raise UsageError(f"--metric {text}: loss has no :{scoring} variant")
-        return Metric(task, "loss", False)
-    if scoring and scoring not in SCORINGS:
-        raise UsageError(f"--metric {text}: choose :strict or :flexible")
-    return Metric(task, scoring or "flexible", True)
-
-
-def _value(items: dict, metric: Metric, idx=None):
-    """The metric on items (all, or the index array/matrix `idx` of a resample: one value per row)."""
-    import numpy as np
-
-    if metric.key == "loss":
-        nll, tokens = np.asarray(items["nll"], float), np.asarray(items["tokens"], float)
-        if idx is None:
-            return float(nll.sum() / tokens.sum())
-        return nll[idx].sum(axis=-1) / tokens[idx].sum(axis=-1)
-    scores = np.asarray(items[metric.key], float)
-    return float(scores.mean()) if idx is None else scores[idx].mean(axis=-1)
-
-
-def _items(record: dict, metric: Metric, where: str) -> dict:
-    """A record's per-item scores, checked whole: ids, and for each needed key a list of finite
-    numbers as long as the ids; a NaN or infinity is an error naming the item, never a winner."""
-    items = record.get("items")
-    needed = ("nll", "tokens") if metric.key == "loss" else (metric.key,)
-    if not isinstance(items, dict) or any(k not in items for k in ("ids", *needed)):
-        raise InputError(
-            f"{where}: no per-item scores (records of bema < 0.5, or an lm_eval task); "
-            "re-run bema eval (it resumes nothing for them: pass a new --out)"
-        )
-    ids = items["ids"]
-    if not isinstance(ids, list) or not ids:
-        raise InputError(f"{where}: items.ids is not a non-empty list")
-    for key in needed:
-        values = items[key]
-        if not isinstance(values, list) or len(values) != len(ids):
-            n = len(values) if isinstance(values, list) else type(values).__name__
-            raise InputError(f"{where}: items.{key} holds {n} scores for {len(ids)} ids")
-        for i, v in zip(ids, values, strict=True):
-            if v is None:
-                raise InputError(f"{where}: item {i!r} has no {key} score")
-            if isinstance(v, bool) or not isinstance(v, int | float):
-                raise InputError(f"{where}: item {i!r}'s {key} score {v!r} is not a number")
-            if not math.isfinite(v):
-                raise InputError(
-                    f"{where}: item {i!r}'s {key} score is {v} (a non-finite score is never compared)"
-                )
-    return items
 
 
 def _check_same_protocol(records: list[dict]) -> None:
@@ -182,7 +108,7 @@ def select(
         latest[(r["run"], r["step"])] = r
     chosen = list(latest.values())
     _check_same_protocol(chosen)
-    items = {key: _items(r, metric, r["_where"]) for key, r in latest.items()}
+    items = {key: per_item(r, metric, r["_where"]) for key, r in latest.items()}
     ids = list(next(iter(items.values()))["ids"])
     for key, it in items.items():
         if list(it["ids"]) != ids:
@@ -194,8 +120,8 @@ def select(
     def paired(side):
         """Each key's value on `side` and its bootstrap values (one shared draw of items per resample)."""
         draws = _draws(side, resamples, rng)
-        point = {key: float(_value(it, metric, side[None, :])[0]) for key, it in items.items()}
-        return point, {key: _value(it, metric, draws) for key, it in items.items()}
+        point = {key: float(value(it, metric, side[None, :])[0]) for key, it in items.items()}
+        return point, {key: value(it, metric, draws) for key, it in items.items()}
 
     def diff(point, boot, a: tuple, b: tuple, side) -> dict:
         p = mcnemar(items[a], items[b], metric, side)
@@ -357,23 +283,8 @@ def _step(text: str) -> int:
 
 # -- one record against another (bema ship's fitted averages, evaluated apart from the menu) ---------
 def _sides(record: dict, metric: Metric, holdout: float | None, seed: int):
-    items = _items(record, metric, record.get("_where", record.get("model_path", "a record")))
+    items = per_item(record, metric, record.get("_where", record.get("model_path", "a record")))
     return (items, *sides(list(items["ids"]), holdout, seed))
-
-
-def metric_value(record: dict, metric: Metric) -> float:
-    """The metric on every item of the record."""
-    return float(_value(_items(record, metric, record.get("_where", "a record")), metric))
-
-
-def restrict(record: dict, ids: list, metric: Metric) -> dict:
-    """The record on `ids` alone (its per-item scores in that order): what a finalist scored only on
-    the report items is compared with."""
-    items = _items(record, metric, record.get("_where", record.get("model_path", "a record")))
-    pos = {i: n for n, i in enumerate(items["ids"])}
-    keys = ("nll", "tokens") if metric.key == "loss" else (metric.key,)
-    picked = {"ids": list(ids), **{k: [items[k][pos[i]] for i in ids] for k in keys}}
-    return {**record, "items": picked, "n_prompts": len(ids)}
 
 
 def report_interval(
@@ -383,7 +294,7 @@ def report_interval(
     import numpy as np
 
     items, _, report = _sides(record, metric, holdout, seed)
-    return _interval(_value(items, metric, _draws(report, resamples, np.random.default_rng(seed))))
+    return _interval(value(items, metric, _draws(report, resamples, np.random.default_rng(seed))))
 
 
 def versus(
@@ -394,12 +305,12 @@ def versus(
 
     _check_same_protocol([{**a, "_where": a.get("model_path")}, {**b, "_where": b.get("model_path")}])
     ia, _, report = _sides(a, metric, holdout, seed)
-    ib = _items(b, metric, b.get("model_path", "a record"))
+    ib = per_item(b, metric, b.get("model_path", "a record"))
     if list(ib["ids"]) != list(ia["ids"]):
         raise InputError(
             f"{b.get('model_path')}: scored on other items than {a.get('model_path')} (ids differ)"
         )
     draws = _draws(report, resamples, np.random.default_rng(seed))
-    va, vb = float(_value(ia, metric, report[None, :])[0]), float(_value(ib, metric, report[None, :])[0])
-    boot = _value(ia, metric, draws) - _value(ib, metric, draws)
+    va, vb = float(value(ia, metric, report[None, :])[0]), float(value(ib, metric, report[None, :])[0])
+    boot = value(ia, metric, draws) - value(ib, metric, draws)
     return _difference(va, vb, boot, mcnemar(ia, ib, metric, report))

@@ -27,6 +27,7 @@ from bema_cli import output, stages
 from bema_cli.decide import records as sealed
 from bema_cli.decide import select
 from bema_cli.decide.contest import contest
+from bema_cli.decide.metric import Metric, parse_metric
 from bema_cli.decide.search import FITS
 from bema_cli.decide.write import (
     WORK,
@@ -74,7 +75,7 @@ def default_metric(config: EvalConfig) -> str:
     return "loss" if "loss" in config.tasks else next(t for t in config.tasks if t != "train_loss")
 
 
-def check(ship_opts: ShipOptions, config: EvalConfig) -> select.Metric:
+def check(ship_opts: ShipOptions, config: EvalConfig) -> Metric:
     """The flags alone, before anything is read."""
     if ship_opts.holdout is None:
         raise UsageError("--holdout: ship picks on one part of the items and reports on the other")
@@ -82,13 +83,13 @@ def check(ship_opts: ShipOptions, config: EvalConfig) -> select.Metric:
     bad = sorted(set(ship_opts.fits or ()) - set(FITS))
     if bad:
         raise UsageError(f"--fit: unknown fit {bad[0]!r} (choose from {', '.join(FITS)}, or none)")
-    metric = select.parse_metric(ship_opts.metric or default_metric(config))
+    metric = parse_metric(ship_opts.metric or default_metric(config))
     if metric.task not in config.tasks:
         raise UsageError(f"--metric {metric.name}: not among the evaluated tasks ({', '.join(config.tasks)})")
     return metric
 
 
-def fits_for(ship_opts: ShipOptions, metric: select.Metric) -> ShipOptions:
+def fits_for(ship_opts: ShipOptions, metric: Metric) -> ShipOptions:
     """The options with their fits said: as given, else the simplex on loss and the soup on accuracy.
     On loss the soup found no better model than the simplex in bench_decide's worlds (the same power
     and true gain) at a third more swaps, so it runs only when asked for (--fit soup,simplex)."""

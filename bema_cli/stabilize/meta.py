@@ -1,7 +1,7 @@
 """What `bema stabilize` writes besides tensors: bema.json, manifest.json, the --json document, the plan.
 
-These records are a contract with `bema eval` and `bema report` (see the output layout in
-issue 2): field names here must not change without telling their owners.
+These records are a contract with `bema eval` and `bema report` (the output layout:
+docs/cli.md, "bema stabilize"): field names here must not change without telling their owners.
 """
 
 from __future__ import annotations

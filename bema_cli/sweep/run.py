@@ -21,8 +21,9 @@ from bema_cli import output, stages
 from bema_cli.cluster import ExecutorOptions, import_ray
 from bema_cli.errors import UsageError
 from bema_cli.eval.backends.base import EngineOptions
-from bema_cli.eval.evaluate import Evaluation, validate
+from bema_cli.eval.evaluate import Evaluation
 from bema_cli.eval.job import EvalConfig
+from bema_cli.eval.protocol import validate
 from bema_cli.io.commit import locked
 from bema_cli.io.watch import Pace
 from bema_cli.machine import PeakRss, return_freed_memory

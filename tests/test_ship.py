@@ -225,12 +225,22 @@ def test_too_few_report_items_ship_vanilla_and_say_it_cannot_decide(runs, tmp_pa
 
     few = heldout(tmp_path / "few.jsonl", n=4)
     r = run_bema("ship", runs["noisy"], "--base", runs["base"], "--out", tmp_path / "m", "--tasks", "loss",
-                 "--loss-data", few, "--backend", "transformers", "--fit", "none", "--json")  # fmt: skip
+                 "--loss-data", few, "--backend", "transformers", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["decision"]["kind"] == "vanilla" and "fewer than 10" in doc["decision"]["undecided"]
     assert "cannot decide on" in doc["verdict"] and "report item" in doc["verdict"]
     assert "give at least 20 held-out records at --holdout 0.5" in doc["verdict"], doc["verdict"]
+    # nothing could ship, so no average is scored: vanilla on its 4 items, and said
+    assert doc["race"]["survivors"] == ["vanilla"] and not doc.get("fitted"), doc["race"]
+    # vanilla on its 4 items, theta0 on the 3 report items (the base note), nothing else: 8 candidates
+    # before, and the fits
+    assert doc["race"]["evaluations"]["items"] == 4 + 3 and doc["stages"]["swap"]["count"] <= 2, doc["stages"]
+    assert "so the menu was not raced" in doc["verdict"] and "only vanilla is scored" in r.stderr, r.stderr
+    dry = run_bema("ship", runs["noisy"], "--base", runs["base"], "--out", tmp_path / "m2", "--tasks", "loss",
+                   "--loss-data", few, "--backend", "transformers", "--fit", "none", "--dry-run", "--json")  # fmt: skip
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout)["evaluations"]["at_most"] == 4, dry.stdout
 
 
 def test_records_are_sealed_and_no_fitted_model_is_kept(runs, tmp_path):

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bema_cli.decide import power, race, select
+from bema_cli.decide.decision import MIN_REPORT_ITEMS
 from bema_cli.decide.search import SOUP_CHECKPOINTS
 from bema_cli.eval.job import Job
 from bema_cli.eval.tasks import LOSS_TASKS
@@ -52,6 +53,9 @@ def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
     others = [t for t in config.tasks if t not in (metric.task, "train_loss")]
     other_items = sum(len(item_ids(evaluation.inputs[t])) for t in others)
     at_most = (menu + fits) * len(pick) + (3 if fits else 2) * len(report) + 2 * other_items
+    undecidable = len(report) < MIN_REPORT_ITEMS
+    if undecidable:  # vanilla alone is scored (contest): no average could ship on these report items
+        at_most = len(pick) + len(report) + other_items
     tasks_items = len(ids) + other_items
     exhaustive = (menu + fits + bool(soup) + bool(simplex)) * tasks_items  # each fit found, on every item
     doc = {"dry_run": True, "metric": metric.name, "step": step, "candidates": {"menu": menu, "fit_trials_at_most": fits},
@@ -68,7 +72,8 @@ def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
         doc["generated_tokens_at_most"] = tokens
     sample = probe_sample(plan)
     if sample is not None:
-        jobs = _jobs(evaluation, targets, task, pick, report, ids, menu + fits, others)
+        jobs = _jobs(evaluation, targets, task, pick, report, ids, 1 if undecidable else menu + fits, others,
+                     finalists=0 if undecidable else 2)  # fmt: skip
         speeds = {**probe(sample, work.parent), **engine_speeds()}
         model_bytes = plan.base_index.nbytes
         doc["projection"] = project(plan, evaluation, jobs, model_bytes, speeds)
@@ -99,7 +104,8 @@ def _max_new(task: str) -> int:
     return get_task(task).MAX_NEW_TOKENS
 
 
-def _jobs(evaluation, targets: dict, task, pick, report, ids, candidates: int, others: list) -> list[Job]:
+def _jobs(evaluation, targets: dict, task, pick, report, ids, candidates: int, others: list,
+          finalists: int = 2) -> list[Job]:  # fmt: skip
     """The evaluations at most, as jobs the sweep's projection reads, a swap each: vanilla once on
     its pick and report items and the other tasks (menu.race_menu, contest), every other candidate
     on the pick items (menu._visit), two more finalists on the report items, the shipped model on
@@ -114,8 +120,8 @@ def _jobs(evaluation, targets: dict, task, pick, report, ids, candidates: int, o
     other_inputs = [evaluation.inputs[t] for t in others]
     out = [Job(vanilla, [sliced(pick), sliced(report), *other_inputs], evaluation.config, "")]
     out += [Job(vanilla, [sliced(pick)], evaluation.config, "") for _ in range(candidates - 1)]
-    out += [Job(vanilla, [sliced(report)], evaluation.config, "") for _ in range(2)]
-    out += [Job(vanilla, other_inputs, evaluation.config, "")] if others else []
+    out += [Job(vanilla, [sliced(report)], evaluation.config, "") for _ in range(finalists)]
+    out += [Job(vanilla, other_inputs, evaluation.config, "")] if others and finalists else []
     return out
 
 
@@ -151,7 +157,9 @@ def _mdd(work: Path, metric, report_n: int) -> dict:
 def budget_line(doc: dict) -> str:
     """The dry run in one line (stdout without --json)."""
     ev, items = doc["evaluations"], doc["items"]
-    parts = [f"at most {ev['at_most']} (candidate, item) evaluations (every candidate on every item: "
+    parts = [f"{items['report']} report items, fewer than {MIN_REPORT_ITEMS}: vanilla alone is scored"] if (
+        items["report"] < MIN_REPORT_ITEMS) else []  # fmt: skip
+    parts += [f"at most {ev['at_most']} (candidate, item) evaluations (every candidate on every item: "
              f"{ev['exhaustive_design']})"]  # fmt: skip
     if "generated_tokens_at_most" in doc:
         parts.append(f"at most {doc['generated_tokens_at_most']:,} generated tokens")

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from bema_cli import output
 from bema_cli.decide import candidate, guard, select
-from bema_cli.decide.decision import decide
+from bema_cli.decide.decision import MIN_REPORT_ITEMS, decide
 from bema_cli.decide.menu import race_menu
 from bema_cli.decide.metric import Metric, metric_value, parse_metric
 from bema_cli.decide.scorer import Arena, ItemScorer, arena_targets
@@ -82,7 +82,16 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
         others = _vanilla_on_other_tasks(arena, config, metric, menu["vanilla"], work)
         pick, report = select.sides(ids, ship_opts.holdout, ship_opts.seed)
         pick_ids, report_ids = [ids[i] for i in pick], [ids[i] for i in report]
-        raced = race_menu(scorer, menu, pick_ids, report_ids, ship_opts, metric, ship_opts.max_evaluations)
+        # too few report items for any interval: vanilla ships whatever the averages score, so none is
+        # scored (the verdict says so, and how many records would decide)
+        undecidable = len(report_ids) < MIN_REPORT_ITEMS
+        racing = {"vanilla": menu["vanilla"]} if undecidable else menu
+        if undecidable:
+            output.warn(f"{metric.task}: {len(report_ids)} report items, fewer than {MIN_REPORT_ITEMS}: no average "
+                        "can be shipped on them, so only vanilla is scored")  # fmt: skip
+        raced = race_menu(scorer, racing, pick_ids, report_ids, ship_opts, metric, ship_opts.max_evaluations)
+        if undecidable:
+            raced["race"]["stopped"] = "too few report items to ship an average, so the menu was not raced"
         chosen, records = raced["chosen"], raced["records"]
         fitted = None
         if ship_opts.fits and raced["race"]["stopped"] is None:
@@ -90,7 +99,7 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
                             metric)  # fmt: skip
         decision, why = decide(chosen, fitted, metric, ship_opts, records)
         if raced["race"]["stopped"]:
-            why += f" ({raced['race']['stopped']}: the fits were not searched)"
+            why += f" ({raced['race']['stopped']}; the fits were not searched)"
         shipped = fitted["best"]["candidate"] if decision["kind"] == "fitted" else menu[decision["run"]]
         # the shipped candidate on the other tasks while it may still be loaded (the best fit, last
         # on the report items), then theta0 for the base note

@@ -32,6 +32,8 @@ from measure import machine, read_files, run_measured, set_cache, write_files, w
 BEMA = str(Path(sys.executable).parent / "bema")
 STEPS = {"0.5b": [100, 200, 300, 400, 500, 600], "1.5b": [100, 200, 300, 400]}
 COMMANDS = ("stabilize", "eval", "sweep", "ship")
+# the ship row's held-out records: 11 report items at --holdout 0.5, past decision.MIN_REPORT_ITEMS
+SHIP_RECORDS = 20
 EVAL = ["--tasks", "loss,gsm8k", "--limit", "4", "--n-samples", "1", "--temperature", "0",
         "--max-new-tokens", "32", "--backend", "vllm"]  # fmt: skip
 
@@ -142,9 +144,11 @@ def loop_rows(world: dict, root: Path, only: set) -> list[dict]:
         doc, measured = bema_json(*sweep, "--out", root / "sweep")
         rows.append(row(f"sweep (vLLM) bema,ema + vanilla at {at}", measured, doc, projection(dry), None,
                         world["numel"]))  # fmt: skip
-    if "ship" in only:
+    if "ship" in only:  # held-out records enough to decide on: with 8 only vanilla would be scored
+        ship_data = realshape.write_eval_data(root / "data-ship", loss_records=SHIP_RECORDS)
+        ship_common = ["--data-dir", ship_data, "--loss-data", ship_data / "heldout.jsonl", *EVAL]
         doc, measured = bema_json(
-            "ship", run, "--base", base, "--out", root / "ship", *common, "--metric", "loss"
+            "ship", run, "--base", base, "--out", root / "ship", *ship_common, "--metric", "loss"
         )
         rows.append(
             row("ship (vLLM), the default menu at the last step", measured, doc, None, None, world["numel"])

@@ -52,10 +52,10 @@ def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
     fits = soup + simplex
     others = [t for t in config.tasks if t not in (metric.task, "train_loss")]
     other_items = sum(len(item_ids(evaluation.inputs[t])) for t in others)
-    at_most = (menu + fits) * len(pick) + (3 if fits else 2) * len(report) + 2 * other_items
-    undecidable = len(report) < MIN_REPORT_ITEMS
-    if undecidable:  # vanilla alone is scored (contest): no average could ship on these report items
-        at_most = len(pick) + len(report) + other_items
+    undecidable = len(report) < MIN_REPORT_ITEMS  # vanilla alone is scored (contest): nothing could ship
+    loads = 1 if undecidable else 2  # the other tasks: vanilla, and the shipped model
+    metric_items = len(ids) if undecidable else (menu + fits) * len(pick) + (3 if fits else 2) * len(report)
+    at_most = metric_items + loads * other_items
     tasks_items = len(ids) + other_items
     exhaustive = (menu + fits + bool(soup) + bool(simplex)) * tasks_items  # each fit found, on every item
     doc = {"dry_run": True, "metric": metric.name, "step": step, "candidates": {"menu": menu, "fit_trials_at_most": fits},
@@ -66,8 +66,8 @@ def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
     if gen:
         samples = 1 if config.temperature == 0 else config.n_samples
         per = {t: samples * (config.max_new_tokens or _max_new(t)) for t in gen}
-        tokens = (per.get(metric.task, 0) * (at_most - 2 * other_items)) + sum(
-            2 * per[t] * len(item_ids(evaluation.inputs[t])) for t in gen if t != metric.task
+        tokens = (per.get(metric.task, 0) * metric_items) + sum(
+            loads * per[t] * len(item_ids(evaluation.inputs[t])) for t in gen if t != metric.task
         )
         doc["generated_tokens_at_most"] = tokens
     sample = probe_sample(plan)

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bema_cli.decide import power, race, select
-from bema_cli.decide.decision import MIN_REPORT_ITEMS
+from bema_cli.decide.decision import MIN_REPORT_ITEMS, undecidable
 from bema_cli.decide.search import SOUP_CHECKPOINTS
 from bema_cli.eval.job import Job
 from bema_cli.eval.tasks import LOSS_TASKS
@@ -52,9 +52,9 @@ def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
     fits = soup + simplex
     others = [t for t in config.tasks if t not in (metric.task, "train_loss")]
     other_items = sum(len(item_ids(evaluation.inputs[t])) for t in others)
-    undecidable = len(report) < MIN_REPORT_ITEMS  # vanilla alone is scored (contest): nothing could ship
-    loads = 1 if undecidable else 2  # the other tasks: vanilla, and the shipped model
-    metric_items = len(ids) if undecidable else (menu + fits) * len(pick) + (3 if fits else 2) * len(report)
+    vanilla_only = undecidable(len(report))  # as contest: nothing could ship, vanilla alone is scored
+    loads = 1 if vanilla_only else 2  # the other tasks: vanilla, and the shipped model
+    metric_items = len(ids) if vanilla_only else (menu + fits) * len(pick) + (3 if fits else 2) * len(report)
     at_most = metric_items + loads * other_items
     tasks_items = len(ids) + other_items
     exhaustive = (menu + fits + bool(soup) + bool(simplex)) * tasks_items  # each fit found, on every item
@@ -72,8 +72,8 @@ def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
         doc["generated_tokens_at_most"] = tokens
     sample = probe_sample(plan)
     if sample is not None:
-        jobs = _jobs(evaluation, targets, task, pick, report, ids, 1 if undecidable else menu + fits, others,
-                     finalists=0 if undecidable else 2)  # fmt: skip
+        jobs = _jobs(evaluation, targets, task, pick, report, ids, 1 if vanilla_only else menu + fits, others,
+                     finalists=0 if vanilla_only else 2)  # fmt: skip
         speeds = {**probe(sample, work.parent), **engine_speeds()}
         model_bytes = plan.base_index.nbytes
         doc["projection"] = project(plan, evaluation, jobs, model_bytes, speeds)
@@ -158,7 +158,7 @@ def budget_line(doc: dict) -> str:
     """The dry run in one line (stdout without --json)."""
     ev, items = doc["evaluations"], doc["items"]
     parts = [f"{items['report']} report items, fewer than {MIN_REPORT_ITEMS}: vanilla alone is scored"] if (
-        items["report"] < MIN_REPORT_ITEMS) else []  # fmt: skip
+        undecidable(items["report"])) else []  # fmt: skip
     parts += [f"at most {ev['at_most']} (candidate, item) evaluations (every candidate on every item: "
              f"{ev['exhaustive_design']})"]  # fmt: skip
     if "generated_tokens_at_most" in doc:

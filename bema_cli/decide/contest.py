@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from bema_cli import output
 from bema_cli.decide import candidate, guard, select
-from bema_cli.decide.decision import MIN_REPORT_ITEMS, decide
+from bema_cli.decide.decision import MIN_REPORT_ITEMS, decide, undecidable
 from bema_cli.decide.menu import race_menu
 from bema_cli.decide.metric import Metric, metric_value, parse_metric
 from bema_cli.decide.scorer import Arena, ItemScorer, arena_targets
@@ -82,15 +82,13 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
         others = _vanilla_on_other_tasks(arena, config, metric, menu["vanilla"], work)
         pick, report = select.sides(ids, ship_opts.holdout, ship_opts.seed)
         pick_ids, report_ids = [ids[i] for i in pick], [ids[i] for i in report]
-        # too few report items for any interval: vanilla ships whatever the averages score, so none is
-        # scored (the verdict says so, and how many records would decide)
-        undecidable = len(report_ids) < MIN_REPORT_ITEMS
-        racing = {"vanilla": menu["vanilla"]} if undecidable else menu
-        if undecidable:
+        vanilla_only = undecidable(len(report_ids))  # the verdict says so, and how many records would decide
+        if vanilla_only:
             output.warn(f"{metric.task}: {len(report_ids)} report items, fewer than {MIN_REPORT_ITEMS}: no average "
                         "can be shipped on them, so only vanilla is scored")  # fmt: skip
+        racing = {"vanilla": menu["vanilla"]} if vanilla_only else menu
         raced = race_menu(scorer, racing, pick_ids, report_ids, ship_opts, metric, ship_opts.max_evaluations)
-        if undecidable:
+        if vanilla_only:
             raced["race"]["stopped"] = "too few report items to ship an average, so the menu was not raced"
         chosen, records = raced["chosen"], raced["records"]
         fitted = None

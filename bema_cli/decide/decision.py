@@ -18,6 +18,14 @@ from bema_cli.decide.metric import restrict
 # decide. A floor against degenerate intervals, not a power guarantee: a percentile bootstrap of a
 # mean covers 0.90 at 10 items, 0.93 at 20 (simulated: docs/eval-protocol.md).
 MIN_REPORT_ITEMS = 10
+
+
+def undecidable(report_n: int) -> bool:
+    """Too few report items for any interval: vanilla ships whatever the averages score, so `contest`
+    scores none of them and `--dry-run` projects vanilla alone."""
+    return report_n < MIN_REPORT_ITEMS
+
+
 Z95 = 1.959964
 
 
@@ -29,7 +37,7 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
     reported = chosen["selection"]["reported_on"]
     name = metric.name if metric.name != "loss" else "held-out loss"
     fmt_v, fmt_d = verdict.fmt_value, verdict.fmt_diff
-    if reported < MIN_REPORT_ITEMS:  # no interval to trust: the raw checkpoint, and why
+    if undecidable(reported):  # no interval to trust: the raw checkpoint, and why
         return (
             {"run": "vanilla", "step": step, "kind": "vanilla", "value": vanilla_row["value"],
              "undecided": f"{reported} report items, fewer than {MIN_REPORT_ITEMS}"},

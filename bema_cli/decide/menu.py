@@ -69,9 +69,9 @@ def _visit(contest, scorer, menu, rounds, ship_opts, metric, limit, progress, ea
     """Each candidate swapped in once: vanilla on every pick item (scored already: _vanilla_first),
     then each other candidate round by round while it stays loaded, left (dropped) as soon as the
     evidence that those already scored beat it reaches the race's level (race.Race.behind), or
-    (--min-effect) within the margin of vanilla; one that completes is a survivor, and the survivors before it meet it again
-    on the items they all have. One swap per candidate, where rounds cost one per candidate and
-    round (bench/bench_decide.py)."""
+    (--min-effect) within the margin of vanilla; one that completes is a survivor, and the survivors
+    before it meet it again on the items they all have. One swap per candidate, where rounds cost
+    one per candidate and round (bench/bench_decide.py)."""
     stopped, pick, effect = None, [i for b in rounds for i in b], ship_opts.min_effect
     with output.progress("candidates") as bar:
         task = bar.add_task("racing the menu (pick items)", total=len(contest.alive))

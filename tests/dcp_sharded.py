@@ -30,6 +30,7 @@ def _rank(rank: int, state_path: str, out: str, port: int) -> None:
         for k, v in state.items()
     }
     dcp.save({"model": sharded}, checkpoint_id=out)
+    dist.barrier()  # both ranks done before either tears gloo down (a rank torn down early aborted the other once)
     dist.destroy_process_group()
 
 

@@ -28,7 +28,9 @@ from bema_cli.io.transfer import wait
 DEPTH = 4  # buffers per dtype in flight: one being filled, up to three queued or being written
 # Every wait between the two threads is bounded and re-checks its condition: a signal's exception
 # raised in the main thread inside a queue operation (Ctrl-C lands anywhere) can lose a wake-up,
-# which an unbounded wait turned into a hang at exit (seen once in a SIGINT test).
+# which an unbounded wait turned into a hang at exit (seen once in a SIGINT test). The job queue is
+# a SimpleQueue, whose `put` is one C call a signal cannot split: `Queue.put` interrupted between
+# queuing a job and counting it made the writer's `task_done` raise (seen once in CI, SIGTERM).
 POLL_S = 0.5
 
 
@@ -43,9 +45,13 @@ class WriteBehind:
         self._empty = empty
         self._free: dict = {}  # torch dtype -> queue of free buffers (each `block` elements)
         self._all: dict = {}  # torch dtype -> every buffer of the pool
-        self._jobs: queue.Queue = queue.Queue()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # jobs, drain barriers (Events), None: end
         self._error: BaseException | None = None
-        self._stop = False  # drop queued blocks (the caller is failing)
+        # Jobs are numbered as queued; those numbered up to `_drop_through` are dropped (their batch
+        # failed). A number, not an on/off flag reset after the drop: a second signal landing in the
+        # middle of a drop cannot leave the next batch's blocks dropped too.
+        self._queued = 0
+        self._drop_through = 0
         self._thread = None
         # seconds the caller stood still: for a free buffer (the stage `wait`), or writing (no thread)
         self.waited = 0.0
@@ -76,12 +82,12 @@ class WriteBehind:
 
         self._raise()
         free = self._free.get(dtype)
-        if free is None:
-            free = self._free[dtype] = queue.SimpleQueue()
+        if free is None:  # the pool is registered whole, once built: an interrupt cannot leave it empty
             empty = self._empty or (lambda n, d: torch.empty(n, dtype=d))
-            self._all[dtype] = [empty(self.block, dtype) for _ in range(self.depth)]
-            for b in self._all[dtype]:
+            pool, free = [empty(self.block, dtype) for _ in range(self.depth)], queue.SimpleQueue()
+            for b in pool:
                 free.put(b)
+            self._all[dtype], self._free[dtype] = pool, free
         try:
             return free.get_nowait()[:n]
         except queue.Empty:
@@ -111,22 +117,16 @@ class WriteBehind:
         """Run `fn()` in the writer's thread after everything queued before it (a file's close after
         its blocks); where the queue is dropped (the caller failed), `on_drop()` instead. Never
         raises here: an earlier write error surfaces at the next `buffer`, `put` or batch end."""
-        job = (None, [lambda _: fn()], "write", None, on_drop)
-        if self._thread is None:
-            self._write(job)
-        else:
-            self._jobs.put(job)
+        self._queue((None, [lambda _: fn()], "write", None, on_drop))
 
     def put(self, data, writes: list[Callable[[object], None]], stage: str = "write", ready=None) -> None:
         """Queue `data` (a buffer from `buffer`); the writer calls each of `writes` with it, then frees
         it. Its time and bytes count under `stage` (`write`: the outputs; `state`: a state folder's).
         `ready`: the event of the device copy still filling `data` (io/transfer.py), waited for first."""
         self._raise()
+        self._queue((data, writes, stage, ready, None))
         if self._thread is None:
-            self._write((data, writes, stage, ready, None))
             self._raise()
-        else:
-            self._jobs.put((data, writes, stage, ready, None))
 
     def close(self, raise_error: bool = True) -> None:
         """Write (or, after an error, drop) what is queued and end the thread; re-raise a write error."""
@@ -139,22 +139,29 @@ class WriteBehind:
     def _drain(self, drop: bool) -> None:
         """Wait until the queue is empty (its blocks written, or dropped with `drop`); re-raise a write
         error unless dropping."""
-        self._stop = drop or self._stop
-        jobs = self._jobs
-        while self._thread is not None and self._thread.is_alive():
-            with jobs.all_tasks_done:  # Queue.join with a bounded wait: see POLL_S
-                if not jobs.unfinished_tasks:
-                    break
-                jobs.all_tasks_done.wait(timeout=POLL_S)
-        error, self._error, self._stop = self._error, None, False
+        if drop:
+            self._drop_through = self._queued
+        if self._thread is not None and self._thread.is_alive():
+            reached = threading.Event()  # set by the writer once every job queued before it is done
+            self._jobs.put(reached)
+            while not reached.wait(timeout=POLL_S) and self._thread.is_alive():
+                pass
+        error, self._error = self._error, None
         if error is not None and not drop:
             raise error
 
     def _raise(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            self._stop = True  # what is still queued belongs to the failed batch
+            self._drop_through = self._queued  # what is still queued belongs to the failed batch
             raise error
+
+    def _queue(self, job) -> None:
+        self._queued += 1
+        if self._thread is None:
+            self._write((self._queued, *job))
+        else:
+            self._jobs.put((self._queued, *job))
 
     def _run(self) -> None:
         while True:
@@ -162,20 +169,21 @@ class WriteBehind:
                 job = self._jobs.get(timeout=POLL_S)
             except queue.Empty:
                 continue
-            try:
-                if job is None:
-                    return
+            if job is None:
+                return
+            if isinstance(job, threading.Event):
+                job.set()
+            else:
                 self._write(job)
-            finally:
-                self._jobs.task_done()
 
     def _write(self, job) -> None:
-        data, writes, stage, ready, on_drop = job
+        number, data, writes, stage, ready, on_drop = job
         try:
             wait(ready)  # even when dropping: the buffer goes back to the pool only once it is filled
-            if (self._stop or self._error is not None) and on_drop is not None:
+            drop = number <= self._drop_through or self._error is not None
+            if drop and on_drop is not None:
                 on_drop()
-            elif not self._stop and self._error is None:
+            elif not drop:
                 t, nbytes = time.perf_counter(), 0
                 for write in writes:
                     nbytes += write(data) or 0

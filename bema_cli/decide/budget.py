@@ -72,8 +72,7 @@ def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
         doc["generated_tokens_at_most"] = tokens
     sample = probe_sample(plan)
     if sample is not None:
-        jobs = _jobs(evaluation, targets, task, pick, report, ids, 1 if vanilla_only else menu + fits, others,
-                     finalists=0 if vanilla_only else 2)  # fmt: skip
+        jobs = _jobs(evaluation, targets, task, pick, report, ids, menu + fits, others, vanilla_only)
         speeds = {**probe(sample, work.parent), **engine_speeds()}
         model_bytes = plan.base_index.nbytes
         doc["projection"] = project(plan, evaluation, jobs, model_bytes, speeds)
@@ -105,11 +104,11 @@ def _max_new(task: str) -> int:
 
 
 def _jobs(evaluation, targets: dict, task, pick, report, ids, candidates: int, others: list,
-          finalists: int = 2) -> list[Job]:  # fmt: skip
+          vanilla_only: bool) -> list[Job]:  # fmt: skip
     """The evaluations at most, as jobs the sweep's projection reads, a swap each: vanilla once on
     its pick and report items and the other tasks (menu.race_menu, contest), every other candidate
     on the pick items (menu._visit), two more finalists on the report items, the shipped model on
-    the other tasks."""
+    the other tasks; with `vanilla_only` (decision.undecidable) vanilla's job alone."""
     from bema_cli.decide.scorer import slice_task
 
     vanilla = targets["vanilla"]
@@ -119,9 +118,11 @@ def _jobs(evaluation, targets: dict, task, pick, report, ids, candidates: int, o
 
     other_inputs = [evaluation.inputs[t] for t in others]
     out = [Job(vanilla, [sliced(pick), sliced(report), *other_inputs], evaluation.config, "")]
+    if vanilla_only:
+        return out
     out += [Job(vanilla, [sliced(pick)], evaluation.config, "") for _ in range(candidates - 1)]
-    out += [Job(vanilla, [sliced(report)], evaluation.config, "") for _ in range(finalists)]
-    out += [Job(vanilla, other_inputs, evaluation.config, "")] if others and finalists else []
+    out += [Job(vanilla, [sliced(report)], evaluation.config, "") for _ in range(2)]
+    out += [Job(vanilla, other_inputs, evaluation.config, "")] if others else []
     return out
 
 

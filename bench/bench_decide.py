@@ -41,6 +41,8 @@ SIGMA_ITEM = 0.15  # z_ij's spread (per token)
 SIGMA_B = 0.3  # the records' difficulty spread
 THETA0_COST = 0.6  # A: the loss per token of moving all the way back to theta0
 LAM_POWER = 0.045  # the power world's weight-noise loss (exhaustive power near the paper's 80%)
+LAM_HUGE = 0.57  # the huge world's: the menu's averages gain 0.38-0.50 nats/token over vanilla
+HUGE_ITEMS = (600, 1500)  # held-out records of the huge world (larger sets hit the clamp more easily)
 # --min-effect E (nats/token) on each world: the power world's averages gain 0.02-0.04 (lawa-w8 0.039):
 # 0.03 leaves some worth shipping; 0.045 none (every average shipped there is an error)
 BOTH_FITS = ("soup", "simplex")  # --fit's default on loss before the soup was left to be asked for
@@ -125,11 +127,12 @@ def decide_once(world: World, menu: dict, raced: bool, opts) -> dict:
     scorer = ItemScorer(world.evaluate, None, metric, ResultsFile(None))
     pick, report = select.sides(world.ids, opts.holdout, opts.seed)
     pick_ids, report_ids = [world.ids[i] for i in pick], [world.ids[i] for i in report]
-    stopped = None
+    stopped, by_vanilla = None, 0
     if raced:
         made = race_menu(scorer, menu, pick_ids, report_ids, opts, metric, progress=False)
         chosen, records, survivors = made["chosen"], made["records"], made["race"]["survivors"]
         stopped = made["race"]["stopped"]
+        by_vanilla = sum(d["by"] == "vanilla" for d in made["race"]["dropped"].values())
     else:
         records = [scorer.record(c, world.ids) for c in menu.values()]
         chosen = select.select(records, metric, "last", opts.holdout, opts.resamples, opts.seed)
@@ -152,9 +155,29 @@ def decide_once(world: World, menu: dict, raced: bool, opts) -> dict:
     second = items if not raced else 2 * len(world.ids)
     vanilla = menu["vanilla"].coefficients(STEPS)
     return {"kind": made["kind"], "average": made["kind"] != "vanilla", "truth": world.truth(shipped),
-            "swaps": world.swaps, "stopped": stopped is not None,
+            "swaps": world.swaps, "stopped": stopped is not None, "dropped_by_vanilla": by_vanilla,
             "vanilla_truth": world.truth(vanilla), "items": items, "items_two_tasks": items + second,
             "verdict": why}  # fmt: skip
+
+
+def huge_world(reps: int, items: int, seed: int) -> dict:
+    """Averages truly 0.38-0.50 nats/token better than vanilla (LAM_HUGE), beating it on nearly every
+    item, decided raced with --fit none: the world where a clamped Phi(x) read vanilla's far-worse
+    items as e^300 of evidence and dropped every average "by vanilla". Counts vanilla shipped and the
+    averages dropped by vanilla (both must be 0: vanilla is the clearly worst)."""
+    from bema_cli.decide.ship import ShipOptions
+
+    with tempfile.TemporaryDirectory() as tmp:
+        menu = menu_vectors(Path(tmp) / "basis")
+    opts = ShipOptions(out=Path("unused"), resamples=1000, fits=())
+    rows = [decide_once(World(np.random.default_rng([seed, r, items]), items, LAM_HUGE), menu, True, opts)
+            for r in range(reps)]  # fmt: skip
+    return {
+        "reps": reps,
+        "items": items,
+        "vanilla_shipped": sum(not r["average"] for r in rows),
+        "dropped_by_vanilla": sum(r["dropped_by_vanilla"] > 0 for r in rows),
+    }
 
 
 def guard_passes(true_gap: float, margin: float, items: int, reps: int, seed: int) -> int:
@@ -231,6 +254,7 @@ def run(reps: int, items: int, seed: int, lam_power: float = LAM_POWER) -> dict:
     m, n = DEFAULT_MARGIN["accuracy"], max(reps, 500)
     out = {"guard": {"reps": n, "margin": m, "worse_by_margin": guard_passes(-m, m, 660, n, seed),
                      "as_good": guard_passes(0.0, m, 660, n, seed + 1)}}  # fmt: skip
+    out["huge"] = [huge_world(max(reps // 10, 10), n, seed) for n in HUGE_ITEMS]
     for world_name, lam in (("null", 0.0), ("power", lam_power)):
         rows = []
         for r in range(reps):
@@ -263,6 +287,10 @@ def summarise(res: dict) -> list[tuple[str, str, str, str]]:
         f"{rate:.3f} [{lo:.3f}, {hi:.3f}]", "<= 0.05", rate <= 0.05)  # fmt: skip
     lo, hi = wilson(g["as_good"], g["reps"])
     add("  passes one as good as vanilla", f"{g['as_good'] / g['reps']:.3f} [{lo:.3f}, {hi:.3f}]")
+    for h in res["huge"]:
+        bad = h["vanilla_shipped"] + h["dropped_by_vanilla"]
+        add(f"huge world ({h['items']} records, --fit none): vanilla shipped; an average dropped by vanilla",
+            f"{h['vanilla_shipped']}/{h['reps']}; {h['dropped_by_vanilla']}/{h['reps']}", "0; 0", bad == 0)  # fmt: skip
     both = res["null"] + res["power"]
     raced = sum(p["raced"]["items"] for p in both)
     whole = raced / sum(p["exhaustive"]["items"] for p in both)

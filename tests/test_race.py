@@ -410,3 +410,63 @@ def test_min_effect_steps_down_after_each_retirement():
 
     assert not edge_case(0)  # Bonferroni's level: x's sequence still reaches E
     assert edge_case(3)  # three retired: a / 3, and x is retired too
+
+
+def test_the_evidence_matches_a_high_precision_reference_far_into_both_tails():
+    """race.evidence against the one-sided normal mixture computed with mpmath at 50 digits, from a
+    rival far worse (x down to -200: Phi(x) ~ 1e-8700, far below a double) to one far better (capped
+    at e^700). Relative tolerance 1e-9 where the value is a normal double. A clamped Phi (1e-300)
+    read a far-worse rival as e^300-e^700 of evidence, and dropped a clear winner."""
+    import mpmath
+
+    mpmath.mp.dps = 50
+    a, horizon = 0.05 / 7, 600
+    rho2 = race._mixture(a, horizon)
+    for t in (16, 200, 600, 1500):
+        for x in (-200.0, -80.0, -40.0, -37.0, -10.0, -1.0, 0.0, 2.0, 8.0, 30.0):
+            diffs = _diffs_with_x(x, t, rho2)
+            mean, sd = power.mean_sd(diffs)
+            xm = mpmath.mpf(t * mean / sd) * mpmath.sqrt(mpmath.mpf(rho2) / (t * rho2 + 1))
+            ref = 2 * mpmath.ncdf(xm) / mpmath.sqrt(t * rho2 + 1) * mpmath.exp(xm * xm / 2)
+            got = race.evidence(diffs, a, horizon)
+            want = float(min(ref, mpmath.exp(700)))
+            assert math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-300), (t, x, got, want)
+            if x < 0:
+                assert got < 1, (t, x, got)  # a rival far worse carries no evidence that it is better
+
+
+def _diffs_with_x(x: float, t: int, rho2: float) -> list[float]:
+    """t paired differences (+-1 around a mean) whose mixture statistic x is the one asked for."""
+    base = np.array([1.0, -1.0] * (t // 2) + [0.0] * (t % 2))
+    sd = base.std(ddof=1)
+    mean = x * sd / t / math.sqrt(rho2 / (t * rho2 + 1))
+    return (base + mean).tolist()
+
+
+@pytest.mark.parametrize("items", [200, 600, 1500])
+def test_a_race_keeps_every_average_that_beats_vanilla_on_nearly_every_item(items):
+    """The world that dropped every average "by vanilla" (30 of 30): averages truly 0.13-0.50 better
+    than vanilla on nearly every item (per-item mean/sd far past -3.9 at 200 items), vanilla
+    protected and visited first as ship visits it. None of the averages may leave the race, and
+    vanilla, the clearly worst, would be dropped at its first look were it not protected."""
+    rng = np.random.default_rng(items)
+    means = {"vanilla": 0.0, "ema": 0.13, "bema": 0.25, "lawa-w4": 0.5, "lawa-w8": 0.4}
+    dropped = 0
+    for _ in range(30):
+        shared = rng.normal(0, 1, size=items)
+        scores = {k: shared + m + rng.normal(0, 0.02, size=items) for k, m in means.items()}
+        r = race.Race(list(means), horizon=items, protect=["vanilla"])
+        for name in means:
+            for batch in race.rounds(range(items)):
+                r.add(name, scores[name][batch].tolist())
+                if r.behind(name):
+                    break
+            r.completed(name)
+        # the worse averages may leave, beaten by a better average; never "by vanilla", and the best stays
+        assert "lawa-w4" in r.alive and all(d["by"] != "vanilla" for d in r.dropped.values()), r.dropped
+        dropped += len(r.dropped)
+    assert dropped > 0  # the race still races: the averages far behind lawa-w4 are dropped
+    r2 = race.Race(["vanilla", "lawa-w4"], horizon=items)
+    r2.add("lawa-w4", scores["lawa-w4"][:16].tolist())
+    r2.add("vanilla", scores["vanilla"][:16].tolist())
+    assert r2.behind("vanilla") and not r2.behind("lawa-w4")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from bema_cli.decide.power import mdd, mean_sd, paired
+from bema_cli.decide.power import log_tail, mdd, mean_sd, paired
 
 ALPHA = 0.05  # chance, over a whole race, of dropping the truly best candidate
 ROUND_ITEMS = 16  # the first round's items; each later look at ROUND_GROWTH x what was seen
@@ -98,8 +98,10 @@ def evidence(diffs: Sequence[float], a: float, horizon: int) -> float:
         return math.exp(700.0) if mean > 0 else 0.0
     rho2 = _mixture(a, horizon)
     x = t * mean / sd * math.sqrt(rho2 / (t * rho2 + 1))
-    phi = max(0.5 * math.erfc(-x / math.sqrt(2)), 1e-300)  # Phi(x); far below 0 the e-value is ~0
-    return math.exp(min(math.log(2 * phi) - 0.5 * math.log(t * rho2 + 1) + x * x / 2, 700.0))
+    # log Phi(x) from its tail (log(1 - Phi(-x))): far below 0 Phi(x) underflows, and x^2 / 2 must
+    # meet -x^2 / 2 there, leaving ~1 / (|x| sqrt(t rho^2 + 1)): the rival is far worse, no evidence
+    log_phi = log_tail(-x)
+    return math.exp(min(math.log(2) + log_phi - 0.5 * math.log(t * rho2 + 1) + x * x / 2, 700.0))
 
 
 class Race:

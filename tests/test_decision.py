@@ -174,3 +174,50 @@ def test_a_clear_winner_is_shipped_through_ships_own_code_on_a_large_held_out_se
     spec.loader.exec_module(bench)
     got = bench.huge_world(10, items, seed=1)
     assert got["vanilla_shipped"] == 0 and got["dropped_by_vanilla"] == 0, got
+
+
+def test_the_min_effect_verdict_never_contradicts_its_own_numbers():
+    """200 worlds where lawa-w8 beats vanilla by 0-0.06 nats/token, decided at --min-effect 0.02 or
+    0.05: each clause of the verdict is checked against the JSON's interval. "none ... beats vanilla
+    <bar> there" must hold of every average it lists, with the bar the decision applied (the effect,
+    not the interval: the sentence said "beyond its interval" of an average 68-78% of the time that
+    had just been said to be beyond it); the equivalence clause appears exactly when the interval
+    lies inside +-E."""
+    import re
+
+    from bema_cli.decide import verdict
+
+    rng = np.random.default_rng(7)
+    metric = parse_metric("loss")
+    n, said_equivalent, said_none = 240, 0, 0
+    for k in range(200):
+        effect = (0.02, 0.05)[k % 2]
+        opts = ShipOptions(out=Path("unused"), min_effect=effect, resamples=300)
+        tokens = rng.integers(20, 60, size=n).astype(float)
+        van = rng.normal(1.0, 0.2, size=n) * tokens
+        gain = rng.uniform(0.0, 0.06)
+        lawa = van + (rng.normal(0, 0.02, size=n) - gain) * tokens
+        records = [
+            record("vanilla", van.tolist(), tokens.tolist()),
+            record("lawa-w8", lawa.tolist(), tokens.tolist()),
+        ]
+        chosen = select.select(records, metric, "last", opts.holdout, opts.resamples, opts.seed)
+        made, why = decision.decide(chosen, None, metric, opts, records)
+        vs = next(c for c in chosen["candidates"] if c["run"] == "lawa-w8")["vs_vanilla"]
+        none = re.search(
+            r"none of the averages scored on the report items \(([^)]*)\) beats vanilla (.*?) there", why
+        )
+        if none:
+            said_none += 1
+            assert none.group(2) == f"by more than --min-effect {effect:g}", why
+            assert "lawa-w8" not in none.group(1) or not verdict.is_better(vs, False, effect), (why, vs)
+        assert ("equivalent within --min-effect" in why) == (
+            made["kind"] == "vanilla"
+            and chosen["winner"]["run"] == "lawa-w8"
+            and verdict.equivalent(vs, effect)
+        ), (why, vs)
+        said_equivalent += "equivalent within" in why
+        assert (made["kind"] != "vanilla") == verdict.is_better(vs, False, effect) or chosen["winner"][
+            "run"
+        ] == "vanilla"
+    assert said_none > 20 and said_equivalent > 20, (said_none, said_equivalent)  # both clauses were reached

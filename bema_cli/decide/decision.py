@@ -96,12 +96,16 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
         tested = [c["run"] for c in chosen["candidates"] if c["step"] == step and c["run"] != "vanilla"]
         if fitted and fitted.get("best"):
             tested.append(fitted["best"]["record"]["run"])
-        why += (f"; none of the averages scored on the report items ({', '.join(tested)}) beats vanilla beyond its "
-                "interval there" if tested else "; no average reached the report items")  # fmt: skip
+        # the bar the decision applied (decide filters by --min-effect when it is set): said as applied
+        bar = f"by more than --min-effect {effect:g}" if effect else "beyond its interval"
+        why += (f"; none of the averages scored on the report items ({', '.join(tested)}) beats vanilla {bar} "
+                "there" if tested else "; no average reached the report items")  # fmt: skip
     else:  # what the report half showed, said, and why it does not ship
         b = beaten[0]
         why += (f"; on the report items {b['run']} reads {fmt_d(b['vs_vanilla'])} against vanilla, but it was not "
                 "picked, and choosing it now would pick on the items that report it")  # fmt: skip
+    if effect and w["run"] != "vanilla" and verdict.equivalent(w["vs_vanilla"], effect):
+        why += f"; {w['run']} and vanilla are equivalent within --min-effect {effect:g} (its interval lies inside +-{effect:g})"
     numbers = (
         resolution(restrict(record_of(records, best, metric), report_ids, metric), van, metric)
         if best

@@ -56,3 +56,9 @@ def beats_vanilla(doc: dict, margin: float = 0.0) -> bool:
 def is_better(d: dict, higher_is_better: bool, margin: float = 0.0) -> bool:
     """The whole interval of a difference is on the good side of 0 (of `margin`, beyond it)."""
     return d["low"] > margin if higher_is_better else d["high"] < -margin
+
+
+def equivalent(d: dict | None, margin: float) -> bool:
+    """The whole interval of a difference lies within +-margin (ship's --min-effect): a release
+    gate's other answer, equivalence within E (two one-sided tests at the interval's level)."""
+    return d is not None and margin > 0 and -margin < d["low"] and d["high"] < margin

@@ -85,13 +85,17 @@ def card(
     adapter: bool = False,
     evaluation: list[dict] | None = None,
     selected: bool = False,
+    why: str | None = None,
+    notes: list[str] | None = None,
 ) -> str:
     """README.md text for one output folder described by its bema.json `record`.
 
     `evaluation`: model-index results, each {"task", "dataset", "metric", "value"} with optional
     "interval" ([lo, hi], a 95% paired-bootstrap interval) and "vs" (what it is a difference to).
-    `selected`: chosen
-    by `bema select`/`bema ship` (a vanilla one is the raw checkpoint, not an average)."""
+    `selected`: chosen by `bema select`/`bema ship` (a vanilla one is the raw checkpoint, not an
+    average); `why`: the decision's own verdict sentence, rendered as it is (the card never words the
+    decision itself, so it cannot tell another story than the verdict and `--json`); `notes`: the
+    decision's warnings (held-out rows in another shape, ...), each said on the card too."""
     from huggingface_hub import EvalResult, ModelCardData
 
     method = record.get("method", "vanilla")
@@ -121,7 +125,13 @@ def card(
         params = {}
         what = (
             f"The raw checkpoint at step {record.get('step')}"
-            + (", selected by bema: no average of the run beat it beyond its interval" if selected else "")
+            + (
+                ", selected by bema (why: below)"
+                if selected and why
+                else ", selected by bema"
+                if selected
+                else ""
+            )
             + f", written by bema {record.get('bema_version', '')}. {load}"
         )
     else:
@@ -163,6 +173,9 @@ def card(
         ),
         "",
     ]
+    if why:
+        lines += ["## Why this model", "", f"bema's decision: {why}.", ""]
+        lines += [f"Note: {n}." for n in notes or []] + ([""] if notes else [])
     if evaluation:
         lines += ["## Evaluation", "", "| task | metric | value | 95% interval | |", "|---|---|---|---|---|"]
         for e in evaluation:

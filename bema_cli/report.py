@@ -300,12 +300,22 @@ def ship_record(inputs: list[str]) -> dict | None:
     its decision's table is what a reader wants there, not the race's partial records."""
     if len(inputs) != 1:
         return None
+    from bema_cli.decide.records import check_sealed
+
     path = Path(inputs[0]) / ".bema-ship" / "ship.json"
     if not path.is_file():
         return None
+    # what ship itself refuses to answer from (edited or unsealed records), report refuses to print
+    check_sealed(path.parent, "bema report prints only a decision as bema sealed it")
     doc = read_json(path)
     if not isinstance(doc, dict) or not isinstance(doc.get("select"), dict):
         raise InputError(f"{path}: not a ship record (no decision); report its records' folder instead")
+    try:
+        ship_table(doc)  # every field the views read, read once before anything is printed
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise InputError(f"{path}: not a ship record bema wrote ({type(exc).__name__}: {exc})") from None
+    if not isinstance(doc.get("verdict"), str) or not isinstance(doc.get("notes", []), list):
+        raise InputError(f"{path}: not a ship record bema wrote (no verdict)")
     return doc
 
 

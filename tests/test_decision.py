@@ -221,3 +221,51 @@ def test_the_min_effect_verdict_never_contradicts_its_own_numbers():
             "run"
         ] == "vanilla"
     assert said_none > 20 and said_equivalent > 20, (said_none, said_equivalent)  # both clauses were reached
+
+
+def test_the_request_is_every_field_of_the_options_but_the_declared_few(tmp_path, monkeypatch):
+    """ "The same question" is derived from ShipOptions' own fields: changing any field but out,
+    overwrite, push, dry run and reads changes the request's digest (--max-evaluations was missing from
+    the hand-kept list: a budget-bound decision answered "up to date" to the unbounded one); the
+    inputs, listed in another order or spelled relative, are the same request."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from bema_cli.decide import records
+
+    class Config:
+        def name(self, path):
+            return path.name
+
+    files = [tmp_path / f"w{i}.safetensors" for i in range(3)]
+    for f in files:
+        f.write_bytes(b"x")
+    metric, stab = parse_metric("loss"), SimpleNamespace(schedules=[])
+    base = ShipOptions(out=tmp_path / "m", fits=("simplex",))
+    digest = records.request(stab, Config(), base, files, metric)["digest"]
+    changed = {"metric": "loss", "holdout": 0.3, "at": "70", "fits": ("soup",), "resamples": 500, "seed": 1,
+               "max_evaluations": 60, "min_effect": 0.01, "guard_margin": 0.02}  # fmt: skip
+    declared = {
+        "out": tmp_path / "n",
+        "overwrite": True,
+        "push": "org/m",
+        "dry_run": True,
+        "reads": (files[0],),
+    }
+    assert set(changed) | set(declared) == {f.name for f in dataclasses.fields(ShipOptions)}
+    for key, value in changed.items():
+        other = records.request(stab, Config(), dataclasses.replace(base, **{key: value}), files, metric)
+        assert (other["digest"] != digest) is (key != "metric"), key  # metric: the resolved one is asked
+        assert key == "metric" or key in records._differing(
+            other, records.request(stab, Config(), base, files, metric)
+        )
+    for key, value in declared.items():
+        assert (
+            records.request(stab, Config(), dataclasses.replace(base, **{key: value}), files, metric)[
+                "digest"
+            ]
+            == digest
+        )
+    monkeypatch.chdir(tmp_path)
+    relative = [type(f)(f.name) for f in reversed(files)]
+    assert records.request(stab, Config(), base, relative, metric)["digest"] == digest

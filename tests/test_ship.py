@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import names, one_line_error, run_bema, vllm_available
@@ -84,6 +85,15 @@ def test_a_guard_task_blocks_an_average_it_cannot_show_not_worse(runs, tmp_path)
     assert doc["decision"]["run"] == "vanilla" and doc["decision"]["blocked"]["guard"] == "gsm8k"
     assert "but the guard gsm8k blocked it" in doc["verdict"], doc["verdict"]
     assert json.loads((tmp_path / "m0" / "bema.json").read_text())["run"] == "vanilla"
+    # the card renders the decision's own verdict (never a sentence of its own: it said "no average
+    # of the run beat it beyond its interval" of an average the guard had blocked), and the guard's row
+    card = (tmp_path / "m0" / "README.md").read_text()
+    assert f"bema's decision: {doc['verdict']}." in card, card
+    assert "no average of the run beat it" not in card
+    (row,) = [line for line in card.splitlines() if line.startswith("| `gsm8k` |")]
+    g = doc["other_tasks"]["gsm8k"]
+    assert f"| {g['vanilla']:.4g} |" in row and f"not shipped: {g['candidate']} vs vanilla" in row, row
+    assert "verdict" not in doc["select"]  # one verdict in the document: the decision's
 
 
 def test_noisy_iterates_ship_an_average_as_a_model_folder(runs, tmp_path):
@@ -146,7 +156,8 @@ def test_steady_drift_ships_vanilla_and_says_so(runs, tmp_path):
         (written[k] == raw[k]).all() for k in raw
     )  # the raw checkpoint
     text = (out / "README.md").read_text()
-    assert "The raw checkpoint at step 80, selected by bema" in text and "kappa" not in text
+    assert "The raw checkpoint at step 80, selected by bema" in text and "| kappa |" not in text
+    assert f"bema's decision: {doc['verdict']}." in text  # the card tells the verdict's story, word for word
     v = run_bema("verify", out)
     assert v.returncode == 0 and "bitwise identical to its rebuild" in v.stdout, v.stderr
     plain = run_bema("ship", runs["drift"], "--base", runs["base"], "--out", out, "--tasks", "loss",
@@ -415,3 +426,37 @@ def test_megatrons_thinning_reaches_ship_and_sweep(runs, tmp_path):
     assert json.loads(r.stdout)["pending"] == 4 * 2  # vanilla and ema at 20, 40, 60, 80
     r = run_bema("ship", runs["noisy"], "--out", tmp_path / "m", *args, "--min-checkpoints", "5")
     assert r.returncode != 0 and one_line_error(r) and "--min-checkpoints" in r.stderr, r.stderr
+
+
+def test_a_refused_ship_leaves_no_work_folder_and_the_corrected_one_runs(runs, tmp_path):
+    """A ship refused before any record (a held-out file of one record: --holdout leaves a side empty;
+    a generation task with no data) leaves no `.DIR.bema-ship` behind, so the corrected command is not
+    refused as "an earlier, interrupted ship made with another setup" (exit 4, before); a work folder
+    such a ship left holding its request alone is not a resume either."""
+    out, work = tmp_path / "model", tmp_path / ".model.bema-ship"
+    one = tmp_path / "one.jsonl"
+    one.write_text(Path(runs["data"]).read_text().splitlines()[0] + "\n")
+    common = [
+        "ship",
+        runs["drift"],
+        "--base",
+        runs["base"],
+        "--out",
+        out,
+        "--backend",
+        "transformers",
+        "--fit",
+        "none",
+    ]
+    refused = run_bema(*common, "--tasks", "loss", "--loss-data", one)
+    assert refused.returncode == 2 and "--holdout" in one_line_error(refused), refused.stderr
+    assert not work.exists() and not out.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused = run_bema(*common, "--tasks", "loss,gsm8k", "--loss-data", runs["data"], "--data-dir", empty)
+    assert refused.returncode == 3 and not work.exists(), refused.stderr
+    work.mkdir()  # what a ship killed before its first record left (its request, nothing else)
+    (work / "request.json").write_text('{"digest": "another"}\n')
+    r = run_bema(*common, "--tasks", "loss", "--loss-data", runs["data"], "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["decision"]["step"] == 80 and not work.exists()

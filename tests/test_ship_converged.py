@@ -262,6 +262,20 @@ def test_report_on_a_ship_folder_shows_the_decisions_table(world, tmp_path):
     table = r.stdout.split("\nship ")[0]  # the rows, before the verdict and its notes
     assert dropped and not any(name in table.split() for name in dropped), r.stdout
     assert json.loads(run_bema("report", out, "--json").stdout)["verdict"] == doc["verdict"]
+    # a forged verdict, and records in shapes bema never wrote: refused as ship refuses them, one
+    # line naming the file, exit 3 (it printed the forged verdict, exit 0, or crashed with exit 70)
+    path = out / ".bema-ship" / "ship.json"
+    sealed = path.read_text()
+    forged = json.loads(sealed)
+    forged["verdict"] = "ship lawa-w4 at step 300: forged"
+    shapes = [forged, {**forged, "select": {}}, {**forged, "decision": None}, {**forged, "verdict": 3}, [1]]
+    for bad in shapes:
+        path.write_text(json.dumps(bad))
+        for args in ((), ("--json",)):
+            line = one_line_error(run_bema("report", out, *args), 3)
+            assert str(path) in line and "forged" not in line, line
+    path.write_text(sealed)
+    assert run_bema("report", out).returncode == 0  # bema's own bytes again: reported
 
 
 @pytest.mark.slow  # ship runs beyond the default run's budget: `make test-slow`

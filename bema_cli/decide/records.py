@@ -33,9 +33,9 @@ def seal(work: Path) -> None:
     (work / SEAL).write_text(output.to_json(doc) + "\n")
 
 
-def check_sealed(work: Path) -> None:
-    """The records in `work` are exactly those bema sealed; one line naming the first that is not."""
-    fix = "--overwrite decides again from scratch"
+def check_sealed(work: Path, fix: str = "--overwrite decides again from scratch") -> None:
+    """The records in `work` are exactly those bema sealed; one line naming the first that is not,
+    and `fix`, what the caller can do about it."""
     path = work / SEAL
     try:
         doc = json.loads(path.read_text())
@@ -59,18 +59,17 @@ def request(stab, config, ship_opts, inputs: list[Path], metric) -> dict:
     an absolute spelling alike, no path of this machine: the request is kept in DIR) with its digest."""
     import hashlib
 
-    files = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in inputs if f.is_file()]
+    # sorted: the same files spelled relative or absolute, listed in another order, are one request
+    files = sorted(
+        {(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in inputs if f.is_file()}
+    )
     evaluation = {k: v for k, v in vars(config).items() if k not in ("out", "log_samples", "force")}
     for key in PATHS:
         if evaluation.get(key):
             path = Path(evaluation[key]).expanduser()
             evaluation[key] = config.name(path) + (f" {file_digest(path)}" if path.is_file() else "")
     doc = {"inputs": files, "grid": sorted(repr(s) for s in stab.schedules), "evaluation": evaluation,
-           "metric": metric.name, "holdout": ship_opts.holdout, "at": ship_opts.at, "fits": list(ship_opts.fits),
-           "resamples": ship_opts.resamples, "seed": ship_opts.seed}  # fmt: skip
-    # flags added later join only when set, so an earlier ship's request stays the same question
-    doc |= {"min_effect": ship_opts.min_effect} if ship_opts.min_effect else {}
-    doc |= {"guard_margin": ship_opts.guard_margin} if ship_opts.guard_margin is not None else {}
+           **question(ship_opts), "metric": metric.name}  # fmt: skip
     flat = {k: v for k, v in doc.items() if k != "inputs"}
     digest = hashlib.sha256(output.to_json(doc).encode()).hexdigest()[:32]
     return {
@@ -78,6 +77,21 @@ def request(stab, config, ship_opts, inputs: list[Path], metric) -> dict:
         "inputs": hashlib.sha256(output.to_json(files).encode()).hexdigest()[:32],
         **flat,
     }
+
+
+# ShipOptions' fields that do not change the question: where DIR is, whether it may be replaced or
+# published, whether anything runs, and the files read for the grid (their schedules are the grid)
+NOT_THE_QUESTION = ("out", "overwrite", "push", "dry_run", "reads")
+
+
+def question(ship_opts) -> dict:
+    """Every other field of the options as the request's own: a flag added to ShipOptions joins the
+    question by itself (a hand-kept list missed --max-evaluations: a budget-bound decision answered
+    "up to date" to the unbounded one)."""
+    from dataclasses import fields
+
+    out = {f.name: getattr(ship_opts, f.name) for f in fields(ship_opts) if f.name not in NOT_THE_QUESTION}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
 def up_to_date(out: Path, request: dict, push_to: str | None) -> dict:
@@ -135,6 +149,9 @@ def _differing(old: dict, request: dict) -> list[str]:
     out = []
     for key in request:
         if key == "digest" or old.get(key) == request[key]:
+            continue
+        if old and key not in old:  # a question this bema asks and the DIR's did not record
+            out.append(f"{key} (not recorded by the bema that shipped DIR)")
             continue
         if key == "evaluation" and isinstance(old.get(key), dict):
             was, now = old[key], request[key]

@@ -125,6 +125,10 @@ def _ship(
         return sealed.up_to_date(out, request, ship_opts.push)
     check_target(out, ship_opts.overwrite)
     work = out.parent / f".{out.name}.bema-ship"
+    if work.is_dir() and not _has_records(
+        work
+    ):  # a refused or failed ship before any record: nothing to resume
+        shutil.rmtree(work)
     if work.exists() and (work / sealed.REQUEST).is_file() and (differs := sealed.differences(work, request)):
         if not ship_opts.overwrite:  # its records were made for another request: never reused silently
             raise OutputError(
@@ -142,9 +146,16 @@ def _ship(
         work.mkdir(parents=True, exist_ok=True)
         sealed.write_request(work, request)
     stages.reset()
-    made = contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work)
+    try:
+        made = contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work)
+    except BaseException:
+        if not _has_records(work):  # refused (bad data, an engine that cannot start) before any record
+            shutil.rmtree(work, ignore_errors=True)  # the corrected command then starts clean
+        raise
     chosen, records, fitted = made["chosen"], made["records"], made["fitted"]
-    doc = {"request": request, "metric": metric.name, "step": chosen["winner"]["step"], "select": chosen,
+    # select's own sentence is select's rule, not the decision: the one verdict is the decision's
+    shown = {k: v for k, v in chosen.items() if k != "verdict"}
+    doc = {"request": request, "metric": metric.name, "step": chosen["winner"]["step"], "select": shown,
            "tie_rule": select.TIE_RULE, "holdout": ship_opts.holdout, "race": made["race"],
            "backend": made["backend"], "memory": made["memory"]}  # fmt: skip
     if fitted:
@@ -170,6 +181,11 @@ def _ship(
     return doc
 
 
+def _has_records(work: Path) -> bool:
+    """Whether a work folder holds a record worth resuming from (a non-empty results file)."""
+    return any(p.is_file() and p.stat().st_size > 0 for p in work.rglob("*.jsonl"))
+
+
 def _inputs(stab) -> list[Path]:
     """What ship reads: the run folder, every checkpoint, the base and their weight files."""
     from bema_cli.stabilize.plan import inputs_of
@@ -191,12 +207,16 @@ def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, stab
         cand, settings, rec = best["candidate"], {"method": best["method"]}, best["record"]
         extra = {"ingredients": best["ingredients"]} if best["kind"] == "soup" else {}
         lo_hi = select.report_interval(rec, metric, None, ship_opts.seed)  # scored on the report items alone
-        rows = evaluation_rows(chosen, decision["value"], lo_hi, decision["vs_vanilla"])
+        rows = evaluation_rows(
+            chosen, decision["value"], lo_hi, decision["vs_vanilla"], made["other_tasks"], decision["run"]
+        )
     else:
         row = next(c for c in chosen["candidates"] if (c["run"], c["step"]) == (decision["run"], step))
         cand, settings, extra = made["candidates"][decision["run"]], row["stabilizer"] or {}, {}
         chosen = {**chosen, "winner": {k: row[k] for k in select.WINNER_KEYS}}
-        rows = evaluation_rows(chosen, row["value"], row["interval"], row["vs_vanilla"])
+        rows = evaluation_rows(
+            chosen, row["value"], row["interval"], row["vs_vanilla"], made["other_tasks"], decision["run"]
+        )
     extra |= {"allow_gaps": True} if stab.allow_gaps else {}
     extra |= {"durations": stab.durations} if stab.durations else {}
     check_target(out, ship_opts.overwrite)
@@ -205,7 +225,7 @@ def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, stab
         folder = tmp / "model"
         record = model_record(cand, step, settings, folders, made["base_source"], out, **extra)
         write_vector(cand, folders, folders[str(step)], folder, record)
-        write_card(folder, chosen, rows, made["base_source"], folders["theta0"])
+        write_card(folder, rows, made["base_source"], folders["theta0"], doc["verdict"], doc.get("notes"))
         (work / "ship.json").write_text(output.to_json(_public(doc)) + "\n")
         sealed.seal(work)
         shutil.move(str(work), str(folder / WORK))  # the records and ship.json; no candidate was kept

@@ -203,21 +203,38 @@ def write_vector(cand, folders: dict[str, Path], template: Path, out: Path, reco
     return out
 
 
-def evaluation_rows(doc: dict, value: float, interval, versus: dict | None) -> list[dict]:
+def evaluation_rows(
+    doc: dict, value: float, interval, versus: dict | None, others: dict | None = None, shipped: str = ""
+) -> list[dict]:
+    """The card's evaluation table: the decision's metric, then each other task ship scored (the
+    guards: a blocked average's reason is on the card with its numbers)."""
     from bema_cli.decide.verdict import fmt_diff
 
-    return [{"dataset": doc["task"], "metric": doc["metric"], "value": value, "interval": interval,
+    rows = [{"dataset": doc["task"], "metric": doc["metric"], "value": value, "interval": interval,
              "vs": f"vs vanilla {fmt_diff(versus)}" if versus else ""}]  # fmt: skip
+    for task, o in (others or {}).items():
+        vs, this = o.get("vs_vanilla"), o["candidate"] == shipped
+        # a guard that blocked an average: the card's model is vanilla, the blocked one is named beside
+        rows.append({"dataset": task, "metric": o["metric"], "value": o["shipped"] if this else o["vanilla"],
+                     "interval": None,
+                     "vs": f"{'' if this else 'not shipped: '}{o['candidate']} vs vanilla {fmt_diff(vs)}" if vs else ""})  # fmt: skip
+    return rows
 
 
 def write_card(
-    folder: Path, doc: dict, evaluation: list[dict], base_source: str, base_dir: Path | None
+    folder: Path,
+    evaluation: list[dict],
+    base_source: str,
+    base_dir: Path | None,
+    why: str,
+    notes: list[str] | None = None,
 ) -> None:
     """The card of a model written from a vector; its Hub base from theta0 as it was read
-    (`base_source`: a Hub id or the local folder `base_dir`), not from the record's name for it."""
+    (`base_source`: a Hub id or the local folder `base_dir`), not from the record's name for it;
+    `why`: the verdict that chose it, as the command said it."""
     record = json.loads((folder / "bema.json").read_text())
     base_model = card.hub_base_model(base_source, base_dir)
-    text = card.card(record, base_model, evaluation=evaluation, selected=True)
+    text = card.card(record, base_model, evaluation=evaluation, selected=True, why=why, notes=notes)
     (folder / "README.md").write_text(text)
 
 
@@ -240,7 +257,7 @@ def write_winner(doc: dict, records: list[dict], out: Path, overwrite: bool = Fa
         record = model_record(cand, w["step"], stab, folders, base_source, out)
         write_vector(cand, folders, Path(source), folder, record)
         rows = evaluation_rows(doc, w["value"], w["interval"], w["vs_vanilla"])
-        write_card(folder, doc, rows, base_source, folders.get("theta0"))  # no theta0 term: none
+        write_card(folder, rows, base_source, folders.get("theta0"), doc["verdict"])  # no theta0 term: none
         place(folder, out, overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -33,15 +33,26 @@ def verify(
             output.error(
                 f"{folder}: {len(doc['differ'])} of {doc['tensors']} tensors differ from its rebuild"
                 + ("; its coefficients are not its method's" if doc["vector_differs"] else "")
+                + (f"; side files differ: {', '.join(doc['files_differ'])}" if doc["files_differ"] else "")
             )
             raise typer.Exit(1)
         return
     changed = "; ".join(doc["changed_inputs"])
     if doc["identical"]:
         said = f" ({len(doc['changed_inputs'])} input(s) changed since: {changed})" if changed else ""
-        output.stdout.print(f"{folder}: bitwise identical to its rebuild ({doc['tensors']} tensors){said}",
+        files = (  # what was checked beside the tensors, or said not to be
+            f"; not checked (no digests recorded: an older bema wrote it): {', '.join(doc['not_checked'])}"
+            if doc["not_checked"]
+            else "; its config and tokenizer files are as written"
+        )
+        output.stdout.print(f"{folder}: bitwise identical to its rebuild ({doc['tensors']} tensors){said}{files}",
                             highlight=False, markup=False)  # fmt: skip
         return
+    if doc["files_differ"] and not doc["differ"] and not doc["vector_differs"]:
+        raise Differs(
+            f"{folder}: its tensors are bitwise its rebuild, but side files differ from what bema wrote: "
+            f"{', '.join(doc['files_differ'])} (edited since: the model may load or prompt differently)"
+        )
     if doc["vector_differs"]:
         keys = ", ".join(doc["vector_differs"][:5])
         raise Differs(

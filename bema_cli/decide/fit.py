@@ -25,8 +25,6 @@ from pathlib import Path
 from bema_cli.errors import InputError
 
 THETA0 = 0  # the basis index of theta0; checkpoint j (in step order) is j + 1
-SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")  # fmt: skip
 SIMPLEX_BUDGET = 12  # trials of the simplex search after its uniform start
 SIMPLEX_STEP = 1.0  # the first step on a softmax logit (a factor e on that checkpoint's weight)
 COMBINE_BLOCK = 1 << 18  # elements summed at a time (2 MB of float64: in cache; 1 << 22 summed 3x slower)

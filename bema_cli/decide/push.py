@@ -69,6 +69,29 @@ def upload_list(folder: Path) -> list[tuple[str, int]]:
     return files
 
 
+def check_no_local_paths(folder: Path, names: list[str]) -> None:
+    """A side file that still names a place on this machine's disk (a config's `_name_or_path`
+    written by an older trainer, hand-edited, or copied by another tool) is not uploaded: the
+    top-level fields of each JSON file whose name says path or dir, read before anything is sent."""
+    import json
+
+    from bema_cli.io.aux_files import local_path
+
+    for name in names:
+        if not name.endswith(".json") or name.startswith("tokenizer.json"):
+            continue
+        try:
+            doc = json.loads((folder / name).read_text())
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        for key, value in doc.items() if isinstance(doc, dict) else ():
+            if ("path" in key or "dir" in key) and local_path(value):
+                raise InputError(
+                    f"{folder / name}: {key} is a local path ({value}); push uploads no path of this machine: "
+                    "write it as the model's name or Hub id"
+                )
+
+
 def push(
     path: Path,
     repo_id: str,
@@ -85,6 +108,7 @@ def push(
     folder = checkpoint_folder(path)
     record = published_record(folder)
     files = [(name, len(record) if name == "bema.json" else size) for name, size in upload_list(folder)]
+    check_no_local_paths(folder, [name for name, _ in files if name != "bema.json"])
     doc = {
         "folder": str(folder),
         "repo_id": repo_id,

@@ -53,7 +53,8 @@ def search(scorer, menu: dict, steps: list[int], survivors: list[str], pick_ids:
         rec = scorer.record(cand, report_ids)  # the finalist on the report items
         out["best"] = {"kind": kind, "candidate": cand, "method": method, "record": rec,
                        "ingredients": result.get("soup", {}).get("ingredients")}  # fmt: skip
-        result["best"] = {"kind": kind, "run": cand.name, "pick_value": result[kind]["pick_value"]}
+        result["best"] = {"kind": kind, "run": cand.name, "pick_value": result[kind]["pick_value"],
+                          "coefficients": cand.record}  # what verify holds a shipped fit to  # fmt: skip
     return out
 
 

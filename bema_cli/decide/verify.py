@@ -17,6 +17,7 @@ where --run and --base say they went.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import tempfile
@@ -83,11 +84,14 @@ def _step(key: str) -> int:
 
 
 def recomputed(record: dict) -> dict[str, float] | None:
-    """The vector the record's method, settings and step give on its run (None: a fitted average or
-    vanilla, whose vector is what was chosen, not what a method computes)."""
-    from bema_cli.decide.candidate import of_settings
+    """The vector the record's method, settings and step give on its run: vanilla is {step: 1} (the
+    checkpoint at the record's step, nothing else); None for a fitted average, whose vector is what
+    the decision chose (`decided` holds it to that)."""
+    from bema_cli.decide.candidate import of_settings, vanilla
 
-    if record.get("method") not in METHODS or record.get("method") == "vanilla":
+    if record.get("method") == "vanilla":
+        return vanilla(int(record["step"])).record
+    if record.get("method") not in METHODS:
         return None
     source = Path(record["source_checkpoint"])
     if not source.is_dir():
@@ -98,6 +102,46 @@ def recomputed(record: dict) -> dict[str, float] | None:
     except UsageError as exc:  # settings no command line could give: the record was edited
         raise InputError(f"{source}: the record's settings are not valid ({exc})") from None
     return cand.record
+
+
+def decided(folder: Path, record: dict) -> dict[str, float] | None:
+    """The vector the ship's sealed decision (DIR/.bema-ship/ship.json) says was written: vanilla's at
+    its step, a fit's as the search found it (None: no ship record, or a menu config, which its
+    method recomputes)."""
+    from bema_cli.decide.candidate import vanilla
+    from bema_cli.decide.records import check_sealed
+    from bema_cli.decide.write import WORK
+
+    path = folder / WORK / "ship.json"
+    if not path.is_file():
+        return None
+    check_sealed(path.parent, "verify holds a shipped model to its decision as bema sealed it")
+    doc = json.loads(path.read_text())
+    decision = doc.get("decision") or {}
+    if decision.get("kind") == "vanilla":
+        return vanilla(int(decision["step"])).record
+    if decision.get("kind") == "fitted":
+        return ((doc.get("fitted") or {}).get("best") or {}).get("coefficients")
+    return None
+
+
+def side_files(folder: Path, record: dict) -> tuple[list[str], list[str]]:
+    """(side files that differ from the digests the record holds, or that it does not name; side
+    files present that no digest covers, as written by an older bema: not checked)."""
+    from bema_cli.io.aux_files import AUX_PATTERNS, digests
+
+    present = sorted({f.name for pattern in AUX_PATTERNS for f in folder.glob(pattern) if f.is_file()})
+    recorded = record.get("files")
+    if not isinstance(recorded, dict):  # a stabilize output's header is written first: bema.json has them
+        try:
+            recorded = json.loads((folder / "bema.json").read_text()).get("files")
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+    if not isinstance(recorded, dict):
+        return [], present
+    now = digests(folder, [n for n in recorded if (folder / n).is_file()])
+    differ = [n for n in sorted(recorded) if now.get(n) != recorded[n]]
+    return differ + [n for n in present if n not in recorded], []
 
 
 def _vector_differs(stored: dict | None, again: dict | None) -> list[str]:
@@ -292,6 +336,9 @@ def verify(folder: Path, run: Path | None = None, base: str | None = None) -> di
         raise InputError(f"{folder}: an input it was made from is gone: {gone[0]}")
     stored = doc.get("coefficients")
     vector = _vector_differs(stored, recomputed(record))
+    if not vector and _vector_differs(stored, decided(folder, record)):
+        vector = ["the shipped decision's vector"]
+    files_differ, not_checked = side_files(folder, named)
     rebuilt = "in memory"
     if isinstance(record.get("coefficients"), dict):  # written from a vector: rebuilt in memory
         if record["coefficients"] != stored:
@@ -302,7 +349,7 @@ def verify(folder: Path, run: Path | None = None, base: str | None = None) -> di
         if walked is None:
             rebuilt = f"in a temporary folder ({why})"
         tensors, differ = _compare(folder, walked if walked is not None else _from_stabilize(record, folder))
-    return {"folder": str(folder), "identical": not differ and not vector, "tensors": tensors, "differ": differ,
-            "rebuilt": rebuilt,
+    return {"folder": str(folder), "identical": not differ and not vector and not files_differ, "tensors": tensors,
+            "differ": differ, "files_differ": files_differ, "not_checked": not_checked, "rebuilt": rebuilt,
             "vector_differs": vector, "changed_inputs": changed, "record": named, "coefficients": stored,
             "bema_version": record.get("bema_version")}  # fmt: skip

@@ -180,12 +180,17 @@ def write_vector(cand, folders: dict[str, Path], template: Path, out: Path, reco
     """The one writer of a model from a vector: sum_j c_j theta_j (fit.combined: float64 sums, cast
     once to the template checkpoint's dtypes) through the sharded writer into `out`, the header
     carrying `record`, the inputs' fingerprints and the coefficients, each keyed by "theta0" and step;
-    the template's small files (config, tokenizer) and bema.json beside the weights."""
-    from bema_cli.decide.fit import SMALL_FILES, combined
+    the template's side files (config, tokenizer, chat template: io/aux_files, a local path in them
+    written as a name) and bema.json beside the weights. The side files' digests join the record
+    (`files`), so verify checks them with the tensors."""
+    from bema_cli.decide.fit import combined
     from bema_cli.io import provenance
+    from bema_cli.io.aux_files import copy_aux_files, digests
     from bema_cli.io.reader import open_checkpoint
     from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
 
+    out.mkdir(parents=True, exist_ok=True)
+    record = {**record, "files": digests(out, copy_aux_files(out, [template]))}
     keys = [k for k, _ in cand.vector]
     terms = [(folders[k], c) for k, c in cand.vector]
     tensors = list(open_checkpoint(template).tensors.values())
@@ -196,9 +201,6 @@ def write_vector(cand, folders: dict[str, Path], template: Path, out: Path, reco
         for info, value in combined(terms, template):
             writer.write(info.name, 0, tensor_bytes(value))
     writer.close()
-    for name in SMALL_FILES:
-        if (template / name).is_file():
-            shutil.copy2(template / name, out / name)
     (out / "bema.json").write_text(output.to_json(record) + "\n")
     return out
 

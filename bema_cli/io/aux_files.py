@@ -26,16 +26,50 @@ AUX_PATTERNS = (
 )
 
 
+# Fields where trainers (older transformers, TRL, Megatron exports) write the folder a model was
+# loaded from: an absolute path there names the training machine's disk. Written as its last part.
+PATH_FIELDS = {"config.json": "_name_or_path", "tokenizer_config.json": "name_or_path"}
+
+
 def copy_aux_files(dst: Path, sources: list[Path], inside: list[Path] | None = None) -> list[str]:
     """Copy config/tokenizer/chat-template files into dst, each from the first source that has it;
-    links may lead into the `inside` folders (default: the sources) and nowhere else (aux_files)."""
+    links may lead into the `inside` folders (default: the sources) and nowhere else (aux_files). A
+    local path in PATH_FIELDS is written as a name (the folder's), so no output carries one."""
     copied: list[str] = []
     for src in sources:
         for f in aux_files(src, inside or sources):
             if f.name not in copied:
                 _copy_bytes(f, dst / f.name)
                 copied.append(f.name)
+                if f.name in PATH_FIELDS:
+                    _as_name(dst / f.name, PATH_FIELDS[f.name])
     return copied
+
+
+def local_path(value: object) -> bool:
+    """A string that names a place on a disk (absolute, home-relative, or a Windows drive), not a Hub id."""
+    return isinstance(value, str) and (
+        value.startswith(("/", "~", "\\\\", "./", "../")) or bool(re.match(r"[A-Za-z]:[\\/]", value))
+    )
+
+
+def _as_name(path: Path, key: str) -> None:
+    import json
+
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # not JSON: copied as it is (push still refuses a file holding an absolute path)
+    if isinstance(doc, dict) and local_path(doc.get(key)):
+        doc[key] = Path(doc[key].replace("\\", "/").rstrip("/")).name
+        path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+
+
+def digests(folder: Path, names: list[str]) -> dict[str, str]:
+    """{name: xxh3_128 of its bytes} of the side files written into `folder` (verify checks them)."""
+    from bema_cli.io.fingerprint import file_digest
+
+    return {name: file_digest(folder / name) for name in sorted(names)}
 
 
 def _copy_bytes(src: Path, dst: Path) -> None:

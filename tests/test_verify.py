@@ -291,3 +291,66 @@ def test_the_rebuild_in_a_temporary_folder_agrees_and_names_what_differs(stabili
     doc = verify.verify(copy)
     assert not doc["identical"] and doc["differ"] == [name], doc
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("bema-verify-")]
+
+
+def _written(stabilized, tmp_path, cand_steps, step, name="model"):
+    """A model written by the one writer from the vector {s: 1} over `cand_steps` (vanilla's shape),
+    recorded as vanilla at `step`; its run a copy whose checkpoint-40 names a local base path."""
+    from bema_cli.decide.candidate import Candidate
+    from bema_cli.decide.write import model_record, write_vector
+
+    run = tmp_path / "run"
+    if not run.exists():
+        shutil.copytree(stabilized["run"], run)
+        for s in STEPS:
+            ck = run / f"checkpoint-{s}"
+            cfg = json.loads((ck / "config.json").read_text())
+            (ck / "config.json").write_text(
+                json.dumps({**cfg, "_name_or_path": "/home/alice/models/base-secret"})
+            )
+            (ck / "tokenizer_config.json").write_text(
+                json.dumps({"name_or_path": "/home/alice/models/base-secret"})
+            )
+            (ck / "chat_template.jinja").write_text("{{ messages }}")
+    folders = {"theta0": stabilized["base"], **{str(s): run / f"checkpoint-{s}" for s in STEPS}}
+    cand = Candidate("vanilla", tuple((str(s), 1.0) for s in cand_steps))
+    record = model_record(
+        cand, step, {"method": "vanilla"}, folders, str(stabilized["base"]), tmp_path / name
+    )
+    return write_vector(cand, folders, folders[str(cand_steps[0])], tmp_path / name, record)
+
+
+def test_a_vanilla_record_is_held_to_its_own_step(stabilized, tmp_path):
+    """checkpoint-20's weights in a folder recorded as vanilla at step 40, its vector set to {20: 1} in
+    bema.json and the header alike: verify said "bitwise identical" (vanilla's vector was never
+    checked); vanilla is {step: 1} at the record's step, and this one is not (exit 1)."""
+    good = _written(stabilized, tmp_path, [40], 40, "good")
+    r = run_bema("verify", good)
+    assert r.returncode == 0 and "bitwise identical" in r.stdout, r.stderr
+    forged = _written(stabilized, tmp_path, [20], 40, "forged")
+    r = run_bema("verify", forged)
+    assert r.returncode == 1 and "coefficients it records are not the ones its method" in r.stderr, r.stderr
+
+
+def test_verify_reads_the_side_files_and_no_local_path_is_written_or_pushed(stabilized, tmp_path):
+    """config.json's rms_norm_eps, hidden_act and the chat template edited after bema wrote the folder:
+    the tensors are bitwise their rebuild, yet the model loads and prompts differently; verify names
+    the files (exit 1). The run's own config named its base by an absolute path: the output writes it
+    as a name, and push refuses a side file that names one again."""
+    out = _written(stabilized, tmp_path, [40], 40)
+    for name, key in (("config.json", "_name_or_path"), ("tokenizer_config.json", "name_or_path")):
+        assert json.loads((out / name).read_text())[key] == "base-secret"
+    assert "/home/alice" not in "".join(p.read_text(errors="replace") for p in out.iterdir() if p.is_file())
+    ok = run_bema("verify", out)
+    assert ok.returncode == 0 and "its config and tokenizer files are as written" in ok.stdout, ok.stdout
+    assert run_bema("push", out, "--repo-id", "org/m", "--dry-run").returncode == 0
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 0.5, "hidden_act": "relu"}))
+    (out / "chat_template.jinja").write_text("{{ 'edited' }}")
+    line = one_line_error(run_bema("verify", out), 1)
+    assert "side files differ from what bema wrote: chat_template.jinja, config.json" in line, line
+    doc = json.loads(run_bema("verify", out, "--json").stdout)
+    assert doc["identical"] is False and doc["files_differ"] == ["chat_template.jinja", "config.json"]
+    (out / "config.json").write_text(json.dumps({**cfg, "_name_or_path": "/home/alice/models/base-secret"}))
+    line = one_line_error(run_bema("push", out, "--repo-id", "org/m", "--dry-run"), 3)
+    assert "config.json: _name_or_path is a local path" in line, line

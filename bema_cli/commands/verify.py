@@ -41,7 +41,7 @@ def verify(
     if doc["identical"]:
         said = f" ({len(doc['changed_inputs'])} input(s) changed since: {changed})" if changed else ""
         files = (  # what was checked beside the tensors, or said not to be
-            f"; not checked (no digests recorded: an older bema wrote it): {', '.join(doc['not_checked'])}"
+            f"; side files not checked (its record holds no digests of them): {', '.join(doc['not_checked'])}"
             if doc["not_checked"]
             else "; its config and tokenizer files are as written"
         )

@@ -131,12 +131,7 @@ def side_files(folder: Path, record: dict) -> tuple[list[str], list[str]]:
     from bema_cli.io.aux_files import AUX_PATTERNS, digests
 
     present = sorted({f.name for pattern in AUX_PATTERNS for f in folder.glob(pattern) if f.is_file()})
-    recorded = record.get("files")
-    if not isinstance(recorded, dict):  # a stabilize output's header is written first: bema.json has them
-        try:
-            recorded = json.loads((folder / "bema.json").read_text()).get("files")
-        except (OSError, ValueError, AttributeError):
-            recorded = None
+    recorded = record.get("files")  # a model written from a vector (ship, select --write) holds them
     if not isinstance(recorded, dict):
         return [], present
     now = digests(folder, [n for n in recorded if (folder / n).is_file()])

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from bema_cli import __version__, card, output
 from bema_cli.errors import InputError
 from bema_cli.io import provenance
-from bema_cli.io.aux_files import copy_aux_files, digests
+from bema_cli.io.aux_files import copy_aux_files
 from bema_cli.io.checkpoints import read_json
 from bema_cli.io.commit import MANIFEST
 from bema_cli.io.safetensors import DTYPES, FLOATING
@@ -104,10 +104,9 @@ def finish_folder(
 ) -> None:
     """Config/tokenizer files (a model's from the checkpoint, else the base; an adapter's from its
     checkpoint only, so it is not mistaken for a model folder), bema.json and the model card."""
-    copied = copy_aux_files(folder, [source, base_dir] if model else [source], inside=[source, base_dir])
+    copy_aux_files(folder, [source, base_dir] if model else [source], inside=[source, base_dir])
     if record["out_dtype"] != "mixed":
         _set_config_dtype(folder / "config.json", record["out_dtype"])
-    record = {**record, "files": digests(folder, copied)}  # the side files as written: verify checks them
     (folder / "bema.json").write_text(output.to_json(record) + "\n")
     base_model = card.hub_base_model(base_source, base_dir)
     (folder / "README.md").write_text(

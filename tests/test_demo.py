@@ -341,3 +341,17 @@ def test_the_quick_demo_says_it_only_checks_the_install(tmp_path, capfd):
     )
     print_summary({**summary, "quick": False}, tmp_path)
     assert "quick demo" not in capfd.readouterr().out
+
+
+def test_overwrite_refuses_a_demo_folder_holding_a_users_files(tmp_path):
+    """--overwrite replaces a demo folder (its marker says so), never what a user put beside the
+    demo's own entries: refused naming them, nothing deleted (exit 4; it was rmtree'd whole)."""
+    target = tmp_path / "demo"
+    target.mkdir()
+    (target / ".bema-demo").write_text('{"settings": {}, "done": []}')
+    (target / "results").mkdir()
+    (target / "my-notes.md").write_text("mine")
+    result = run_bema("demo", "--quick", "--out", target, "--overwrite")
+    assert result.returncode == 4, result.stderr
+    assert "my-notes.md" in result.stderr and "did not write" in result.stderr
+    assert (target / "my-notes.md").read_text() == "mine" and (target / "results").is_dir()

@@ -460,3 +460,24 @@ def test_a_refused_ship_leaves_no_work_folder_and_the_corrected_one_runs(runs, t
     r = run_bema(*common, "--tasks", "loss", "--loss-data", runs["data"], "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["decision"]["step"] == 80 and not work.exists()
+
+
+def test_overwrite_replaces_only_what_bema_wrote(runs, tmp_path):
+    """A user's notes.txt and my-evals/r.jsonl inside a shipped DIR: `ship --overwrite` decides again
+    and replaces the model, and both files are still there, byte for byte, and said on stderr (they
+    were deleted without a word)."""
+    out = tmp_path / "model"
+    ship(runs, "drift", out, "--fit", "none")
+    (out / "notes.txt").write_text("my notes\n")
+    (out / "my-evals").mkdir()
+    (out / "my-evals" / "r.jsonl").write_text('{"acc": 1}\n')
+    doc, r = ship(runs, "drift", out, "--fit", "none", "--overwrite", "--holdout", "0.4")
+    assert doc["request"]["holdout"] == 0.4 and json.loads((out / "bema.json").read_text())["step"] == 80
+    assert (out / "notes.txt").read_text() == "my notes\n"
+    assert (out / "my-evals" / "r.jsonl").read_text() == '{"acc": 1}\n'
+    assert "kept 2 file(s) bema did not write: my-evals/r.jsonl, notes.txt" in r.stderr, r.stderr
+    assert not list(tmp_path.glob(".bema-tmp-*"))
+    v = run_bema("verify", out)  # the user's files are not the model's: verify still agrees
+    assert v.returncode == 0 and "its config and tokenizer files are as written" in v.stdout, (
+        v.stdout + v.stderr
+    )

@@ -340,3 +340,28 @@ def test_help_reads_as_the_usage():
 
     for panel in PANELS:  # options grouped in panels, as eval's are
         assert f"─ {panel} ─" in r.stdout, panel
+
+
+def test_overwrite_keeps_the_files_a_user_put_in_a_run_folder(tmp_path):
+    """`stabilize --overwrite` replaces bema's run folders: a user's notes in OUT/<run>/ and in one of
+    its checkpoint folders come through, byte for byte, and are said (they were deleted with the
+    folder); bema's own files are the new run's (verify agrees)."""
+    from trajectory import write_trajectory
+
+    base, run = write_trajectory(tmp_path / "t", [10, 20, 30, 40], with_int=False)
+    out = tmp_path / "out"
+    args = ["stabilize", run, "--base", base, "--out", out, "--method", "ema"]
+    assert run_bema(*args).returncode == 0
+    folder = out / "ema-k0.5"
+    (folder / "notes.txt").write_text("mine\n")
+    (folder / "checkpoint-40" / "evals").mkdir()
+    (folder / "checkpoint-40" / "evals" / "r.jsonl").write_text("{}\n")
+    before = (folder / "checkpoint-40" / "model.safetensors").stat().st_ino
+    r = run_bema(*args, "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert (folder / "checkpoint-40" / "model.safetensors").stat().st_ino != before  # replaced, not kept
+    assert (folder / "notes.txt").read_text() == "mine\n"
+    assert (folder / "checkpoint-40" / "evals" / "r.jsonl").read_text() == "{}\n"
+    assert "kept 2 file(s) bema did not write: checkpoint-40/evals/r.jsonl, notes.txt" in r.stderr, r.stderr
+    v = run_bema("verify", folder / "checkpoint-40")
+    assert v.returncode == 0 and "bitwise identical" in v.stdout, v.stderr

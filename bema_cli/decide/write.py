@@ -83,8 +83,17 @@ def check_target(out: Path, overwrite: bool) -> None:
 
 
 def place(folder: Path, out: Path, overwrite: bool) -> None:
-    """Rename the finished `folder` to `out`; an old `out` (checked by check_target) goes only after."""
+    """Rename the finished `folder` to `out`; an old `out` (checked by check_target) goes only after.
+    --overwrite replaces only what bema wrote: the user's own files in the old `out` are carried
+    into the new one, and said."""
     check_target(out, overwrite)
+    from bema_cli.io.aux_files import carry, users_files
+
+    theirs = users_files(out, skip=(WORK,)) if out.is_dir() else []
+    if theirs:
+        carry(out, folder, theirs)
+        output.log(f"{out}: kept {len(theirs)} file(s) bema did not write: {', '.join(theirs[:5])}"
+                   + (" ..." if len(theirs) > 5 else ""))  # fmt: skip
     old = None
     if out.exists():
         old = out.parent / f".bema-tmp-old-{os.getpid()}-{out.name}"

@@ -222,6 +222,14 @@ def prepare_out(out: Path, overwrite: bool, settings: dict) -> dict:
             if doc.get("done"):
                 output.log(f"continuing the demo in {out}: {', '.join(doc['done'])} already done")
             return doc
+        theirs = sorted(
+            p.name for p in out.iterdir() if p.name not in DEMO_ENTRIES and not p.name.startswith(".bema")
+        )
+        if theirs:  # --overwrite replaces the demo, never what a user put beside it
+            raise OutputError(
+                f"{out}: holds {', '.join(theirs[:5])}{' ...' if len(theirs) > 5 else ''}, which the demo did not "
+                "write; --overwrite replaces only a demo folder: move them out, or choose another --out"
+            )
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"note": "created by `bema demo`; `bema demo --overwrite` may delete this folder",
@@ -237,6 +245,8 @@ TRAINING_FIELDS = (
     "pretrain_lr", "train_per_task", "test_per_task", "steps", "batch", "lr", "save_every", "seed",
 )  # fmt: skip
 LATER_OUTPUTS = ("stabilized", "results", "ship", "curves.png", "summary.png", "summary.json")
+# every top-level entry a demo writes (its ship's work and lock folders, `bema ship`'s, beside it)
+DEMO_ENTRIES = {MARKER, "data", "base", "sft", "pretrain-tmp", *LATER_OUTPUTS, ".ship.bema-ship", ".ship.bema-lock"}  # fmt: skip
 
 
 def _same_training(old: dict | None, new: dict) -> bool:

@@ -26,6 +26,54 @@ AUX_PATTERNS = (
 )
 
 
+# What bema writes into a checkpoint folder besides the side files: the weights (a model's or an
+# adapter's) and their index, the record, the card
+OUTPUT_PATTERNS = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "adapter_config.json",
+    "bema.json",
+    "README.md",
+)
+
+
+def written_by_bema(path: Path) -> bool:
+    """A file bema writes into an output folder: its folder holds bema.json, and its name is one an
+    output has (OUTPUT_PATTERNS, AUX_PATTERNS). Anything else there is the user's (--overwrite keeps it)."""
+    return (path.parent / "bema.json").is_file() and any(
+        path.match(p) for p in (*OUTPUT_PATTERNS, *AUX_PATTERNS)
+    )
+
+
+def users_files(folder: Path, skip: tuple[str, ...] = ()) -> list[str]:
+    """The files under `folder` bema did not write (written_by_bema), relative to it, sorted; the
+    top-level entries named in `skip` (bema's own work folders) are not looked into."""
+    found = []
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder)
+        if rel.parts[0] in skip or (p.is_dir() and not p.is_symlink()) or written_by_bema(p):
+            continue
+        found.append(rel.as_posix())
+    return found
+
+
+def carry(old: Path, new: Path, names: list[str]) -> None:
+    """The user's files of an output about to be replaced into its replacement, before the swap: hard
+    links (no copy; the originals stay until the old output is gone), else copies."""
+    import os
+    import shutil
+
+    for name in names:
+        dst = new / name
+        if dst.exists() or dst.is_symlink():
+            continue  # the new output writes this name itself
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(old / name, dst, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(old / name, dst, follow_symlinks=False)
+
+
 # Fields where trainers (older transformers, TRL, Megatron exports) write the folder a model was
 # loaded from: an absolute path there names the training machine's disk. Written as its last part.
 PATH_FIELDS = {"config.json": "_name_or_path", "tokenizer_config.json": "name_or_path"}

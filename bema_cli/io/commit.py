@@ -83,6 +83,7 @@ class OutputTransaction:
         for entry in entries:
             if not plain_entry(entry):
                 raise ValueError(f"commit entry {entry!r} must be a plain path relative to OUT")
+        self._carry_users_files(entries)
         with signals.deferred():
             if manifest is not None:  # no rename of its own: the journal's directory fsync covers it
                 _write_synced(self.tmp / STAGED_MANIFEST, _json_bytes(manifest), shown=self.out / MANIFEST)
@@ -94,6 +95,23 @@ class OutputTransaction:
             if interim_manifest is not None and (self.out / MANIFEST).exists():
                 _write_atomic(self.out / MANIFEST, _json_bytes(interim_manifest))
             _roll_forward(self.out, self.tmp)
+
+    def _carry_users_files(self, entries: list[str]) -> None:
+        """An entry replacing a folder in OUT takes along the files bema did not write there (a user's
+        notes in a run or checkpoint folder): --overwrite replaces bema's outputs, nothing else."""
+        from bema_cli import output
+        from bema_cli.io.aux_files import carry, users_files
+
+        for entry in entries:
+            old, new = self.out / entry, self.tmp / entry
+            if entry.startswith(".bema"):  # bema's own state: nothing of the user's lives there
+                continue
+            if old.is_dir() and not old.is_symlink() and new.is_dir():
+                theirs = users_files(old)
+                if theirs:
+                    carry(old, new, theirs)
+                    output.log(f"{old}: kept {len(theirs)} file(s) bema did not write: {', '.join(theirs[:5])}"
+                               + (" ..." if len(theirs) > 5 else ""))  # fmt: skip
 
     def __exit__(self, exc_type, exc, tb) -> None:
         with signals.deferred():

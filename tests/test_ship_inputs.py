@@ -118,6 +118,13 @@ def test_eval_never_writes_into_the_training_run(world):
     line = one_line_error(r)
     assert "is the training run" in line, line
     assert _tree(world["run"]) == before
+    # a folder inside the run (a new checkpoint-90: the next ship of RUN then found "no model weights")
+    for inside in ("checkpoint-90", "evals/here"):
+        r = run_bema("eval", world["run"] / "checkpoint-10", "--out", world["run"] / inside, "--tasks", "loss",
+                     "--loss-data", data, "--backend", "transformers")  # fmt: skip
+        line = one_line_error(r, 4)
+        assert "lies inside the training run" in line, line
+        assert _tree(world["run"]) == before
 
 
 def test_a_staging_folder_belongs_to_exactly_one_out(tmp_path):
@@ -191,3 +198,24 @@ def test_ship_refuses_to_decide_at_theta0(world, tmp_path, dry):
     line = one_line_error(r, 2)
     assert "--at: ship decides at a checkpoint's step, not at theta0 (0)" in line, line
     assert not (tmp_path / "model").exists()
+
+
+def test_an_out_that_cannot_be_placed_is_refused_before_any_work(world):
+    """`--out FILE/model` (exit 1, "File exists", before) and `cd DIR; ship --out . --overwrite` (the
+    whole race, then exit 1, "Device or resource busy") are the up-front check's: exit 4, one line,
+    before any engine starts or record is made."""
+    data = world["root"] / "heldout.jsonl"
+    data.write_text("".join(json.dumps({"text": f"count {i} and {i + 1}"}) + "\n" for i in range(30)))
+    common = ["--base", world["base"], "--tasks", "loss", "--loss-data", data, "--backend", "transformers"]
+    afile = world["root"] / "notes.txt"
+    afile.write_text("x")
+    line = one_line_error(run_bema("ship", world["run"], "--out", afile / "model", *common), 4)
+    assert f"lies under {afile}, a file" in line, line
+    here = world["root"] / "shipped"
+    here.mkdir()
+    (here / "bema.json").write_text("{}")
+    r = run_bema("ship", world["run"], "--out", ".", "--overwrite", *common, cwd=here)
+    line = one_line_error(r, 4)
+    assert "is the folder this command runs in" in line, line
+    assert sorted(p.name for p in here.iterdir()) == ["bema.json"]
+    assert not list(world["root"].glob(".*bema*"))  # no work folder, lock or staging left beside it

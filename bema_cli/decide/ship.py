@@ -32,6 +32,7 @@ from bema_cli.decide.search import FITS
 from bema_cli.decide.write import (
     WORK,
     check_apart_from,
+    check_out_path,
     check_target,
     clean_staging,
     evaluation_rows,
@@ -105,6 +106,7 @@ def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, v
     out = Path(ship_opts.out).expanduser()
     if out.is_symlink():  # place() would replace the link by a folder: refused before any work
         raise UsageError(f"--out {out}: a symbolic link (to {os.readlink(out)}); give the folder itself")
+    check_out_path(out, "--out")
     inputs = [*_inputs(stab), *config.read_paths(), *ship_opts.reads]
     check_apart_from(out, inputs, "--out")  # before any answer, record or evaluation
     if ship_opts.dry_run:

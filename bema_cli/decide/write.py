@@ -44,6 +44,23 @@ def check_apart_from(out: Path, inputs: list[Path], flag: str) -> None:
         check_apart(path, inputs, flag=flag)
 
 
+def check_out_path(out: Path, flag: str) -> None:
+    """What makes a DIR impossible to place, said before any work (exit 4): a file where a folder of
+    its path must be (`--out FILE/model`), or the folder the command runs in, or one holding it (`--out .`:
+    DIR is replaced whole by a rename, which the current folder cannot take part in)."""
+    full = Path(os.path.abspath(out))
+    for parent in [full, *full.parents]:
+        if parent.exists() and not parent.is_dir():
+            where = "is a file" if parent == full else f"lies under {parent}, a file"
+            raise OutputError(f"{flag} {out}: {where}, not a folder; choose a folder path")
+    here = Path.cwd()
+    if here == full or here.is_relative_to(full):
+        raise OutputError(
+            f"{flag} {out}: is the folder this command runs in (or holds it); DIR is replaced whole, so "
+            "run bema from outside it (cd ..)"
+        )
+
+
 def clean_staging(out: Path, work: Path | None = None) -> None:
     """Remove the staging folders a killed writer of `out` left (a SIGKILL runs no cleanup): the
     `.bema-tmp-<kind>-<pid>-<OUT's name>` siblings of `out` whose OUT is exactly `out` and whose
@@ -257,6 +274,7 @@ def write_winner(doc: dict, records: list[dict], out: Path, overwrite: bool = Fa
     w = doc["winner"]
     source, base, stab = source_of(w, records)
     inputs = [run_of(source), source, *([Path(base)] if base and Path(base).expanduser().is_dir() else [])]
+    check_out_path(out, "--write")
     check_apart_from(out, inputs, "--write")
     if out.is_symlink():  # place() would replace the link by a folder
         raise UsageError(f"--write {out}: a symbolic link (to {os.readlink(out)}); give the folder itself")

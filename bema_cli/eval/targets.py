@@ -154,3 +154,7 @@ def check_out(out: Path, targets: list[Target]) -> None:
     for run in {run_of(t.path) for t in targets if not t.is_base}:
         if is_run_dir(run) and out.resolve() == run.resolve():
             raise OutputError(f"--out {out.resolve()}: is the training run {run.resolve()}; choose another")
+        if is_run_dir(run) and out.resolve().is_relative_to(run.resolve()):  # RUN/checkpoint-90: a checkpoint
+            raise OutputError(  # folder without weights, which the next ship or stabilize of RUN trips on
+                f"--out {out.resolve()}: lies inside the training run {run.resolve()}; choose a folder beside it"
+            )

@@ -219,3 +219,27 @@ def test_an_out_that_cannot_be_placed_is_refused_before_any_work(world):
     assert "is the folder this command runs in" in line, line
     assert sorted(p.name for p in here.iterdir()) == ["bema.json"]
     assert not list(world["root"].glob(".*bema*"))  # no work folder, lock or staging left beside it
+
+
+def test_a_task_ship_cannot_use_and_a_margin_with_no_guard_are_refused(world):
+    """`--tasks loss,train_loss --guard-margin 0` exited 0: train_loss was never scored, no guard ran
+    and the margin was ignored. Each is refused up front, exit 2, naming the flag."""
+    data = world["root"] / "heldout.jsonl"
+    data.write_text("".join(json.dumps({"text": f"count {i} and {i + 1}"}) + "\n" for i in range(30)))
+    common = [
+        "ship",
+        world["run"],
+        "--base",
+        world["base"],
+        "--out",
+        world["root"] / "m",
+        "--backend",
+        "transformers",
+    ]
+    line = one_line_error(
+        run_bema(*common, "--tasks", "loss", "--loss-data", data, "--loss-train-data", data), 2
+    )
+    assert "--tasks train_loss: ship neither decides nor guards" in line, line
+    line = one_line_error(run_bema(*common, "--tasks", "loss", "--loss-data", data, "--guard-margin", "0"), 2)
+    assert "--guard-margin: no guard task" in line, line
+    assert not (world["root"] / "m").exists()

@@ -18,7 +18,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from bema_cli.decide import power, race, select
+from bema_cli.decide import guard, power, race, select
 from bema_cli.decide.decision import MIN_REPORT_ITEMS, undecidable
 from bema_cli.decide.search import SOUP_CHECKPOINTS
 from bema_cli.eval.job import Job
@@ -50,7 +50,7 @@ def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
     )  # trials: ingredients - 1
     simplex = SIMPLEX_TRIALS if "simplex" in ship_opts.fits and metric.key == "loss" and n_ckpt > 1 else 0
     fits = soup + simplex
-    others = [t for t in config.tasks if t not in (metric.task, "train_loss")]
+    others = guard.guard_tasks(config.tasks, metric.task)
     other_items = sum(len(item_ids(evaluation.inputs[t])) for t in others)
     vanilla_only = undecidable(len(report))  # as contest: nothing could ship, vanilla alone is scored
     loads = 1 if vanilla_only else 2  # the other tasks: vanilla, and the shipped model

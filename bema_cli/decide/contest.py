@@ -201,7 +201,7 @@ def _vanilla_on_other_tasks(arena, config, metric, vanilla, work) -> dict:
     is), so only the shipped candidate is swapped in again for them."""
     out = {}
     for task in config.tasks:
-        if task == metric.task or task == "train_loss":
+        if task not in guard.guard_tasks(config.tasks, metric.task):
             continue
         m = Metric(task, "loss", False) if task in LOSS_TASKS else parse_metric(task)
         scorer = scorer_of(arena, m, work)

@@ -57,3 +57,9 @@ def blocked_verdict(decision: dict, why: str, guard: dict) -> str:
         f"but the guard {guard['task']} blocked it: {guard['metric']} {verdict.fmt_diff(guard['vs_vanilla'])} "
         f"against vanilla, not shown {shape} {'-' if shape == 'above' else '+'}{guard['margin']:g} (--guard-margin)"
     )
+
+
+def guard_tasks(tasks, metric_task: str) -> list[str]:
+    """The tasks that guard a decision: every evaluated task but the metric's (and train_loss, which
+    ship does not score)."""
+    return [t for t in tasks if t not in (metric_task, "train_loss")]

@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bema_cli import output, stages
+from bema_cli.decide import guard, select
 from bema_cli.decide import records as sealed
-from bema_cli.decide import select
 from bema_cli.decide.contest import contest
 from bema_cli.decide.metric import Metric, parse_metric
 from bema_cli.decide.search import FITS
@@ -87,6 +87,16 @@ def check(ship_opts: ShipOptions, config: EvalConfig) -> Metric:
     metric = parse_metric(ship_opts.metric or default_metric(config))
     if metric.task not in config.tasks:
         raise UsageError(f"--metric {metric.name}: not among the evaluated tasks ({', '.join(config.tasks)})")
+    if "train_loss" in config.tasks and metric.task != "train_loss":  # scored by nothing in ship
+        raise UsageError(
+            "--tasks train_loss: ship neither decides nor guards on the training rows' loss (--metric decides, "
+            "the other tasks guard); evaluate it with `bema eval`, or leave out --loss-train-data"
+        )
+    if ship_opts.guard_margin is not None and not guard.guard_tasks(config.tasks, metric.task):
+        raise UsageError(
+            f"--guard-margin: no guard task (--tasks {','.join(config.tasks)}: only --metric {metric.name}); "
+            "a guard is a task other than the metric"
+        )
     return metric
 
 

@@ -471,6 +471,29 @@ def test_a_gap_in_the_run_is_refused_naming_the_missing_steps(tmp_path, cadence,
     assert (out / "ema-k0.5" / f"checkpoint-{steps[-1]}").is_dir()
 
 
+@pytest.mark.parametrize("where", ["iter", "run", "nested"])
+def test_megatrons_save_interval_is_read_where_megatron_writes_it(tmp_path, where):
+    """iter_0000010, 40, 70, 80 with hf/ exports and run_config.yaml's save_interval 10: refused naming
+    20, 30, 50 and 60 (the spacing rule read gaps of 30, 30 and 10 as "every 30", and exit 0), as the
+    HF twin with save_steps 10 is; the interval at the top level (Megatron-LM), under `checkpoint`
+    (Megatron-Bridge), in the iter folder or the run's."""
+    steps = [10, 40, 70, 80]
+    base, run = write_trajectory(tmp_path / "t", steps)
+    mega = tmp_path / "mega"
+    text = "checkpoint:\n  save_interval: 10\n" if where == "nested" else "save_interval: 10\nlr: 1.0e-4\n"
+    for s in steps:
+        hf = mega / f"iter_{s:07d}" / "hf"
+        shutil.copytree(run / f"checkpoint-{s}", hf)
+        if where != "run":
+            (hf.parent / "run_config.yaml").write_text(text)
+    if where == "run":
+        (mega / "run_config.yaml").write_text(text)
+    line = one_line_error(_run(mega, base, tmp_path / "out"), 3)
+    assert "checkpoint step(s) 20, 30, 50, 60 missing from the run" in line, line
+    assert "save_interval 10 in " in line and "run_config.yaml" in line, line
+    _ok(mega, base, tmp_path / "out", "--allow-gaps")
+
+
 @pytest.mark.parametrize("cadence", ["trainer_state save_steps", "regular spacing"])
 @pytest.mark.parametrize("mode", ["rerun", "follow"])
 def test_a_run_whose_first_checkpoints_were_rotated_away_is_refused(tmp_path, cadence, mode):

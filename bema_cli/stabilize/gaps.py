@@ -11,21 +11,49 @@ from bema_cli.io.checkpoints import Checkpoint, read_json
 
 
 def cadence(checkpoints: list[Checkpoint], consumed: list[int]) -> tuple[int | None, str]:
-    """The run's own saving cadence: `save_steps` of the newest checkpoint's trainer_state.json, else
-    the state's step history when it is regular (three or more consumed steps, equal spacing)."""
+    """The run's own saving cadence, where its trainer wrote it: `save_steps` of the newest
+    checkpoint's trainer_state.json (the HF Trainer), `save_interval` of its run_config.yaml
+    (Megatron: in iter_<N>/, beside an hf/ export, or in the run folder); else the state's step
+    history when it is regular (three or more consumed steps, equal spacing)."""
     for c in sorted(checkpoints, key=lambda c: c.step, reverse=True)[:1]:
         path = c.path / "trainer_state.json"
         try:
             save = read_json(path).get("save_steps") if path.is_file() else None
         except (InputError, AttributeError):
             save = None
-        if isinstance(save, int) and not isinstance(save, bool) and save > 0:
+        if _positive(save):
             return save, f"save_steps {save} in {path}"
+        native = c.path.parent if c.path.name == "hf" else c.path  # Megatron-Bridge's iter_<N>/hf export
+        for path in (native / "run_config.yaml", native.parent / "run_config.yaml"):
+            save = _save_interval(path)
+            if _positive(save):
+                return save, f"save_interval {save} in {path}"
     gaps = {b - a for a, b in zip(consumed, consumed[1:], strict=False)}
     if len(consumed) >= 3 and len(gaps) == 1:
         step = gaps.pop()
         return step, f"the state's step history (every {step} steps)"
     return None, ""
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _save_interval(path):
+    """Megatron's save_interval in a run_config.yaml: top level (Megatron-LM's arguments) or under
+    `checkpoint` (Megatron-Bridge's ConfigContainer); None where there is none or it cannot be read."""
+    if not path.is_file():
+        return None
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    nested = doc.get("checkpoint")
+    return doc.get("save_interval", nested.get("save_interval") if isinstance(nested, dict) else None)
 
 
 def check_gaps(checkpoints: list[Checkpoint], consumed: list[int], allow: bool) -> None:
@@ -40,7 +68,7 @@ def check_gaps(checkpoints: list[Checkpoint], consumed: list[int], allow: bool) 
     if allow or every is None or not present:
         return
     # the HF Trainer saves at multiples of save_steps (and at the last step); a history keeps its phase
-    phase = 0 if source.startswith("save_steps") else (consumed or present)[0] % every
+    phase = 0 if source.startswith(("save_steps", "save_interval")) else (consumed or present)[0] % every
     first = present[0] + (phase - present[0]) % every
     missing = [s for s in range(first, present[-1] + 1, every) if s not in set(present)]
     if not consumed:  # the run's leading steps: every saved step before the first one found

@@ -265,3 +265,21 @@ def test_a_state_written_with_its_states_in_one_file_is_continued(traj, one_shot
     copy_steps(run, part, STEPS[4:])
     stabilize(part, base, out)
     assert weight_files(out) == one_shot[0]
+
+
+def test_the_states_run_is_named_not_given_by_its_local_path(traj, tmp_path):
+    """OUT/.bema-state/state.json named the run by its absolute path: it names it as records name an
+    input (against OUT), and a continued call with the run spelled relative keeps reading only the new
+    checkpoints."""
+    base, run = traj
+    project = tmp_path / "project"
+    part, out = project / "run", project / "out"
+    project.mkdir()
+    copy_steps(run, part, STEPS[:4])
+    stabilize(part, base, out)
+    doc = json.loads((out / ".bema-state" / "state.json").read_text())
+    assert doc["checkpoint_dir"] == "run", doc["checkpoint_dir"]
+    copy_steps(run, part, STEPS[4:])
+    r = run_bema("stabilize", "run", "--base", base, "--out", "out", *GRID, "--json", cwd=project)
+    assert r.returncode == 0, r.stderr
+    assert sorted({o["step"] for o in json.loads(r.stdout)["outputs"]}) == STEPS[4:]

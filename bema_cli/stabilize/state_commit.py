@@ -12,6 +12,7 @@ from pathlib import Path
 from bema_cli import __version__, output
 from bema_cli.errors import InputError
 from bema_cli.io.fingerprint import fingerprint, fingerprint_if_present
+from bema_cli.io.provenance import record_name
 from bema_cli.stabilize import state_doc
 from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.state import FORMAT, STATE_DIR, STATE_FILE, read, run_settings
@@ -107,7 +108,9 @@ def _new_state(plan: Plan, opts: Options, outputs: dict[str, list[int]]) -> dict
         "format": FORMAT,
         "bema_version": __version__,
         "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "checkpoint_dir": str(Path(opts.checkpoint_dir).expanduser().resolve()),
+        # named as every record names an input (against OUT, never the absolute path): a moved OUT
+        # resumes as a moved ship DIR does, and OUT carries no path of this machine
+        "checkpoint_dir": record_name(opts.checkpoint_dir, opts.out),
         "theta0": {
             "source": plan.base_source,
             "files": fingerprint(

@@ -481,3 +481,36 @@ def test_overwrite_replaces_only_what_bema_wrote(runs, tmp_path):
     assert v.returncode == 0 and "its config and tokenizer files are as written" in v.stdout, (
         v.stdout + v.stderr
     )
+
+
+def test_a_foreign_line_is_never_sealed_and_overwrite_always_starts_afresh(runs, tmp_path):
+    """A line another process appends to the race's records while ship runs: the seal refuses it
+    (records.seal, from what this process read and wrote: `results.unchanged`). Sealed into DIR by a
+    bema before that, every `--overwrite` failed with exit 3 naming --overwrite as the remedy; it now
+    sets the records aside and decides afresh."""
+    from bema_cli.decide import records
+    from bema_cli.errors import InputError
+    from bema_cli.eval.results import ResultsFile
+
+    work = tmp_path / "work"
+    mine = ResultsFile(work / "race" / "loss")
+    mine.write([{"run": "vanilla", "step": 80, "task": "loss", "model_path": "v"}])
+    records.seal(work)  # what this process wrote: sealed
+    with open(mine.path, "a") as f:
+        f.write('{"run": "vanilla", "step": 80, "task": "loss", "model_path": "forged"}\n')
+    with pytest.raises(InputError, match="changed while ship ran"):
+        records.seal(work)
+    out = tmp_path / "model"
+    ship(runs, "drift", out, "--fit", "none")
+    results = next((out / ".bema-ship" / "race").glob("*/results.jsonl"))
+    line = json.loads(results.read_text().splitlines()[-1])
+    with open(results, "a") as f:  # a record of the race's shape, not on its chain
+        f.write(json.dumps({**line, "model_path": "foreign", "chain": "0" * 32}) + "\n")
+    records.seal(out / ".bema-ship")  # sealed in, as the bema before sealed it
+    said = []
+    for _ in range(2):  # it failed three times in a row, exit 3, naming --overwrite
+        doc, r = ship(runs, "drift", out, "--fit", "none", "--overwrite")
+        assert doc["decision"]["step"] == 80
+        said.append("deciding afresh (--overwrite)" in r.stderr)
+    assert said == [True, False], said  # set aside once; the records made afresh are then reused
+    assert all('"foreign"' not in p.read_text() for p in (out / ".bema-ship").rglob("*.jsonl"))

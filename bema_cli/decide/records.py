@@ -27,7 +27,17 @@ def _sealed_files(work: Path) -> list[Path]:
 
 
 def seal(work: Path) -> None:
-    """Sum every record of a finished ship into `work`/seal.json (the last file written)."""
+    """Sum every record of a finished ship into `work`/seal.json (the last file written). A results
+    file that holds bytes this ship did not read or write (a line appended by another process while
+    it ran) is refused, not sealed as bema's."""
+    from bema_cli.eval.results import unchanged
+
+    for p in _sealed_files(work):
+        if p.suffix == ".jsonl" and unchanged(p) is False:
+            raise InputError(
+                f"{p}: changed while ship ran (a line bema did not write); nothing was written: "
+                "run the ship again (--overwrite starts afresh)"
+            )
     doc = {"format": 1, "files": {str(p.relative_to(work)): file_digest(p) for p in _sealed_files(work)}}
     doc["seal"] = seal_of(doc)
     (work / SEAL).write_text(output.to_json(doc) + "\n")

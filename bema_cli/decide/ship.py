@@ -137,9 +137,7 @@ def _ship(
         return sealed.up_to_date(out, request, ship_opts.push)
     check_target(out, ship_opts.overwrite)
     work = out.parent / f".{out.name}.bema-ship"
-    if work.is_dir() and not _has_records(
-        work
-    ):  # a refused or failed ship before any record: nothing to resume
+    if work.is_dir() and not _has_records(work):  # refused or failed before any record: nothing to resume
         shutil.rmtree(work)
     if work.exists() and (work / sealed.REQUEST).is_file() and (differs := sealed.differences(work, request)):
         if not ship_opts.overwrite:  # its records were made for another request: never reused silently
@@ -154,6 +152,21 @@ def _ship(
             shutil.copytree(out / WORK, work)  # decide again from the records already made
         except InputError as exc:
             output.warn(f"{exc}: its records are not reused; deciding afresh")
+    reused = _has_records(work)
+    try:
+        return _decide(stab, config, engine, ship_opts, sweep_opts, validated, metric, out, work, request)
+    except InputError as exc:
+        if not (ship_opts.overwrite and reused):
+            raise
+        # records reused from DIR or an interrupted ship that cannot be decided from (a line another
+        # process appended, say): --overwrite always gets a decision, made afresh
+        output.warn(f"{exc}: the records reused are set aside; deciding afresh (--overwrite)")
+        shutil.rmtree(work, ignore_errors=True)
+        return _decide(stab, config, engine, ship_opts, sweep_opts, validated, metric, out, work, request)
+
+
+def _decide(stab, config, engine, ship_opts, sweep_opts, validated, metric, out, work, request) -> dict:
+    """The decision made (or resumed) in `work`, DIR written from it, pushed when asked."""
     if not (work / sealed.REQUEST).is_file():  # a resume keeps the request its records were made for
         work.mkdir(parents=True, exist_ok=True)
         sealed.write_request(work, request)

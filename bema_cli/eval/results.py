@@ -71,15 +71,40 @@ def record_key(record: dict) -> tuple:
     return (record.get("model_path"), record.get("run"), record.get("task"))
 
 
-def _append(path: Path, objects: list[dict]) -> None:
+def _append(path: Path, objects: list[dict]) -> bytes:
+    data = "".join(to_json(obj, indent=None) + "\n" for obj in objects).encode()
     try:
-        with open(path, "a", encoding="utf-8") as f:
-            for obj in objects:
-                f.write(to_json(obj, indent=None) + "\n")
+        with open(path, "ab") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
         raise OutputError(f"{path}: cannot write ({exc.strerror})") from None
+    return data
+
+
+# The results files this process reads and writes, with a running digest of the bytes it knows them
+# to hold: a line another process appends meanwhile is caught before the records are sealed
+# (`unchanged`), never sealed as bema's.
+_KNOWN: dict[Path, object] = {}
+
+
+def _know(path: Path, data: bytes, reset: bool = False) -> None:
+    import xxhash
+
+    key = path.resolve()
+    if reset or key not in _KNOWN:
+        _KNOWN[key] = xxhash.xxh3_128()
+    _KNOWN[key].update(data)
+
+
+def unchanged(path: Path) -> bool | None:
+    """Whether `path` holds exactly the bytes this process read there and wrote (None: not one of its
+    results files)."""
+    from bema_cli.io.fingerprint import file_digest
+
+    known = _KNOWN.get(Path(path).resolve())
+    return None if known is None else file_digest(path) == known.hexdigest()
 
 
 def write_jsonl_atomic(path: Path, objects: list[dict]) -> None:
@@ -120,7 +145,10 @@ class ResultsFile:
                 raise OutputError(f"{self.path.parent}: cannot create ({exc.strerror})") from None
             if self.path.is_file():
                 cut_torn_tail(self.path)
+                _know(self.path, self.path.read_bytes(), reset=True)
                 self.records = [_named(r, out_dir) for r in read_jsonl(self.path)]
+            else:
+                _know(self.path, b"", reset=True)
 
     def rehome(self, name: str, weights: str) -> None:
         """Records of the model `name` made while OUT (or the model) sat elsewhere name it by a longer or
@@ -137,6 +165,7 @@ class ResultsFile:
             self.records[i] = {**self.records[i], "model_path": name}
         if moved and self.path is not None:
             write_jsonl_atomic(self.path, self.records)
+            _know(self.path, self.path.read_bytes(), reset=True)
 
     def find(self, key: tuple) -> dict | None:
         return next((r for r in reversed(self.records) if record_key(r) == key), None)
@@ -148,10 +177,11 @@ class ResultsFile:
             self.records = [r for r in self.records if record_key(r) not in keys] + records
             if self.path is not None:
                 write_jsonl_atomic(self.path, self.records)
+                _know(self.path, self.path.read_bytes(), reset=True)
             return
         self.records += records
         if self.path is not None:
-            _append(self.path, records)
+            _know(self.path, _append(self.path, records))
 
 
 class SamplesLog:

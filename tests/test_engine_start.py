@@ -261,3 +261,32 @@ def test_n_samples_past_vllms_limit_is_refused_before_any_engine(tiny_model_dir,
     line = one_line_error(r, 2)
     assert "--n-samples: at most 16384 samples per prompt" in line and "1000000000000" in line, line
     assert not out.exists()
+
+
+def test_the_cpu_head_sizes_are_the_installed_vllms():
+    """vllm_engine.CPU_HEAD_SIZES is read before vLLM is imported (a dry run imports none): it must be
+    the list the installed vLLM's CPU attention runs."""
+    if not vllm_available():
+        pytest.skip("vllm is not importable")
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from bema_cli.eval.backends.vllm_engine import CPU_HEAD_SIZES
+
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == CPU_HEAD_SIZES
+
+
+def test_a_head_size_the_engine_cannot_run_is_said_before_any_engine_starts(data, tmp_path):
+    """hidden 64 and 4 heads (head size 16) on vLLM's CPU backend failed 85 s into the engine's start:
+    --backend vllm is refused from config.json before any engine starts (exit 5, naming the file and
+    the sizes it runs), and --backend auto goes on with transformers saying why."""
+    from bema_cli.demo.tinymodel import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "h16", num_heads=4)
+    r = run_bema("eval", model, "--data-dir", data, "--backend", "vllm", "--out", tmp_path / "v", *SMALL)
+    line = one_line_error(r, 5)
+    assert f"{model / 'config.json'}: vLLM cannot serve this model here: head size 16" in line, line
+    assert "--backend transformers" in line and "vLLM KV cache" not in r.stderr
+    auto = run_bema("eval", model, "--data-dir", data, "--out", tmp_path / "a", *SMALL, "--json")
+    assert auto.returncode == 0, auto.stderr
+    assert "--backend auto: transformers (" in auto.stderr and "head size 16" in auto.stderr
+    assert {x["backend"] for x in json.loads(auto.stdout)["records"]} == {"transformers"}

@@ -39,6 +39,8 @@ def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
 
     stab, plan, folder_of, step = decision_run(stab, ship_opts.at)
     evaluation = Evaluation(replace(config, out=None), engine)  # a dry run writes nothing
+    # what the engine cannot serve is said here too (--backend vllm: refused; auto: transformers)
+    unservable = evaluation.servable(folder_of[step])
     task = evaluation.inputs[metric.task]
     ids = item_ids(task)
     pick, report = select.sides(ids, ship_opts.holdout, ship_opts.seed)
@@ -61,7 +63,9 @@ def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
     doc = {"dry_run": True, "metric": metric.name, "step": step, "candidates": {"menu": menu, "fit_trials_at_most": fits},
            "items": {"pick": len(pick), "report": len(report), "other_tasks": other_items},
            "evaluations": {"at_most": at_most, "exhaustive_design": exhaustive},
-           "round_items": race.ROUND_ITEMS}  # fmt: skip
+           "round_items": race.ROUND_ITEMS, "backend": evaluation.backend_name}  # fmt: skip
+    if unservable:
+        doc["vllm_cannot_serve"] = unservable
     gen = [t for t in config.tasks if t not in LOSS_TASKS and not t.startswith("lm_eval:")]
     if gen:
         samples = 1 if config.temperature == 0 else config.n_samples

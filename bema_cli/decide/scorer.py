@@ -77,7 +77,9 @@ class Arena:
     def start(self):
         if self.backend is None:
             args = (self.plan, self.stab, self.basis, self.folder)
-            self.backend = self.evaluation.start(lambda b: b.open_source(SOURCE, args, self.folder))
+            self.backend = self.evaluation.start(
+                lambda b: b.open_source(SOURCE, args, self.folder), self.folder
+            )
             with output.progress("steps") as bar:
                 walked = [s for s in self.plan.read_steps if s <= self.step]
                 task = bar.add_task("walking to the step", total=len(walked))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bema_cli import __version__, output, stages
 from bema_cli.cluster import ExecutorOptions, import_ray
-from bema_cli.errors import OutputError, UsageError
+from bema_cli.errors import BackendError, InputError, OutputError, UsageError
 from bema_cli.eval import data, resume
 from bema_cli.eval.backends.base import (
     VLLM_INSTALL_HINT,
@@ -120,9 +120,41 @@ class Evaluation:
         for name, item in self.inputs.items():
             item.resume_key.update(self._engine_key(name))
 
-    def start(self, start: Callable):
+    def servable(self, model_dir) -> str | None:
+        """Before any engine starts: a model vLLM cannot serve here (its config.json says so, as
+        vllm_engine.unservable reads it) is refused under --backend vllm, naming the file; --backend
+        auto goes on with transformers, saying why. Returns the reason (None: nothing against it)."""
+        from bema_cli.eval.backends.vllm_engine import unservable
+        from bema_cli.io.checkpoints import read_json
+
+        path = Path(model_dir) / "config.json"
+        if self.backend_name != "vllm" or not path.is_file():
+            return None
+        try:
+            config = read_json(path)
+        except InputError:
+            return None
+        import torch
+
+        why = unservable(config if isinstance(config, dict) else {}, cpu=not torch.cuda.is_available())
+        if why is None:
+            return None
+        if self.config.backend != "auto":
+            raise BackendError(
+                f"{path}: vLLM cannot serve this model here: {why}; use --backend transformers"
+            )
+        output.log(f"--backend auto: transformers ({path}: {why})")
+        self.backend_name = "transformers"
+        for name, item in self.inputs.items():
+            item.resume_key.update(self._engine_key(name))
+        return why
+
+    def start(self, start: Callable, model_dir=None):
         """A backend on which `start(backend)` (loading the first model: the engine's start) succeeded;
-        with --backend auto, transformers when vLLM cannot start."""
+        with --backend auto, transformers when vLLM cannot start (or cannot serve `model_dir`: said
+        before the engine starts)."""
+        if model_dir is not None:
+            self.servable(model_dir)
         with stages.stage("engine_start"):
             try:
                 backend = make_backend(self.backend_name, self.engine)
@@ -261,7 +293,7 @@ class Evaluation:
             with output.countdown(sum(len(job.tasks) for job in jobs), "evaluations"):
                 for job in jobs:
                     if backend is None:  # the engine starts on the first job's model
-                        backend = self.start(lambda b, j=job: b.load(j.target.path))
+                        backend = self.start(lambda b, j=job: b.load(j.target.path), job.target.path)
                     for records, samples in run_job(backend, job):
                         self.write(records, samples)
             if self.engine.verify_swap and backend is not None and hasattr(backend, "verify_swaps"):

@@ -37,13 +37,35 @@ class EngineStartError(BackendError):
         self.root, self.where = root, where  # the root cause; "; vLLM's log: FILE" (or "")
 
 
+# vLLM's CPU attention's head sizes (vllm/v1/attention/backends/cpu_attn.py,
+# CPUAttentionBackend.get_supported_head_sizes, vLLM 0.32; tests/test_engine_start.py checks it
+# against the installed vLLM): any other fails the engine's start after it has loaded the model.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def head_dim(config: dict) -> int:
+    heads = int(config.get("num_attention_heads") or 1)
+    return int(config.get("head_dim") or int(config.get("hidden_size") or 0) // heads)
+
+
+def unservable(config: dict, cpu: bool) -> str | None:
+    """Why vLLM cannot serve a model of this config.json here, read before any engine starts (None:
+    nothing known against it). On CPU: the attention's head size."""
+    size = head_dim(config)
+    if cpu and size not in CPU_HEAD_SIZES:
+        return (
+            f"head size {size} (hidden_size / num_attention_heads), which vLLM's CPU attention cannot run "
+            f"(it runs {', '.join(map(str, CPU_HEAD_SIZES))})"
+        )
+    return None
+
+
 def kv_bytes_per_token(config: dict, dtype: str) -> int:
     """Keys and values of one token in every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
     heads = int(config.get("num_attention_heads") or 1)
     kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or int(config.get("hidden_size") or 0) // heads)
     layers = int(config.get("num_hidden_layers") or 1)
-    return 2 * layers * kv_heads * head_dim * (DTYPES[TAG_OF[dtype]][1] if dtype in TAG_OF else 4)
+    return 2 * layers * kv_heads * head_dim(config) * (DTYPES[TAG_OF[dtype]][1] if dtype in TAG_OF else 4)
 
 
 def workload_tokens(workload: list[tuple[int, int]] | None, max_model_len: int) -> int:

@@ -262,6 +262,9 @@ def test_select_end_to_end_and_write_the_winner(evaluated_run, tmp_path):
     proc = run_bema("select", root / "results", "--metric", "loss", "--write", out, "--json")
     assert proc.returncode == 0, proc.stderr
     written = json.loads(proc.stdout)["written"]
+    plain = run_bema("select", root / "results", "--metric", "loss", "--write", tmp_path / "again")
+    assert plain.returncode == 0, plain.stderr  # where it is now, not "--write DIR writes it"
+    assert plain.stdout.strip().splitlines()[-1].endswith(f"(written to {tmp_path / 'again'})"), plain.stdout
     import torch
     from safetensors.torch import load_file
 
@@ -383,3 +386,18 @@ def test_a_data_file_named_by_another_tail_of_its_path_is_one_protocol():
         select(
             [record("vanilla", 100, scores, protocol=here), record("ema", 100, scores, protocol=other)], GSM
         )
+
+
+def test_a_vanilla_kept_by_the_tie_rule_is_not_called_the_winner(tmp_path):
+    """lawa-w4 reads better than vanilla but is tied with it: the tie rule keeps vanilla, and the line
+    says "kept: vanilla (tied)", not "winner: vanilla" beside a model that reads better."""
+    rng = np.random.default_rng(3)
+    base = (rng.random(40) < 0.5).astype(float)
+    better = base.copy()
+    better[:2] = 1.0  # two more right answers: better, not beyond the interval
+    lines = [record("vanilla", 100, base), record("lawa-w4", 100, better)]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    r = run_bema("select", tmp_path, "--metric", "gsm8k:flexible")
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    assert last == "kept: vanilla (tied) at step 100", r.stdout

@@ -123,6 +123,10 @@ def test_noisy_iterates_ship_an_average_as_a_model_folder(runs, tmp_path):
     # loss's default fit is the simplex alone (the soup only with --fit soup); a simplex (it starts
     # at LAWA-w4) may end worse than the menu's best on the pick items, and then is not shipped
     assert "simplex" in doc["fitted"] and "soup" not in doc["fitted"], sorted(doc["fitted"])
+    found = [x for x in r.stderr.splitlines() if x.startswith("loss: simplex found ")]  # its result, once
+    assert len(found) == 1 and f"{doc['fitted']['simplex']['pick_value']:.4g} on the " in found[0], r.stderr
+    equals = doc["fitted"]["simplex"]["equals"]
+    assert (equals is None) == ("the menu's" not in found[0]) and (equals is None or equals in found[0])
     menu = min(c["picked_value"] for c in doc["select"]["candidates"])
     if doc["fitted"]["best"]["pick_value"] > menu:
         assert decision["kind"] != "fitted"

@@ -93,8 +93,12 @@ def _print(doc: dict) -> None:
     w = doc["winner"]
     output.stdout.print(doc["verdict"], highlight=False, markup=False)
     where = f"({w['path']})" if w["path"] and Path(w["path"]).is_dir() else ""
-    if str(w["path"] or "").startswith(SWEEP_SCHEME):
+    if doc.get("written"):  # --write DIR wrote it: that is where it is now
+        where = f"(written to {doc['written']['path']})"
+    elif str(w["path"] or "").startswith(SWEEP_SCHEME):
         where = "(evaluated in memory by bema sweep: --write DIR writes it)"
-    output.stdout.print(
-        f"winner: {w['run']} at step {w['step']} {where}".rstrip(), highlight=False, markup=False
-    )
+    # vanilla picked by the tie rule is kept, not a winner: an average tied with it may read better
+    tied = w["run"] == "vanilla" and bool(w.get("tied_with"))
+    what = "kept: vanilla (tied)" if tied else "winner:"
+    name = "" if tied else f" {w['run']}"
+    output.stdout.print(f"{what}{name} at step {w['step']} {where}".rstrip(), highlight=False, markup=False)

@@ -41,10 +41,16 @@ def search(scorer, menu: dict, steps: list[int], survivors: list[str], pick_ids:
     result, found, best = fit_search(scores, ingredients, pick_ids, ship_opts.fits, n, loss, duel=duel,
                                      report_n=len(report_ids), say=say if progress else None,
                                      name_of=lambda c: Candidate.of("", c, steps).digest)  # fmt: skip
+    digests = {cand.digest: name for name, cand in menu.items()}
     for kind, c, _ in found:  # in the metric's units, on every pick item
-        result[kind]["pick_value"] = metric_value(
-            scorer.record(Candidate.of(kind, c, steps), pick_ids), metric
-        )
+        fitted = Candidate.of(kind, c, steps)
+        result[kind]["pick_value"] = metric_value(scorer.record(fitted, pick_ids), metric)
+        same = digests.get(fitted.digest)  # the search may end where it started: a menu config
+        result[kind]["equals"] = same
+        if progress:  # what the fit found, in one line (its trials each had one)
+            output.log(f"{metric.task}: {kind} found {recipe(fitted.record, most=4)}: {metric.name} "
+                       f"{result[kind]['pick_value']:.4g} on the {len(pick_ids)} pick items"
+                       + (f", the menu's {same} itself" if same else ""))  # fmt: skip
     out = {"doc": result, "best": None, "found": [kind for kind, _, _ in found]}
     if best is not None:
         kind, c, method = best

@@ -107,6 +107,10 @@ class HubStandIn:
                 hub.calls.append(f"GET {self.path}")
                 if self._faulty("GET"):
                     return
+                if self.path == "/api/whoami-v2":  # whose token: the one token the stand-in knows
+                    if self._authorized():
+                        self._send(200, {"type": "user", "name": "stand-in-user"})
+                    return
                 m = re.fullmatch(
                     r"/api/(models|datasets|spaces)/([^/]+/[^/?]+)(?:/revision/([^?]+))?(\?.*)?", self.path
                 )

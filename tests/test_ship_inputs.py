@@ -243,3 +243,34 @@ def test_a_task_ship_cannot_use_and_a_margin_with_no_guard_are_refused(world):
     line = one_line_error(run_bema(*common, "--tasks", "loss", "--loss-data", data, "--guard-margin", "0"), 2)
     assert "--guard-margin: no guard task" in line, line
     assert not (world["root"] / "m").exists()
+
+
+def test_a_token_the_hub_refuses_is_found_before_the_race(world):
+    """A token the Hub refuses (401) was found after the whole race, DIR written: the Hub is asked
+    whose token it is first (exit 6, nothing made); a Hub that cannot be reached is said and the
+    work goes on (here --dry-run, which asks too)."""
+    from hub_standin import HubStandIn
+    from test_push import hub_env
+
+    data = world["root"] / "heldout.jsonl"
+    data.write_text("".join(json.dumps({"text": f"count {i} and {i + 1}"}) + "\n" for i in range(30)))
+    out = world["root"] / "m"
+    args = ["ship", world["run"], "--base", world["base"], "--out", out, "--tasks", "loss", "--loss-data", data,
+            "--backend", "transformers", "--push", "org/m"]  # fmt: skip
+    with HubStandIn() as hub:
+        r = run_bema(*args, env=hub_env(hub.url, token="hf_refused"))
+        line = one_line_error(r, 6)
+        assert "the Hub refused the token for org/m (401" in line, line
+        assert "GET /api/whoami-v2" in hub.calls and not out.exists()
+        assert not [c for c in hub.calls if not c.startswith("GET ")]  # nothing created or uploaded
+        assert not list(world["root"].glob(".m.*"))  # no work folder: refused before any work
+        ok = run_bema(*args, "--dry-run", env=hub_env(hub.url))
+        assert ok.returncode == 0 and "--push org/m: the Hub knows the token (stand-in-user)" in ok.stderr, (
+            ok.stderr
+        )
+    gone = run_bema(*args, "--dry-run", env=hub_env(hub.url))  # the stand-in has stopped: nothing answers
+    assert gone.returncode == 0, gone.stderr
+    assert (
+        "--push org/m: the token could not be checked (the Hub at" in gone.stderr
+        and "going on" in gone.stderr
+    )

@@ -83,7 +83,7 @@ def ship(
     """
     from pathlib import Path
 
-    from bema_cli.decide.push import check_repo_id, token_missing
+    from bema_cli.decide.push import check_repo_id, check_token, token_missing
     from bema_cli.decide.ship import DEFAULT_GRID, ShipOptions, check
     from bema_cli.decide.ship import ship as run
     from bema_cli.errors import BemaError, HubAuthError, InputError, UsageError
@@ -98,6 +98,8 @@ def ship(
             if not dry_run:
                 raise HubAuthError(f"--push {push}: {missing}")
             output.warn(f"--push {push}: {missing}")
+        elif (unchecked := check_token(push)) is not None:  # a refused token raises here, exit 6
+            output.warn(unchecked)
     fits = _fits(fit)
     defaulted = tasks is None and ev.loss_data is None
     if tasks is None:  # the decision is made on loss when there is held-out data: no generation task

@@ -215,6 +215,31 @@ def published_record(folder: Path) -> bytes:
     return (output.to_json(record) + "\n").encode()
 
 
+def check_token(repo_id: str, timeout: float = 60.0) -> str | None:
+    """Ask the Hub whose token a push would use, before any work (a token the Hub refuses, 401, was
+    found after the whole race, DIR written): a refused token raises HubAuthError; a Hub that does not
+    answer within `timeout` (push's own) is returned as a line to say, and the work goes on."""
+    from huggingface_hub import HfApi, get_session, get_token
+
+    token = get_token()
+    if not token:
+        return None  # token_missing says that
+    api, session = HfApi(token=token), get_session()
+    _bound_waits(session, timeout, time.monotonic() + timeout)
+    try:
+        with _hub_errors(repo_id, api.endpoint, "whoami"):
+            who = api.whoami()
+    except HubNetworkError as exc:
+        return f"--push {repo_id}: the token could not be checked ({exc}); going on"
+    finally:  # the bound was this request's: later requests (the push's own) set theirs
+        hooks = session.event_hooks
+        session.event_hooks = {**hooks, "request": [h for h in hooks.get("request", [])
+                                                    if getattr(h, "__name__", "") != "bound"]}  # fmt: skip
+    name = who.get("name") if isinstance(who, dict) else None
+    output.log(f"--push {repo_id}: the Hub knows the token" + (f" ({name})" if name else ""))
+    return None
+
+
 def token_missing() -> str | None:
     """Why a push would be refused for want of a token, said before any work (None: there is one)."""
     from huggingface_hub import get_token

@@ -49,9 +49,10 @@ PATH_KEYS = ("source_checkpoint", "theta0_source")
 
 
 def shown_path(value: str) -> str:
-    """A path as a card shows it: a Hub id as it is; a local path as its last two parts
-    (run/checkpoint-40), never the absolute path a push would publish (an older bema's records hold them)."""
-    if REPO_ID.match(value) and not Path(value).exists():
+    """A path as a card shows it: a Hub id, or a name as records write it (relative: run/sft/
+    checkpoint-40, as bema.json says it), as it is; an absolute path (an older bema's records hold
+    them) as its last two parts, never the absolute path a push would publish."""
+    if not Path(value).is_absolute() and not value.startswith("~"):
         return value
     parts = Path(value).parts
     return "/".join(parts[-2:]) if len(parts) >= 2 else value

@@ -92,3 +92,13 @@ def test_a_vanilla_selection_card_names_no_averaging_parameters():
     text = ModelCard(card.card(record, None, selected=True)).text
     assert "The raw checkpoint at step 80, selected by bema" in text and "averaged as below" not in text
     assert "| kappa |" not in text and "| eta |" not in text and "/x/run" not in text
+
+
+def test_the_card_names_the_source_as_bema_json_does():
+    """bema.json said run/sft/checkpoint-380 and the card sft/checkpoint-380: a relative name (what
+    records write) is shown as it is; only an older record's absolute path is cut to its last parts."""
+    record = {"run": "vanilla", "method": "vanilla", "step": 380, "source_checkpoint": "run/sft/checkpoint-380",
+              "theta0_source": "Qwen/Qwen2.5-0.5B", "bema_version": "0.9.0"}  # fmt: skip
+    text = card.card(record, None, selected=True)
+    assert "| source checkpoint | `run/sft/checkpoint-380` |" in text, text
+    assert card.shown_path("/home/alice/run/sft/checkpoint-380") == "sft/checkpoint-380"

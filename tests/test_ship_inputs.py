@@ -119,11 +119,11 @@ def test_eval_never_writes_into_the_training_run(world):
     assert "is the training run" in line, line
     assert _tree(world["run"]) == before
     # a folder inside the run (a new checkpoint-90: the next ship of RUN then found "no model weights")
-    for inside in ("checkpoint-90", "evals/here"):
+    for inside in ("checkpoint-90", "checkpoint-90/evals"):
         r = run_bema("eval", world["run"] / "checkpoint-10", "--out", world["run"] / inside, "--tasks", "loss",
                      "--loss-data", data, "--backend", "transformers")  # fmt: skip
         line = one_line_error(r, 4)
-        assert "lies inside the training run" in line, line
+        assert "lies inside the training run" in line and "reads as a checkpoint of it" in line, line
         assert _tree(world["run"]) == before
 
 

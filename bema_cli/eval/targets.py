@@ -147,14 +147,20 @@ def base_target(base: str, targets: list[Target]) -> Target:
 def check_out(out: Path, targets: list[Target]) -> None:
     """results.jsonl never lands in a model folder it evaluates, nor in the training run itself."""
     from bema_cli.errors import OutputError
-    from bema_cli.io.checkpoints import run_of
+    from bema_cli.io.checkpoints import layout_of, run_of
     from bema_cli.io.commit import check_apart
 
     check_apart(out, [t.path for t in targets], may_contain=True)
     for run in {run_of(t.path) for t in targets if not t.is_base}:
         if is_run_dir(run) and out.resolve() == run.resolve():
             raise OutputError(f"--out {out.resolve()}: is the training run {run.resolve()}; choose another")
-        if is_run_dir(run) and out.resolve().is_relative_to(run.resolve()):  # RUN/checkpoint-90: a checkpoint
-            raise OutputError(  # folder without weights, which the next ship or stabilize of RUN trips on
-                f"--out {out.resolve()}: lies inside the training run {run.resolve()}; choose a folder beside it"
+        inside = (
+            out.resolve().relative_to(run.resolve()).parts
+            if out.resolve().is_relative_to(run.resolve())
+            else ()
+        )
+        if is_run_dir(run) and inside and layout_of(inside[0]) is not None:  # RUN/checkpoint-90: read as a
+            raise OutputError(  # checkpoint without weights by the next ship or stabilize of RUN
+                f"--out {out.resolve()}: lies inside the training run {run.resolve()}, where {inside[0]} reads "
+                "as a checkpoint of it; choose a folder beside the run"
             )

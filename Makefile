@@ -72,13 +72,16 @@ demo-quick: install-base install-vllm
 demo-seeds: install-base install-vllm
 	$(PY) bench/demo_seeds.py --seeds 0,1,2
 
-# Default test run (well under 30 minutes). pytest exits 5 when nothing is
-# collected, which fails the target like any other failure.
+# Default test run (about 10 minutes on 2 cores: docs/testing.md). pytest exits 5 when nothing is
+# collected, which fails the target like any other failure. One worker per core (pytest-xdist), each
+# test module on one worker (its module fixtures built once); TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= auto
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
 test: install install-vllm
-	$(PYTEST) -m "not slow" tests
+	$(PYTEST) $(XDIST) -m "not slow" tests
 
 test-slow: install install-vllm
-	$(PYTEST) -m slow tests
+	$(PYTEST) $(XDIST) -m slow tests
 
 test-all: test test-slow
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from zygote import Zygote
 
 BEMA = Path(sys.executable).with_name("bema")
 
@@ -18,8 +21,21 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+_ZYGOTE = Zygote(BEMA)
+atexit.register(_ZYGOTE.close)
+
+
 def run_bema(*args: str, cwd: str | Path | None = None, env: dict | None = None, timeout: float = 600):
-    """Run the installed `bema` console script in a subprocess; returns CompletedProcess (text)."""
+    """Run the installed `bema` console script as a process of its own; returns CompletedProcess
+    (text). Forked from the zygote (torch and transformers imported once: tests/zygote.py) unless the
+    call needs another environment; BEMA_TEST_SUBPROCESS=1 makes every call a fresh subprocess."""
+    if env is None and _ZYGOTE.usable():
+        with tempfile.TemporaryDirectory(prefix="bema-call-") as tmp:
+            done = _ZYGOTE.run(
+                list(map(str, args)), str(Path(cwd or os.getcwd()).resolve()), timeout, Path(tmp)
+            )
+        if done is not None:
+            return done
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
         [str(BEMA), *map(str, args)], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout

@@ -251,6 +251,7 @@ def test_the_request_is_every_field_of_the_options_but_the_declared_few(tmp_path
         "push": "org/m",
         "dry_run": True,
         "reads": (files[0],),
+        "trust_held_out": True,
     }
     assert set(changed) | set(declared) == {f.name for f in dataclasses.fields(ShipOptions)}
     for key, value in changed.items():

@@ -81,9 +81,20 @@ def test_a_guard_task_blocks_an_average_it_cannot_show_not_worse(runs, tmp_path)
     (g,) = doc["guards"]
     assert g["task"] == "gsm8k" and g["passed"] and g["margin"] == 0.03
     assert doc["other_tasks"]["gsm8k"]["guard"] == {"margin": 0.03, "passed": True}
-    doc, _ = ship(runs, "noisy", tmp_path / "m0", *args, "--guard-margin", "0")
+    doc, r = ship(runs, "noisy", tmp_path / "m0", *args, "--guard-margin", "0")
     assert doc["decision"]["run"] == "vanilla" and doc["decision"]["blocked"]["guard"] == "gsm8k"
     assert "but the guard gsm8k blocked it" in doc["verdict"], doc["verdict"]
+    # a guard of 6 items cannot pass an equal model: said before anything was scored, and the block
+    # names the levers
+    said = r.stderr.index(
+        "warning: gsm8k guard: an average as good as vanilla passes 0% of the time at 6 items"
+    )
+    assert said < r.stderr.index("gsm8k: vanilla on its 6 items"), r.stderr
+    assert "or the metric alone would decide" in doc["verdict"], doc["verdict"]
+    dry = run_bema("ship", runs["noisy"], "--base", runs["base"], "--out", tmp_path / "m1", "--loss-data",
+                   runs["data"], "--backend", "transformers", "--json", "--dry-run", *args)  # fmt: skip
+    (g,) = json.loads(dry.stdout)["guards"]
+    assert g["task"] == "gsm8k" and g["items"] == 6 and g["equal_passes"] < 0.8 and "said" in g, dry.stdout
     assert json.loads((tmp_path / "m0" / "bema.json").read_text())["run"] == "vanilla"
     # the card renders the decision's own verdict (never a sentence of its own: it said "no average
     # of the run beat it beyond its interval" of an average the guard had blocked), and the guard's row
@@ -94,6 +105,10 @@ def test_a_guard_task_blocks_an_average_it_cannot_show_not_worse(runs, tmp_path)
     g = doc["other_tasks"]["gsm8k"]
     assert f"| {g['vanilla']:.4g} |" in row and f"not shipped: {g['candidate']} vs vanilla" in row, row
     assert "verdict" not in doc["select"]  # one verdict in the document: the decision's
+    # the blocked average's flip table on the guard: in the notes, the card and `report DIR`
+    (flip,) = [n for n in doc["notes"] if n.startswith("gsm8k: of 6 items, ")]
+    assert f"Note: {flip}." in card and doc["other_tasks"]["gsm8k"]["flips"]["items"] == 6
+    assert flip in run_bema("report", tmp_path / "m0").stdout
 
 
 def test_noisy_iterates_ship_an_average_as_a_model_folder(runs, tmp_path):

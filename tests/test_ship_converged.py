@@ -216,9 +216,15 @@ def test_held_out_rows_far_above_the_training_loss_are_warned_about(world, tmp_p
     (run / "checkpoint-200" / "trainer_state.json").write_text(json.dumps(state))
     r = _ship(world, run, tmp_path / "m", "--fit", "none")
     assert r.returncode == 0, r.stderr
-    note = json.loads(r.stdout)["notes"][0]
+    doc = json.loads(r.stdout)
+    note = doc["notes"][0]
     assert note.startswith("vanilla's held-out loss ") and "last training loss 0.01" in note, note
     assert "warning: vanilla's held-out loss" in r.stderr
+    # not confident (vanilla is below theta0 here): shipped, the warning in the verdict and on the card
+    assert doc["verdict"].endswith(
+        "warning: the held-out rows may not be in the shape the run trained on (see the note)"
+    )
+    assert f"Note: {note}." in (tmp_path / "m" / "README.md").read_text()
     state["log_history"][-1]["loss"] = 0.7  # in line with the held-out loss: nothing said
     (run / "checkpoint-200" / "trainer_state.json").write_text(json.dumps(state))
     r = _ship(world, run, tmp_path / "m2", "--fit", "none")
@@ -235,6 +241,19 @@ def test_held_out_loss_that_training_raised_is_warned_about(world, tmp_path):
                  world["data"], "--backend", "transformers", "--json", "--fit", "none")  # fmt: skip
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
+    # and far above the run's own training loss too: confident that the rows are in another shape, so
+    # nothing is written (it shipped EMA at "-0.55" where, on the trained tokens, EMA was worse)
+    state = {"global_step": 200, "log_history": [{"step": 200, "loss": 0.01}]}
+    (run / "checkpoint-200" / "trainer_state.json").write_text(json.dumps(state))
+    args = ["ship", run, "--base", world["star"], "--out", tmp_path / "m3", "--tasks", "loss", "--loss-data",
+            world["data"], "--backend", "transformers", "--json", "--fit", "none"]  # fmt: skip
+    line = one_line_error(run_bema(*args), 3)
+    assert "far above the run's last training loss" in line and "--trust-held-out" in line, line
+    assert not (tmp_path / "m3").exists()
+    trusted = run_bema(*args, "--trust-held-out")  # the user's choice: it ships, saying so
+    assert trusted.returncode == 0, trusted.stderr
+    assert "shape the run trained on" in json.loads(trusted.stdout)["verdict"]
+    (run / "checkpoint-200" / "trainer_state.json").unlink()
     (note,) = [n for n in doc["notes"] if "above theta0's" in n]
     n = doc["select"]["selection"]["reported_on"]
     assert f"on the same {n} report items: training made these rows less likely" in note, note

@@ -69,6 +69,12 @@ def ship(
         bool, "--overwrite", help="Decide again and replace the model folder bema wrote at --out."
     ) = False,
     push: option(str | None, "--push", help="Then upload it to this Hub model repo (ORG/NAME).") = None,
+    trust_held_out: option(
+        bool,
+        "--trust-held-out",
+        help="Ship even when vanilla's held-out loss is far above the run's training loss and above "
+        "theta0's (held-out rows in another shape than the run trained on): refused without it.",
+    ) = False,
     json_: JsonOpt = False,
     *,
     grid: GridFlags,
@@ -112,7 +118,8 @@ def ship(
         raise UsageError(f"--min-effect: a difference in the metric's units, >= 0; got {min_effect}")
     ship_opts = ShipOptions(Path(out), metric, holdout, at, fits, resamples, select_seed, overwrite,
                             push, max_evaluations, dry_run=dry_run, min_effect=min_effect, guard_margin=guard_margin,
-                            reads=(Path(grid.config).expanduser(),) if grid.config else ())  # fmt: skip
+                            reads=(Path(grid.config).expanduser(),) if grid.config else (),
+                            trust_held_out=trust_held_out)  # fmt: skip
     check(ship_opts, evaluation)
     if grid.given(method):
         schedules, durations = grid.schedules(method, checkpoint_dir)

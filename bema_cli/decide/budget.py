@@ -18,6 +18,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+from bema_cli import output
 from bema_cli.decide import guard, power, race, select
 from bema_cli.decide.decision import MIN_REPORT_ITEMS, undecidable
 from bema_cli.decide.search import SOUP_CHECKPOINTS
@@ -66,6 +67,14 @@ def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
            "round_items": race.ROUND_ITEMS, "backend": evaluation.backend_name}  # fmt: skip
     if unservable:
         doc["vllm_cannot_serve"] = unservable
+    guards = [guard.foresight(t, len(item_ids(evaluation.inputs[t])), guard.margin_of(True, ship_opts.guard_margin),
+                              metric.name)
+              for t in others if t not in LOSS_TASKS and not t.startswith("lm_eval:")]  # fmt: skip
+    if guards:  # what each accuracy guard can show at its items, before anything runs
+        doc["guards"] = guards
+        for g in guards:
+            if "said" in g:
+                output.warn(g["said"])
     gen = [t for t in config.tasks if t not in LOSS_TASKS and not t.startswith("lm_eval:")]
     if gen:
         samples = 1 if config.temperature == 0 else config.n_samples

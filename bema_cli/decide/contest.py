@@ -17,10 +17,10 @@ from bema_cli import output
 from bema_cli.decide import candidate, guard, select
 from bema_cli.decide.decision import MIN_REPORT_ITEMS, decide, undecidable
 from bema_cli.decide.menu import race_menu
-from bema_cli.decide.metric import Metric, metric_value, parse_metric
+from bema_cli.decide.metric import Metric, flip_note, flips, metric_value, parse_metric
 from bema_cli.decide.scorer import Arena, ItemScorer, arena_targets
 from bema_cli.decide.search import search
-from bema_cli.errors import UsageError
+from bema_cli.errors import InputError, UsageError
 from bema_cli.eval.evaluate import Evaluation
 from bema_cli.eval.results import ResultsFile
 from bema_cli.eval.tasks import LOSS_TASKS
@@ -79,7 +79,8 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
     try:
         scorer = scorer_of(arena, metric, work)
         ids = item_ids(scorer.task)
-        others = _vanilla_on_other_tasks(arena, config, metric, menu["vanilla"], work)
+        others = _vanilla_on_other_tasks(arena, config, metric, menu["vanilla"], work, ship_opts.guard_margin)
+        foreseen = {d["task"]: d for d in foresee(others, metric, ship_opts.guard_margin)}
         pick, report = select.sides(ids, ship_opts.holdout, ship_opts.seed)
         pick_ids, report_ids = [ids[i] for i in pick], [ids[i] for i in report]
         vanilla_only = undecidable(len(report_ids))  # the verdict says so, and how many records would decide
@@ -102,10 +103,23 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
         # the shipped candidate on the other tasks while it may still be loaded (the best fit, last
         # on the report items), then theta0 for the base note
         others, other_items = _other_tasks(others, shipped, menu["vanilla"])
+        flip_notes = _flip_notes(
+            others, scorer, shipped, menu["vanilla"], report_ids
+        )  # while the engine is up
         base_note = _base_note(scorer, step, report_ids, metric)
+        shape_note = _shape_note(plan, chosen, metric)
+        if shape_note and base_note and not ship_opts.trust_held_out:  # both say so: confident, refused
+            raise InputError(
+                f"{config.loss_data}: {shape_note[0]}; and {base_note[0].split(': ', 1)[0]}. Nothing was written: "
+                "give held-out rows in the shape the run trained on, or --trust-held-out to ship on these"
+            )
+        if shape_note:  # in the verdict itself, not only among the notes
+            why += "; warning: the held-out rows may not be in the shape the run trained on (see the note)"
+        for note in [*shape_note, *base_note]:
+            output.warn(note)
         guards = guard.check(others, ship_opts.guard_margin)
         if guards and not guards[0]["passed"]:  # the first is a blocking one, when there is one
-            why = guard.blocked_verdict(decision, why, guards[0])
+            why = guard.blocked_verdict(decision, why, guards[0], foreseen.get(guards[0]["task"]))
             van = next(c for c in chosen["candidates"] if c["run"] == "vanilla" and c["step"] == step)
             decision = {"run": "vanilla", "step": step, "kind": "vanilla", "value": van["value"],
                         "blocked": {"run": decision["run"], "kind": decision["kind"], "guard": guards[0]["task"]}}  # fmt: skip
@@ -118,9 +132,24 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
     raced["race"]["evaluations"] = {"items": scorer.evaluated + other_items, "exhaustive_design": exhaustive}
     return {"chosen": chosen, "records": records, "fitted": fitted, "decision": decision, "verdict": why,
             "race": raced["race"], "other_tasks": others, "guards": guards, "memory": memory, "backend": evaluation.backend_name,
-            "motion": moved, "notes": [*_shape_note(plan, chosen, metric), *base_note, *candidate.lag_notes(plan, menu, step)],
+            "motion": moved, "notes": [*shape_note, *base_note, *flip_notes,
+                                       *candidate.lag_notes(plan, menu, step)],
             "candidates": menu, "steps": steps, "basis": basis,
             "base_source": plan.base_source}  # fmt: skip
+
+
+def _flip_notes(others: dict, scorer, shipped, vanilla, report_ids: list) -> list[str]:
+    """Each accuracy task's flip table for the candidate the decision chose (shipped, or blocked by a
+    guard) against vanilla: the metric's on its report items (both were scored there), the other
+    tasks' on all their items."""
+    if shipped.digest == vanilla.digest:
+        return []
+    out = []
+    if scorer.metric.higher_is_better and report_ids:
+        table = flips(scorer.record(shipped, report_ids), scorer.record(vanilla, report_ids), scorer.metric)
+        out.append(flip_note(scorer.metric.task, shipped.name, table))
+    out += [flip_note(task, doc["candidate"], doc["flips"]) for task, doc in others.items() if "flips" in doc]
+    return out
 
 
 def scorer_of(arena, metric, work) -> ItemScorer:
@@ -135,7 +164,8 @@ SHAPE_FACTOR, SHAPE_GAP = 2.0, 0.5  # held-out loss over twice the last training
 def _shape_note(plan, chosen, metric) -> list[str]:
     """Held-out rows in a shape the run did not train on score tokens it never learned (a
     prompt/completion run scored on {"messages"} rows: the user's own turns too): vanilla's held-out
-    loss then sits far above the run's last logged training loss. Said, and warned, with the cause."""
+    loss then sits far above the run's last logged training loss. Said (warned by `contest`), with
+    the cause; with vanilla also above theta0 (`_base_note`) ship is confident and refuses."""
     if metric.key != "loss":
         return []
     state = max(plan.checkpoints, key=lambda c: c.step).path / "trainer_state.json"
@@ -153,7 +183,7 @@ def _shape_note(plan, chosen, metric) -> list[str]:
             f"{train:.3g} ({state.parent.name}/trainer_state.json): the held-out rows may not be in the shape "
             'the run trained on ({"messages"} rows score every turn; prompt/completion training learns the '
             "completions alone): docs/usage.md says which shape matches which training format")  # fmt: skip
-    return _said(note)
+    return [note]
 
 
 def _base_note(scorer, step: int, ids: list, metric) -> list[str]:
@@ -175,12 +205,6 @@ def _base_note(scorer, step: int, ids: list, metric) -> list[str]:
             f"{len(ids)} report items: training made these rows less likely. They may not be in the shape "
             "the run trained on (docs/usage.md says which shape matches which training format), or the "
             "run overfit")  # fmt: skip
-    return _said(note)
-
-
-def _said(note: str) -> list[str]:
-    """A note on the held-out data, warned on stderr and kept in ship's notes."""
-    output.warn(note)
     return [note]
 
 
@@ -195,19 +219,33 @@ def _motion(arena, plan, work) -> dict | None:
     return read_json(work / motion.FILE) if (work / motion.FILE).is_file() else None
 
 
-def _vanilla_on_other_tasks(arena, config, metric, vanilla, work) -> dict:
+def _vanilla_on_other_tasks(arena, config, metric, vanilla, work, guard_margin=None) -> dict:
     """{task: (its scorer, its item ids)} of each task other than the metric's, vanilla scored on every
     item: its one load, before the race, serves every task it is reported on (whatever ships, vanilla
     is), so only the shipped candidate is swapped in again for them."""
     out = {}
-    for task in config.tasks:
-        if task not in guard.guard_tasks(config.tasks, metric.task):
-            continue
+    for task in guard.guard_tasks(config.tasks, metric.task):
         m = Metric(task, "loss", False) if task in LOSS_TASKS else parse_metric(task)
         scorer = scorer_of(arena, m, work)
         out[task] = scorer, item_ids(scorer.task)
-        output.log(f"{task}: vanilla on its {len(out[task][1])} items (reported whatever ships; a guard)")
-        scorer.scores(vanilla, out[task][1])
+    for doc in foresee(out, metric, guard_margin):  # said before anything is scored
+        output.warn(doc["said"])
+    for task, (scorer, ids) in out.items():
+        output.log(f"{task}: vanilla on its {len(ids)} items (reported whatever ships; a guard)")
+        scorer.scores(vanilla, ids)
+    return out
+
+
+def foresee(guards: dict, metric, given: float | None) -> list[dict]:
+    """Each accuracy guard's pass rate for a model truly as good as vanilla at its items and margin
+    (guard.foresight), those under guard.POWER: what may block a true winner, said up front. A loss
+    guard's spread is unknown before its items are scored: not foreseen."""
+    out = []
+    for task, (scorer, ids) in guards.items():
+        if scorer.metric.higher_is_better:
+            doc = guard.foresight(task, len(ids), guard.margin_of(True, given), metric.name)
+            if "said" in doc:
+                out.append(doc)
     return out
 
 
@@ -224,4 +262,6 @@ def _other_tasks(scorers: dict, shipped, vanilla) -> tuple[dict, int]:
         out[task] = {"metric": m.name, "higher_is_better": m.higher_is_better, "candidate": shipped.name,
                      "shipped": metric_value(mine, m), "vanilla": metric_value(van, m),
                      "vs_vanilla": None if same else select.versus(mine, van, m, None, 0)}  # fmt: skip
+        if not same and (table := flips(mine, van, m)) is not None:
+            out[task]["flips"] = table
     return out, evaluated

@@ -11,12 +11,55 @@ replaced by another: vanilla ships, and the verdict names the guard. docs/eval-p
 
 from __future__ import annotations
 
+import math
+
 from bema_cli.decide import verdict
 
 # Default margins, in each metric's units: 3 points of accuracy, 0.02 nats/token of loss. On GSM8K's
 # 660 items with 10% of them discordant, an average as good as vanilla passes 3 points 69% of the
 # time (2 points: 41%; 4 points: 93%), and one worse by the margin 2-4% (bench/bench_decide.py).
 DEFAULT_MARGIN = {"loss": 0.02, "accuracy": 0.03}
+
+
+# Before anything is scored, a guard's pass rate for a model truly as good as vanilla is read at this
+# share of discordant items (two averages of one run disagree on few items: 10% in bench_decide's
+# worlds and the runs measured in docs/eval-protocol.md, "Guards"); under POWER it is said up front.
+DISCORDANT = 0.10
+POWER = 0.80
+Z95, Z80 = 1.959964, 0.841621
+
+
+def pass_rate(items: int, margin: float, discordant: float = DISCORDANT) -> float:
+    """How likely an average truly as good as vanilla passes an accuracy guard of `items` paired
+    items at `margin`: its interval's bound (mean - 1.96 sd / sqrt(n)) lies above -margin, the paired
+    difference's sd sqrt(discordant) (+-1 on the discordant items). bench_decide's guard rows measure it
+    through the bootstrap itself."""
+    if items < 1 or margin <= 0:
+        return 0.0
+    z = margin * math.sqrt(items) / math.sqrt(discordant) - Z95
+    return 0.5 * math.erfc(-z / math.sqrt(2))
+
+
+def foresight(task: str, items: int, margin: float, metric: str) -> dict:
+    """What a guard can show at these items, said before any evaluation: the pass rate of a truly
+    equal model and, under POWER, the levers (the items that margin needs, the margin these items
+    can resolve, or the metric alone)."""
+    rate = pass_rate(items, margin)
+    sd = math.sqrt(DISCORDANT)
+    doc = {"task": task, "items": items, "margin": margin, "equal_passes": round(rate, 3)}
+    if rate < POWER:
+        # a margin of 0 asks an equal model to be shown better: no number of items passes it
+        doc["items_needed"] = math.ceil(((Z95 + Z80) * sd / margin) ** 2) if margin > 0 else None
+        doc["margin_resolvable"] = round((Z95 + Z80) * sd / math.sqrt(max(items, 1)), 4)
+        need = (f"{doc['items_needed']} items would pass it {POWER:.0%} of the time at this margin, "
+                if margin > 0 else "")  # fmt: skip
+        doc["said"] = (
+            f"{task} guard: an average as good as vanilla passes {rate:.0%} of the time at {items} items and "
+            f"margin {margin:g} ({DISCORDANT:.0%} of items discordant), so it may block a true winner: "
+            f"{need}these items resolve --guard-margin {doc['margin_resolvable']:g}, or --tasks {metric} "
+            "decides on the metric alone"
+        )
+    return doc
 
 
 def margin_of(higher_is_better: bool, given: float | None) -> float:
@@ -49,14 +92,23 @@ def check(others: dict, given: float | None) -> list[dict]:
     return sorted(out, key=lambda g: g["passed"])
 
 
-def blocked_verdict(decision: dict, why: str, guard: dict) -> str:
-    """The verdict of a ship a guard blocked: vanilla, what the metric said, and which guard said no."""
+def blocked_verdict(decision: dict, why: str, guard: dict, foreseen: dict | None = None) -> str:
+    """The verdict of a ship a guard blocked: vanilla, what the metric said, and which guard said no;
+    with `foreseen` (a guard that passes a truly equal model under POWER of the time), the levers."""
     shape = "above" if guard["higher_is_better"] else "below"
-    return (
+    said = (
         f"ship vanilla at step {decision['step']}: {decision['run']} won on the metric ({why.split(': ', 1)[-1]}), "
         f"but the guard {guard['task']} blocked it: {guard['metric']} {verdict.fmt_diff(guard['vs_vanilla'])} "
         f"against vanilla, not shown {shape} {'-' if shape == 'above' else '+'}{guard['margin']:g} (--guard-margin)"
     )
+    if foreseen:  # the block may be the guard's size, not the average: said with what would change it
+        said += (
+            f"; at {foreseen['items']} items this guard passes an average as good as vanilla "
+            f"{foreseen['equal_passes']:.0%} of the time: "
+            + (f"{foreseen['items_needed']} items, " if foreseen["items_needed"] else "")
+            + f"--guard-margin {foreseen['margin_resolvable']:g}, or the metric alone would decide"
+        )
+    return said
 
 
 def guard_tasks(tasks, metric_task: str) -> list[str]:

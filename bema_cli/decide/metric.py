@@ -101,3 +101,36 @@ def restrict(record: dict, ids: list, metric: Metric) -> dict:
     keys = ("nll", "tokens") if metric.key == "loss" else (metric.key,)
     picked = {"ids": list(ids), **{k: [items[k][pos[i]] for i in ids] for k in keys}}
     return {**record, "items": picked, "n_prompts": len(ids)}
+
+
+FLIP_IDS = 5  # the item ids a flip table names on each side (the counts are whole)
+
+
+def flips(record: dict, vanilla: dict, metric: Metric) -> dict | None:
+    """An accuracy task's flip table, what lm-eval users ask of a new model: the items `record` gets
+    right more often than vanilla (gained) and less often (lost), counted on the items both scored
+    (a prompt's score is its samples' share right), with the first FLIP_IDS ids of each. None for a
+    loss, whose items have no right or wrong."""
+    if metric.key == "loss":
+        return None
+    mine = per_item(record, metric, record.get("_where", "a record"))
+    theirs = per_item(vanilla, metric, vanilla.get("_where", "vanilla"))
+    base = dict(zip(theirs["ids"], theirs[metric.key], strict=True))
+    shared = [(i, s, base[i]) for i, s in zip(mine["ids"], mine[metric.key], strict=True) if i in base]
+    gained = [i for i, s, v in shared if s > v]
+    lost = [i for i, s, v in shared if s < v]
+    return {"items": len(shared), "gained": len(gained), "lost": len(lost),
+            "gained_ids": gained[:FLIP_IDS], "lost_ids": lost[:FLIP_IDS]}  # fmt: skip
+
+
+def flip_note(task: str, run: str, table: dict) -> str:
+    """The flip table in one sentence (ship's notes: the verdict's, `report DIR`'s and the card's)."""
+
+    def ids(xs: list, n: int) -> str:
+        return f" ({', '.join(map(str, xs))}{', ...' if n > len(xs) else ''})" if xs else ""
+
+    return (
+        f"{task}: of {table['items']} items, {run} is right more often than vanilla on {table['gained']}"
+        f"{ids(table['gained_ids'], table['gained'])} and less often on {table['lost']}"
+        f"{ids(table['lost_ids'], table['lost'])}"
+    )

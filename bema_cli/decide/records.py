@@ -90,8 +90,9 @@ def request(stab, config, ship_opts, inputs: list[Path], metric) -> dict:
 
 
 # ShipOptions' fields that do not change the question: where DIR is, whether it may be replaced or
-# published, whether anything runs, and the files read for the grid (their schedules are the grid)
-NOT_THE_QUESTION = ("out", "overwrite", "push", "dry_run", "reads")
+# published, whether anything runs, the files read for the grid (their schedules are the grid), and
+# whether to go on past a held-out shape warning (the records, and so the decision, are the same)
+NOT_THE_QUESTION = ("out", "overwrite", "push", "dry_run", "reads", "trust_held_out")
 
 
 def question(ship_opts) -> dict:

@@ -68,6 +68,7 @@ class ShipOptions:
     min_effect: float = 0.0  # an average ships only if its interval against vanilla lies beyond this
     guard_margin: float | None = None  # the other tasks' non-inferiority margin (None: guard.DEFAULT_MARGIN)
     dry_run: bool = False  # say the budget (budget.py), evaluate nothing
+    trust_held_out: bool = False  # ship on held-out rows that look like another shape than the run's
     reads: tuple[Path, ...] = ()  # other files the request reads (a grid --config): never replaced
 
 

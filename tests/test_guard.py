@@ -119,5 +119,7 @@ def test_the_flip_table_counts_the_items_each_side_gets_right():
     assert (table["gained"], table["lost"], table["items"]) == (len(gained), len(lost), 200)
     assert table["gained_ids"] == gained[:5].tolist() and table["lost_ids"] == lost[:5].tolist()
     note = flip_note("gsm8k", "lawa-w4", table)
-    assert note.startswith(f"gsm8k: of 200 items, lawa-w4 is right more often than vanilla on {len(gained)} (")
+    assert note.startswith(
+        f"gsm8k: of 200 items, lawa-w4 is right more often than vanilla on {len(gained)} ("
+    )
     assert flips(_record("avg", average), _record("vanilla", vanilla), Metric("loss", "loss", False)) is None

@@ -76,6 +76,12 @@ for line in sys.stdin:
 """
 
 
+def _environ() -> dict:
+    """The environment a call runs under, less what pytest itself sets per test (PYTEST_CURRENT_TEST:
+    no bema code reads it)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
 class Zygote:
     def __init__(self, bema: Path):
         self.bema, self.lock, self.proc = str(bema), threading.Lock(), None
@@ -83,7 +89,7 @@ class Zygote:
         self.broken, self.pending = False, b""
 
     def _start(self) -> bool:
-        self.environ = dict(os.environ)
+        self.environ = _environ()
         self.proc = subprocess.Popen(
             [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, text=True, bufsize=1,
@@ -100,11 +106,13 @@ class Zygote:
 
     def usable(self) -> bool:
         """Only a call in the environment the zygote imported under (huggingface_hub, vLLM and rich
-        read theirs at import) and while no other call runs; else the caller uses a subprocess."""
+        read theirs at import): another environment (a test's own, or one an in-process vLLM set at
+        import: LD_PRELOAD and more, which a subprocess would inherit too) starts a new zygote under it."""
         if self.broken or os.environ.get("BEMA_TEST_SUBPROCESS") == "1":
             return False
-        if self.proc is not None and (self.proc.poll() is not None or dict(os.environ) != self.environ):
-            return False
+        if self.proc is not None and (self.proc.poll() is not None or _environ() != self.environ):
+            self.close()
+            self.proc = None
         return True
 
     def run(self, args: list[str], cwd: str, timeout: float, tmp: Path) -> subprocess.CompletedProcess | None:

@@ -25,11 +25,24 @@ _ZYGOTE = Zygote(BEMA)
 atexit.register(_ZYGOTE.close)
 
 
-def run_bema(*args: str, cwd: str | Path | None = None, env: dict | None = None, timeout: float = 600):
+# `bema demo` pins torch's kernels before torch is imported (demo/pins.py): a fresh interpreter only
+FRESH_COMMANDS = ("demo",)
+
+
+def run_bema(
+    *args: str,
+    cwd: str | Path | None = None,
+    env: dict | None = None,
+    timeout: float = 600,
+    fresh: bool = False,
+):
     """Run the installed `bema` console script as a process of its own; returns CompletedProcess
     (text). Forked from the zygote (torch and transformers imported once: tests/zygote.py) unless the
-    call needs another environment; BEMA_TEST_SUBPROCESS=1 makes every call a fresh subprocess."""
-    if env is None and _ZYGOTE.usable():
+    call needs another environment, or `fresh` (a test of the process's own memory or start-up) or a
+    FRESH_COMMANDS command asks for an interpreter that has imported nothing; BEMA_TEST_SUBPROCESS=1
+    makes every call a fresh subprocess."""
+    fresh = fresh or (bool(args) and str(args[0]) in FRESH_COMMANDS)
+    if env is None and not fresh and _ZYGOTE.usable():
         with tempfile.TemporaryDirectory(prefix="bema-call-") as tmp:
             done = _ZYGOTE.run(
                 list(map(str, args)), str(Path(cwd or os.getcwd()).resolve()), timeout, Path(tmp)

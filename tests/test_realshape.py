@@ -39,7 +39,7 @@ def test_stabilize_on_the_05b_shape_reports_its_stages_and_its_peak(world, tmp_p
     args = ["stabilize", world["run"], "--base", world["base"], "--out", tmp_path / "stab",
             "--method", "bema,ema", "--steps", "300", "--json"]  # fmt: skip
     with PeakRss(every=0.05) as peak:  # the bema process's private memory, sampled
-        r = run_bema(*args)
+        r = run_bema(*args, fresh=True)  # its peak memory is the process's own: a fresh interpreter
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     # the projection counts every unit-sized buffer: the motion's previous checkpoint, left out of

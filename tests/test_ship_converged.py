@@ -247,8 +247,11 @@ def test_held_out_loss_that_training_raised_is_warned_about(world, tmp_path):
     (run / "checkpoint-200" / "trainer_state.json").write_text(json.dumps(state))
     args = ["ship", run, "--base", world["star"], "--out", tmp_path / "m3", "--tasks", "loss", "--loss-data",
             world["data"], "--backend", "transformers", "--json", "--fit", "none"]  # fmt: skip
-    line = one_line_error(run_bema(*args), 3)
-    assert "far above the run's last training loss" in line and "--trust-held-out" in line, line
+    refused = run_bema(*args)  # after the race's progress lines: the one error line, last
+    line = refused.stderr.strip().splitlines()[-1]
+    assert refused.returncode == 3 and "Traceback" not in refused.stderr, refused.stderr
+    assert line.startswith("error: ") and "far above the run's last training loss" in line, line
+    assert "--trust-held-out" in line, line
     assert not (tmp_path / "m3").exists()
     trusted = run_bema(*args, "--trust-held-out")  # the user's choice: it ships, saying so
     assert trusted.returncode == 0, trusted.stderr
@@ -332,14 +335,16 @@ def test_allow_gaps_reaches_the_fits(world, tmp_path):
 
 @pytest.mark.slow  # ship runs beyond the default run's budget: `make test-slow`
 def test_a_refused_push_says_the_verdict_first(world, tmp_path):
-    """The Hub refuses the token after the whole decision: the verdict (and with --json the whole
-    document, with the push's error) is on stdout before the one-line error, exit 6."""
-    from hub_standin import HubStandIn
+    """The Hub knows the token (ship asks it first, before the race) but refuses the push after the
+    whole decision (403 at the repo's creation: the token's rights): the verdict (and with --json the
+    whole document, with the push's error) is on stdout before the one-line error, exit 6."""
+    from hub_standin import TOKEN, HubStandIn
 
     run = converged_run(world["base"], world["star"], tmp_path / "run", steps=(100, 200), reach_at=2)
     with HubStandIn() as hub:
+        hub.fault = ("status", "POST /api/repos/create", 403)
         env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1",
-               "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "hf_wrong"}  # fmt: skip
+               "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": TOKEN}  # fmt: skip
         args = ["ship", run, "--base", world["base"], "--tasks", "loss", "--loss-data", world["data"],
                 "--backend", "transformers", "--fit", "none", "--push", "org/model"]  # fmt: skip
         r = run_bema(*args, "--out", tmp_path / "m", env=env)

@@ -25,6 +25,13 @@ _ZYGOTE = Zygote(BEMA)
 atexit.register(_ZYGOTE.close)
 
 
+def without_zygote() -> None:
+    """No zygote below this process until the next call needs one: a test that measures the
+    processes below it (machine.PeakRss) sees bema's alone."""
+    _ZYGOTE.close()
+    _ZYGOTE.proc = None
+
+
 # `bema demo` pins torch's kernels before torch is imported (demo/pins.py): a fresh interpreter only
 FRESH_COMMANDS = ("demo",)
 

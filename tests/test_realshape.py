@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_bema, vllm_available
+from conftest import run_bema, vllm_available, without_zygote
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import realshape  # noqa: E402
@@ -38,6 +38,7 @@ def test_stabilize_on_the_05b_shape_reports_its_stages_and_its_peak(world, tmp_p
 
     args = ["stabilize", world["run"], "--base", world["base"], "--out", tmp_path / "stab",
             "--method", "bema,ema", "--steps", "300", "--json"]  # fmt: skip
+    without_zygote()  # PeakRss samples every process below this one: bema's alone
     with PeakRss(every=0.05) as peak:  # the bema process's private memory, sampled
         r = run_bema(*args, fresh=True)  # its peak memory is the process's own: a fresh interpreter
     assert r.returncode == 0, r.stderr

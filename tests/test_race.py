@@ -161,17 +161,17 @@ def test_a_duel_decides_as_the_whole_comparison_with_fewer_items():
 def test_the_futility_bound_adds_no_win_and_stops_near_ties_early(monkeypatch):
     """On near-ties (no gap, or one too small for the pick items to tell), the duel with the bound
     wins only on paths where the duel without it wins too (it can only stop a trial, as a loss), and
-    uses far fewer items; a clearly better trial still wins."""
+    uses fewer items; a clearly better trial still wins."""
     rng = np.random.default_rng(3)
     ids = list(range(100))
 
     def of(v):
         return lambda i: v[i].tolist()
 
-    behind = race.BEHIND
+    bound = race.futile
 
-    def duel(x, y, bound: bool):
-        monkeypatch.setattr(race, "BEHIND", behind if bound else ())
+    def duel(x, y, with_bound: bool):
+        monkeypatch.setattr(race, "futile", bound if with_bound else (lambda diffs, n: False))
         return race.duel(of(x), of(y), ids)
 
     used = {True: 0, False: 0}
@@ -186,58 +186,101 @@ def test_the_futility_bound_adds_no_win_and_stops_near_ties_early(monkeypatch):
         used[False] += n0
         wins[True] += w1
         wins[False] += w0
-    assert used[True] < 0.6 * used[False], used
-    assert wins[False] > 100 and wins[True] < wins[False], wins  # the ties' point-estimate coin flips
+    assert used[True] < 0.8 * used[False], used
+    assert wins[True] <= wins[False], wins
     clear = 0
-    for _ in range(
-        100
-    ):  # a trial better by 0.6 item spreads (3.4 s.e. at 32 items) still wins with the bound
+    for _ in range(100):  # a trial better by 0.6 item spreads (3.4 s.e. at 32 items) still wins
         shared = rng.normal(0, 1, size=100)
         x, y = shared + 0.6 + rng.normal(0, 0.7, size=100), shared + rng.normal(0, 0.7, size=100)
         clear += duel(x, y, True)[0]
     assert clear >= 95, clear
 
 
-def test_the_early_look_stops_a_trial_behind_by_half_a_standard_error():
-    """After 16 pick items a trial behind the incumbent by more than half a standard error stops
-    there (race.BEHIND's first look); one behind by less goes on to 32, where it must be a whole
-    standard error ahead; neither can win by the bound."""
-    ids = list(range(100))
-    noise = np.array([1.0, -1.0] * 50)  # paired differences of sd ~1 around their shift
-    se16 = float(np.std(noise[:16], ddof=1)) / 4.0
+@pytest.mark.parametrize("mean_in_se,t", [(-1.0, 16), (0.0, 16), (0.5, 32), (1.5, 32), (-0.3, 64)])
+def test_the_futility_bound_is_the_predictive_chance_of_ending_a_standard_error_ahead(mean_in_se, t):
+    """race.futile against its definition simulated: the mean so far uncertain (N(mean, sd^2 / t)),
+    the n - t items left drawn around it; the chance that the mean of all n items ends END_SE
+    standard errors ahead (200,000 draws: the chance within 0.005) is under FUTILE_CHANCE exactly
+    where futile says so, or the two sit within the simulation's error of the threshold."""
+    n, rng = 100, np.random.default_rng(11)
+    base = rng.normal(0.0, 1.0, size=t)
+    base = (base - base.mean()) / base.std(ddof=1)  # sd exactly 1
+    diffs = base + mean_in_se / math.sqrt(t)
+    mean, sd = float(diffs.mean()), float(diffs.std(ddof=1))
+    draws = 200_000
+    mu = rng.normal(mean, sd / math.sqrt(t), size=draws)
+    rest = rng.normal(mu, sd / math.sqrt(n - t))
+    final = (t * mean + (n - t) * rest) / n
+    chance = float((final > race.END_SE * sd / math.sqrt(n)).mean())
+    if abs(chance - race.FUTILE_CHANCE) > 0.005:
+        assert race.futile(diffs.tolist(), n) is (chance < race.FUTILE_CHANCE), chance
 
-    def used(shift_in_se: float) -> tuple[bool, int]:
-        d = noise + shift_in_se * se16
-        won, n, _ = race.duel(lambda b: d[b].tolist(), lambda b: [0.0] * len(b), ids)
-        return won, n
 
-    assert used(-0.6) == (False, 16)
-    won, n = used(-0.4)
-    assert not won and n == 32  # past the early look; not a whole s.e. ahead at 32
-    assert used(0.3) == (False, 32)
-
-
-def test_the_early_look_costs_a_truly_better_trial_under_2_percent_of_its_wins(monkeypatch):
+def test_the_futility_bound_costs_a_truly_better_trial_under_2_percent_of_its_wins(monkeypatch):
     """Trials truly better by 0.3 item spreads (a gain the 100 pick items find about 3 times in 4):
-    the wins that the duel without the early look at 16 items would have had and the duel with it
-    loses, with their Wilson interval, stay under 2% (measured 0.75%; a bar of 0 there loses 2.9%)."""
+    the wins that the duel without the bound would have had and the duel with it loses, with their
+    Wilson interval, stay under 2% (the bound stops a duel only where it can no longer win)."""
     rng = np.random.default_rng(7)
     ids, n = list(range(100)), 1000
-    full = race.BEHIND
-    later = tuple(b for b in full if b[0] > race.MIN_ITEMS)
-    assert later != full  # there is an early look to measure
+    bound = race.futile
 
-    def wins(x, y, bound) -> bool:
-        monkeypatch.setattr(race, "BEHIND", bound)
+    def wins(x, y, with_bound) -> bool:
+        monkeypatch.setattr(race, "futile", bound if with_bound else (lambda diffs, n: False))
         return race.duel(lambda b: x[b].tolist(), lambda b: y[b].tolist(), ids)[0]
 
-    lost = 0
+    lost = won = 0
     for _ in range(n):
         shared = rng.normal(0, 1, size=100)
         x, y = shared + 0.3 + rng.normal(0, 0.7, size=100), shared + rng.normal(0, 0.7, size=100)
-        lost += wins(x, y, later) and not wins(x, y, full)
+        free = wins(x, y, False)
+        won += free
+        lost += free and not wins(x, y, True)
+    assert won > 0.6 * n, won
     lo, hi = wilson(lost, n)
     assert hi < 0.02, (lost, lo, hi)
+
+
+def _drift_world(seed: int, items: int, basis: int):
+    """bench_simplex's world with lam 0 and drift 0.05: (the true loss of c, per-item scores)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(20, 61, size=items).astype(float)
+    b = rng.normal(1.0, 0.3, size=items)
+    z = rng.normal(0.0, 0.15, size=(items, basis))
+    z[:, 0] = 0.0
+    g = np.array([0.0] + [0.05 * (8 - j) / 7 for j in range(1, basis)])
+
+    def truth(c) -> float:
+        return 1.0 + 0.6 * c[0] ** 2 + float(g @ np.asarray(c))
+
+    def scores(c, ids):
+        ids = np.asarray(ids)
+        return (-(b[ids] + z[ids] @ np.asarray(c) + truth(c)) * tokens[ids]).tolist()
+
+    return truth, scores
+
+
+def test_the_simplex_moves_off_its_start_where_the_best_weights_are_not_uniform():
+    """A world whose later checkpoints are truly better (bench/bench_simplex.py's lam 0.0, drift
+    0.05): the simplex fit, raced as ship races it, leaves its uniform start (LAWA over the last 4)
+    in most of 120 draws and ends truly better than it. The fixed bound it replaced left it there in
+    46% of draws (measured by the bench) and gained 45% less; here at most 30% may stay."""
+    from bema_cli.decide import fit
+
+    basis, items, draws = 9, 100, 120
+    start, stayed, gains = [0.0] * 5 + [0.25] * 4, 0, []
+    for seed in range(draws):
+        truth, scores = _drift_world(seed, items, basis)
+
+        def better(trial, incumbent, scores=scores) -> bool:
+            return race.duel(lambda i: scores(trial, i), lambda i: scores(incumbent, i), list(range(items)),
+                             report_n=items)[0]  # fmt: skip
+
+        c, _ = fit.simplex_fit(4, basis, better)
+        stayed += bool(np.allclose(c, start))
+        gains.append(truth(c) - truth(start))
+    assert stayed / draws <= 0.30, stayed
+    mean, sd = power.mean_sd(gains)
+    assert mean + 2 * sd / math.sqrt(draws) < 0, (mean, sd)  # truly better than its start
 
 
 def test_the_minimum_detectable_difference_is_found_80_percent_of_the_time():

@@ -295,11 +295,13 @@ def _delta(run: str, versus: dict | None) -> str:
 
 
 # -- a shipped model folder: the decision's own table ----------------------------------------------
-def ship_record(inputs: list[str]) -> dict | None:
-    """The ship.json of `bema report DIR` when DIR is one model folder `bema ship` wrote (else None):
-    its decision's table is what a reader wants there, not the race's partial records."""
+def ship_record(inputs: list[str]):
+    """The decision of `bema report DIR` when DIR is one model folder `bema ship` wrote (else None),
+    read from its sealed ship.json: the decision's table is what a reader wants there, not the
+    race's partial records. Returns (the document, its Decision)."""
     if len(inputs) != 1:
         return None
+    from bema_cli.decide.outcome import Decision
     from bema_cli.decide.records import check_sealed
 
     path = Path(inputs[0]) / ".bema-ship" / "ship.json"
@@ -311,37 +313,24 @@ def ship_record(inputs: list[str]) -> dict | None:
     if not isinstance(doc, dict) or not isinstance(doc.get("select"), dict):
         raise InputError(f"{path}: not a ship record (no decision); report its records' folder instead")
     try:
-        ship_table(doc)  # every field the views read, read once before anything is printed
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        return doc, Decision.of(doc)  # every field the views read, read once before anything is printed
+    except (KeyError, TypeError, ValueError, IndexError, StopIteration) as exc:
         raise InputError(f"{path}: not a ship record bema wrote ({type(exc).__name__}: {exc})") from None
-    if not isinstance(doc.get("verdict"), str) or not isinstance(doc.get("notes", []), list):
-        raise InputError(f"{path}: not a ship record bema wrote (no verdict)")
-    return doc
 
 
-def ship_table(doc: dict):
-    """Every finalist on the same report items: its value, 95% interval and difference to vanilla;
-    the best fitted average beside them; the shipped row marked."""
+def ship_table(decision):
+    """Every finalist on the same report items: its value, 95% interval and difference to vanilla,
+    what became of each (shipped, blocked by a guard, fitted) marked."""
     from rich.table import Table
 
     from bema_cli.decide.verdict import fmt_diff
 
-    chosen, decision = doc["select"], doc["decision"]
-    n = chosen["selection"]["reported_on"]
-    table = Table(title=f"bema ship: {chosen['metric']} at step {doc['step']} ({direction(chosen['higher_is_better'])}"
-                        f"), every row on the same {n} report items")  # fmt: skip
+    d = decision
+    table = Table(title=f"bema ship: {d.metric} at step {d.step} ({direction(d.higher_is_better)}), every row "
+                        f"on the same {d.report_items} report items")  # fmt: skip
     for col in ("run", "value", "95% interval", "vs vanilla", ""):
         table.add_column(col, justify="right" if col == "value" else "left")
-    for c in chosen["candidates"]:
-        lo, hi = c["interval"]
-        shipped = "shipped" if c["run"] == decision["run"] else ""
-        table.add_row(
-            c["run"], f"{c['value']:.4g}", f"{lo:.4g} to {hi:.4g}", fmt_diff(c["vs_vanilla"]), shipped
-        )
-    best = (doc.get("fitted") or {}).get("best")
-    if best and best.get("vs_vanilla"):
-        vanilla = next(c["value"] for c in chosen["candidates"] if c["run"] == "vanilla")
-        value = vanilla + best["vs_vanilla"]["value"]
-        shipped = "shipped" if best["run"] == decision["run"] else "fitted"
-        table.add_row(best["run"], f"{value:.4g}", "", fmt_diff(best["vs_vanilla"]), shipped)
+    for r in d.rows:
+        lo_hi = f"{r.interval[0]:.4g} to {r.interval[1]:.4g}" if r.interval else ""
+        table.add_row(r.run, f"{r.value:.4g}", lo_hi, fmt_diff(r.vs_vanilla), d.mark(r))
     return table

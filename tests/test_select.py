@@ -262,6 +262,9 @@ def test_select_end_to_end_and_write_the_winner(evaluated_run, tmp_path):
     proc = run_bema("select", root / "results", "--metric", "loss", "--write", out, "--json")
     assert proc.returncode == 0, proc.stderr
     written = json.loads(proc.stdout)["written"]
+    # no --holdout: the number is the pick's own, and the verdict, so the card, says so
+    card = (out / "README.md").read_text()
+    assert "(optimistic: the winner's curse" in doc["verdict"] and f"bema's decision: {doc['verdict']}." in card
     plain = run_bema("select", root / "results", "--metric", "loss", "--write", tmp_path / "again")
     assert plain.returncode == 0, plain.stderr  # where it is now, not "--write DIR writes it"
     assert plain.stdout.strip().splitlines()[-1].endswith(f"(written to {tmp_path / 'again'})"), plain.stdout
@@ -401,3 +404,18 @@ def test_a_vanilla_kept_by_the_tie_rule_is_not_called_the_winner(tmp_path):
     assert r.returncode == 0, r.stderr
     last = r.stdout.strip().splitlines()[-1]
     assert last == "kept: vanilla (tied) at step 100", r.stdout
+
+
+def test_select_says_ship_may_keep_another_model_where_other_tasks_would_guard():
+    """select ranks on one metric; with records of another task beside it, the winner's note says
+    that ship, which guards on that task, may keep another model on the same run (and a select of
+    the metric's task alone says nothing of the kind)."""
+    rng = np.random.default_rng(4)
+    base = rng.uniform(0, 0.8, 60)
+    mine = [record("vanilla", 100, base), record("up", 100, np.minimum(base + 0.3, 1.0))]
+    other = [record("vanilla", 100, base, task="mmlu"), record("up", 100, base - 0.2, task="mmlu")]
+    doc = select([*mine, *other], GSM)
+    assert doc["winner"]["run"] == "up"
+    (note,) = doc["notes"]
+    assert note.startswith("select ranks on ") and "mmlu guard nothing here" in note
+    assert "notes" not in select(mine, GSM)

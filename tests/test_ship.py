@@ -108,7 +108,17 @@ def test_a_guard_task_blocks_an_average_it_cannot_show_not_worse(runs, tmp_path)
     # the blocked average's flip table on the guard: in the notes, the card and `report DIR`
     (flip,) = [n for n in doc["notes"] if n.startswith("gsm8k: of 6 items, ")]
     assert f"Note: {flip}." in card and doc["other_tasks"]["gsm8k"]["flips"]["items"] == 6
-    assert flip in run_bema("report", tmp_path / "m0").stdout
+    report = run_bema("report", tmp_path / "m0").stdout
+    assert flip in report
+    # one record behind every view: the --json document and the sealed ship.json read as the same
+    # Decision; the blocked candidate's metric row on the card and in `report DIR`, marked as such
+    from bema_cli.decide.outcome import Decision
+
+    sealed_doc = json.loads((tmp_path / "m0" / ".bema-ship" / "ship.json").read_text())
+    assert Decision.of(doc) == Decision.of(sealed_doc)
+    blocked = doc["decision"]["blocked"]["run"]
+    assert f"not shipped (blocked by the gsm8k guard): {blocked} vs vanilla" in card, card
+    assert "blocked by the gsm8k guard" in report and f"{doc['verdict']}\n" in report, report
 
 
 def test_noisy_iterates_ship_an_average_as_a_model_folder(runs, tmp_path):

@@ -37,11 +37,12 @@ def report(
         figures.check_target(plot, "--plot")
     shipped = rep.ship_record(inputs) if plot is None else None
     if shipped is not None:  # a model folder `bema ship` wrote: its decision, every row on the same items
+        doc, decision = shipped
         if json:
-            output.print_json(shipped)
+            output.print_json(doc)
             return
-        output.print_table(rep.ship_table(shipped))
-        for line in [shipped["verdict"], *(f"note: {n}" for n in shipped.get("notes", []))]:
+        output.print_table(rep.ship_table(decision))
+        for line in decision.lines():
             output.stdout.print(line, highlight=False, markup=False)
         return
     doc = rep.build(inputs)

@@ -92,6 +92,8 @@ def _print(doc: dict) -> None:
         output.warn(f"no record at this step of: {', '.join(doc['missing'])} (--allow-missing)")
     w = doc["winner"]
     output.stdout.print(doc["verdict"], highlight=False, markup=False)
+    for note in doc.get("notes", []):
+        output.stdout.print(f"note: {note}", highlight=False, markup=False)
     where = f"({w['path']})" if w["path"] and Path(w["path"]).is_dir() else ""
     if doc.get("written"):  # --write DIR wrote it: that is where it is now
         where = f"(written to {doc['written']['path']})"

@@ -170,8 +170,10 @@ def _say(doc: dict, json_: bool) -> None:
         output.log(stages.line(doc["stages"]))
     if json_:
         output.print_json(doc)
-    else:
-        text = budget_line(doc) if doc.get("dry_run") else doc["verdict"]
-        output.stdout.print(text, highlight=False, markup=False)
-        for note in doc.get("notes", []):
-            output.stdout.print(f"note: {note}", highlight=False, markup=False)
+    elif doc.get("dry_run"):
+        output.stdout.print(budget_line(doc), highlight=False, markup=False)
+    else:  # the decision's own record, as the card and `bema report DIR` render it
+        from bema_cli.decide.outcome import Decision
+
+        for line in Decision.of(doc).lines():
+            output.stdout.print(line, highlight=False, markup=False)

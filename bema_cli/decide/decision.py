@@ -55,7 +55,8 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
         menu_rec = restrict(record_of(records, menu, metric), report_ids, metric)
         vs_menu = select.versus(rec, menu_rec, metric, None, ship_opts.seed, ship_opts.resamples)
         vs_vanilla = select.versus(rec, van, metric, None, ship_opts.seed, ship_opts.resamples)
-        fitted["doc"]["best"].update(vs_menu=vs_menu, vs_vanilla=vs_vanilla)
+        interval = select.report_interval(rec, metric, None, ship_opts.seed, ship_opts.resamples)
+        fitted["doc"]["best"].update(vs_menu=vs_menu, vs_vanilla=vs_vanilla, interval=interval)
         if verdict.is_better(vs_menu, better) and verdict.is_better(vs_vanilla, better, effect):
             value = vanilla_row["value"] + vs_vanilla["value"]  # both on the report items
             numbers = resolution(rec, van, metric, vs_vanilla)

@@ -177,6 +177,13 @@ def select(
     }
     doc["winner"]["tied_with"] = [f"{r['run']}" for r in rows[1:] if r["tied_with_best"]]
     doc["verdict"] = verdict(doc)
+    others = sorted({r.get("task") for r in records} - {metric.task, None})
+    if others and winner["run"] != "vanilla":  # ship on the same run guards on them: it may differ
+        doc["notes"] = [
+            f"select ranks on {metric.name} alone: {', '.join(others)} guard nothing here, where `bema ship` "
+            "blocks an average shown worse than vanilla on another task (and may fit an average), so ship may "
+            "keep another model on this run"
+        ]
     return doc
 
 

@@ -28,6 +28,7 @@ from bema_cli.decide import guard, select
 from bema_cli.decide import records as sealed
 from bema_cli.decide.contest import contest
 from bema_cli.decide.metric import Metric, parse_metric
+from bema_cli.decide.outcome import Decision
 from bema_cli.decide.search import FITS
 from bema_cli.decide.write import (
     WORK,
@@ -35,7 +36,6 @@ from bema_cli.decide.write import (
     check_out_path,
     check_target,
     clean_staging,
-    evaluation_rows,
     model_record,
     place,
     staging,
@@ -178,9 +178,9 @@ def _decide(stab, config, engine, ship_opts, sweep_opts, validated, metric, out,
         if not _has_records(work):  # refused (bad data, an engine that cannot start) before any record
             shutil.rmtree(work, ignore_errors=True)  # the corrected command then starts clean
         raise
-    chosen, records, fitted = made["chosen"], made["records"], made["fitted"]
+    chosen, fitted = made["chosen"], made["fitted"]
     # select's own sentence is select's rule, not the decision: the one verdict is the decision's
-    shown = {k: v for k, v in chosen.items() if k != "verdict"}
+    shown = {k: v for k, v in chosen.items() if k not in ("verdict", "notes")}
     doc = {"request": request, "metric": metric.name, "step": chosen["winner"]["step"], "select": shown,
            "tie_rule": select.TIE_RULE, "holdout": ship_opts.holdout, "race": made["race"],
            "backend": made["backend"], "memory": made["memory"]}  # fmt: skip
@@ -195,9 +195,9 @@ def _decide(stab, config, engine, ship_opts, sweep_opts, validated, metric, out,
         doc["notes"] = made["notes"]
     if made["motion"]:  # can averaging help here? (motion.py), measured as the walk read the run
         doc["motion"], doc["motion_verdict"] = made["motion"]["motion"], made["motion"]["motion_verdict"]
-    decision = made["decision"]
+    record = Decision.of(_public(doc))  # the one record every view renders (and report reads again)
     with stages.stage("write"), stages.kept():  # stabilize's own reset would drop the sweep's stages
-        doc["written"] = _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, stab, made)
+        doc["written"] = _write(record, fitted, ship_opts, doc, work, stab, made)
     if ship_opts.push:
         from bema_cli.decide.push import pushed
 
@@ -221,28 +221,20 @@ def _inputs(stab) -> list[Path]:
     return inputs_of(prepare(sweep_options(stab)), stab.checkpoint_dir)
 
 
-def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, stab, made) -> dict:
+def _write(decision: Decision, fitted, ship_opts, doc, work, stab, made) -> dict:
     """DIR as the model folder: the shipped candidate's vector written by the one writer
-    (write.write_vector: vanilla, a menu config and a fitted average alike), its card; the records
-    and ship.json go inside (DIR/.bema-ship)."""
+    (write.write_vector: vanilla, a menu config and a fitted average alike), its card rendered from
+    the decision; the records and ship.json go inside (DIR/.bema-ship)."""
     out = Path(ship_opts.out).expanduser()
-    step, steps, basis = decision["step"], made["steps"], made["basis"]
+    step, steps, basis = decision.step, made["steps"], made["basis"]
     folders = dict(zip(["theta0", *map(str, steps)], basis, strict=True))
-    if decision["kind"] == "fitted":
+    if decision.kind == "fitted":
         best = fitted["best"]
-        cand, settings, rec = best["candidate"], {"method": best["method"]}, best["record"]
+        cand, settings = best["candidate"], {"method": best["method"]}
         extra = {"ingredients": best["ingredients"]} if best["kind"] == "soup" else {}
-        lo_hi = select.report_interval(rec, metric, None, ship_opts.seed)  # scored on the report items alone
-        rows = evaluation_rows(
-            chosen, decision["value"], lo_hi, decision["vs_vanilla"], made["other_tasks"], decision["run"]
-        )
     else:
-        row = next(c for c in chosen["candidates"] if (c["run"], c["step"]) == (decision["run"], step))
-        cand, settings, extra = made["candidates"][decision["run"]], row["stabilizer"] or {}, {}
-        chosen = {**chosen, "winner": {k: row[k] for k in select.WINNER_KEYS}}
-        rows = evaluation_rows(
-            chosen, row["value"], row["interval"], row["vs_vanilla"], made["other_tasks"], decision["run"]
-        )
+        row = next(c for c in made["chosen"]["candidates"] if (c["run"], c["step"]) == (decision.shipped, step))
+        cand, settings, extra = made["candidates"][decision.shipped], row["stabilizer"] or {}, {}
     extra |= {"allow_gaps": True} if stab.allow_gaps else {}
     extra |= {"durations": stab.durations} if stab.durations else {}
     check_target(out, ship_opts.overwrite)
@@ -251,15 +243,16 @@ def _write(decision, chosen, fitted, records, metric, ship_opts, doc, work, stab
         folder = tmp / "model"
         record = model_record(cand, step, settings, folders, made["base_source"], out, **extra)
         write_vector(cand, folders, folders[str(step)], folder, record)
-        write_card(folder, rows, made["base_source"], folders["theta0"], doc["verdict"], doc.get("notes"))
+        write_card(folder, decision.card_rows(), made["base_source"], folders["theta0"], decision.verdict,
+                   list(decision.notes))  # fmt: skip
         (work / "ship.json").write_text(output.to_json(_public(doc)) + "\n")
         sealed.seal(work)
         shutil.move(str(work), str(folder / WORK))  # the records and ship.json; no candidate was kept
         place(folder, out, ship_opts.overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    output.log(f"wrote {out} ({decision['run']} at step {step}) with its model card")
-    return {"path": str(out), "run": decision["run"], "step": step}
+    output.log(f"wrote {out} ({decision.shipped} at step {step}) with its model card")
+    return {"path": str(out), "run": decision.shipped, "step": step}
 
 
 def _public(doc: dict) -> dict:

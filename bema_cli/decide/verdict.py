@@ -18,10 +18,15 @@ def fmt_diff(d: dict | None) -> str:
 
 
 def verdict(doc: dict) -> str:
-    """The decision in one sentence: what to ship, its value, and against vanilla at the same step."""
+    """The decision in one sentence: what to ship, its value, and against vanilla at the same step;
+    picked and reported on the same items, said so (its numbers are the pick's own, optimistic)."""
     w = doc["winner"]
     name = doc["metric"] if doc["metric"] != "loss" else "held-out loss"
-    where = f"{w['run']} at step {w['step']}"
+    optimistic = (
+        "; picked and reported on the same items (optimistic: the winner's curse; --holdout reports on others)"
+        if doc["selection"]["holdout"] is None
+        else ""
+    )
     if w["run"] == "vanilla":
         beaten = [
             c
@@ -29,7 +34,7 @@ def verdict(doc: dict) -> str:
             if c["vs_vanilla"] and is_better(c["vs_vanilla"], doc["higher_is_better"])
         ]
         why = "no average beats it beyond its interval" if not beaten else "the simplest of the tied"
-        return f"ship vanilla at step {w['step']}: {name} {fmt_value(w['value'])}; {why}"
+        return f"ship vanilla at step {w['step']}: {name} {fmt_value(w['value'])}; {why}{optimistic}"
     vs = w["vs_vanilla"]
     vanilla = f" vs vanilla {fmt_value(w['value'] - vs['value'])} ({fmt_diff(vs)})" if vs else ""
     tied = f"; tied with {', '.join(w['tied_with'])}" if w.get("tied_with") else ""
@@ -38,7 +43,7 @@ def verdict(doc: dict) -> str:
         if not vs or is_better(vs, doc["higher_is_better"])
         else "; not beyond its interval against vanilla (ship writes vanilla)"
     )
-    return f"ship {where}: {name} {fmt_value(w['value'])}{vanilla}{tied}{weak}"
+    return f"ship {w['run']} at step {w['step']}: {name} {fmt_value(w['value'])}{vanilla}{tied}{weak}{optimistic}"
 
 
 def beats_vanilla(doc: dict, margin: float = 0.0) -> bool:

@@ -286,7 +286,7 @@ def write_winner(doc: dict, records: list[dict], out: Path, overwrite: bool = Fa
         record = model_record(cand, w["step"], stab, folders, base_source, out)
         write_vector(cand, folders, Path(source), folder, record)
         rows = evaluation_rows(doc, w["value"], w["interval"], w["vs_vanilla"])
-        write_card(folder, rows, base_source, folders.get("theta0"), doc["verdict"])  # no theta0 term: none
+        write_card(folder, rows, base_source, folders.get("theta0"), doc["verdict"], doc.get("notes"))
         place(folder, out, overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -19,6 +19,9 @@ BEMA = Path(sys.executable).with_name("bema")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# what engines measure (eval/timings.py) stays in this run's own cache, never the user's
+os.environ["BEMA_CACHE"] = tempfile.mkdtemp(prefix="bema-cache-")
+atexit.register(shutil.rmtree, os.environ["BEMA_CACHE"], True)
 
 
 _ZYGOTE = Zygote(BEMA)

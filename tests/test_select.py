@@ -264,7 +264,9 @@ def test_select_end_to_end_and_write_the_winner(evaluated_run, tmp_path):
     written = json.loads(proc.stdout)["written"]
     # no --holdout: the number is the pick's own, and the verdict, so the card, says so
     card = (out / "README.md").read_text()
-    assert "(optimistic: the winner's curse" in doc["verdict"] and f"bema's decision: {doc['verdict']}." in card
+    assert (
+        "(optimistic: the winner's curse" in doc["verdict"] and f"bema's decision: {doc['verdict']}." in card
+    )
     plain = run_bema("select", root / "results", "--metric", "loss", "--write", tmp_path / "again")
     assert plain.returncode == 0, plain.stderr  # where it is now, not "--write DIR writes it"
     assert plain.stdout.strip().splitlines()[-1].endswith(f"(written to {tmp_path / 'again'})"), plain.stdout

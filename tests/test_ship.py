@@ -6,6 +6,7 @@ resumes evaluating nothing twice; the fitted averages never lose to the menu on 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -547,3 +548,25 @@ def test_a_foreign_line_is_never_sealed_and_overwrite_always_starts_afresh(runs,
         said.append("deciding afresh (--overwrite)" in r.stderr)
     assert said == [True, False], said  # set aside once; the records made afresh are then reused
     assert all('"foreign"' not in p.read_text() for p in (out / ".bema-ship").rglob("*.jsonl"))
+
+
+def test_a_dry_run_projects_from_what_this_machine_measured(runs, tmp_path):
+    """A first dry run says its projection counts arithmetic alone (nothing measured on this
+    machine yet); a ship measures the engine's start, a swap and a held-out record's forward, and
+    the next dry run stands on them, and its projection (every duel to its last item: at most) comes
+    within 2x of where that ship's time went (its engine start, walk, swaps and forwards)."""
+    env = {**os.environ, "BEMA_CACHE": str(tmp_path / "cache")}
+    args = ["ship", runs["noisy"], "--base", runs["base"], "--out", tmp_path / "m", "--tasks", "loss",
+            "--loss-data", runs["data"], "--backend", "transformers", "--dry-run"]  # fmt: skip
+    first = json.loads(run_bema(*args, "--json", env=env).stdout)["projection"]
+    assert first["measured_floors"] is None
+    line = run_bema(*args, env=env).stdout
+    assert "(no transformers run measured on this machine yet: it counts arithmetic alone" in line, line
+    r = run_bema(*args[:-1], "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    spent = json.loads(r.stdout)["stages"]
+    went = sum(spent[k]["seconds"] for k in ("engine_start", "walk", "swap", "loss") if k in spent)
+    again = json.loads(run_bema(*args, "--overwrite", "--json", env=env).stdout)["projection"]
+    assert set(again["measured_floors"]) >= {"engine_start", "swap", "loss_record"}, again
+    assert went / 2 <= again["seconds"] <= 2 * went, (again, went, first)
+    assert again["seconds"] > first["seconds"]

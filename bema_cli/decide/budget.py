@@ -178,7 +178,10 @@ def budget_line(doc: dict) -> str:
     if "generated_tokens_at_most" in doc:
         parts.append(f"at most {doc['generated_tokens_at_most']:,} generated tokens")
     if doc.get("projection"):
-        parts.append(f"~{doc['projection']['seconds']:.0f} s projected")
+        unmeasured = doc["projection"].get("measured_floors") is None
+        parts.append(f"~{doc['projection']['seconds']:.0f} s projected" + (
+            f" (no {doc['backend']} run measured on this machine yet: it counts arithmetic alone and can read "
+            "several times low; it is measured from the first run on)" if unmeasured else ""))  # fmt: skip
     mdd = doc["mdd"]
     if mdd["value"] is None:
         parts.append(f"{items['report']} report items: what they resolve is {mdd['from']}")

@@ -43,6 +43,7 @@ from bema_cli.decide.write import (
     write_vector,
 )
 from bema_cli.errors import InputError, OutputError, UsageError
+from bema_cli.eval import timings
 from bema_cli.eval.job import EvalConfig
 from bema_cli.io.commit import locked
 
@@ -204,6 +205,7 @@ def _decide(stab, config, engine, ship_opts, sweep_opts, validated, metric, out,
         pushed(doc, out, ship_opts.push)
     # where the whole command's time went: engine_start, walk, swap, loss/generate, write, push
     doc["stages"] = stages.report()
+    timings.save(made["backend"], doc["stages"])  # this machine's floors for the next projection
     return doc
 
 
@@ -233,7 +235,9 @@ def _write(decision: Decision, fitted, ship_opts, doc, work, stab, made) -> dict
         cand, settings = best["candidate"], {"method": best["method"]}
         extra = {"ingredients": best["ingredients"]} if best["kind"] == "soup" else {}
     else:
-        row = next(c for c in made["chosen"]["candidates"] if (c["run"], c["step"]) == (decision.shipped, step))
+        row = next(
+            c for c in made["chosen"]["candidates"] if (c["run"], c["step"]) == (decision.shipped, step)
+        )
         cand, settings, extra = made["candidates"][decision.shipped], row["stabilizer"] or {}, {}
     extra |= {"allow_gaps": True} if stab.allow_gaps else {}
     extra |= {"durations": stab.durations} if stab.durations else {}

@@ -20,7 +20,7 @@ from pathlib import Path
 from bema_cli import __version__, output, stages
 from bema_cli.cluster import ExecutorOptions, import_ray
 from bema_cli.errors import BackendError, InputError, OutputError, UsageError
-from bema_cli.eval import data, resume
+from bema_cli.eval import data, resume, timings
 from bema_cli.eval.backends.base import (
     VLLM_INSTALL_HINT,
     EngineOptions,
@@ -347,5 +347,9 @@ def eval_document(inputs: list[str], base: str | None, config: EvalConfig, engin
     return_freed_memory()
     with PeakRss() as peak:
         records = run_eval(inputs, base, config, engine, executor, validated)
+    measured = stages.report()
+    used = {r.get("backend") for r in records} - {None}
+    if len(used) == 1:  # this machine's floors for the next projection, under the backend that ran
+        timings.save(used.pop(), measured)
     return {"bema_version": __version__, "records": records, "seconds": time.perf_counter() - t0,
-            "stages": stages.report(), "memory": peak.parts()}  # fmt: skip
+            "stages": measured, "memory": peak.parts()}  # fmt: skip

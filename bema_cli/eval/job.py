@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bema_cli import __version__, output, stages
+from bema_cli.eval import timings
 from bema_cli.eval.backends.base import Sampling, prompt_seed
 from bema_cli.eval.chat import render
 from bema_cli.eval.targets import Target
@@ -120,8 +121,10 @@ def evaluate_task(backend, job: Job, item: TaskInput, say: bool = True) -> tuple
             loss_task.encode_record(r, backend.tokenizer, c.loss_max_tokens) for r in item.loss_records
         ]
         seqs, starts = [ids for ids, _ in encoded], [start for _, start in encoded]
+        t = time.perf_counter()
         with stages.stage("loss"):
             pairs = backend.loss(seqs, starts)
+        timings.note("loss_record", time.perf_counter() - t, len(seqs))
         metrics = loss_task.loss_metrics(pairs)
         extra["items"] = loss_task.loss_items(pairs)
         n_prompts, n_samples = len(seqs), 1
@@ -136,8 +139,10 @@ def evaluate_task(backend, job: Job, item: TaskInput, say: bool = True) -> tuple
         ]
         sampling = Sampling(c.n_samples, c.temperature, c.seed, c.max_new_tokens or task.MAX_NEW_TOKENS)
         seeds = [prompt_seed(c.seed, name, d["_id"]) for d in docs]
+        t = time.perf_counter()
         with stages.stage("generate"):
             responses = backend.generate(prompts, sampling, seeds)
+        timings.note("decode_step", time.perf_counter() - t, sampling.max_new_tokens)  # steps, batched
         scored = scoring.score_all(task, docs, responses)
         metrics, extra = scoring.task_metrics(task, scored, [d.get("subject", "") for d in docs])
         extra["items"] = scoring.prompt_items([d["_id"] for d in docs], scored)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 
+from bema_cli.eval import timings
 from bema_cli.eval.tasks import LOSS_TASKS
 from bema_cli.io.safetensors import FLOATING
 from bema_cli.stabilize.project import PASSES_READ
@@ -41,7 +42,12 @@ def project(plan, evaluation, jobs, model_bytes: int, speeds: dict) -> dict:
         plan.base_index.nbytes + sum(plan.indexes[s].nbytes for s in walked if s in plan.indexes)
     ) / speeds["read"]
     compute = len(walked) * numel * (PASSES_READ + len(plan.tracks)) / speeds["compute"]
-    start = ENGINE_START_S.get(evaluation.backend_name, 2.0) + model_bytes / speeds["read"]
+    # what engines measured on this machine (eval/timings.py): the floors under the counts below
+    floor = timings.floors(evaluation.backend_name)
+    start = max(ENGINE_START_S.get(evaluation.backend_name, 2.0) + model_bytes / speeds["read"],
+                floor.get("engine_start", 0.0))  # fmt: skip
+    per_record = max(FORWARD_FLOOR_S, floor.get("loss_record", 0.0))
+    per_step = max(FORWARD_FLOOR_S, floor.get("decode_step", 0.0))
     load = forward = 0.0
     config = evaluation.config
     flops = speeds["flops"] * (
@@ -49,7 +55,9 @@ def project(plan, evaluation, jobs, model_bytes: int, speeds: dict) -> dict:
     )
     again_theta, again_theta0 = reread(plan)  # read again from their files for each config
     for job in jobs:
-        load += numel * PASSES_WEIGHTS / speeds["compute"] + model_bytes / speeds["read"]
+        load += max(
+            numel * PASSES_WEIGHTS / speeds["compute"] + model_bytes / speeds["read"], floor.get("swap", 0.0)
+        )
         stabilizer = job.target.stabilizer or {}
         bema, models = stabilizer.get("method") == "bema", int(stabilizer.get("window") or 1)  # theta_s + K-1
         load += plan.base_index.nbytes * (again_theta * models + (again_theta0 and bema)) / speeds["read"]
@@ -57,17 +65,21 @@ def project(plan, evaluation, jobs, model_bytes: int, speeds: dict) -> dict:
             if item.name in LOSS_TASKS:
                 chars = sum(len(json.dumps(r)) for r in item.loss_records)
                 arithmetic = 2 * numel * chars / CHARS_PER_TOKEN / flops
-                forward += max(arithmetic, len(item.loss_records) * FORWARD_FLOOR_S)  # a forward per record
+                forward += max(arithmetic, len(item.loss_records) * per_record)  # a forward per record
             elif item.docs:
                 samples = 1 if config.temperature == 0 else config.n_samples
                 chars = sum(len(json.dumps(d)) for d in item.docs) * samples
                 new = config.max_new_tokens or 256
                 arithmetic = 2 * numel * (chars / CHARS_PER_TOKEN + len(item.docs) * samples * new) / flops
                 arithmetic += new * model_bytes / speeds["memory"]  # each decode step streams the weights
-                forward += max(arithmetic, new * FORWARD_FLOOR_S)  # at least a decode step's floor per token
+                forward += max(arithmetic, new * per_step)  # at least a decode step's floor per token
     parts = {"engine_start": start, "walk": read + compute, "load": load, "forward": forward}
+    measured = sorted(floor) if floor else None
     return {"seconds": round(sum(parts.values()), 1), "parts_seconds": {k: round(v, 1) for k, v in parts.items()},
-            "speeds": {k: round(v) for k, v in speeds.items()}}  # fmt: skip
+            "speeds": {k: round(v) for k, v in speeds.items()},
+            # the floors measured on this machine, or none: then it counts arithmetic alone and can read
+            # several times low on a small model (the engine's own per-call costs are unknown)
+            "measured_floors": measured}  # fmt: skip
 
 
 def _on_cpu() -> bool:

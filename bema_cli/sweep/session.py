@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bema_cli import __version__, output, stages
 from bema_cli.errors import UsageError
-from bema_cli.eval import resume
+from bema_cli.eval import resume, timings
 from bema_cli.eval.backends.base import EngineOptions, make_backend
 from bema_cli.eval.evaluate import Evaluation
 from bema_cli.eval.job import EvalConfig, Job, evaluate_task
@@ -182,6 +182,7 @@ def finish_doc(doc: dict, evaluation: Evaluation, at: list[Target], t0: float) -
     doc["bema_version"], doc["seconds"] = __version__, time.perf_counter() - t0
     # this process's stages: a Ray actor's or vLLM worker's own time is inside its calls
     doc["stages"] = stages.report()
+    timings.save(evaluation.backend_name, doc["stages"])  # this machine's floors for the next projection
     doc["finished_at"] = time.time()  # the engine's teardown at exit comes after (the benchmark separates it)
     return doc
 

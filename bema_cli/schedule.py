@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 from bema_cli.errors import UsageError
@@ -36,6 +36,10 @@ Action = Literal["burnin", "update", "skip"]
 # The authors' offline evaluation code floors beta at 1e-4 and updates every 400 steps.
 REFERENCE_BETA_MIN = 1e-4
 REFERENCE_PHI = 400
+
+
+# a Schedule field under another name in records (bema.json, --json): wsm's decay is "schedule"
+RECORD_NAMES = {"merge_schedule": "schedule"}
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,17 @@ class Schedule:
                 "--eta 0 with ouema: alpha_s = 1 makes (theta_s - alpha*theta0)/(1 - alpha) undefined"
             )
         return _resolve_own(s)
+
+    @classmethod
+    def from_record(cls, record: dict) -> Schedule:
+        """The schedule a record's stabilizer settings describe (bema.json, an eval record), as the
+        command line would give it: every field under its record name (RECORD_NAMES), "inf" read as
+        a number; power_gamma dropped where sigma_rel sets it. Not resolved."""
+        given = {f.name: record.get(RECORD_NAMES.get(f.name, f.name)) for f in fields(cls)}
+        params = {k: float(v) if v in ("inf", "-inf") else v for k, v in given.items() if v is not None}
+        if params.get("sigma_rel") is not None:
+            params.pop("power_gamma", None)  # derived from sigma_rel, as on the command line
+        return cls(**params)
 
     def params(self) -> dict:
         """The hyperparameters this method uses, keyed as bema.json and --json records name them."""
@@ -334,3 +349,10 @@ def run_name(s: Schedule) -> str:
         return f"{s.method}-k{s.kappa!r}"
     eta = "inf" if math.isinf(s.eta) else repr(s.eta)
     return f"{s.method}-k{s.kappa!r}-e{eta}"
+
+
+# every parameter of a stabilizer as records name it, and those that are numbers: derived from
+# Schedule's own fields, the one list of them (eval targets, provenance checks and the record's
+# settings read them from here)
+RECORD_KEYS = tuple(RECORD_NAMES.get(f.name, f.name) for f in fields(Schedule))
+NUMBER_KEYS = tuple(k for k in RECORD_KEYS if k not in ("method", "preset", "schedule"))

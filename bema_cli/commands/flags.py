@@ -37,6 +37,9 @@ from bema_cli.commands.eval_options import (
     TemperatureOpt,
 )
 from bema_cli.errors import UsageError
+from bema_cli.eval.backends.base import Sampling
+from bema_cli.eval.tasks import SELECTION_SEED
+from bema_cli.eval.tasks import loss as loss_task
 from bema_cli.options import (
     AccumDtypeOpt,
     AllowGapsOpt,
@@ -259,13 +262,14 @@ class EvalFlags:
     data_dir: DataDirOpt = None
     loss_data: LossDataOpt = None
     loss_train_data: LossTrainDataOpt = None
-    loss_samples: LossSamplesOpt = 200
-    loss_max_tokens: LossMaxTokensOpt = 1024
-    n_samples: NSamplesOpt = 50
-    temperature: TemperatureOpt = 1.0
-    seed: SeedOpt = 13337
+    # each default is the protocol's own (eval/backends/base.Sampling, eval/tasks), written there once
+    loss_samples: LossSamplesOpt = loss_task.DEFAULT_SAMPLES
+    loss_max_tokens: LossMaxTokensOpt = loss_task.MAX_TOKENS
+    n_samples: NSamplesOpt = Sampling.n
+    temperature: TemperatureOpt = Sampling.temperature
+    seed: SeedOpt = Sampling.seed
     max_new_tokens: MaxNewTokensOpt = None
-    selection_seed: SelectionSeedOpt = 37371
+    selection_seed: SelectionSeedOpt = SELECTION_SEED
     limit: LimitOpt = None
     num_fewshot: NumFewshotOpt = 0
     cot: CotOpt = False

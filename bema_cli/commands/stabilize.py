@@ -19,6 +19,7 @@ from bema_cli.options import (
     parse_int_list,
     parse_size,
 )
+from bema_cli.schedule import RECORD_KEYS
 from bema_cli.stabilize.project import projection_line
 
 
@@ -188,8 +189,7 @@ def _gb(n: int) -> str:
 
 # `bema stabilize --help` groups its options in panels (cli.command applies them), as eval's are.
 PANELS = {
-    "Stabilizer (the grid: comma lists)": ["method", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min", "preset",
-                                           "window", "schedule", "swa_start", "sigma_rel", "power_gamma", "config"],
+    "Stabilizer (the grid: comma lists)": [*RECORD_KEYS, "config"],  # a flag per Schedule field
     "What to write": ["final_only", "steps", "out_dtype", "accum_dtype", "max_shard_size", "lora_output", "lora_rank",
                       "keep_last"],
     "Incremental runs and follow mode": ["keep_state", "restart", "fingerprint", "follow", "until_step",

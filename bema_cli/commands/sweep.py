@@ -25,6 +25,7 @@ from bema_cli.options import (
     argument,
     option,
 )
+from bema_cli.schedule import RECORD_KEYS
 
 
 @with_flags(grid=GridFlags, inputs=InputFlags, fol=FollowFlags, walk=WalkFlags, where=ExecutorFlags, ev=EvalFlags,
@@ -124,8 +125,7 @@ def _lag_notes(opts, doc: dict) -> list[str]:
 
 
 PANELS = {
-    "Stabilizer (the grid: comma lists)": ["method", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min", "preset",
-                                           "window", "schedule", "swa_start", "sigma_rel", "power_gamma", "config"],
+    "Stabilizer (the grid: comma lists)": [*RECORD_KEYS, "config"],  # a flag per Schedule field
     "Follow a live run": ["follow", "until_step", "idle_timeout", "poll", "settle", "allow_gaps"],
     "Resources and scale-out": ["max_memory", "device", "accum_dtype", "out_dtype", "executor", "workers",
                                 "ray_address"],

@@ -97,27 +97,12 @@ def of_settings(
     if settings.get("method", "vanilla") == "vanilla":
         return Candidate(name, vanilla(step).vector), {str(step): Path(source)}, base or "first"
     run = run_of(source)
-    opts = Options(checkpoint_dir=str(run), schedules=[Schedule(**stabilizer_params(settings)).resolved()],
+    opts = Options(checkpoint_dir=str(run), schedules=[Schedule.from_record(settings).resolved()],
                    out=str(run / ".bema-unused"), base=base, allow_gaps=allow_gaps)  # fmt: skip
     plan = plan_sweep(opts)
     (cand,) = [c for key, c in menu(plan, step).items() if key != "vanilla"]
     folders = {THETA0: plan.base_index.folder, **{str(c.step): c.path for c in plan.checkpoints}}
     return Candidate(name, cand.vector), folders, plan.base_source
-
-
-def stabilizer_params(stab: dict) -> dict:
-    """A record's stabilizer settings as schedule.Schedule takes them."""
-    names = {"schedule": "merge_schedule"}
-    keys = ("method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min", "window",
-            "schedule", "swa_start", "sigma_rel", "power_gamma")  # fmt: skip
-    params = {names.get(k, k): _number(stab[k]) for k in keys if stab.get(k) is not None}
-    if params.get("sigma_rel") is not None:
-        params.pop("power_gamma", None)  # derived from sigma_rel, as on the command line
-    return params
-
-
-def _number(value):
-    return float(value) if value in ("inf", "-inf") else value
 
 
 def lag_notes(plan, menu: dict[str, Candidate], step: int) -> list[str]:

@@ -200,7 +200,6 @@ def _from_walk(record: dict):
     walker advanced to the step with the record's settings gives, tensor for tensor, what stabilize
     writes (tests/test_sweep.py holds them bitwise equal), and None; or None and why the walk cannot
     make it (a LoRA run's output, a walk that would not fit in memory)."""
-    from bema_cli.decide.candidate import stabilizer_params
     from bema_cli.machine import available_memory
     from bema_cli.schedule import Schedule
     from bema_cli.stabilize import Options
@@ -209,7 +208,7 @@ def _from_walk(record: dict):
     source = Path(record["source_checkpoint"])
     out_dtype = _out_dtype(record)
     try:
-        schedule = Schedule(**stabilizer_params(record)).resolved()
+        schedule = Schedule.from_record(record).resolved()
     except UsageError as exc:
         raise InputError(f"{source}: the record's settings are not valid ({exc})") from None
     opts = sweep_options(Options(checkpoint_dir=str(run_of(source)), schedules=[schedule],
@@ -247,7 +246,6 @@ def _from_stabilize(record: dict, folder: Path):
     private temporary folder: a LoRA run's output, or a model whose walk in memory would not fit."""
     from safetensors import safe_open
 
-    from bema_cli.decide.candidate import stabilizer_params
     from bema_cli.schedule import Schedule
     from bema_cli.stabilize import Options, stabilize
 
@@ -256,7 +254,7 @@ def _from_stabilize(record: dict, folder: Path):
     out_dtype = None if lora.get("output") == "adapter" else _out_dtype(record)  # an adapter keeps its own
     tmp = Path(tempfile.mkdtemp(prefix="bema-verify-"))
     try:
-        opts = Options(checkpoint_dir=str(run_of(source)), schedules=[Schedule(**stabilizer_params(record)).resolved()],
+        opts = Options(checkpoint_dir=str(run_of(source)), schedules=[Schedule.from_record(record).resolved()],
                        out=str(tmp / "out"), base=record.get("theta0_source"), steps=[int(record["step"])],
                        accum_dtype=record.get("accum_dtype", "float32"), no_state=True, out_dtype=out_dtype,
                        allow_gaps=bool(record.get("allow_gaps")), lora_output=lora.get("output", "merged"),

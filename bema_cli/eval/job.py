@@ -17,7 +17,7 @@ from bema_cli.eval import timings
 from bema_cli.eval.backends.base import Sampling, prompt_seed
 from bema_cli.eval.chat import render
 from bema_cli.eval.targets import Target
-from bema_cli.eval.tasks import LOSS_TASKS, get_task, is_lm_eval
+from bema_cli.eval.tasks import LOSS_TASKS, SELECTION_SEED, get_task, is_lm_eval
 from bema_cli.eval.tasks import common as scoring
 from bema_cli.eval.tasks import loss as loss_task
 
@@ -31,11 +31,11 @@ class EvalConfig:
     loss_train_data: str | None = None
     loss_samples: int = loss_task.DEFAULT_SAMPLES
     loss_max_tokens: int = loss_task.MAX_TOKENS
-    n_samples: int = 50  # the paper's protocol: 50 samples per prompt
-    temperature: float = 1.0
-    seed: int = 13337  # sampling seed, the paper's
+    n_samples: int = Sampling.n  # the paper's protocol: 50 samples per prompt
+    temperature: float = Sampling.temperature
+    seed: int = Sampling.seed  # sampling seed, the paper's
     max_new_tokens: int | None = None  # None: per task (256 BoolQ/MMLU-HS, 512 GSM8K)
-    selection_seed: int = 37371  # prompt subset seed, the paper's (also picks the few-shot examples)
+    selection_seed: int = SELECTION_SEED
     limit: int | None = None  # None: per task (64 BoolQ, 128 GSM8K, 64 per MMLU-HS subject)
     num_fewshot: int = 0  # the authors' configs: zero-shot (the paper's text: 5-shot BoolQ)
     cot: bool = False  # ask BoolQ/MMLU-HS for step-by-step reasoning (GSM8K always asks)

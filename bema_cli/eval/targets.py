@@ -23,13 +23,11 @@ from bema_cli.io.checkpoints import (
 )
 from bema_cli.io.provenance import find_input
 from bema_cli.io.reader import safetensors_files
+from bema_cli.schedule import RECORD_KEYS
 from bema_cli.stabilize.meta import read_manifest, read_record
 
 # bema.json keys that describe the stabilizer (per-step alpha/beta and paths are not hyperparameters)
-STABILIZER_KEYS = (
-    "method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min",
-    "window", "schedule", "swa_start", "sigma_rel", "power_gamma", "accum_dtype", "out_dtype", "theta0_source",
-)  # fmt: skip
+STABILIZER_KEYS = (*RECORD_KEYS, "accum_dtype", "out_dtype", "theta0_source")
 VANILLA = {"method": "vanilla"}
 SWEEP_SCHEME = "sweep:"  # model_path of a `bema sweep` config's record: evaluated in memory, never on disk
 

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 from bema_cli.errors import InputError
+from bema_cli.schedule import NUMBER_KEYS
 
 KEY = "bema"
 
@@ -159,19 +160,7 @@ def read(folder: Path) -> dict:
     return doc
 
 
-NUMBERS = (
-    "kappa",
-    "eta",
-    "gamma",
-    "rho",
-    "tau",
-    "phi",
-    "beta_min",
-    "window",
-    "swa_start",
-    "sigma_rel",
-    "power_gamma",
-)
+NUMBERS = NUMBER_KEYS  # a stabilizer's numeric parameters (schedule.py's fields)
 
 
 def _number(x) -> bool:

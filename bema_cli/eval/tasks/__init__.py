@@ -10,6 +10,7 @@ from bema_cli.errors import UsageError
 GENERATION_TASKS = ("boolq", "gsm8k", "mmlu_hs")
 LOSS_TASKS = ("loss", "train_loss")  # held-out loss (--loss-data) and train loss (--loss-train-data)
 TASKS = GENERATION_TASKS + LOSS_TASKS
+SELECTION_SEED = 37371  # the prompt subset's seed, the paper's (also picks the few-shot examples)
 
 
 LM_EVAL_PREFIX = "lm_eval:"  # --tasks lm_eval:<task or group>: run by lm-evaluation-harness's evaluator

@@ -24,10 +24,16 @@ CITATION = """@article{block2025ema,
 }"""
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "org/name", as the Hub spells a model id
 METHOD_NAMES = {
-    "bema": "BEMA (bias-corrected EMA)", "ema": "EMA", "dema": "DEMA", "ouema": "OUEMA",
-    "lawa": "LAWA (latest weight averaging)", "wsm": "WSM (schedule-weighted checkpoint merge)",
-    "swa": "SWA (equal-weight running mean)", "power": "power EMA (EDM2)", "vanilla": "the checkpoint itself",
-}  # fmt: skip
+    "bema": "BEMA (bias-corrected EMA)",
+    "ema": "EMA",
+    "dema": "DEMA",
+    "ouema": "OUEMA",
+    "lawa": "LAWA (latest weight averaging)",
+    "wsm": "WSM (schedule-weighted checkpoint merge)",
+    "swa": "SWA (equal-weight running mean)",
+    "power": "power EMA (EDM2)",
+    "vanilla": "the checkpoint itself",
+}
 PROVENANCE = ("run", "step", "source_checkpoint", "theta0_source", "accum_dtype", "out_dtype", "bema_version")
 
 
@@ -166,7 +172,7 @@ def card(
             [f"| weights | {_cell(recipe(record['coefficients']))} |"]
             if isinstance(record.get("coefficients"), dict)
             else []
-        ),  # fmt: skip
+        ),
         *(
             ["| allow gaps | true: steps missing from the run's cadence were skipped |"]
             if record.get("allow_gaps")

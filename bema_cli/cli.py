@@ -81,10 +81,21 @@ def _root(
 
 PANELS = {"stabilize": stabilize.PANELS, "sweep": sweep.PANELS}  # option panels of commands that declare them
 # in the order a user meets them: try it, average, judge, pick, ship, then the tools around them
-COMMANDS = {"demo": demo.demo, "stabilize": stabilize.stabilize, "eval": evaluate.evaluate, "sweep": sweep.sweep,
-            "select": select.select, "ship": ship.ship, "push": push.push, "report": report.report,
-            "rescore": evaluate.rescore, "simulate": simulate.simulate, "env": env.env, "version": env.version,
-            "verify": verify.verify}  # fmt: skip
+COMMANDS = {
+    "demo": demo.demo,
+    "stabilize": stabilize.stabilize,
+    "eval": evaluate.evaluate,
+    "sweep": sweep.sweep,
+    "select": select.select,
+    "ship": ship.ship,
+    "push": push.push,
+    "report": report.report,
+    "rescore": evaluate.rescore,
+    "simulate": simulate.simulate,
+    "env": env.env,
+    "version": env.version,
+    "verify": verify.verify,
+}
 for _name, _command in COMMANDS.items():
     app.command(_name)(_command)
 

@@ -140,8 +140,14 @@ def window_members(d: Duration, clock: RunClock) -> tuple[int, dict]:
     inside = [s for s in clock.steps if T - span < s <= T]
     if not inside:
         raise UsageError(f"--window {d.text}: no checkpoint in the last {span:g} steps of the run")
-    return len(inside), {"duration": d.text, "steps": span, "checkpoints": len(inside),
-                         "first_step": inside[0], "last_step": T, **_tokens(d, clock)}  # fmt: skip
+    return len(inside), {
+        "duration": d.text,
+        "steps": span,
+        "checkpoints": len(inside),
+        "first_step": inside[0],
+        "last_step": T,
+        **_tokens(d, clock),
+    }
 
 
 def swa_start_step(d: Duration, clock: RunClock) -> tuple[int, dict]:

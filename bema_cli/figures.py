@@ -22,12 +22,18 @@ DPI = 100  # pixels per inch: a figure of w x h inches is a PNG of (100 w) x (10
 # picks the hue, and a run of that family with its own hyperparameters (bema-k0.5-e0.3) a shade
 # fixed by its name. vanilla is black and dashed everywhere.
 FAMILY_COLORS = {
-    "vanilla": ("black", None), "ema": ("tab:blue", "Blues"), "bema": ("tab:red", "Reds"),
-    "dema": ("tab:green", "Greens"), "ouema": ("tab:purple", "Purples"), "mle": ("tab:orange", "Oranges"),
+    "vanilla": ("black", None),
+    "ema": ("tab:blue", "Blues"),
+    "bema": ("tab:red", "Reds"),
+    "dema": ("tab:green", "Greens"),
+    "ouema": ("tab:purple", "Purples"),
+    "mle": ("tab:orange", "Oranges"),
     "power": ("darkgoldenrod", "YlOrBr"),
     # the window family (merges of saved checkpoints): dash-dot lines, square markers (run_style)
-    "lawa": ("tab:brown", "copper"), "wsm": ("tab:olive", "YlGn"), "swa": ("tab:pink", "RdPu"),
-}  # fmt: skip
+    "lawa": ("tab:brown", "copper"),
+    "wsm": ("tab:olive", "YlGn"),
+    "swa": ("tab:pink", "RdPu"),
+}
 WINDOW_FAMILY = ("lawa", "wsm", "swa")
 OTHER_COLORS = "Greys"  # a run name of no known family: a shade of grey fixed by its name
 

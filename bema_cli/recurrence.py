@@ -80,9 +80,16 @@ class Window:
 
 
 STATE_TENSORS = {
-    "vanilla": (), "ema": ("ema",), "bema": ("ema",), "dema": ("e1", "e2"), "ouema": ("ou",),
-    "swa": ("avg",), "power": ("avg",), "lawa": (), "wsm": (),  # a window's ring is sized by K: Window
-}  # fmt: skip
+    "vanilla": (),
+    "ema": ("ema",),
+    "bema": ("ema",),
+    "dema": ("e1", "e2"),
+    "ouema": ("ou",),
+    "swa": ("avg",),
+    "power": ("avg",),
+    "lawa": (),
+    "wsm": (),  # a window's ring is sized by K: Window
+}
 
 
 class Stabilizer:

@@ -273,9 +273,13 @@ def tables(doc: dict) -> list:
                     else f"{_fmt(r['best']['value'], r['best']['stderr'])} @{r['best']['step']}"
                 )
                 table.add_row(
-                    run, str(len(r["steps"])), str(r["final"]["step"]),
-                    Text(final, style="bold") if run == top else final, _delta(run, r.get("vs_vanilla")), best,
-                )  # fmt: skip
+                    run,
+                    str(len(r["steps"])),
+                    str(r["final"]["step"]),
+                    Text(final, style="bold") if run == top else final,
+                    _delta(run, r.get("vs_vanilla")),
+                    best,
+                )
             vanilla = runs.get("vanilla")
             for label, ref in entry.get("references", {}).items():  # step-less models: one value, no curve
                 value = _fmt(ref["value"], ref["stderr"])
@@ -326,8 +330,10 @@ def ship_table(decision):
     from bema_cli.decide.verdict import fmt_diff
 
     d = decision
-    table = Table(title=f"bema ship: {d.metric} at step {d.step} ({direction(d.higher_is_better)}), every row "
-                        f"on the same {d.report_items} report items")  # fmt: skip
+    table = Table(
+        title=f"bema ship: {d.metric} at step {d.step} ({direction(d.higher_is_better)}), every row "
+        f"on the same {d.report_items} report items"
+    )
     for col in ("run", "value", "95% interval", "vs vanilla", ""):
         table.add_column(col, justify="right" if col == "value" else "left")
     for r in d.rows:

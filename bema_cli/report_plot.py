@@ -33,12 +33,19 @@ def plotted(metric: str, scoring: str) -> bool:
 
 # Axis labels in words. A metric not named here is spelled out from its key ("acc_norm" -> "acc norm").
 METRIC_LABELS = {
-    "loss": "loss (nats/token)", "accuracy_flexible": "accuracy, flexible scoring (share of samples)",
-    "accuracy_strict": "accuracy, strict scoring (share of samples)", "acc": "accuracy",
-    "acc_norm": "length-normalized accuracy", "exact_match": "exact match (share of items)",
-    "word_perplexity": "word perplexity", "byte_perplexity": "byte perplexity", "bits_per_byte": "bits per byte",
-    "brier_score": "Brier score", "f1": "F1", "mcc": "Matthews correlation",
-}  # fmt: skip
+    "loss": "loss (nats/token)",
+    "accuracy_flexible": "accuracy, flexible scoring (share of samples)",
+    "accuracy_strict": "accuracy, strict scoring (share of samples)",
+    "acc": "accuracy",
+    "acc_norm": "length-normalized accuracy",
+    "exact_match": "exact match (share of items)",
+    "word_perplexity": "word perplexity",
+    "byte_perplexity": "byte perplexity",
+    "bits_per_byte": "bits per byte",
+    "brier_score": "Brier score",
+    "f1": "F1",
+    "mcc": "Matthews correlation",
+}
 TASK_LABELS = {"loss": "held-out", "train_loss": "training-data"}
 
 
@@ -127,10 +134,21 @@ def plot(doc: dict, path: str, scoring: str = "flexible", theta0: bool = True) -
         level, trained = chance(task, metric), []
         if level is not None:
             ax.axhline(level, color="0.4", ls=(0, (1, 3)), lw=1.2)
-            ax.annotate("chance", (1.0, level), xycoords=("axes fraction", "data"), ha="right", va="bottom",
-                        fontsize=8, color="0.35")  # fmt: skip
-            trained = [v for r in entry["runs"].values() for s, v in zip(r["steps"], r["values"], strict=True)
-                       if s != r.get("theta0_step")]  # fmt: skip
+            ax.annotate(
+                "chance",
+                (1.0, level),
+                xycoords=("axes fraction", "data"),
+                ha="right",
+                va="bottom",
+                fontsize=8,
+                color="0.35",
+            )
+            trained = [
+                v
+                for r in entry["runs"].values()
+                for s, v in zip(r["steps"], r["values"], strict=True)
+                if s != r.get("theta0_step")
+            ]
         title = f"{name}\n({direction(entry['higher_is_better'])}; band: ±1 s.e.)"
         if level is not None and never_above_chance(
             level, trained

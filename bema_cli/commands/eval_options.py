@@ -99,9 +99,18 @@ ForceOpt = option(
 )
 
 
-def eval_settings(ev, eng, tasks: str, out: str | None, log_samples: bool = False, force: bool = False,
-                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, enforce_eager: bool = False,
-                  verify_swap: bool = False):  # fmt: skip
+def eval_settings(
+    ev,
+    eng,
+    tasks: str,
+    out: str | None,
+    log_samples: bool = False,
+    force: bool = False,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    enforce_eager: bool = False,
+    verify_swap: bool = False,
+):
     """(EvalConfig, EngineOptions) from a command's settings (`ev`: flags.EvalFlags, `eng`:
     flags.EngineFlags) and the flags some commands alone take."""
     from pathlib import Path
@@ -117,18 +126,38 @@ def eval_settings(ev, eng, tasks: str, out: str | None, log_samples: bool = Fals
         if path is not None and name not in names:
             names.append(name)
     config = EvalConfig(
-        tasks=names, out=out, data_dir=ev.data_dir, loss_data=ev.loss_data, loss_train_data=ev.loss_train_data,
-        loss_samples=ev.loss_samples, loss_max_tokens=ev.loss_max_tokens, n_samples=ev.n_samples,
-        temperature=ev.temperature, seed=ev.seed, max_new_tokens=ev.max_new_tokens,
-        selection_seed=ev.selection_seed, limit=ev.limit, backend=eng.backend, log_samples=log_samples,
-        force=force, chat_template_file=ev.chat_template, num_fewshot=ev.num_fewshot, cot=ev.cot,
+        tasks=names,
+        out=out,
+        data_dir=ev.data_dir,
+        loss_data=ev.loss_data,
+        loss_train_data=ev.loss_train_data,
+        loss_samples=ev.loss_samples,
+        loss_max_tokens=ev.loss_max_tokens,
+        n_samples=ev.n_samples,
+        temperature=ev.temperature,
+        seed=ev.seed,
+        max_new_tokens=ev.max_new_tokens,
+        selection_seed=ev.selection_seed,
+        limit=ev.limit,
+        backend=eng.backend,
+        log_samples=log_samples,
+        force=force,
+        chat_template_file=ev.chat_template,
+        num_fewshot=ev.num_fewshot,
+        cot=ev.cot,
         lm_eval_include=ev.lm_eval_include,
-    )  # fmt: skip
+    )
     engine = EngineOptions(
-        dtype=eng.dtype, tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
-        gpu_memory_utilization=eng.gpu_memory_utilization, max_model_len=eng.max_model_len,
-        enforce_eager=enforce_eager, batch_size=eng.batch_size,
+        dtype=eng.dtype,
+        tensor_parallel_size=tensor_parallel_size,
+        data_parallel_size=data_parallel_size,
+        gpu_memory_utilization=eng.gpu_memory_utilization,
+        max_model_len=eng.max_model_len,
+        enforce_eager=enforce_eager,
+        batch_size=eng.batch_size,
         chat_template=read_template(ev.chat_template) if ev.chat_template else None,
-        log_file=str(Path(out) / "vllm.log") if out else None, debug=output.debug(), verify_swap=verify_swap,
-    )  # fmt: skip
+        log_file=str(Path(out) / "vllm.log") if out else None,
+        debug=output.debug(),
+        verify_swap=verify_swap,
+    )
     return config, engine

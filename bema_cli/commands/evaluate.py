@@ -62,16 +62,30 @@ def evaluate(
     if out is None:  # ten minutes of evaluation must never end in nothing kept
         out = DEFAULT_OUT
         output.log(f"results go to ./{DEFAULT_OUT}/ (the default; --out DIR chooses)")
-    config, engine = eval_settings(ev, eng, tasks, out, log_samples, force, tensor_parallel_size,
-                                   data_parallel_size, enforce_eager, verify_swap)  # fmt: skip
+    config, engine = eval_settings(
+        ev,
+        eng,
+        tasks,
+        out,
+        log_samples,
+        force,
+        tensor_parallel_size,
+        data_parallel_size,
+        enforce_eager,
+        verify_swap,
+    )
     if with_vanilla:
         from bema_cli.eval.targets import vanilla_of
 
         inputs = [*(inputs or []), *vanilla_of(inputs or [])]
     doc = eval_document(
-        inputs or [], base, config, engine, where.options(),
+        inputs or [],
+        base,
+        config,
+        engine,
+        where.options(),
         validated=lambda: output.send_library_output(Path(out) / LIBRARY_LOG),
-    )  # fmt: skip
+    )
     if json_:
         output.print_json(doc)
     else:

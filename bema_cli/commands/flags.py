@@ -93,8 +93,12 @@ def with_flags(**groups: type):
         added = []
         for cls in groups.values():
             hints = typing.get_type_hints(cls, include_extras=True)
-            added += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
-                                        annotation=hints[f.name]) for f in dataclasses.fields(cls)]  # fmt: skip
+            added += [
+                inspect.Parameter(
+                    f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name]
+                )
+                for f in dataclasses.fields(cls)
+            ]
 
         @functools.wraps(command)
         def run(*args, **kwargs):
@@ -131,13 +135,29 @@ class GridFlags:
     preset: PresetOpt = "paper"
 
     def common(self) -> dict:
-        return {"preset": self.preset, "gamma": self.gamma, "rho": self.rho, "tau": self.tau, "phi": self.phi,
-                "beta_min": self.beta_min}  # fmt: skip
+        return {
+            "preset": self.preset,
+            "gamma": self.gamma,
+            "rho": self.rho,
+            "tau": self.tau,
+            "phi": self.phi,
+            "beta_min": self.beta_min,
+        }
 
     def given(self, method: str | None) -> bool:
         """Whether any flag that shapes the grid's configs was given (ship: else its default menu)."""
-        shaping = (method, self.kappa, self.eta, self.window, self.schedule, self.swa_start, self.sigma_rel,
-                   self.power_gamma, self.half_life, self.config)  # fmt: skip
+        shaping = (
+            method,
+            self.kappa,
+            self.eta,
+            self.window,
+            self.schedule,
+            self.swa_start,
+            self.sigma_rel,
+            self.power_gamma,
+            self.half_life,
+            self.config,
+        )
         return any(v is not None for v in shaping)
 
     def schedules(self, method: str | None, checkpoint_dir, checkpoints=None, follow: bool = False):
@@ -148,9 +168,17 @@ class GridFlags:
         from bema_cli.stabilize.grids import grid_from_config
 
         if self.config is not None:
-            flags = {"--method": method, "--kappa": self.kappa, "--eta": self.eta, "--window": self.window,
-                     "--schedule": self.schedule, "--swa-start": self.swa_start, "--sigma-rel": self.sigma_rel,
-                     "--power-gamma": self.power_gamma, "--half-life": self.half_life}  # fmt: skip
+            flags = {
+                "--method": method,
+                "--kappa": self.kappa,
+                "--eta": self.eta,
+                "--window": self.window,
+                "--schedule": self.schedule,
+                "--swa-start": self.swa_start,
+                "--sigma-rel": self.sigma_rel,
+                "--power-gamma": self.power_gamma,
+                "--half-life": self.half_life,
+            }
             given = [flag for flag, v in flags.items() if v is not None]
             if given:
                 raise UsageError(f"--config: the grid comes from {self.config}; drop {given[0]}")
@@ -230,8 +258,16 @@ class WalkFlags:
         """The run to walk, as stabilize.Options."""
         from bema_cli.stabilize import Options
 
-        return Options(checkpoint_dir=checkpoint_dir, schedules=schedules, out=out, base=self.base, device=self.device,
-                       out_dtype=self.out_dtype, durations=durations or None, **inputs.options())  # fmt: skip
+        return Options(
+            checkpoint_dir=checkpoint_dir,
+            schedules=schedules,
+            out=out,
+            base=self.base,
+            device=self.device,
+            out_dtype=self.out_dtype,
+            durations=durations or None,
+            **inputs.options(),
+        )
 
     def sweep_options(self, at: str, dry_run: bool = False):
         """The sweep's own settings (sweep.session.SweepOptions): --at and the memory it may hold."""

@@ -84,9 +84,13 @@ def _print(doc: dict) -> None:
         value = f"{c['value']:.4g}" if math.isfinite(c["value"]) else "nan"
         first = (c["run"], c["step"]) == (doc["winner"]["run"], doc["winner"]["step"])
         table.add_row(
-            c["run"], str(c["step"]), value, "winner" if first else fmt_diff(c["vs_best"]), fmt_diff(c["vs_vanilla"]),
+            c["run"],
+            str(c["step"]),
+            value,
+            "winner" if first else fmt_diff(c["vs_best"]),
+            fmt_diff(c["vs_vanilla"]),
             "" if first else "yes" if c["tied_with_best"] else "",  # the best is not tied with itself
-        )  # fmt: skip
+        )
     output.print_table(table)
     if doc["missing"]:
         output.warn(f"no record at this step of: {', '.join(doc['missing'])} (--allow-missing)")

@@ -116,10 +116,23 @@ def ship(
         raise UsageError(f"--guard-margin: a difference in the guard's units, >= 0; got {guard_margin}")
     if not min_effect >= 0:
         raise UsageError(f"--min-effect: a difference in the metric's units, >= 0; got {min_effect}")
-    ship_opts = ShipOptions(Path(out), metric, holdout, at, fits, resamples, select_seed, overwrite,
-                            push, max_evaluations, dry_run=dry_run, min_effect=min_effect, guard_margin=guard_margin,
-                            reads=(Path(grid.config).expanduser(),) if grid.config else (),
-                            trust_held_out=trust_held_out)  # fmt: skip
+    ship_opts = ShipOptions(
+        Path(out),
+        metric,
+        holdout,
+        at,
+        fits,
+        resamples,
+        select_seed,
+        overwrite,
+        push,
+        max_evaluations,
+        dry_run=dry_run,
+        min_effect=min_effect,
+        guard_margin=guard_margin,
+        reads=(Path(grid.config).expanduser(),) if grid.config else (),
+        trust_held_out=trust_held_out,
+    )
     check(ship_opts, evaluation)
     if grid.given(method):
         schedules, durations = grid.schedules(method, checkpoint_dir)
@@ -128,12 +141,20 @@ def ship(
         schedules, durations = menu(**{**DEFAULT_GRID, "windows": windows}, **grid.common()), {}
     opts = walk.options(checkpoint_dir, schedules, race, durations, inputs)
     try:
-        doc = run(opts, evaluation, engine, ship_opts, walk.sweep_options(at),
-                  validated=lambda: output.send_library_output(Path(race) / LIBRARY_LOG))  # fmt: skip
+        doc = run(
+            opts,
+            evaluation,
+            engine,
+            ship_opts,
+            walk.sweep_options(at),
+            validated=lambda: output.send_library_output(Path(race) / LIBRARY_LOG),
+        )
     except InputError as exc:
         if defaulted and str(exc).startswith("no data"):  # the user never named gsm8k: say why it is there
-            raise InputError(f"ship decides on --loss-data FILE (held-out loss) or on --tasks; with neither "
-                             f"it decides on gsm8k, and found {exc}") from None  # fmt: skip
+            raise InputError(
+                f"ship decides on --loss-data FILE (held-out loss) or on --tasks; with neither "
+                f"it decides on gsm8k, and found {exc}"
+            ) from None
         raise
     except BemaError as exc:  # a refused push: the decision is made and the model written; say it first
         if getattr(exc, "document", None) is not None and not json_:  # --json: the error's document holds it

@@ -122,18 +122,35 @@ def stabilize(
     follow = fol.follow
     schedules, durations = grid.schedules(method, checkpoint_dir, checkpoints, follow)
     opts = Options(
-        checkpoint_dir=checkpoint_dir, schedules=schedules, out=out, base=base,
-        max_memory=parse_size(max_memory, "--max-memory"), max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
-        device=device, readers=readers, out_dtype=out_dtype, final_only=final_only,
-        steps=parse_int_list(steps, "--steps") if steps is not None else None, dry_run=dry_run, overwrite=overwrite,
-        checkpoints=checkpoints, lora_output=lora_output, lora_rank=lora_rank, restart=restart, keep_last=keep_last,
-        fingerprint=fingerprint, no_state=None if keep_state is None else not keep_state, durations=durations or None,
+        checkpoint_dir=checkpoint_dir,
+        schedules=schedules,
+        out=out,
+        base=base,
+        max_memory=parse_size(max_memory, "--max-memory"),
+        max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
+        device=device,
+        readers=readers,
+        out_dtype=out_dtype,
+        final_only=final_only,
+        steps=parse_int_list(steps, "--steps") if steps is not None else None,
+        dry_run=dry_run,
+        overwrite=overwrite,
+        checkpoints=checkpoints,
+        lora_output=lora_output,
+        lora_rank=lora_rank,
+        restart=restart,
+        keep_last=keep_last,
+        fingerprint=fingerprint,
+        no_state=None if keep_state is None else not keep_state,
+        durations=durations or None,
         **inputs.options(),
-    )  # fmt: skip
+    )
     if inputs.min_interval is not None:
         if keep_state or follow:
-            raise UsageError("--min-interval: the thinned set anchors at the last step, so a continued run would "
-                             "average another one: drop --keep-state/--follow")  # fmt: skip
+            raise UsageError(
+                "--min-interval: the thinned set anchors at the last step, so a continued run would "
+                "average another one: drop --keep-state/--follow"
+            )
         opts = replace(opts, no_state=True)
     if fingerprint not in ("full", "sampled"):
         raise UsageError(f"--fingerprint: choose full or sampled, got {fingerprint!r}")
@@ -190,13 +207,30 @@ def _gb(n: int) -> str:
 # `bema stabilize --help` groups its options in panels (cli.command applies them), as eval's are.
 PANELS = {
     "Stabilizer (the grid: comma lists)": [*RECORD_KEYS, "config"],  # a flag per Schedule field
-    "What to write": ["final_only", "steps", "out_dtype", "accum_dtype", "max_shard_size", "lora_output", "lora_rank",
-                      "keep_last"],
-    "Incremental runs and follow mode": ["keep_state", "restart", "fingerprint", "follow", "until_step",
-                                         "idle_timeout", "poll", "settle", "allow_gaps"],
+    "What to write": [
+        "final_only",
+        "steps",
+        "out_dtype",
+        "accum_dtype",
+        "max_shard_size",
+        "lora_output",
+        "lora_rank",
+        "keep_last",
+    ],
+    "Incremental runs and follow mode": [
+        "keep_state",
+        "restart",
+        "fingerprint",
+        "follow",
+        "until_step",
+        "idle_timeout",
+        "poll",
+        "settle",
+        "allow_gaps",
+    ],
     "Safety": ["overwrite", "allow_nonfinite", "cast_base", "dry_run"],
     "Resources and scale-out": ["max_memory", "device", "readers", "executor", "workers", "ray_address"],
-}  # fmt: skip
+}
 NUMERIC = ("step", "alpha", "beta")  # right-aligned: kept whole on a narrow terminal (output.print_table)
 
 

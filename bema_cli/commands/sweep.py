@@ -28,8 +28,15 @@ from bema_cli.options import (
 from bema_cli.schedule import RECORD_KEYS
 
 
-@with_flags(grid=GridFlags, inputs=InputFlags, fol=FollowFlags, walk=WalkFlags, where=ExecutorFlags, ev=EvalFlags,
-            eng=EngineFlags)  # fmt: skip
+@with_flags(
+    grid=GridFlags,
+    inputs=InputFlags,
+    fol=FollowFlags,
+    walk=WalkFlags,
+    where=ExecutorFlags,
+    ev=EvalFlags,
+    eng=EngineFlags,
+)
 def sweep(
     checkpoint_dir: argument(str, help="Training output folder (checkpoint-N, step_N, ... folders)."),
     out: option(str, "--out", "-o", help="Results folder (results.jsonl; no weights are written)."),
@@ -81,9 +88,14 @@ def sweep(
         )
     pace = fol.pace()
     doc = run(
-        opts, evaluation, engine, walk.sweep_options(at, dry_run), executor=where.options(), follow=pace,
+        opts,
+        evaluation,
+        engine,
+        walk.sweep_options(at, dry_run),
+        executor=where.options(),
+        follow=pace,
         validated=lambda: output.send_library_output(Path(out) / LIBRARY_LOG),
-    )  # fmt: skip
+    )
     if not dry_run and not follow:
         doc["notes"] = _lag_notes(opts, doc)
     if json_:
@@ -127,6 +139,13 @@ def _lag_notes(opts, doc: dict) -> list[str]:
 PANELS = {
     "Stabilizer (the grid: comma lists)": [*RECORD_KEYS, "config"],  # a flag per Schedule field
     "Follow a live run": ["follow", "until_step", "idle_timeout", "poll", "settle", "allow_gaps"],
-    "Resources and scale-out": ["max_memory", "device", "accum_dtype", "out_dtype", "executor", "workers",
-                                "ray_address"],
-}  # fmt: skip
+    "Resources and scale-out": [
+        "max_memory",
+        "device",
+        "accum_dtype",
+        "out_dtype",
+        "executor",
+        "workers",
+        "ray_address",
+    ],
+}

@@ -45,8 +45,11 @@ def verify(
             if doc["not_checked"]
             else "; its config and tokenizer files are as written"
         )
-        output.stdout.print(f"{folder}: bitwise identical to its rebuild ({doc['tensors']} tensors){said}{files}",
-                            highlight=False, markup=False)  # fmt: skip
+        output.stdout.print(
+            f"{folder}: bitwise identical to its rebuild ({doc['tensors']} tensors){said}{files}",
+            highlight=False,
+            markup=False,
+        )
         return
     if doc["files_differ"] and not doc["differ"] and not doc["vector_differs"]:
         raise Differs(

@@ -61,15 +61,25 @@ def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
     at_most = metric_items + loads * other_items
     tasks_items = len(ids) + other_items
     exhaustive = (menu + fits + bool(soup) + bool(simplex)) * tasks_items  # each fit found, on every item
-    doc = {"dry_run": True, "metric": metric.name, "step": step, "candidates": {"menu": menu, "fit_trials_at_most": fits},
-           "items": {"pick": len(pick), "report": len(report), "other_tasks": other_items},
-           "evaluations": {"at_most": at_most, "exhaustive_design": exhaustive},
-           "round_items": race.ROUND_ITEMS, "backend": evaluation.backend_name}  # fmt: skip
+    doc = {
+        "dry_run": True,
+        "metric": metric.name,
+        "step": step,
+        "candidates": {"menu": menu, "fit_trials_at_most": fits},
+        "items": {"pick": len(pick), "report": len(report), "other_tasks": other_items},
+        "evaluations": {"at_most": at_most, "exhaustive_design": exhaustive},
+        "round_items": race.ROUND_ITEMS,
+        "backend": evaluation.backend_name,
+    }
     if unservable:
         doc["vllm_cannot_serve"] = unservable
-    guards = [guard.foresight(t, len(item_ids(evaluation.inputs[t])), guard.margin_of(True, ship_opts.guard_margin),
-                              metric.name)
-              for t in others if t not in LOSS_TASKS and not t.startswith("lm_eval:")]  # fmt: skip
+    guards = [
+        guard.foresight(
+            t, len(item_ids(evaluation.inputs[t])), guard.margin_of(True, ship_opts.guard_margin), metric.name
+        )
+        for t in others
+        if t not in LOSS_TASKS and not t.startswith("lm_eval:")
+    ]
     if guards:  # what each accuracy guard can show at its items, before anything runs
         doc["guards"] = guards
         for g in guards:
@@ -116,8 +126,9 @@ def _max_new(task: str) -> int:
     return get_task(task).MAX_NEW_TOKENS
 
 
-def _jobs(evaluation, targets: dict, task, pick, report, ids, candidates: int, others: list,
-          vanilla_only: bool) -> list[Job]:  # fmt: skip
+def _jobs(
+    evaluation, targets: dict, task, pick, report, ids, candidates: int, others: list, vanilla_only: bool
+) -> list[Job]:
     """The evaluations at most, as jobs the sweep's projection reads, a swap each: vanilla once on
     its pick and report items and the other tasks (menu.race_menu, contest), every other candidate
     on the pick items (menu._visit), two more finalists on the report items, the shipped model on
@@ -171,17 +182,28 @@ def _mdd(work: Path, metric, report_n: int) -> dict:
 def budget_line(doc: dict) -> str:
     """The dry run in one line (stdout without --json)."""
     ev, items = doc["evaluations"], doc["items"]
-    parts = [f"{items['report']} report items, fewer than {MIN_REPORT_ITEMS}: vanilla alone is scored"] if (
-        undecidable(items["report"])) else []  # fmt: skip
-    parts += [f"at most {ev['at_most']} (candidate, item) evaluations (every candidate on every item: "
-             f"{ev['exhaustive_design']})"]  # fmt: skip
+    parts = (
+        [f"{items['report']} report items, fewer than {MIN_REPORT_ITEMS}: vanilla alone is scored"]
+        if (undecidable(items["report"]))
+        else []
+    )
+    parts += [
+        f"at most {ev['at_most']} (candidate, item) evaluations (every candidate on every item: "
+        f"{ev['exhaustive_design']})"
+    ]
     if "generated_tokens_at_most" in doc:
         parts.append(f"at most {doc['generated_tokens_at_most']:,} generated tokens")
     if doc.get("projection"):
         unmeasured = doc["projection"].get("measured_floors") is None
-        parts.append(f"~{doc['projection']['seconds']:.0f} s projected" + (
-            f" (no {doc['backend']} run measured on this machine yet: it counts arithmetic alone and can read "
-            "several times low; it is measured from the first run on)" if unmeasured else ""))  # fmt: skip
+        parts.append(
+            f"~{doc['projection']['seconds']:.0f} s projected"
+            + (
+                f" (no {doc['backend']} run measured on this machine yet: it counts arithmetic alone and can read "
+                "several times low; it is measured from the first run on)"
+                if unmeasured
+                else ""
+            )
+        )
     mdd = doc["mdd"]
     if mdd["value"] is None:
         parts.append(f"{items['report']} report items: what they resolve is {mdd['from']}")
@@ -191,7 +213,8 @@ def budget_line(doc: dict) -> str:
             if doc["metric"] == "loss"
             else f"{100 * mdd['value']:.1f} points"
         )
-        parts.append(f"{items['report']} report items resolve differences of {value} and up "
-                     f"(80% power; {mdd['from']})")  # fmt: skip
+        parts.append(
+            f"{items['report']} report items resolve differences of {value} and up (80% power; {mdd['from']})"
+        )
     parts.append(motion.describe(doc["motion_verdict"]))
     return f"ship --dry-run at step {doc['step']}: " + "; ".join(parts)

@@ -97,8 +97,13 @@ def of_settings(
     if settings.get("method", "vanilla") == "vanilla":
         return Candidate(name, vanilla(step).vector), {str(step): Path(source)}, base or "first"
     run = run_of(source)
-    opts = Options(checkpoint_dir=str(run), schedules=[Schedule.from_record(settings).resolved()],
-                   out=str(run / ".bema-unused"), base=base, allow_gaps=allow_gaps)  # fmt: skip
+    opts = Options(
+        checkpoint_dir=str(run),
+        schedules=[Schedule.from_record(settings).resolved()],
+        out=str(run / ".bema-unused"),
+        base=base,
+        allow_gaps=allow_gaps,
+    )
     plan = plan_sweep(opts)
     (cand,) = [c for key, c in menu(plan, step).items() if key != "vanilla"]
     folders = {THETA0: plan.base_index.folder, **{str(c.step): c.path for c in plan.checkpoints}}
@@ -126,10 +131,14 @@ def lag_notes(plan, menu: dict[str, Candidate], step: int) -> list[str]:
                 f"{run.name} still weighs theta0 at {c0:.3g} at step {step}: with {saved} checkpoints, {lever}"
             )
         elif c0 <= -THETA0_NOTE:  # BEMA's correction overshoots: it extrapolates away from theta0
-            out.append(f"{run.name} weighs theta0 at {c0:.3g} at step {step}: its bias correction extrapolates past "
-                       f"the last checkpoint; with {saved} checkpoints, {lever}")  # fmt: skip
+            out.append(
+                f"{run.name} weighs theta0 at {c0:.3g} at step {step}: its bias correction extrapolates past "
+                f"the last checkpoint; with {saved} checkpoints, {lever}"
+            )
         members = len(last_members(run.events, step, window)) if window else 0
         if window and members < window:
-            out.append(f"{run.name} averages {members} checkpoints, not {window}: the run has {saved} up to "
-                       f"step {step}")  # fmt: skip
+            out.append(
+                f"{run.name} averages {members} checkpoints, not {window}: the run has {saved} up to "
+                f"step {step}"
+            )
     return out

@@ -40,9 +40,11 @@ def item_ids(task) -> list:
             seen.add(key)
             ids.append(i)
     if len(ids) < len(task.loss_records):
-        output.warn(f"{task.name}: {len(task.loss_records) - len(ids)} of the {len(task.loss_records)} held-out "
-                    f"records repeat another; ship decides on the {len(ids)} distinct ones (an interval counts "
-                    "independent items)")  # fmt: skip
+        output.warn(
+            f"{task.name}: {len(task.loss_records) - len(ids)} of the {len(task.loss_records)} held-out "
+            f"records repeat another; ship decides on the {len(ids)} distinct ones (an interval counts "
+            "independent items)"
+        )
     return ids
 
 
@@ -85,8 +87,10 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
         pick_ids, report_ids = [ids[i] for i in pick], [ids[i] for i in report]
         vanilla_only = undecidable(len(report_ids))  # the verdict says so, and how many records would decide
         if vanilla_only:
-            output.warn(f"{metric.task}: {len(report_ids)} report items, fewer than {MIN_REPORT_ITEMS}: no average "
-                        "can be shipped on them, so only vanilla is scored")  # fmt: skip
+            output.warn(
+                f"{metric.task}: {len(report_ids)} report items, fewer than {MIN_REPORT_ITEMS}: no average "
+                "can be shipped on them, so only vanilla is scored"
+            )
         racing = {"vanilla": menu["vanilla"]} if vanilla_only else menu
         raced = race_menu(scorer, racing, pick_ids, report_ids, ship_opts, metric, ship_opts.max_evaluations)
         if vanilla_only:
@@ -94,8 +98,9 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
         chosen, records = raced["chosen"], raced["records"]
         fitted = None
         if ship_opts.fits and raced["race"]["stopped"] is None:
-            fitted = search(scorer, menu, steps, raced["race"]["survivors"], pick_ids, report_ids, ship_opts,
-                            metric)  # fmt: skip
+            fitted = search(
+                scorer, menu, steps, raced["race"]["survivors"], pick_ids, report_ids, ship_opts, metric
+            )
         decision, why = decide(chosen, fitted, metric, ship_opts, records)
         if raced["race"]["stopped"]:
             why += f" ({raced['race']['stopped']}; the fits were not searched)"
@@ -121,8 +126,13 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
         if guards and not guards[0]["passed"]:  # the first is a blocking one, when there is one
             why = guard.blocked_verdict(decision, why, guards[0], foreseen.get(guards[0]["task"]))
             van = next(c for c in chosen["candidates"] if c["run"] == "vanilla" and c["step"] == step)
-            decision = {"run": "vanilla", "step": step, "kind": "vanilla", "value": van["value"],
-                        "blocked": {"run": decision["run"], "kind": decision["kind"], "guard": guards[0]["task"]}}  # fmt: skip
+            decision = {
+                "run": "vanilla",
+                "step": step,
+                "kind": "vanilla",
+                "value": van["value"],
+                "blocked": {"run": decision["run"], "kind": decision["kind"], "guard": guards[0]["task"]},
+            }
     finally:
         arena.close()
     moved = _motion(arena, plan, work)
@@ -130,12 +140,24 @@ def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work
     tasks = [t for t in config.tasks if t != "train_loss"]
     exhaustive = (len(menu) + trials) * len(ids) * len(tasks)  # every candidate, every item, every task
     raced["race"]["evaluations"] = {"items": scorer.evaluated + other_items, "exhaustive_design": exhaustive}
-    return {"chosen": chosen, "records": records, "fitted": fitted, "decision": decision, "verdict": why,
-            "race": raced["race"], "other_tasks": others, "guards": guards, "memory": memory, "backend": evaluation.backend_name,
-            "motion": moved, "notes": [*shape_note, *base_note, *flip_notes,
-                                       *candidate.lag_notes(plan, menu, step)],
-            "candidates": menu, "steps": steps, "basis": basis,
-            "base_source": plan.base_source}  # fmt: skip
+    return {
+        "chosen": chosen,
+        "records": records,
+        "fitted": fitted,
+        "decision": decision,
+        "verdict": why,
+        "race": raced["race"],
+        "other_tasks": others,
+        "guards": guards,
+        "memory": memory,
+        "backend": evaluation.backend_name,
+        "motion": moved,
+        "notes": [*shape_note, *base_note, *flip_notes, *candidate.lag_notes(plan, menu, step)],
+        "candidates": menu,
+        "steps": steps,
+        "basis": basis,
+        "base_source": plan.base_source,
+    }
 
 
 def _flip_notes(others: dict, scorer, shipped, vanilla, report_ids: list) -> list[str]:
@@ -154,8 +176,9 @@ def _flip_notes(others: dict, scorer, shipped, vanilla, report_ids: list) -> lis
 
 def scorer_of(arena, metric, work) -> ItemScorer:
     """The metric's task scored in the arena, its records in work/race/<task>."""
-    return ItemScorer(arena.evaluate, arena.evaluation.inputs[metric.task], metric,
-                      ResultsFile(work / "race" / metric.task))  # fmt: skip
+    return ItemScorer(
+        arena.evaluate, arena.evaluation.inputs[metric.task], metric, ResultsFile(work / "race" / metric.task)
+    )
 
 
 SHAPE_FACTOR, SHAPE_GAP = 2.0, 0.5  # held-out loss over twice the last training loss, and half a nat above
@@ -179,10 +202,12 @@ def _shape_note(plan, chosen, metric) -> list[str]:
     held = next(c["value"] for c in chosen["candidates"] if c["run"] == "vanilla")
     if not (held > SHAPE_FACTOR * train and held > train + SHAPE_GAP):
         return []
-    note = (f"vanilla's held-out loss {held:.3g} nats/token is far above the run's last training loss "
-            f"{train:.3g} ({state.parent.name}/trainer_state.json): the held-out rows may not be in the shape "
-            'the run trained on ({"messages"} rows score every turn; prompt/completion training learns the '
-            "completions alone): docs/usage.md says which shape matches which training format")  # fmt: skip
+    note = (
+        f"vanilla's held-out loss {held:.3g} nats/token is far above the run's last training loss "
+        f"{train:.3g} ({state.parent.name}/trainer_state.json): the held-out rows may not be in the shape "
+        'the run trained on ({"messages"} rows score every turn; prompt/completion training learns the '
+        "completions alone): docs/usage.md says which shape matches which training format"
+    )
     return [note]
 
 
@@ -201,10 +226,12 @@ def _base_note(scorer, step: int, ids: list, metric) -> list[str]:
     held, before = losses["vanilla"], losses["theta0"]
     if held <= before:
         return []
-    note = (f"vanilla's held-out loss {held:.3g} nats/token is above theta0's {before:.3g} on the same "
-            f"{len(ids)} report items: training made these rows less likely. They may not be in the shape "
-            "the run trained on (docs/usage.md says which shape matches which training format), or the "
-            "run overfit")  # fmt: skip
+    note = (
+        f"vanilla's held-out loss {held:.3g} nats/token is above theta0's {before:.3g} on the same "
+        f"{len(ids)} report items: training made these rows less likely. They may not be in the shape "
+        "the run trained on (docs/usage.md says which shape matches which training format), or the "
+        "run overfit"
+    )
     return [note]
 
 
@@ -259,9 +286,14 @@ def _other_tasks(scorers: dict, shipped, vanilla) -> tuple[dict, int]:
         mine, van = scorer.record(shipped, ids), scorer.record(vanilla, ids)
         evaluated += scorer.evaluated
         same = shipped.digest == vanilla.digest
-        out[task] = {"metric": m.name, "higher_is_better": m.higher_is_better, "candidate": shipped.name,
-                     "shipped": metric_value(mine, m), "vanilla": metric_value(van, m),
-                     "vs_vanilla": None if same else select.versus(mine, van, m, None, 0)}  # fmt: skip
+        out[task] = {
+            "metric": m.name,
+            "higher_is_better": m.higher_is_better,
+            "candidate": shipped.name,
+            "shipped": metric_value(mine, m),
+            "vanilla": metric_value(van, m),
+            "vs_vanilla": None if same else select.versus(mine, van, m, None, 0),
+        }
         if not same and (table := flips(mine, van, m)) is not None:
             out[task]["flips"] = table
     return out, evaluated

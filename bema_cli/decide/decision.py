@@ -39,11 +39,16 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
     fmt_v, fmt_d = verdict.fmt_value, verdict.fmt_diff
     if undecidable(reported):  # no interval to trust: the raw checkpoint, and why
         return (
-            {"run": "vanilla", "step": step, "kind": "vanilla", "value": vanilla_row["value"],
-             "undecided": f"{reported} report items, fewer than {MIN_REPORT_ITEMS}"},
+            {
+                "run": "vanilla",
+                "step": step,
+                "kind": "vanilla",
+                "value": vanilla_row["value"],
+                "undecided": f"{reported} report items, fewer than {MIN_REPORT_ITEMS}",
+            },
             f"ship vanilla at step {step}: cannot decide on {reported} report item(s) (at least "
             f"{MIN_REPORT_ITEMS} are needed for an interval; {_more_items(chosen, ship_opts)})",
-        )  # fmt: skip
+        )
     vanilla_rec = record_of(records, vanilla_row, metric)
     report_ids = _report_ids(vanilla_rec, ship_opts)
     van = restrict(vanilla_rec, report_ids, metric)
@@ -61,50 +66,75 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
             value = vanilla_row["value"] + vs_vanilla["value"]  # both on the report items
             numbers = resolution(rec, van, metric, vs_vanilla)
             return (
-                {"run": rec["run"], "step": step, "kind": "fitted", "value": value, "vs_vanilla": vs_vanilla,
-                 **numbers},
+                {
+                    "run": rec["run"],
+                    "step": step,
+                    "kind": "fitted",
+                    "value": value,
+                    "vs_vanilla": vs_vanilla,
+                    **numbers,
+                },
                 f"ship {rec['run']} at step {step}: {name} {fmt_v(value)} vs vanilla "
                 f"{fmt_v(value - vs_vanilla['value'])} ({fmt_d(vs_vanilla)}; {_corrected(numbers)}); it beats "
                 f"{menu['run']} ({fmt_d(vs_menu)}), the best of the menu; {_mdd(numbers, reported, metric)}",
-            )  # fmt: skip
+            )
     if menu is not vanilla_row:
-        numbers = resolution(restrict(record_of(records, w, metric), report_ids, metric), van, metric,
-                             w["vs_vanilla"])  # fmt: skip
+        numbers = resolution(
+            restrict(record_of(records, w, metric), report_ids, metric), van, metric, w["vs_vanilla"]
+        )
         vs = w["vs_vanilla"]
         return (
             {"run": w["run"], "step": step, "kind": "menu", "value": w["value"], "vs_vanilla": vs, **numbers},
             f"ship {w['run']} at step {step}: {name} {fmt_v(w['value'])} vs vanilla {fmt_v(w['value'] - vs['value'])} "
             f"({fmt_d(vs)}; {_corrected(numbers)}); {_mdd(numbers, reported, metric)}",
-        )  # fmt: skip
+        )
     # vanilla ships: say which candidate each half pointed at
     picked_on = chosen["selection"]["picked_on"]
     best = w if w["run"] != "vanilla" else _best_average(chosen, step, better)
     if w["run"] != "vanilla" and effect and verdict.is_better(w["vs_vanilla"], better):  # not by enough
-        why = (f"{w['run']} was picked on the {picked_on} pick items, and on the {reported} report items it "
-               f"reads {fmt_d(w['vs_vanilla'])} against vanilla: beyond its interval, not beyond --min-effect "
-               f"{effect:g}")  # fmt: skip
+        why = (
+            f"{w['run']} was picked on the {picked_on} pick items, and on the {reported} report items it "
+            f"reads {fmt_d(w['vs_vanilla'])} against vanilla: beyond its interval, not beyond --min-effect "
+            f"{effect:g}"
+        )
     elif w["run"] != "vanilla":  # picked on the pick items, not beyond vanilla on the report items
-        why = (f"{w['run']} was picked on the {picked_on} pick items, and on the {reported} report items it "
-               f"reads {fmt_d(w['vs_vanilla'])} against vanilla, not beyond its interval")  # fmt: skip
+        why = (
+            f"{w['run']} was picked on the {picked_on} pick items, and on the {reported} report items it "
+            f"reads {fmt_d(w['vs_vanilla'])} against vanilla, not beyond its interval"
+        )
     elif best and best["tied_with_best"]:  # the tie rule chose vanilla on the pick items
-        why = (f"on the {picked_on} pick items no average was better than vanilla beyond its interval "
-               f"({best['run']}, the best there, tied with it: the tie rule picks vanilla)")  # fmt: skip
+        why = (
+            f"on the {picked_on} pick items no average was better than vanilla beyond its interval "
+            f"({best['run']}, the best there, tied with it: the tie rule picks vanilla)"
+        )
     else:
         why = f"vanilla was the best on the {picked_on} pick items"
-    beaten = [c for c in chosen["candidates"] if c["step"] == step and c["run"] != w["run"] and c["vs_vanilla"]
-              and verdict.is_better(c["vs_vanilla"], better, effect)]  # fmt: skip
+    beaten = [
+        c
+        for c in chosen["candidates"]
+        if c["step"] == step
+        and c["run"] != w["run"]
+        and c["vs_vanilla"]
+        and verdict.is_better(c["vs_vanilla"], better, effect)
+    ]
     if not beaten:  # said of what was tested there: the finalists, not every average of the menu
         tested = [c["run"] for c in chosen["candidates"] if c["step"] == step and c["run"] != "vanilla"]
         if fitted and fitted.get("best"):
             tested.append(fitted["best"]["record"]["run"])
         # the bar the decision applied (decide filters by --min-effect when it is set): said as applied
         bar = f"by more than --min-effect {effect:g}" if effect else "beyond its interval"
-        why += (f"; none of the averages scored on the report items ({', '.join(tested)}) beats vanilla {bar} "
-                "there" if tested else "; no average reached the report items")  # fmt: skip
+        why += (
+            f"; none of the averages scored on the report items ({', '.join(tested)}) beats vanilla {bar} "
+            "there"
+            if tested
+            else "; no average reached the report items"
+        )
     else:  # what the report half showed, said, and why it does not ship
         b = beaten[0]
-        why += (f"; on the report items {b['run']} reads {fmt_d(b['vs_vanilla'])} against vanilla, but it was not "
-                "picked, and choosing it now would pick on the items that report it")  # fmt: skip
+        why += (
+            f"; on the report items {b['run']} reads {fmt_d(b['vs_vanilla'])} against vanilla, but it was not "
+            "picked, and choosing it now would pick on the items that report it"
+        )
     if effect and w["run"] != "vanilla" and verdict.equivalent(w["vs_vanilla"], effect):
         why += f"; {w['run']} and vanilla are equivalent within --min-effect {effect:g} (its interval lies inside +-{effect:g})"
     numbers = (

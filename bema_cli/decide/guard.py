@@ -51,8 +51,11 @@ def foresight(task: str, items: int, margin: float, metric: str) -> dict:
         # a margin of 0 asks an equal model to be shown better: no number of items passes it
         doc["items_needed"] = math.ceil(((Z95 + Z80) * sd / margin) ** 2) if margin > 0 else None
         doc["margin_resolvable"] = round((Z95 + Z80) * sd / math.sqrt(max(items, 1)), 4)
-        need = (f"{doc['items_needed']} items would pass it {POWER:.0%} of the time at this margin, "
-                if margin > 0 else "")  # fmt: skip
+        need = (
+            f"{doc['items_needed']} items would pass it {POWER:.0%} of the time at this margin, "
+            if margin > 0
+            else ""
+        )
         doc["said"] = (
             f"{task} guard: an average as good as vanilla passes {rate:.0%} of the time at {items} items and "
             f"margin {margin:g} ({DISCORDANT:.0%} of items discordant), so it may block a true winner: "
@@ -87,8 +90,16 @@ def check(others: dict, given: float | None) -> list[dict]:
         margin = margin_of(higher, given)
         passed = holds(doc["vs_vanilla"], higher, margin)
         doc["guard"] = {"margin": margin, "passed": passed}
-        out.append({"task": task, "metric": doc["metric"], "higher_is_better": higher, "margin": margin,
-                    "passed": passed, "vs_vanilla": doc["vs_vanilla"]})  # fmt: skip
+        out.append(
+            {
+                "task": task,
+                "metric": doc["metric"],
+                "higher_is_better": higher,
+                "margin": margin,
+                "passed": passed,
+                "vs_vanilla": doc["vs_vanilla"],
+            }
+        )
     return sorted(out, key=lambda g: g["passed"])
 
 

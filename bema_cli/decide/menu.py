@@ -19,8 +19,9 @@ from bema_cli.decide import power, race, select
 WITHIN = "within --min-effect"  # how a config retired by --min-effect is recorded in the race's "dropped"
 
 
-def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, metric, limit=None,
-              progress: bool = True) -> dict:  # fmt: skip
+def race_menu(
+    scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, metric, limit=None, progress: bool = True
+) -> dict:
     """`menu`: {name: candidate.Candidate}, vanilla's included. {"chosen": select's document on the
     finalists (winner: the pick among the survivors), "race": what happened, "records": the
     finalists' records on every item}."""
@@ -29,8 +30,14 @@ def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, m
     early = _vanilla_first(scorer, menu["vanilla"], pick_ids, report_ids)
     stopped = _visit(contest, scorer, menu, race.rounds(pick_ids), ship_opts, metric, limit, progress, early)
     seen = pick_ids[: min(len(contest.scores[n]) for n in contest.alive)]
-    picked = select.select([scorer.record(menu[n], seen) for n in contest.alive], metric, "last", None,
-                           ship_opts.resamples, ship_opts.seed)  # fmt: skip
+    picked = select.select(
+        [scorer.record(menu[n], seen) for n in contest.alive],
+        metric,
+        "last",
+        None,
+        ship_opts.resamples,
+        ship_opts.seed,
+    )
     pick = picked["winner"]["run"]
     finalists = ["vanilla"] + ([pick] if pick != "vanilla" else [])
     if pick == "vanilla":  # the best average it passed over (or the race dropped last): the verdict
@@ -50,9 +57,15 @@ def race_menu(scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, m
         row = next(r for r in chosen["candidates"] if r["run"] == pick)
         chosen["winner"] = {k: row[k] for k in select.WINNER_KEYS} | {"tied_with": []}
         chosen["verdict"] = select.verdict(chosen)
-    doc = {"survivors": contest.alive, "dropped": contest.dropped, "pick_items_seen": len(seen),
-           "pick_items": len(pick_ids), "finalists": finalists, "stopped": stopped,
-           "pick": [{k: r[k] for k in ("run", "value", "tied_with_best")} for r in picked["candidates"]]}  # fmt: skip
+    doc = {
+        "survivors": contest.alive,
+        "dropped": contest.dropped,
+        "pick_items_seen": len(seen),
+        "pick_items": len(pick_ids),
+        "finalists": finalists,
+        "stopped": stopped,
+        "pick": [{k: r[k] for k in ("run", "value", "tied_with_best")} for r in picked["candidates"]],
+    }
     return {"chosen": chosen, "race": doc, "records": records}
 
 
@@ -83,8 +96,10 @@ def _visit(contest, scorer, menu, rounds, ship_opts, metric, limit, progress, ea
                 contest.alive = [n for n in contest.alive if contest.scores[n]]
                 break
             if progress:  # a line per candidate (the benchmark's thousands of races say none)
-                output.log(f"{metric.task}: menu candidate {k + 1} of {len(contest.scores)}: {name} on up to "
-                           f"{len(pick)} pick items")  # fmt: skip
+                output.log(
+                    f"{metric.task}: menu candidate {k + 1} of {len(contest.scores)}: {name} on up to "
+                    f"{len(pick)} pick items"
+                )
             before = set(contest.dropped)
             for batch in rounds:
                 contest.add(name, scorer.scores(menu[name], batch))

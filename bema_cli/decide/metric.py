@@ -119,8 +119,13 @@ def flips(record: dict, vanilla: dict, metric: Metric) -> dict | None:
     shared = [(i, s, base[i]) for i, s in zip(mine["ids"], mine[metric.key], strict=True) if i in base]
     gained = [i for i, s, v in shared if s > v]
     lost = [i for i, s, v in shared if s < v]
-    return {"items": len(shared), "gained": len(gained), "lost": len(lost),
-            "gained_ids": gained[:FLIP_IDS], "lost_ids": lost[:FLIP_IDS]}  # fmt: skip
+    return {
+        "items": len(shared),
+        "gained": len(gained),
+        "lost": len(lost),
+        "gained_ids": gained[:FLIP_IDS],
+        "lost_ids": lost[:FLIP_IDS],
+    }
 
 
 def flip_note(task: str, run: str, table: dict) -> str:

@@ -59,22 +59,50 @@ class Decision:
         """The record of a ship document (ship.json, `--json`); KeyError/TypeError/ValueError on a
         document bema did not write."""
         chosen, made = doc["select"], doc["decision"]
-        rows = [Row(c["run"], "vanilla" if c["run"] == "vanilla" else "menu", float(c["value"]),
-                    _pair(c["interval"]), c["vs_vanilla"]) for c in chosen["candidates"]]  # fmt: skip
+        rows = [
+            Row(
+                c["run"],
+                "vanilla" if c["run"] == "vanilla" else "menu",
+                float(c["value"]),
+                _pair(c["interval"]),
+                c["vs_vanilla"],
+            )
+            for c in chosen["candidates"]
+        ]
         best = (doc.get("fitted") or {}).get("best")
         if best and best.get("vs_vanilla"):  # scored on the report items: vanilla's value + the difference
             vanilla = next(r.value for r in rows if r.run == "vanilla")
             value = vanilla + float(best["vs_vanilla"]["value"])
             rows.append(Row(best["run"], "fitted", value, _pair(best.get("interval")), best["vs_vanilla"]))
-        others = [OtherTask(task, o["metric"], o["candidate"], float(o["shipped"]), float(o["vanilla"]),
-                            o.get("vs_vanilla")) for task, o in (doc.get("other_tasks") or {}).items()]  # fmt: skip
+        others = [
+            OtherTask(
+                task,
+                o["metric"],
+                o["candidate"],
+                float(o["shipped"]),
+                float(o["vanilla"]),
+                o.get("vs_vanilla"),
+            )
+            for task, o in (doc.get("other_tasks") or {}).items()
+        ]
         notes = doc.get("notes", [])
         if not isinstance(doc["verdict"], str) or not isinstance(notes, list):
             raise TypeError("the verdict is not a sentence, or the notes not a list")
-        decision = cls(chosen["task"], chosen["metric"], bool(chosen["higher_is_better"]), int(doc["step"]),
-                       int(chosen["selection"]["reported_on"]), made["run"], made["kind"], doc["verdict"],
-                       tuple(rows), tuple(others), tuple(str(n) for n in notes), made.get("blocked"),
-                       made.get("undecided"))  # fmt: skip
+        decision = cls(
+            chosen["task"],
+            chosen["metric"],
+            bool(chosen["higher_is_better"]),
+            int(doc["step"]),
+            int(chosen["selection"]["reported_on"]),
+            made["run"],
+            made["kind"],
+            doc["verdict"],
+            tuple(rows),
+            tuple(others),
+            tuple(str(n) for n in notes),
+            made.get("blocked"),
+            made.get("undecided"),
+        )
         decision.row(decision.shipped)  # what ships is among the finalists
         return decision
 
@@ -104,14 +132,27 @@ class Decision:
             if row.run == self.shipped or self.mark(row).startswith("blocked"):
                 this = row.run == self.shipped
                 vs = f"vs vanilla {fmt_diff(row.vs_vanilla)}" if row.vs_vanilla else ""
-                out.append({"dataset": self.task, "metric": self.metric, "value": row.value,
-                            "interval": row.interval,
-                            "vs": vs if this else f"not shipped ({self.mark(row)}): {row.run} {vs}"})  # fmt: skip
+                out.append(
+                    {
+                        "dataset": self.task,
+                        "metric": self.metric,
+                        "value": row.value,
+                        "interval": row.interval,
+                        "vs": vs if this else f"not shipped ({self.mark(row)}): {row.run} {vs}",
+                    }
+                )
         for o in self.others:
             this = o.candidate == self.shipped
             vs = f"{'' if this else 'not shipped: '}{o.candidate} vs vanilla {fmt_diff(o.vs_vanilla)}"
-            out.append({"dataset": o.task, "metric": o.metric, "value": o.value if this else o.vanilla,
-                        "interval": None, "vs": vs if o.vs_vanilla else ""})  # fmt: skip
+            out.append(
+                {
+                    "dataset": o.task,
+                    "metric": o.metric,
+                    "value": o.value if this else o.vanilla,
+                    "interval": None,
+                    "vs": vs if o.vs_vanilla else "",
+                }
+            )
         return out
 
 

@@ -159,17 +159,29 @@ def push(
         for name, _ in files
     ]  # the folder's files as upload_folder would take them, bema.json as the Hub gets it
     commit = call(
-        "upload", api.create_commit, repo_id=repo_id, operations=operations, repo_type="model",
-        revision=revision, commit_message=message,
-    )  # fmt: skip
+        "upload",
+        api.create_commit,
+        repo_id=repo_id,
+        operations=operations,
+        repo_type="model",
+        revision=revision,
+        commit_message=message,
+    )
     # the revision the push made: upload_folder's answer names the last commit it created (a large
     # upload may be split into several); the branch's head, read back, is checked against it
     head = call("revision", api.repo_info, repo_id, repo_type="model", revision=revision or "main").sha
-    doc.update(url=str(url), commit_url=commit.commit_url, commit_oid=commit.oid, commit_message=message,
-               revision_sha=head or commit.oid)  # fmt: skip
+    doc.update(
+        url=str(url),
+        commit_url=commit.commit_url,
+        commit_oid=commit.oid,
+        commit_message=message,
+        revision_sha=head or commit.oid,
+    )
     if head and commit.oid and head != commit.oid:
-        output.warn(f"{repo_id}@{revision or 'main'} is at {head}, not the push's last commit {commit.oid}: "
-                    "another writer pushed since")  # fmt: skip
+        output.warn(
+            f"{repo_id}@{revision or 'main'} is at {head}, not the push's last commit {commit.oid}: "
+            "another writer pushed since"
+        )
     _record_push(folder, doc)
     return doc
 
@@ -233,8 +245,10 @@ def check_token(repo_id: str, timeout: float = 60.0) -> str | None:
         return f"--push {repo_id}: the token could not be checked ({exc}); going on"
     finally:  # the bound was this request's: later requests (the push's own) set theirs
         hooks = session.event_hooks
-        session.event_hooks = {**hooks, "request": [h for h in hooks.get("request", [])
-                                                    if getattr(h, "__name__", "") != "bound"]}  # fmt: skip
+        session.event_hooks = {
+            **hooks,
+            "request": [h for h in hooks.get("request", []) if getattr(h, "__name__", "") != "bound"],
+        }
     name = who.get("name") if isinstance(who, dict) else None
     output.log(f"--push {repo_id}: the Hub knows the token" + (f" ({name})" if name else ""))
     return None
@@ -276,8 +290,10 @@ def _bound_waits(session, timeout: float, deadline: float) -> None:
         wait = min(timeout, left)
         limits = {"connect": min(wait, CONNECT_TIMEOUT), "read": wait, "write": wait, "pool": wait}
         given = request.extensions.get("timeout") or {}
-        request.extensions = {**request.extensions,
-                              "timeout": {k: min(given.get(k) or v, v) for k, v in limits.items()}}  # fmt: skip
+        request.extensions = {
+            **request.extensions,
+            "timeout": {k: min(given.get(k) or v, v) for k, v in limits.items()},
+        }
 
     hooks = session.event_hooks
     kept = [h for h in hooks.get("request", []) if getattr(h, "__name__", "") != "bound"]

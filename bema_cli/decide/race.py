@@ -133,14 +133,20 @@ class Race:
             return False
         family = max(len(self.scores) - 1, 1)
         level = self.alpha / family  # each rival's share: the mixture's tuning, as Bonferroni's level
-        against = {n: evidence(paired(s[:t], self.scores[name][:t]), level, self.horizon)
-                   for n, s in self.scores.items() if n != name and len(s) >= t}  # fmt: skip
+        against = {
+            n: evidence(paired(s[:t], self.scores[name][:t]), level, self.horizon)
+            for n, s in self.scores.items()
+            if n != name and len(s) >= t
+        }
         total = sum(against.values())
         if total < family / self.alpha:
             return False
         self.alive.remove(name)
-        self.dropped[name] = {"after": t, "by": max(against, key=against.get),
-                              "log10_evidence": round(math.log10(total / family), 1)}  # fmt: skip
+        self.dropped[name] = {
+            "after": t,
+            "by": max(against, key=against.get),
+            "log10_evidence": round(math.log10(total / family), 1),
+        }
         return True
 
     def completed(self, name: str) -> None:

@@ -78,8 +78,13 @@ def request(stab, config, ship_opts, inputs: list[Path], metric) -> dict:
         if evaluation.get(key):
             path = Path(evaluation[key]).expanduser()
             evaluation[key] = config.name(path) + (f" {file_digest(path)}" if path.is_file() else "")
-    doc = {"inputs": files, "grid": sorted(repr(s) for s in stab.schedules), "evaluation": evaluation,
-           **question(ship_opts), "metric": metric.name}  # fmt: skip
+    doc = {
+        "inputs": files,
+        "grid": sorted(repr(s) for s in stab.schedules),
+        "evaluation": evaluation,
+        **question(ship_opts),
+        "metric": metric.name,
+    }
     flat = {k: v for k, v in doc.items() if k != "inputs"}
     digest = hashlib.sha256(output.to_json(doc).encode()).hexdigest()[:32]
     return {

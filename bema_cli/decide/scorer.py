@@ -63,8 +63,16 @@ class Arena:
     and theta_s), else as the combination of the checkpoints. `targets`: the menu's and vanilla's
     Target at the step (the records carry their paths and stabilizer settings, as a sweep's do)."""
 
-    def __init__(self, evaluation: Evaluation, plan, stab, basis: list[Path], steps: list[int], targets: dict,
-                 menu: dict[str, Candidate]):  # fmt: skip
+    def __init__(
+        self,
+        evaluation: Evaluation,
+        plan,
+        stab,
+        basis: list[Path],
+        steps: list[int],
+        targets: dict,
+        menu: dict[str, Candidate],
+    ):
         self.evaluation, self.plan, self.stab, self.basis = evaluation, plan, stab, basis
         self.steps, self.step = steps, steps[-1]
         self.targets, self.folder = targets, targets["vanilla"].path
@@ -185,8 +193,13 @@ class ItemScorer:
             items = {"ids": list(ids), "nll": [got[i][0] for i in ids], "tokens": [got[i][1] for i in ids]}
         else:
             items = {"ids": list(ids), self.metric.key: [got[i][0] for i in ids]}
-        return {**rec, "run": cand.name, "items": items, "n_prompts": len(ids),
-                "_where": f"{cand.name} ({rec['model_path']})"}  # fmt: skip
+        return {
+            **rec,
+            "run": cand.name,
+            "items": items,
+            "n_prompts": len(ids),
+            "_where": f"{cand.name} ({rec['model_path']})",
+        }
 
 
 def link(previous: str, rec: dict) -> str:

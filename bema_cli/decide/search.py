@@ -22,8 +22,18 @@ SIMPLEX_K = 4  # the simplex weights span the last K checkpoints
 RANK_ITEMS = 32  # the soup's ingredients are ordered by their mean on the first pick items alone
 
 
-def search(scorer, menu: dict, steps: list[int], survivors: list[str], pick_ids: list, report_ids: list,
-           ship_opts, metric, duel=race.duel, progress: bool = True) -> dict:  # fmt: skip
+def search(
+    scorer,
+    menu: dict,
+    steps: list[int],
+    survivors: list[str],
+    pick_ids: list,
+    report_ids: list,
+    ship_opts,
+    metric,
+    duel=race.duel,
+    progress: bool = True,
+) -> dict:
     """The fits at the decision's step over (theta0, `steps`), scored by `scorer` (the arena's
     engine: nothing written) on the pick items, raced; the best of them then on the report items (a
     finalist). `menu`: {name: Candidate} (the vectors the race scored: not evaluated again)."""
@@ -38,9 +48,18 @@ def search(scorer, menu: dict, steps: list[int], survivors: list[str], pick_ids:
         output.log(f"{metric.task}: {kind} trial: {recipe(Candidate.of(kind, c, steps).record, most=4)}")
 
     loss = metric.key == "loss"
-    result, found, best = fit_search(scores, ingredients, pick_ids, ship_opts.fits, n, loss, duel=duel,
-                                     report_n=len(report_ids), say=say if progress else None,
-                                     name_of=lambda c: Candidate.of("", c, steps).digest)  # fmt: skip
+    result, found, best = fit_search(
+        scores,
+        ingredients,
+        pick_ids,
+        ship_opts.fits,
+        n,
+        loss,
+        duel=duel,
+        report_n=len(report_ids),
+        say=say if progress else None,
+        name_of=lambda c: Candidate.of("", c, steps).digest,
+    )
     digests = {cand.digest: name for name, cand in menu.items()}
     for kind, c, _ in found:  # in the metric's units, on every pick item
         fitted = Candidate.of(kind, c, steps)
@@ -48,24 +67,45 @@ def search(scorer, menu: dict, steps: list[int], survivors: list[str], pick_ids:
         same = digests.get(fitted.digest)  # the search may end where it started: a menu config
         result[kind]["equals"] = same
         if progress:  # what the fit found, in one line (its trials each had one)
-            output.log(f"{metric.task}: {kind} found {recipe(fitted.record, most=4)}: {metric.name} "
-                       f"{result[kind]['pick_value']:.4g} on the {len(pick_ids)} pick items"
-                       + (f", the menu's {same} itself" if same else ""))  # fmt: skip
+            output.log(
+                f"{metric.task}: {kind} found {recipe(fitted.record, most=4)}: {metric.name} "
+                f"{result[kind]['pick_value']:.4g} on the {len(pick_ids)} pick items"
+                + (f", the menu's {same} itself" if same else "")
+            )
     out = {"doc": result, "best": None, "found": [kind for kind, _, _ in found]}
     if best is not None:
         kind, c, method = best
         cand = Candidate.of(kind, c, steps)
         cand = Candidate(f"{kind}-{cand.digest}", cand.vector)  # named by the one digest of its vector
         rec = scorer.record(cand, report_ids)  # the finalist on the report items
-        out["best"] = {"kind": kind, "candidate": cand, "method": method, "record": rec,
-                       "ingredients": result.get("soup", {}).get("ingredients")}  # fmt: skip
-        result["best"] = {"kind": kind, "run": cand.name, "pick_value": result[kind]["pick_value"],
-                          "coefficients": cand.record}  # what verify holds a shipped fit to  # fmt: skip
+        out["best"] = {
+            "kind": kind,
+            "candidate": cand,
+            "method": method,
+            "record": rec,
+            "ingredients": result.get("soup", {}).get("ingredients"),
+        }
+        result["best"] = {
+            "kind": kind,
+            "run": cand.name,
+            "pick_value": result[kind]["pick_value"],
+            "coefficients": cand.record,
+        }  # what verify holds a shipped fit to
     return out
 
 
-def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, duel=race.duel, report_n=None,
-               say=None, name_of=None):  # fmt: skip
+def fit_search(
+    scores,
+    ingredients,
+    pick_ids: list,
+    fits,
+    n: int,
+    loss: bool,
+    duel=race.duel,
+    report_n=None,
+    say=None,
+    name_of=None,
+):
     """The search itself on any `scores(c, ids, name)` (oriented per-item scores, higher is better):
     the engine's (ship) or a simulated world's (bench/bench_decide.py). `ingredients`: (name, c).
     `duel` decides each "does it improve" (race.duel; race.exhaustive: every pick item, as before).
@@ -78,8 +118,12 @@ def fit_search(scores, ingredients, pick_ids: list, fits, n: int, loss: bool, du
             name = f"{kind}-{(name_of or _index_digest)(trial)}"
             if say is not None:
                 say(kind, trial)
-            won, used, diff = duel(lambda ids: scores(trial, ids, name),
-                                   lambda ids: scores(incumbent, ids, name), pick_ids, report_n=report_n)  # fmt: skip
+            won, used, diff = duel(
+                lambda ids: scores(trial, ids, name),
+                lambda ids: scores(incumbent, ids, name),
+                pick_ids,
+                report_n=report_n,
+            )
             trials.append({"run": name, "pick_items": used, "better": won, "mean_item_difference": diff})
             return won
 

@@ -50,8 +50,13 @@ from bema_cli.io.commit import locked
 # The default search space (docs/math.md, "Which average when"): EMA and BEMA at the language-model
 # defaults (kappa 0.5; eta 0.2, the paper's, and 0.5, a stronger correction), LAWA and WSM windows
 # of 4 and 8 checkpoints. Vanilla is always a candidate.
-DEFAULT_GRID = {"methods": ["ema", "bema", "lawa", "wsm"], "kappas": [0.5], "etas": [0.2, 0.5],
-                "windows": [4, 8], "schedules": ["minus-sqrt"]}  # fmt: skip
+DEFAULT_GRID = {
+    "methods": ["ema", "bema", "lawa", "wsm"],
+    "kappas": [0.5],
+    "etas": [0.2, 0.5],
+    "windows": [4, 8],
+    "schedules": ["minus-sqrt"],
+}
 
 
 @dataclass
@@ -182,9 +187,17 @@ def _decide(stab, config, engine, ship_opts, sweep_opts, validated, metric, out,
     chosen, fitted = made["chosen"], made["fitted"]
     # select's own sentence is select's rule, not the decision: the one verdict is the decision's
     shown = {k: v for k, v in chosen.items() if k not in ("verdict", "notes")}
-    doc = {"request": request, "metric": metric.name, "step": chosen["winner"]["step"], "select": shown,
-           "tie_rule": select.TIE_RULE, "holdout": ship_opts.holdout, "race": made["race"],
-           "backend": made["backend"], "memory": made["memory"]}  # fmt: skip
+    doc = {
+        "request": request,
+        "metric": metric.name,
+        "step": chosen["winner"]["step"],
+        "select": shown,
+        "tie_rule": select.TIE_RULE,
+        "holdout": ship_opts.holdout,
+        "race": made["race"],
+        "backend": made["backend"],
+        "memory": made["memory"],
+    }
     if fitted:
         doc["fitted"] = fitted["doc"]
     doc["decision"], doc["verdict"] = made["decision"], made["verdict"]
@@ -247,8 +260,14 @@ def _write(decision: Decision, fitted, ship_opts, doc, work, stab, made) -> dict
         folder = tmp / "model"
         record = model_record(cand, step, settings, folders, made["base_source"], out, **extra)
         write_vector(cand, folders, folders[str(step)], folder, record)
-        write_card(folder, decision.card_rows(), made["base_source"], folders["theta0"], decision.verdict,
-                   list(decision.notes))  # fmt: skip
+        write_card(
+            folder,
+            decision.card_rows(),
+            made["base_source"],
+            folders["theta0"],
+            decision.verdict,
+            list(decision.notes),
+        )
         (work / "ship.json").write_text(output.to_json(_public(doc)) + "\n")
         sealed.seal(work)
         shutil.move(str(work), str(folder / WORK))  # the records and ship.json; no candidate was kept

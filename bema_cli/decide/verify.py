@@ -97,8 +97,14 @@ def recomputed(record: dict) -> dict[str, float] | None:
     if not source.is_dir():
         raise InputError(f"{source}: the source checkpoint is gone; verifying needs it (and its run)")
     try:
-        cand, _, _ = of_settings(record.get("run", ""), record, source, record.get("theta0_source"),
-                                 int(record["step"]), bool(record.get("allow_gaps")))  # fmt: skip
+        cand, _, _ = of_settings(
+            record.get("run", ""),
+            record,
+            source,
+            record.get("theta0_source"),
+            int(record["step"]),
+            bool(record.get("allow_gaps")),
+        )
     except UsageError as exc:  # settings no command line could give: the record was edited
         raise InputError(f"{source}: the record's settings are not valid ({exc})") from None
     return cand.record
@@ -211,10 +217,17 @@ def _from_walk(record: dict):
         schedule = Schedule.from_record(record).resolved()
     except UsageError as exc:
         raise InputError(f"{source}: the record's settings are not valid ({exc})") from None
-    opts = sweep_options(Options(checkpoint_dir=str(run_of(source)), schedules=[schedule],
-                                 out=str(source / ".bema-unused"), base=record.get("theta0_source"),
-                                 accum_dtype=record.get("accum_dtype", "float32"), out_dtype=out_dtype,
-                                 allow_gaps=bool(record.get("allow_gaps"))))  # fmt: skip
+    opts = sweep_options(
+        Options(
+            checkpoint_dir=str(run_of(source)),
+            schedules=[schedule],
+            out=str(source / ".bema-unused"),
+            base=record.get("theta0_source"),
+            accum_dtype=record.get("accum_dtype", "float32"),
+            out_dtype=out_dtype,
+            allow_gaps=bool(record.get("allow_gaps")),
+        )
+    )
     plan = plan_sweep(opts)
     held = 4 + sum(
         len(t.names) if not t.window else t.ring for t in plan.tracks
@@ -254,11 +267,19 @@ def _from_stabilize(record: dict, folder: Path):
     out_dtype = None if lora.get("output") == "adapter" else _out_dtype(record)  # an adapter keeps its own
     tmp = Path(tempfile.mkdtemp(prefix="bema-verify-"))
     try:
-        opts = Options(checkpoint_dir=str(run_of(source)), schedules=[Schedule.from_record(record).resolved()],
-                       out=str(tmp / "out"), base=record.get("theta0_source"), steps=[int(record["step"])],
-                       accum_dtype=record.get("accum_dtype", "float32"), no_state=True, out_dtype=out_dtype,
-                       allow_gaps=bool(record.get("allow_gaps")), lora_output=lora.get("output", "merged"),
-                       lora_rank=lora.get("rank"))  # fmt: skip
+        opts = Options(
+            checkpoint_dir=str(run_of(source)),
+            schedules=[Schedule.from_record(record).resolved()],
+            out=str(tmp / "out"),
+            base=record.get("theta0_source"),
+            steps=[int(record["step"])],
+            accum_dtype=record.get("accum_dtype", "float32"),
+            no_state=True,
+            out_dtype=out_dtype,
+            allow_gaps=bool(record.get("allow_gaps")),
+            lora_output=lora.get("output", "merged"),
+            lora_rank=lora.get("rank"),
+        )
         with output.muted():  # its warnings (a LoRA rank's truncation) were said when it was made
             made = stabilize(opts)["outputs"]
         (again,) = [Path(o["path"]) for o in made if o["step"] == int(record["step"])]
@@ -342,7 +363,17 @@ def verify(folder: Path, run: Path | None = None, base: str | None = None) -> di
         if walked is None:
             rebuilt = f"in a temporary folder ({why})"
         tensors, differ = _compare(folder, walked if walked is not None else _from_stabilize(record, folder))
-    return {"folder": str(folder), "identical": not differ and not vector and not files_differ, "tensors": tensors,
-            "differ": differ, "files_differ": files_differ, "not_checked": not_checked, "rebuilt": rebuilt,
-            "vector_differs": vector, "changed_inputs": changed, "record": named, "coefficients": stored,
-            "bema_version": record.get("bema_version")}  # fmt: skip
+    return {
+        "folder": str(folder),
+        "identical": not differ and not vector and not files_differ,
+        "tensors": tensors,
+        "differ": differ,
+        "files_differ": files_differ,
+        "not_checked": not_checked,
+        "rebuilt": rebuilt,
+        "vector_differs": vector,
+        "changed_inputs": changed,
+        "record": named,
+        "coefficients": stored,
+        "bema_version": record.get("bema_version"),
+    }

@@ -109,8 +109,10 @@ def place(folder: Path, out: Path, overwrite: bool) -> None:
     theirs = users_files(out, skip=(WORK,)) if out.is_dir() else []
     if theirs:
         carry(out, folder, theirs)
-        output.log(f"{out}: kept {len(theirs)} file(s) bema did not write: {', '.join(theirs[:5])}"
-                   + (" ..." if len(theirs) > 5 else ""))  # fmt: skip
+        output.log(
+            f"{out}: kept {len(theirs)} file(s) bema did not write: {', '.join(theirs[:5])}"
+            + (" ..." if len(theirs) > 5 else "")
+        )
     old = None
     if out.exists():
         old = out.parent / f".bema-tmp-old-{os.getpid()}-{out.name}"
@@ -195,11 +197,18 @@ def model_record(
     skip = ("accum_dtype", "out_dtype", "theta0_source")
     params = {k: settings[k] for k in STABILIZER_KEYS if k in settings and k not in skip}
     return {
-        "bema_version": __version__, "run": cand.name, **params, "step": step, "coefficients": cand.record,
-        "averaged_steps": cand.steps(), "source_checkpoint": provenance.input_name(folders[str(step)], out),
+        "bema_version": __version__,
+        "run": cand.name,
+        **params,
+        "step": step,
+        "coefficients": cand.record,
+        "averaged_steps": cand.steps(),
+        "source_checkpoint": provenance.input_name(folders[str(step)], out),
         "theta0_source": provenance.input_name(base_source, out),
-        "accum_dtype": "float64", "out_dtype": "input", **extra,
-    }  # fmt: skip
+        "accum_dtype": "float64",
+        "out_dtype": "input",
+        **extra,
+    }
 
 
 def write_vector(cand, folders: dict[str, Path], template: Path, out: Path, record: dict) -> Path:
@@ -238,14 +247,29 @@ def evaluation_rows(
     guards: a blocked average's reason is on the card with its numbers)."""
     from bema_cli.decide.verdict import fmt_diff
 
-    rows = [{"dataset": doc["task"], "metric": doc["metric"], "value": value, "interval": interval,
-             "vs": f"vs vanilla {fmt_diff(versus)}" if versus else ""}]  # fmt: skip
+    rows = [
+        {
+            "dataset": doc["task"],
+            "metric": doc["metric"],
+            "value": value,
+            "interval": interval,
+            "vs": f"vs vanilla {fmt_diff(versus)}" if versus else "",
+        }
+    ]
     for task, o in (others or {}).items():
         vs, this = o.get("vs_vanilla"), o["candidate"] == shipped
         # a guard that blocked an average: the card's model is vanilla, the blocked one is named beside
-        rows.append({"dataset": task, "metric": o["metric"], "value": o["shipped"] if this else o["vanilla"],
-                     "interval": None,
-                     "vs": f"{'' if this else 'not shipped: '}{o['candidate']} vs vanilla {fmt_diff(vs)}" if vs else ""})  # fmt: skip
+        rows.append(
+            {
+                "dataset": task,
+                "metric": o["metric"],
+                "value": o["shipped"] if this else o["vanilla"],
+                "interval": None,
+                "vs": f"{'' if this else 'not shipped: '}{o['candidate']} vs vanilla {fmt_diff(vs)}"
+                if vs
+                else "",
+            }
+        )
     return rows
 
 

@@ -77,8 +77,11 @@ class Evaluation:
             return "transformers"
         if name == "auto":
             usable = vllm_usable()
-            made = {(r.get("resume_key") or {}).get("backend") for r in self.results.records
-                    if r.get("task") in self.inputs and r.get("task") not in LOSS_TASKS}  # fmt: skip
+            made = {
+                (r.get("resume_key") or {}).get("backend")
+                for r in self.results.records
+                if r.get("task") in self.inputs and r.get("task") not in LOSS_TASKS
+            }
             if made == {"transformers"} or (made == {"vllm"} and usable):  # e.g. an earlier fallback
                 (name,) = made  # as the records already here were made: they resume
                 output.log(f"--backend auto: {name}, as the records already in {self.results.path} were made")
@@ -102,10 +105,12 @@ class Evaluation:
                 continue
             task = get_task(name)
             prompt = max(
-                sum(len(m["content"]) + PER_MESSAGE_TOKENS for m in scoring.build_messages(
-                    task, d, item.shots.get(d.get("subject", ""), []), c.cot))
+                sum(
+                    len(m["content"]) + PER_MESSAGE_TOKENS
+                    for m in scoring.build_messages(task, d, item.shots.get(d.get("subject", ""), []), c.cot)
+                )
                 for d in item.docs
-            )  # fmt: skip
+            )
             samples = 1 if c.temperature == 0 else c.n_samples
             calls.append((len(item.docs) * samples, prompt + (c.max_new_tokens or task.MAX_NEW_TOKENS)))
         return tuple(calls)
@@ -208,9 +213,11 @@ class Evaluation:
                     item.shots = data.load_shots(task, shot_files[name], c.num_fewshot, c.selection_seed)
                 digest = resume.sha256_of_files(sources)
             item.resume_key = {
-                "protocol": item.protocol, "data_sha256": digest, "chat_template": template,
+                "protocol": item.protocol,
+                "data_sha256": digest,
+                "chat_template": template,
                 "seeds": None if name in LOSS_TASKS else seeds(c, name),
-            }  # fmt: skip
+            }
             inputs[name] = item
         return inputs
 
@@ -228,7 +235,7 @@ class Evaluation:
                 {"batch_size": self.engine.batch_size}
                 if is_lm_eval(name) and self.backend_name == "transformers"
                 else {}
-            ),  # fmt: skip
+            ),
             # vLLM refuses prompts longer than its max_model_len (None: min(2048, positions))
             "max_model_len": self.engine.max_model_len
             if self.backend_name == "vllm" and name not in LOSS_TASKS
@@ -250,8 +257,13 @@ class Evaluation:
                 have = {run: self.results.find((self.config.name(target.path), run, name)) for run, _ in runs}
                 old = [r for r in have.values() if r is not None]
                 if target.is_base and not old:  # the base evaluated earlier for other runs counts too
-                    old = [r for r in self.results.records if r["model_path"] == self.config.name(target.path)
-                           and r["task"] == name and r.get("is_base")][-1:]  # fmt: skip
+                    old = [
+                        r
+                        for r in self.results.records
+                        if r["model_path"] == self.config.name(target.path)
+                        and r["task"] == name
+                        and r.get("is_base")
+                    ][-1:]
                 # a record of bema < 0.5 lacks the per-item scores `bema select` needs: evaluated again
                 old = [r for r in old if "items" in r or is_lm_eval(name)]
                 if self.config.force or not old:
@@ -336,8 +348,14 @@ def run_eval(
         return Evaluation(config, engine, executor).run(targets)
 
 
-def eval_document(inputs: list[str], base: str | None, config: EvalConfig, engine: EngineOptions,
-                  executor: ExecutorOptions | None = None, validated=None) -> dict:  # fmt: skip
+def eval_document(
+    inputs: list[str],
+    base: str | None,
+    config: EvalConfig,
+    engine: EngineOptions,
+    executor: ExecutorOptions | None = None,
+    validated=None,
+) -> dict:
     """`run_eval` measured, as `bema eval --json` prints it: the records (as results.jsonl holds
     them) and where the run's time and memory went, the same fields as sweep's document: `stages`
     (engine_start, swap, generate, loss, lm_eval: seconds, bytes, GB/s), `seconds`, and `memory`
@@ -351,5 +369,10 @@ def eval_document(inputs: list[str], base: str | None, config: EvalConfig, engin
     used = {r.get("backend") for r in records} - {None}
     if len(used) == 1:  # this machine's floors for the next projection, under the backend that ran
         timings.save(used.pop(), measured)
-    return {"bema_version": __version__, "records": records, "seconds": time.perf_counter() - t0,
-            "stages": measured, "memory": peak.parts()}  # fmt: skip
+    return {
+        "bema_version": __version__,
+        "records": records,
+        "seconds": time.perf_counter() - t0,
+        "stages": measured,
+        "memory": peak.parts(),
+    }

@@ -112,10 +112,17 @@ def evaluate_task(backend, job: Job, item: TaskInput, say: bool = True) -> tuple
         with stages.stage("lm_eval"):
             metrics, extra, n_prompts, n_samples, logged = lm_eval_bridge.evaluate(backend, name, c)
         samples = [
-            {"eval_id": eval_id, "model_path": model, "run": None if target.is_base else target.run,
-             "step": target.step, "is_base": target.is_base, "task": name, **x}
+            {
+                "eval_id": eval_id,
+                "model_path": model,
+                "run": None if target.is_base else target.run,
+                "step": target.step,
+                "is_base": target.is_base,
+                "task": name,
+                **x,
+            }
             for x in logged
-        ]  # fmt: skip
+        ]
     elif name in LOSS_TASKS:
         encoded = [
             loss_task.encode_record(r, backend.tokenizer, c.loss_max_tokens) for r in item.loss_records
@@ -148,22 +155,48 @@ def evaluate_task(backend, job: Job, item: TaskInput, say: bool = True) -> tuple
         extra["items"] = scoring.prompt_items([d["_id"] for d in docs], scored)
         n_prompts, n_samples = len(docs), c.n_samples
         samples = [
-            {"eval_id": eval_id, "model_path": model, "run": None if target.is_base else target.run,
-             "step": target.step, "is_base": target.is_base, "task": name, "doc_id": d["_id"],
-             "subject": d.get("subject"), "prompt": p, "seed": None if c.temperature == 0 else seed,
-             "responses": resp, "gold": task.gold(d), **scoring.sample_fields(s)}
+            {
+                "eval_id": eval_id,
+                "model_path": model,
+                "run": None if target.is_base else target.run,
+                "step": target.step,
+                "is_base": target.is_base,
+                "task": name,
+                "doc_id": d["_id"],
+                "subject": d.get("subject"),
+                "prompt": p,
+                "seed": None if c.temperature == 0 else seed,
+                "responses": resp,
+                "gold": task.gold(d),
+                **scoring.sample_fields(s),
+            }
             for d, p, seed, resp, s in zip(docs, prompts, seeds, responses, scored, strict=True)
-        ]  # fmt: skip
+        ]
     seconds = round(time.perf_counter() - start, 3)
     records = [
-        {"bema_version": __version__, "created": created, "eval_id": eval_id, "model_path": model,
-         "run": run, "step": target.step, **({"label": target.label} if target.step is None else {}),
-         "stabilizer": stabilizer, "task": name, "metrics": metrics, **extra, "n_prompts": n_prompts,
-         "n_samples": n_samples, "backend": backend.name, "dtype": backend.dtype,
-         "batch_size": backend.options.batch_size if backend.name == "transformers" else None, "seeds": record_seeds,
-         "protocol": {**item.protocol, "chat_template": template},
-         "resume_key": {**item.resume_key, "weights": job.fingerprint}, "seconds": seconds,
-         "is_base": target.is_base}
+        {
+            "bema_version": __version__,
+            "created": created,
+            "eval_id": eval_id,
+            "model_path": model,
+            "run": run,
+            "step": target.step,
+            **({"label": target.label} if target.step is None else {}),
+            "stabilizer": stabilizer,
+            "task": name,
+            "metrics": metrics,
+            **extra,
+            "n_prompts": n_prompts,
+            "n_samples": n_samples,
+            "backend": backend.name,
+            "dtype": backend.dtype,
+            "batch_size": backend.options.batch_size if backend.name == "transformers" else None,
+            "seeds": record_seeds,
+            "protocol": {**item.protocol, "chat_template": template},
+            "resume_key": {**item.resume_key, "weights": job.fingerprint},
+            "seconds": seconds,
+            "is_base": target.is_base,
+        }
         for run, stabilizer in target.record_runs()
-    ]  # fmt: skip
+    ]
     return records, samples

@@ -173,11 +173,18 @@ def evaluate(backend, name: str, config) -> tuple[dict, dict, int, int, list[dic
 
         logging.getLogger("lm_eval").setLevel(logging.WARNING)
     result = lm_eval.simple_evaluate(
-        model=make_lm(backend), tasks=[task], num_fewshot=config.num_fewshot or None, limit=config.limit,
-        task_manager=task_manager(config.lm_eval_include), log_samples=config.log_samples, random_seed=SEEDS["random"],
-        numpy_random_seed=SEEDS["numpy"], torch_random_seed=SEEDS["torch"], fewshot_random_seed=SEEDS["fewshot"],
+        model=make_lm(backend),
+        tasks=[task],
+        num_fewshot=config.num_fewshot or None,
+        limit=config.limit,
+        task_manager=task_manager(config.lm_eval_include),
+        log_samples=config.log_samples,
+        random_seed=SEEDS["random"],
+        numpy_random_seed=SEEDS["numpy"],
+        torch_random_seed=SEEDS["torch"],
+        fewshot_random_seed=SEEDS["fewshot"],
         **kwargs,
-    )  # fmt: skip
+    )
     entries = {**result.get("results", {}), **result.get("groups", {})}
     if task not in entries:
         raise BackendError(f"lm-eval returned no results for task {task!r}")
@@ -187,10 +194,14 @@ def evaluate(backend, name: str, config) -> tuple[dict, dict, int, int, list[dic
     extra = {
         "lm_eval": {
             "version": lm_eval.__version__,
-            "task": task, "versions": result.get("versions", {}), "n_shot": result.get("n-shot", {}),
-            "higher_is_better": result.get("higher_is_better", {}), "seeds": SEEDS, "subtasks": subtasks,
+            "task": task,
+            "versions": result.get("versions", {}),
+            "n_shot": result.get("n-shot", {}),
+            "higher_is_better": result.get("higher_is_better", {}),
+            "seeds": SEEDS,
+            "subtasks": subtasks,
         }
-    }  # fmt: skip
+    }
     samples = [
         {"lm_eval_task": sub, **plain(sample)}
         for sub, items in (result.get("samples") or {}).items()

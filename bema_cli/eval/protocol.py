@@ -37,12 +37,17 @@ def validate(config: EvalConfig, engine: EngineOptions) -> None:
     if c.backend not in BACKENDS:
         raise UsageError(f"--backend: unknown backend {c.backend!r} (choose from {', '.join(BACKENDS)})")
     checks = [
-        ("--n-samples", c.n_samples, 1), ("--limit", c.limit, 1), ("--max-new-tokens", c.max_new_tokens, 1),
-        ("--loss-samples", c.loss_samples, 1), ("--loss-max-tokens", c.loss_max_tokens, 2),
-        ("--num-fewshot", c.num_fewshot, 0), ("--batch-size", engine.batch_size, 1),
-        ("--max-model-len", engine.max_model_len, 16), ("--tensor-parallel-size", engine.tensor_parallel_size, 1),
+        ("--n-samples", c.n_samples, 1),
+        ("--limit", c.limit, 1),
+        ("--max-new-tokens", c.max_new_tokens, 1),
+        ("--loss-samples", c.loss_samples, 1),
+        ("--loss-max-tokens", c.loss_max_tokens, 2),
+        ("--num-fewshot", c.num_fewshot, 0),
+        ("--batch-size", engine.batch_size, 1),
+        ("--max-model-len", engine.max_model_len, 16),
+        ("--tensor-parallel-size", engine.tensor_parallel_size, 1),
         ("--data-parallel-size", engine.data_parallel_size, 1),
-    ]  # fmt: skip
+    ]
     for flag, value, least in checks:
         if value is not None and value < least:
             raise UsageError(f"{flag}: must be at least {least}, got {value}")
@@ -66,17 +71,27 @@ def task_protocol(config: EvalConfig, name: str, source: str) -> dict:
     if name in LOSS_TASKS:
         return {"data": source, "loss_samples": config.loss_samples, "max_tokens": config.loss_max_tokens}
     if is_lm_eval(name):
-        return {"lm_eval_task": name.split(":", 1)[1], "include": source, "num_fewshot": config.num_fewshot or None,
-                "limit": config.limit, "max_new_tokens": config.max_new_tokens}  # fmt: skip
+        return {
+            "lm_eval_task": name.split(":", 1)[1],
+            "include": source,
+            "num_fewshot": config.num_fewshot or None,
+            "limit": config.limit,
+            "max_new_tokens": config.max_new_tokens,
+        }
     task = get_task(name)
     return {
-        "n_samples": config.n_samples, "temperature": config.temperature, "top_p": 1.0,
+        "n_samples": config.n_samples,
+        "temperature": config.temperature,
+        "top_p": 1.0,
         "max_new_tokens": config.max_new_tokens or task.MAX_NEW_TOKENS,
-        "limit": config.limit or task.DEFAULT_LIMIT, "selection_seed": config.selection_seed,
-        "data": source, "prompt_version": task.PROMPT_VERSION, "num_fewshot": config.num_fewshot,
+        "limit": config.limit or task.DEFAULT_LIMIT,
+        "selection_seed": config.selection_seed,
+        "data": source,
+        "prompt_version": task.PROMPT_VERSION,
+        "num_fewshot": config.num_fewshot,
         "scoring_version": getattr(task, "SCORING_VERSION", 1),
         "cot": config.cot,
-    }  # fmt: skip
+    }
 
 
 def seeds(config: EvalConfig, name: str) -> dict:

@@ -49,11 +49,21 @@ def rescore(samples_path: str | Path, results_path: str | Path | None = None) ->
         scored = [scoring.score_item(task, x["responses"], x["gold"]) for x in group]
         metrics, extra = scoring.task_metrics(task, scored, [x.get("subject") or "" for x in group])
         extra["items"] = scoring.prompt_items([x.get("doc_id") for x in group], scored)
-        matches = [r for r in old if r.get("model_path") == model_path and r.get("task") == name
-                   and r.get("eval_id") == eval_id] or [
-            {"model_path": model_path, "run": group[0].get("run"), "step": group[0].get("step"), "task": name,
-             "is_base": group[0].get("is_base", False), "n_prompts": len(group),
-             "n_samples": len(group[0]["responses"])}]  # fmt: skip
+        matches = [
+            r
+            for r in old
+            if r.get("model_path") == model_path and r.get("task") == name and r.get("eval_id") == eval_id
+        ] or [
+            {
+                "model_path": model_path,
+                "run": group[0].get("run"),
+                "step": group[0].get("step"),
+                "task": name,
+                "is_base": group[0].get("is_base", False),
+                "n_prompts": len(group),
+                "n_samples": len(group[0]["responses"]),
+            }
+        ]
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
         for r in matches:
             records.append({**r, "metrics": metrics, **extra, "rescored": now, "bema_version": __version__})

@@ -157,10 +157,12 @@ class ResultsFile:
         from bema_cli.io.provenance import same_tail
 
         moved = [
-            i for i, r in enumerate(self.records)
-            if r.get("model_path") != name and same_tail(r.get("model_path"), name)
+            i
+            for i, r in enumerate(self.records)
+            if r.get("model_path") != name
+            and same_tail(r.get("model_path"), name)
             and (r.get("resume_key") or {}).get("weights") == weights
-        ]  # fmt: skip
+        ]
         for i in moved:
             self.records[i] = {**self.records[i], "model_path": name}
         if moved and self.path is not None:
@@ -212,9 +214,16 @@ def records_table(records: list[dict], title: str = "bema eval"):
         for metric in [k for k in m if f"{k}_stderr" in m] or list(m)[:1]:
             fail = m.get(metric.replace("accuracy", "parse_failure_rate")) if "accuracy" in metric else None
             table.add_row(
-                run, _fmt(r.get("step")), str(r.get("task")), metric, _fmt(m.get(metric)),
-                _fmt(m.get(f"{metric}_stderr")), _fmt(fail, 3), str(r.get("n_prompts", "")), _fmt(r.get("seconds"), 1),
-            )  # fmt: skip
+                run,
+                _fmt(r.get("step")),
+                str(r.get("task")),
+                metric,
+                _fmt(m.get(metric)),
+                _fmt(m.get(f"{metric}_stderr")),
+                _fmt(fail, 3),
+                str(r.get("n_prompts", "")),
+                _fmt(r.get("seconds"), 1),
+            )
     return table
 
 

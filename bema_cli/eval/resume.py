@@ -16,9 +16,16 @@ from bema_cli.io.reader import safetensors_files
 
 SAMPLE_CHUNKS, CHUNK_BYTES = 16, 1 << 16  # 1 MiB read per weight file, spread over its whole length
 MODEL_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "special_tokens_map.json", "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt",
-)  # fmt: skip
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def file_sha256(path: Path) -> str:

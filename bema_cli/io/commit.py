@@ -110,8 +110,10 @@ class OutputTransaction:
                 theirs = users_files(old)
                 if theirs:
                     carry(old, new, theirs)
-                    output.log(f"{old}: kept {len(theirs)} file(s) bema did not write: {', '.join(theirs[:5])}"
-                               + (" ..." if len(theirs) > 5 else ""))  # fmt: skip
+                    output.log(
+                        f"{old}: kept {len(theirs)} file(s) bema did not write: {', '.join(theirs[:5])}"
+                        + (" ..." if len(theirs) > 5 else "")
+                    )
 
     def __exit__(self, exc_type, exc, tb) -> None:
         with signals.deferred():

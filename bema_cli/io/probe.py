@@ -113,5 +113,9 @@ def measure_speeds(sample: Path, out_dir: Path) -> dict:
         pass
     if not (written and cached and disk):  # no measurement: a slow disk's speed, so never optimistic
         written, cached, disk = PROBE_BYTES, PROBE_BYTES / FALLBACK_WRITE, PROBE_BYTES / FALLBACK_WRITE
-    return {"read": read, "compute": compute, "write_cache": written / max(cached, 1e-6),
-            "write_disk": written / max(disk, 1e-6)}  # fmt: skip
+    return {
+        "read": read,
+        "compute": compute,
+        "write_cache": written / max(cached, 1e-6),
+        "write_disk": written / max(disk, 1e-6),
+    }

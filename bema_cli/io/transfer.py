@@ -80,8 +80,10 @@ class Transfers:
         if not slots or slots[0][0].numel() < nbytes:
             for _, event in slots:  # a larger block: the old slots go only after their last copies
                 wait(event)
-            slots[:] = [[torch.empty(aligned(nbytes), dtype=torch.uint8, device=self.device), None]
-                        for _ in range(count)]  # fmt: skip
+            slots[:] = [
+                [torch.empty(aligned(nbytes), dtype=torch.uint8, device=self.device), None]
+                for _ in range(count)
+            ]
         i = self._next_in if which == "in" else self._next_out
         if which == "in":
             self._next_in = (i + 1) % count

@@ -88,15 +88,27 @@ def grid(
 GRID_LIMIT = 4096  # configs in one grid: a sweep holds each one's state, stabilize writes each one
 
 
-def grid_size(methods, kappas=None, etas=None, windows=None, schedules=None, swa_starts=None,
-              sigma_rels=None, power_gammas=None) -> int:  # fmt: skip
+def grid_size(
+    methods,
+    kappas=None,
+    etas=None,
+    windows=None,
+    schedules=None,
+    swa_starts=None,
+    sigma_rels=None,
+    power_gammas=None,
+) -> int:
     """How many configs `grid` would build (before duplicates merge), counted without building them."""
 
     def n(values) -> int:
         return len(values) if values else 1
 
-    own = {"lawa": n(windows), "wsm": n(windows) * n(schedules), "swa": n(swa_starts),
-           "power": max(1, len(sigma_rels or ()) + len(power_gammas or ()))}  # fmt: skip
+    own = {
+        "lawa": n(windows),
+        "wsm": n(windows) * n(schedules),
+        "swa": n(swa_starts),
+        "power": max(1, len(sigma_rels or ()) + len(power_gammas or ())),
+    }
     return sum(own.get(m, n(kappas) * n(etas)) for m in methods)
 
 
@@ -109,12 +121,22 @@ def check_grid_size(count: int, where: str = "the grid") -> None:
 CONFIG_KEYS = {
     **{m: ("kappa", "eta") for m in ("bema", "ouema")},
     **{m: ("kappa",) for m in ("ema", "dema")},
-    "vanilla": (), "lawa": ("window",), "wsm": ("window", "schedule"), "swa": ("swa_start",),
+    "vanilla": (),
+    "lawa": ("window",),
+    "wsm": ("window", "schedule"),
+    "swa": ("swa_start",),
     "power": ("sigma_rel", "power_gamma"),
-}  # fmt: skip
+}
 CONFIG_COMMON = ("preset", "gamma", "rho", "tau", "phi", "beta_min")
-GRID_ARGS = {"kappa": "kappas", "eta": "etas", "window": "windows", "schedule": "schedules",
-             "swa_start": "swa_starts", "sigma_rel": "sigma_rels", "power_gamma": "power_gammas"}  # fmt: skip
+GRID_ARGS = {
+    "kappa": "kappas",
+    "eta": "etas",
+    "window": "windows",
+    "schedule": "schedules",
+    "swa_start": "swa_starts",
+    "sigma_rel": "sigma_rels",
+    "power_gamma": "power_gammas",
+}
 
 
 def grid_from_config(path: str, **common) -> list[Schedule]:

@@ -316,8 +316,10 @@ def coefficient_vectors(plan: Plan) -> dict[tuple[str, int], dict[str, float]]:
     from bema_cli.stabilize.unit import step_updates
 
     steps = sorted(plan.runs[0].events)
-    fresh = [replace(t, start=None, source=None, ring_sources={}, last=steps[-1] if steps else t.last)
-             for t in plan.tracks]  # fmt: skip
+    fresh = [
+        replace(t, start=None, source=None, ring_sources={}, last=steps[-1] if steps else t.last)
+        for t in plan.tracks
+    ]
     basis_plan = replace(plan, tracks=fresh, read_steps=steps)
     n = len(steps) + 1
     eye = torch.eye(n, dtype=torch.float64)
@@ -357,8 +359,12 @@ def open_outputs(plan: Plan, opts: Options, tmp: Path) -> Outputs:
             made = record(run, step, ckpt[step], plan.base_source, opts, out_dtype)
             inputs = {k: v for k, v in prints.items() if k == "theta0" or int(k) in made["averaged_steps"]}
             coefficients = (vectors or {}).get((run.name, step))
-            provenance_doc = {"bema_version": __version__, "bema_run": run.name, "bema_step": str(step),
-                              **provenance.metadata(made, inputs, coefficients)}  # fmt: skip
+            provenance_doc = {
+                "bema_version": __version__,
+                "bema_run": run.name,
+                "bema_step": str(step),
+                **provenance.metadata(made, inputs, coefficients),
+            }
             outputs[run.name, step] = ShardedWriter(
                 tmp / run.name / f"checkpoint-{step}", plan.shards, provenance_doc
             ).open()

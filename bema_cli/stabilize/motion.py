@@ -62,8 +62,10 @@ class UnitMotion:
     def result(self) -> dict[int, dict[str, list[float]]]:
         import torch
 
-        return {step: {g: [float(torch.stack(v[0]).sum()), float(torch.stack(v[1]).sum())] for g, v in by.items()}
-                for step, by in self.sums.items()}  # fmt: skip
+        return {
+            step: {g: [float(torch.stack(v[0]).sum()), float(torch.stack(v[1]).sum())] for g, v in by.items()}
+            for step, by in self.sums.items()
+        }
 
 
 MEASURE_BLOCK = 1 << 22  # elements read at a time by `measure` (16 MB of float32 per buffer)
@@ -121,8 +123,13 @@ def rows(sums: dict) -> list[dict]:
     for step in sorted(sums):
         by = sums[step]
         d2, n2 = sum(v[0] for v in by.values()), sum(v[1] for v in by.values())
-        out.append({"step": step, "relative": _ratio(d2, n2),
-                    "groups": {g: _ratio(*by[g]) for g in GROUPS if g in by}})  # fmt: skip
+        out.append(
+            {
+                "step": step,
+                "relative": _ratio(d2, n2),
+                "groups": {g: _ratio(*by[g]) for g in GROUPS if g in by},
+            }
+        )
     return out
 
 
@@ -169,9 +176,11 @@ def judge_rows(measured: list[dict], runs) -> dict | None:
     window = max((r.schedule.window or 0 for r in runs), default=0) or WINDOW
     v = verdict(measured, window)
     if v and v["barely_moves"]:
-        output.warn(f"the last {v['window']} checkpoints barely move: {v['last_window']:.2e} of the weights' norm a "
-                    f"step, {v['share']:.1%} of the run's moving phase: averaging them changes little, and nothing "
-                    "may beat the last checkpoint (a decayed learning rate does this)")  # fmt: skip
+        output.warn(
+            f"the last {v['window']} checkpoints barely move: {v['last_window']:.2e} of the weights' norm a "
+            f"step, {v['share']:.1%} of the run's moving phase: averaging them changes little, and nothing "
+            "may beat the last checkpoint (a decayed learning rate does this)"
+        )
     return v
 
 
@@ -185,9 +194,13 @@ def save(folder, plan, judged: dict) -> None:
     from bema_cli.io.commit import write_json_atomic
     from bema_cli.io.provenance import record_name
 
-    record = {"bema_version": __version__, "checkpoint_dir": record_name(run_of(plan.checkpoints[0].path), folder),
-              "base": record_name(plan.base_index.folder, folder), "motion": judged["motion"],
-              "motion_verdict": judged["motion_verdict"]}  # fmt: skip
+    record = {
+        "bema_version": __version__,
+        "checkpoint_dir": record_name(run_of(plan.checkpoints[0].path), folder),
+        "base": record_name(plan.base_index.folder, folder),
+        "motion": judged["motion"],
+        "motion_verdict": judged["motion_verdict"],
+    }
     write_json_atomic(Path(folder).expanduser() / FILE, record)
 
 
@@ -196,5 +209,7 @@ def describe(v: dict | None) -> str:
     if v is None:
         return "too few checkpoints to say whether the last ones still move (4 needed)"
     moves = "barely move" if v["barely_moves"] else "still move"
-    return (f"the last {v['window']} checkpoints {moves}: {v['last_window']:.2g} of the weights' norm a step, "
-            f"{v['share']:.0%} of the run's moving phase")  # fmt: skip
+    return (
+        f"the last {v['window']} checkpoints {moves}: {v['last_window']:.2g} of the weights' norm a step, "
+        f"{v['share']:.0%} of the run's moving phase"
+    )

@@ -212,8 +212,10 @@ def _check_tokenizer(base: Path, checkpoint: Path) -> None:
     except (OSError, ValueError, AttributeError, TypeError):
         return  # none, or not one to compare: nothing said
     if not same:
-        output.warn_once(f"{base}: its tokenizer differs from the run's ({theirs}): theta0 may not be the model "
-                         "this run started from (or the run added tokens); --base names the right one")  # fmt: skip
+        output.warn_once(
+            f"{base}: its tokenizer differs from the run's ({theirs}): theta0 may not be the model "
+            "this run started from (or the run added tokens); --base names the right one"
+        )
 
 
 def _token_ids(doc: dict) -> tuple:

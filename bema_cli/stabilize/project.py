@@ -111,9 +111,13 @@ def project(plan, opts, read_bytes: int, written_bytes: int, out_dir: Path) -> d
 
     speeds, state_bytes = probe(sample, out_dir), state_store.written_bytes(plan, opts)
     parts = seconds(plan, read_bytes, written_bytes, speeds, state_bytes)
-    return {"peak_memory_bytes": peak_memory(plan, opts), "seconds": round(parts.pop("seconds"), 1),
-            "parts_seconds": {k: round(v, 1) for k, v in parts.items()}, "state_bytes": state_bytes,
-            "speeds": {k: round(v) for k, v in speeds.items()}}  # fmt: skip
+    return {
+        "peak_memory_bytes": peak_memory(plan, opts),
+        "seconds": round(parts.pop("seconds"), 1),
+        "parts_seconds": {k: round(v, 1) for k, v in parts.items()},
+        "state_bytes": state_bytes,
+        "speeds": {k: round(v) for k, v in speeds.items()},
+    }
 
 
 def projection_line(p: dict) -> str:
@@ -123,8 +127,10 @@ def projection_line(p: dict) -> str:
 
     when = f", ~{p['seconds']:.0f} s" if p.get("seconds") is not None else ""
     parts = ", ".join(f"{k} {v:.0f} s" for k, v in p.get("parts_seconds", {}).items())
-    return (f"projected: peak memory {output.size(p['peak_memory_bytes'])}{when}"
-            f"{f' ({parts})' if parts else ''} (this machine's probe; --json: projection)")  # fmt: skip
+    return (
+        f"projected: peak memory {output.size(p['peak_memory_bytes'])}{when}"
+        f"{f' ({parts})' if parts else ''} (this machine's probe; --json: projection)"
+    )
 
 
 CUDA_START_SECONDS = 1.0  # CUDA's context, the pinned pool and ring, the streams: seen 0.5-1.5 s
@@ -156,7 +162,15 @@ def choose_device(plan, opts, projection: dict, read_bytes: int, written_bytes: 
     writer = parts["write"] + parts["state"] + (written_bytes + state) / gpu["d2h"]
     gpu_s = START_SECONDS + CUDA_START_SECONDS + max(main, writer)
     device = "cuda" if gpu_s < GPU_MARGIN * cpu_s else "cpu"
-    reason = (f"projected cpu {cpu_s:.1f} s (arithmetic {parts['compute']:.1f} s), cuda {gpu_s:.1f} s "
-              f"(copies {copies:.1f} s)")  # fmt: skip
-    return {"asked": "auto", "device": device, "reason": reason, "cpu_seconds": round(cpu_s, 2),
-            "cuda_seconds": round(gpu_s, 2), "gpu_speeds": {k: round(v) for k, v in gpu.items()}}  # fmt: skip
+    reason = (
+        f"projected cpu {cpu_s:.1f} s (arithmetic {parts['compute']:.1f} s), cuda {gpu_s:.1f} s "
+        f"(copies {copies:.1f} s)"
+    )
+    return {
+        "asked": "auto",
+        "device": device,
+        "reason": reason,
+        "cpu_seconds": round(cpu_s, 2),
+        "cuda_seconds": round(gpu_s, 2),
+        "gpu_speeds": {k: round(v) for k, v in gpu.items()},
+    }

@@ -66,8 +66,15 @@ class Landed:
             aux = self.aux / f"checkpoint-{step}"
             aux.mkdir()
             copy_aux_files(aux, [folder])
-            item = {"step": step, "folder": folder, "held": held, "aux": aux, "inputs": session.input_prints({step: folder})[step],
-                    "vanilla": resume.weights_fingerprint(folder), "index": open_checkpoint(folder, like=self.like)}  # fmt: skip
+            item = {
+                "step": step,
+                "folder": folder,
+                "held": held,
+                "aux": aux,
+                "inputs": session.input_prints({step: folder})[step],
+                "vanilla": resume.weights_fingerprint(folder),
+                "index": open_checkpoint(folder, like=self.like),
+            }
         except (FileNotFoundError, InputError) as exc:
             if folder.is_dir() and not isinstance(exc, FileNotFoundError):
                 raise  # a real problem of a checkpoint still there
@@ -164,8 +171,16 @@ class Follow:
         )
         self.landed.like = set(self.plan.base_index.tensors)
         output.log(f"following {self.landed.watcher.run_dir} (poll every {self.poll:g} s)")
-        self.walk = session.Walk(self.evaluation.backend_name, self.evaluation.engine, replace(self.stab, ready_steps=steps),
-                         self.plan, self.folder_of, [], self.aux_of, starter=self.evaluation.start)  # fmt: skip
+        self.walk = session.Walk(
+            self.evaluation.backend_name,
+            self.evaluation.engine,
+            replace(self.stab, ready_steps=steps),
+            self.plan,
+            self.folder_of,
+            [],
+            self.aux_of,
+            starter=self.evaluation.start,
+        )
         return True
 
     def _extend(self, timeout: float | None = 0) -> bool:
@@ -231,8 +246,15 @@ class Follow:
             if self.walk is not None:
                 self.walk.close()
         if self.walk is None:
-            return {"runs": [], "evaluated": 0, "records": [], "engine_starts": 0, "written_weight_bytes": 0,
-                    "memory": {}, "seconds": time.perf_counter() - t0}  # fmt: skip
+            return {
+                "runs": [],
+                "evaluated": 0,
+                "records": [],
+                "engine_starts": 0,
+                "written_weight_bytes": 0,
+                "memory": {},
+                "seconds": time.perf_counter() - t0,
+            }
         self.doc.update(self.walk.summary())
         session.judge_motion(self.doc, self.plan, self.config.out)
         return session.finish_doc(self.doc, self.evaluation, self.targets, t0)

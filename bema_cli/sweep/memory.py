@@ -45,8 +45,11 @@ def memory_estimate(
             kv = os.environ.get(KV_ENV, "").strip()
             config = read_json(plan.base_index.folder / "config.json")  # the run's architecture
             max_len = engine.max_model_len or default_max_model_len(config)
-            parts["kv_cache"] = int(kv) * 2**30 if kv else cpu_kv_cache(
-                config, engine_dtype, engine.workload, max_len, available_memory())[0]  # fmt: skip
+            parts["kv_cache"] = (
+                int(kv) * 2**30
+                if kv
+                else cpu_kv_cache(config, engine_dtype, engine.workload, max_len, available_memory())[0]
+            )
     return {"parts": parts, "model_bytes": model}
 
 

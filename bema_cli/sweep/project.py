@@ -44,8 +44,10 @@ def project(plan, evaluation, jobs, model_bytes: int, speeds: dict) -> dict:
     compute = len(walked) * numel * (PASSES_READ + len(plan.tracks)) / speeds["compute"]
     # what engines measured on this machine (eval/timings.py): the floors under the counts below
     floor = timings.floors(evaluation.backend_name)
-    start = max(ENGINE_START_S.get(evaluation.backend_name, 2.0) + model_bytes / speeds["read"],
-                floor.get("engine_start", 0.0))  # fmt: skip
+    start = max(
+        ENGINE_START_S.get(evaluation.backend_name, 2.0) + model_bytes / speeds["read"],
+        floor.get("engine_start", 0.0),
+    )
     per_record = max(FORWARD_FLOOR_S, floor.get("loss_record", 0.0))
     per_step = max(FORWARD_FLOOR_S, floor.get("decode_step", 0.0))
     load = forward = 0.0
@@ -75,11 +77,14 @@ def project(plan, evaluation, jobs, model_bytes: int, speeds: dict) -> dict:
                 forward += max(arithmetic, new * per_step)  # at least a decode step's floor per token
     parts = {"engine_start": start, "walk": read + compute, "load": load, "forward": forward}
     measured = sorted(floor) if floor else None
-    return {"seconds": round(sum(parts.values()), 1), "parts_seconds": {k: round(v, 1) for k, v in parts.items()},
-            "speeds": {k: round(v) for k, v in speeds.items()},
-            # the floors measured on this machine, or none: then it counts arithmetic alone and can read
-            # several times low on a small model (the engine's own per-call costs are unknown)
-            "measured_floors": measured}  # fmt: skip
+    return {
+        "seconds": round(sum(parts.values()), 1),
+        "parts_seconds": {k: round(v, 1) for k, v in parts.items()},
+        "speeds": {k: round(v) for k, v in speeds.items()},
+        # the floors measured on this machine, or none: then it counts arithmetic alone and can read
+        # several times low on a small model (the engine's own per-call costs are unknown)
+        "measured_floors": measured,
+    }
 
 
 def _on_cpu() -> bool:

@@ -122,8 +122,12 @@ def fingerprints(
     out = {}
     for t in at:
         if str(t.path).startswith(SWEEP_SCHEME):
-            doc = {"stabilizer": t.stabilizer, "step": t.step, "base": base,
-                   "inputs": [inputs[s] for s in sorted(inputs) if s <= t.step]}  # fmt: skip
+            doc = {
+                "stabilizer": t.stabilizer,
+                "step": t.step,
+                "base": base,
+                "inputs": [inputs[s] for s in sorted(inputs) if s <= t.step],
+            }
             out[t.path] = "sweep:" + hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
         else:
             out[t.path] = (known or {}).get(t.path) or resume.weights_fingerprint(t.path)
@@ -136,8 +140,10 @@ def check_inputs(config: EvalConfig, folder_of: dict, plan: Plan, steps: list[in
     from bema_cli.io.checkpoints import run_of
 
     runs = {run_of(c.path) for c in plan.checkpoints}
-    check_apart(Path(config.out).expanduser(), [*runs, *folder_of.values(), plan.base_index.folder,
-                                                *config.read_paths()])  # fmt: skip
+    check_apart(
+        Path(config.out).expanduser(),
+        [*runs, *folder_of.values(), plan.base_index.folder, *config.read_paths()],
+    )
     for step in steps:
         if step:
             check_model_dir(folder_of[step])  # tokenizer and config files come from the checkpoint
@@ -156,10 +162,20 @@ def memory_doc(plan, stab, config, engine, evaluation, sweep_opts) -> tuple[dict
     estimate["total"] = host_total(estimate["parts"], device)
     limit = sweep_opts.memory_limit or available_memory()
     check_memory(estimate, limit, stab.checkpoint_dir, len(plan.runs))
-    doc = {"runs": [r.name for r in plan.runs], "evaluated": 0,
-           "memory": {"estimate": estimate["total"], "parts": estimate["parts"], "limit": limit,
-                      "states_device": device, "model_bytes": estimate["model_bytes"]},
-           "backend": backend, "engine_starts": 0, "written_weight_bytes": 0}  # fmt: skip
+    doc = {
+        "runs": [r.name for r in plan.runs],
+        "evaluated": 0,
+        "memory": {
+            "estimate": estimate["total"],
+            "parts": estimate["parts"],
+            "limit": limit,
+            "states_device": device,
+            "model_bytes": estimate["model_bytes"],
+        },
+        "backend": backend,
+        "engine_starts": 0,
+        "written_weight_bytes": 0,
+    }
     return doc, stab
 
 
@@ -202,8 +218,17 @@ class Walk:
     """One engine holding the walker's states; checkpoints walked in order, each job evaluated at its
     step (a Ray actor runs one too: sweep/ray_split.py)."""
 
-    def __init__(self, backend_name: str, engine: EngineOptions, stab: Options, plan: Plan, folder_of: dict,
-                 jobs: list[Job], aux_of: dict | None = None, starter=None):  # fmt: skip
+    def __init__(
+        self,
+        backend_name: str,
+        engine: EngineOptions,
+        stab: Options,
+        plan: Plan,
+        folder_of: dict,
+        jobs: list[Job],
+        aux_of: dict | None = None,
+        starter=None,
+    ):
         """`starter`: Evaluation.start (--backend auto falls back to transformers when vLLM cannot start)."""
         self.plan, self.folder_of, self.base_folder = plan, folder_of, plan.base_index.folder
         stab = replace(stab, base=str(self.base_folder))  # its device is decided (memory_doc)
@@ -270,9 +295,15 @@ class Walk:
             self.evaluated += 1
 
     def summary(self) -> dict:
-        return {"evaluated": self.evaluated, "engine_starts": 1, "walked_steps": self.walked,
-                "engine_ready_at": self.engine_ready_at, "walk_s": self.walk_s,
-                "evaluate_s": self.evaluate_s, "motion_sums": self.motion_sums}  # fmt: skip
+        return {
+            "evaluated": self.evaluated,
+            "engine_starts": 1,
+            "walked_steps": self.walked,
+            "engine_ready_at": self.engine_ready_at,
+            "walk_s": self.walk_s,
+            "evaluate_s": self.evaluate_s,
+            "motion_sums": self.motion_sums,
+        }
 
     def close(self) -> None:
         self.backend.close()

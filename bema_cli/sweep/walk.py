@@ -167,8 +167,9 @@ class Walker:
         for p in self.unit:
             if p.hi > a and p.lo < b:
                 lo, hi = max(p.lo, a), min(p.hi, b)
-                reader.read_elements_into(p.info.name, first_element(p, lo), hi - lo, out[lo - a : hi - a],
-                                          self.scratch)  # fmt: skip
+                reader.read_elements_into(
+                    p.info.name, first_element(p, lo), hi - lo, out[lo - a : hi - a], self.scratch
+                )
 
     def _theta(self, a: int, b: int):
         """theta_s[a:b] in the accumulation dtype: read again, or upcast from the held copy."""
@@ -250,8 +251,14 @@ class Walker:
             for a, b in self._blocks(0, self.size):
                 theta = self._theta(a, b)
                 if prev is not None:
-                    self.motion.add(step, a, self._block_parts(a, b), theta, self._prev_block(prev, a, b),
-                                    self._block("motion")[: b - a])  # fmt: skip
+                    self.motion.add(
+                        step,
+                        a,
+                        self._block_parts(a, b),
+                        theta,
+                        self._prev_block(prev, a, b),
+                        self._block("motion")[: b - a],
+                    )
                 if not held and self.check:
                     check_finite(index, self.unit, theta, 0, b - a, a)
                 if burnin and self.theta0 is not None:
@@ -326,8 +333,10 @@ class Walker:
         if self.step in kept and self.step not in self._members:
             if self._reader is None:  # --follow: a checkpoint that landed in a format read whole
                 where = self.plan.indexes[self.step].folder
-                raise InputError(f"{where}: a window's member must be safetensors like the checkpoints "
-                                 "before it; sweep this run again from the start")  # fmt: skip
+                raise InputError(
+                    f"{where}: a window's member must be safetensors like the checkpoints "
+                    "before it; sweep this run again from the start"
+                )
             self._members[self.step] = (self._step_files.pop_all(), self._reader)
         for step in [s for s in self._members if s not in kept]:
             self._members.pop(step)[0].close()

@@ -138,10 +138,18 @@ class TransformersBackend:
         greedy = sampling.temperature == 0
         copies = 1 if greedy else sampling.n  # greedy samples are all identical: decode once
         kwargs = dict(
-            do_sample=False, max_new_tokens=sampling.max_new_tokens, num_return_sequences=1,
-            eos_token_id=self.stop_ids, pad_token_id=pad, top_k=None, top_p=None, min_p=None, temperature=None,
-            repetition_penalty=1.0, no_repeat_ngram_size=0,
-        )  # fmt: skip
+            do_sample=False,
+            max_new_tokens=sampling.max_new_tokens,
+            num_return_sequences=1,
+            eos_token_id=self.stop_ids,
+            pad_token_id=pad,
+            top_k=None,
+            top_p=None,
+            min_p=None,
+            temperature=None,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+        )
         encoded = [chat.encode(self.tokenizer, p) for p in prompts]
         results: list[list[str]] = []
         size = self.options.batch_size

@@ -29,9 +29,17 @@ from bema_cli.io.checkpoints import read_json
 RESET_WAIT_S = 5.0
 # config.json fields that must match for weights to fit the running engine
 ARCH_FIELDS = (
-    "architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings", "head_dim",
-)  # fmt: skip
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "tie_word_embeddings",
+    "head_dim",
+)
 
 
 def architecture(config: dict) -> dict:
@@ -56,13 +64,17 @@ class VllmBackend:
         from vllm.platforms import current_platform
 
         kwargs = dict(
-            model=str(path), tokenizer=str(path), dtype=resolve_dtype(self.options.dtype, path), seed=0,
+            model=str(path),
+            tokenizer=str(path),
+            dtype=resolve_dtype(self.options.dtype, path),
+            seed=0,
             tensor_parallel_size=self.options.tensor_parallel_size,
             gpu_memory_utilization=self.options.gpu_memory_utilization,
             max_model_len=self.max_model_len,
             enforce_eager=self.options.enforce_eager or current_platform.is_cpu(),  # no graphs on CPU
-            worker_extension_cls=f"{vllm_swap.__name__}.WeightSwapExtension", use_tqdm_on_load=output.progress_enabled(),
-        )  # fmt: skip
+            worker_extension_cls=f"{vllm_swap.__name__}.WeightSwapExtension",
+            use_tqdm_on_load=output.progress_enabled(),
+        )
         if dummy:  # `bema sweep`: no weight file is read at start, every config's weights are streamed in
             kwargs["load_format"] = "dummy"
         if self.options.data_parallel_size > 1:
@@ -75,8 +87,11 @@ class VllmBackend:
             kwargs["max_num_batched_tokens"] = max(self.max_model_len, 8192)
             # the KV cache the run needs, not vLLM's 70% of the machine's RAM (vllm_engine.py)
             config = read_json(Path(path) / "config.json")
-            kwargs.update(vllm_engine.kv_cache_kwargs(
-                config, kwargs["dtype"], self.options.workload, self.max_model_len, output.log))  # fmt: skip
+            kwargs.update(
+                vllm_engine.kv_cache_kwargs(
+                    config, kwargs["dtype"], self.options.workload, self.max_model_len, output.log
+                )
+            )
         return kwargs
 
     def _start(self, path: Path, config: dict, dummy: bool = False) -> None:
@@ -126,8 +141,10 @@ class VllmBackend:
             problem = vllm_swap.compare(swapped, fresh)
             if problem:
                 raise BackendError(f"{checkpoint}: swapped weights differ from a fresh engine's: {problem}")
-            output.log(f"verify-swap: {checkpoint}: {len(fresh['params'])} parameters and "
-                       f"{len(fresh['logprobs'])} probe logprobs equal a fresh engine's")  # fmt: skip
+            output.log(
+                f"verify-swap: {checkpoint}: {len(fresh['params'])} parameters and "
+                f"{len(fresh['logprobs'])} probe logprobs equal a fresh engine's"
+            )
 
     def _swap(self, checkpoint: Path, config: dict) -> None:
         arch = architecture(config)
@@ -155,9 +172,11 @@ class VllmBackend:
         deadline = time.monotonic() + RESET_WAIT_S
         while self.llm.reset_prefix_cache() is False:
             if time.monotonic() > deadline:
-                raise BackendError(f"{loaded}: vLLM's prefix cache still holds the previous weights' keys and "
-                                   f"values after {RESET_WAIT_S:g} s (blocks in use); its scores would mix two "
-                                   "models, so the evaluation stops")  # fmt: skip
+                raise BackendError(
+                    f"{loaded}: vLLM's prefix cache still holds the previous weights' keys and "
+                    f"values after {RESET_WAIT_S:g} s (blocks in use); its scores would mix two "
+                    "models, so the evaluation stops"
+                )
             time.sleep(0.05)
 
     # a weight source (`bema sweep`'s walker) lives in the engine's worker
@@ -204,12 +223,17 @@ class VllmBackend:
         greedy = sampling.temperature == 0
         params = [
             SamplingParams(
-                n=1 if greedy else sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
-                seed=None if greedy else seed, max_tokens=sampling.max_new_tokens, stop_token_ids=self.stop_ids,
+                n=1 if greedy else sampling.n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=0,
+                seed=None if greedy else seed,
+                max_tokens=sampling.max_new_tokens,
+                stop_token_ids=self.stop_ids,
                 detokenize=False,
             )
             for seed in seeds
-        ]  # fmt: skip
+        ]
         requests = []
         for text in prompts:
             ids = chat.encode(self.tokenizer, text)
@@ -352,11 +376,12 @@ def route_vllm_logs(log_file: str | None, debug: bool) -> None:
     else:
         handler = {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "level": "ERROR"}
     config = {
-        "version": 1, "disable_existing_loggers": False,
+        "version": 1,
+        "disable_existing_loggers": False,
         "formatters": {"plain": {"format": "%(levelname)s %(asctime)s %(name)s: %(message)s"}},
         "handlers": {"bema": {**handler, "formatter": "plain"}},
         "loggers": {"vllm": {"handlers": ["bema"], "level": "INFO", "propagate": False}},
-    }  # fmt: skip
+    }
     fd, path = tempfile.mkstemp(prefix="bema-vllm-logging-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(config, f)

@@ -15,12 +15,21 @@ import re
 
 NAME = "mmlu_hs"
 SUBJECTS = (
-    "high_school_biology", "high_school_chemistry", "high_school_computer_science",
-    "high_school_european_history", "high_school_geography", "high_school_government_and_politics",
-    "high_school_macroeconomics", "high_school_mathematics", "high_school_microeconomics",
-    "high_school_physics", "high_school_psychology", "high_school_statistics",
-    "high_school_us_history", "high_school_world_history",
-)  # fmt: skip
+    "high_school_biology",
+    "high_school_chemistry",
+    "high_school_computer_science",
+    "high_school_european_history",
+    "high_school_geography",
+    "high_school_government_and_politics",
+    "high_school_macroeconomics",
+    "high_school_mathematics",
+    "high_school_microeconomics",
+    "high_school_physics",
+    "high_school_psychology",
+    "high_school_statistics",
+    "high_school_us_history",
+    "high_school_world_history",
+)
 HUB = {"repo": "cais/mmlu", "patterns": [f"{s}/test-*.parquet" for s in SUBJECTS]}
 SHOTS_HUB = {"repo": "cais/mmlu", "patterns": [f"{s}/dev-*.parquet" for s in SUBJECTS]}  # 5 per subject
 FIELDS = {"question": str, "subject": str, "choices": list, "answer": int}

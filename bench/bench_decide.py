@@ -205,6 +205,40 @@ def guard_passes(true_gap: float, margin: float, items: int, reps: int, seed: in
     return passed
 
 
+def loss_guard_passes(true_gap: float, margin: float, items: int, reps: int, seed: int) -> int:
+    """How often ship's guard passes an average whose loss on a guard's held-out records is
+    vanilla's + true_gap nats/token, in this world's noise: the average is LAWA over the last 4
+    checkpoints, its per-item difference to vanilla z_i (c - e_last) per token (sd 0.13 nats/token
+    with SIGMA_ITEM 0.15), each record 20-60 tokens."""
+    from bema_cli.decide import guard, select
+    from bema_cli.decide.metric import Metric
+
+    metric = Metric("loss", "loss", False)
+    n = len(STEPS) + 1
+    c = np.zeros(n)
+    c[-4:] = 0.25
+    v = np.zeros(n)
+    v[-1] = 1.0
+    rng, passed = np.random.default_rng(seed), 0
+    for _ in range(reps):
+        tokens = rng.integers(20, 61, size=items).astype(float)
+        b = rng.normal(1.0, SIGMA_B, size=items)
+        z = rng.normal(0.0, SIGMA_ITEM, size=(items, n))
+        recs = []
+        for run, vec, gap in (("avg", c, true_gap), ("vanilla", v, 0.0)):
+            nll = ((b + z @ vec + 1.0 + gap) * tokens).tolist()
+            recs.append({"run": run, "step": STEPS[-1], "task": "loss", "model_path": run, "is_base": False,
+                         "protocol": {}, "seeds": None, "n_samples": 1, "n_prompts": items, "backend": "sim",
+                         "dtype": "float64", "items": {"ids": list(range(items)), "nll": nll,
+                                                       "tokens": tokens.tolist()}})  # fmt: skip
+        vs = select.versus(recs[0], recs[1], metric, None, 0, 1000)
+        passed += guard.holds(vs, False, margin)
+    return passed
+
+
+LOSS_GUARD_ITEMS = (100, 200, 600)  # a guard's held-out records
+
+
 def wilson(k: int, n: int) -> tuple[float, float]:
     if n == 0:
         return math.nan, math.nan
@@ -254,6 +288,10 @@ def run(reps: int, items: int, seed: int, lam_power: float = LAM_POWER) -> dict:
     m, n = DEFAULT_MARGIN["accuracy"], max(reps, 500)
     out = {"guard": {"reps": n, "margin": m, "worse_by_margin": guard_passes(-m, m, 660, n, seed),
                      "as_good": guard_passes(0.0, m, 660, n, seed + 1)}}  # fmt: skip
+    lm = DEFAULT_MARGIN["loss"]
+    out["loss_guard"] = [{"items": k, "reps": n, "margin": lm,
+                          "worse_by_margin": loss_guard_passes(lm, lm, k, n, seed + 2),
+                          "as_good": loss_guard_passes(0.0, lm, k, n, seed + 3)} for k in LOSS_GUARD_ITEMS]  # fmt: skip
     out["huge"] = [huge_world(max(reps // 10, 10), n, seed) for n in HUGE_ITEMS]
     for world_name, lam in (("null", 0.0), ("power", lam_power)):
         rows = []
@@ -287,6 +325,13 @@ def summarise(res: dict) -> list[tuple[str, str, str, str]]:
         f"{rate:.3f} [{lo:.3f}, {hi:.3f}]", "<= 0.05", rate <= 0.05)  # fmt: skip
     lo, hi = wilson(g["as_good"], g["reps"])
     add("  passes one as good as vanilla", f"{g['as_good'] / g['reps']:.3f} [{lo:.3f}, {hi:.3f}]")
+    for g in res["loss_guard"]:
+        lo, hi = wilson(g["worse_by_margin"], g["reps"])
+        rate = g["worse_by_margin"] / g["reps"]
+        add(f"loss guard ({g['items']} records): passes an average worse by its margin {g['margin']:g} nats/token",
+            f"{rate:.3f} [{lo:.3f}, {hi:.3f}]", "<= 0.05", rate <= 0.05)  # fmt: skip
+        lo, hi = wilson(g["as_good"], g["reps"])
+        add("  passes one as good as vanilla", f"{g['as_good'] / g['reps']:.3f} [{lo:.3f}, {hi:.3f}]")
     for h in res["huge"]:
         bad = h["vanilla_shipped"] + h["dropped_by_vanilla"]
         add(f"huge world ({h['items']} records, --fit none): vanilla shipped; an average dropped by vanilla",

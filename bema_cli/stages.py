@@ -42,25 +42,6 @@ def stage(name: str, nbytes: int = 0) -> Iterator[None]:
         add(name, time.perf_counter() - t, nbytes)
 
 
-@contextmanager
-def kept() -> Iterator[None]:
-    """Keep this command's stages across a nested command that resets the collector (`bema ship`
-    runs stabilize for its basis coefficients and its final write): what the nested one timed is
-    dropped, the caller times the whole of it as its own stage."""
-    with _lock:
-        seconds, nbytes, count = dict(_seconds), dict(_bytes), dict(_count)
-    try:
-        yield
-    finally:
-        with _lock:
-            _seconds.clear()
-            _bytes.clear()
-            _count.clear()
-            _seconds.update(seconds)
-            _bytes.update(nbytes)
-            _count.update(count)
-
-
 def report() -> dict:
     """{stage: {"seconds", "bytes", "gb_per_s", "count"}} in the order the stages first ran."""
     with _lock:

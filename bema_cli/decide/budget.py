@@ -29,8 +29,9 @@ from bema_cli.stabilize import motion
 SIMPLEX_TRIALS = 12  # fit.SIMPLEX_BUDGET
 
 
-def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
-    from bema_cli.decide.contest import decision_run, item_ids
+def budget(run, config, engine, ship_opts, metric, work: Path) -> dict:
+    """The dry run's document on `run` (contest.DecisionRun, planned by ship)."""
+    from bema_cli.decide.contest import item_ids
     from bema_cli.decide.scorer import arena_targets
     from bema_cli.eval.evaluate import Evaluation
     from bema_cli.io.probe import probe
@@ -38,7 +39,7 @@ def budget(stab, config, engine, ship_opts, metric, work: Path) -> dict:
     from bema_cli.stabilize.project import probe_sample
     from bema_cli.sweep.project import project
 
-    stab, plan, folder_of, step = decision_run(stab, ship_opts.at)
+    stab, plan, folder_of, step = run
     evaluation = Evaluation(replace(config, out=None), engine)  # a dry run writes nothing
     # what the engine cannot serve is said here too (--backend vllm: refused; auto: transformers)
     unservable = evaluation.servable(folder_of[step])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from typing import NamedTuple
 
 from bema_cli import output
 from bema_cli.decide import candidate, guard, select
@@ -48,9 +49,19 @@ def item_ids(task) -> list:
     return ids
 
 
-def decision_run(stab, at: str):
-    """The run as ship walks it (the decision and its dry run alike): (its options, the plan, {step:
-    folder}, the step decided at). theta0 (0) is refused: ship decides at a checkpoint's step."""
+class DecisionRun(NamedTuple):
+    """The run as ship walks it, planned once per ship: its options, the plan, {step: folder}, the
+    step decided at."""
+
+    stab: object
+    plan: object
+    folder_of: dict
+    step: int
+
+
+def decision_run(stab, at: str) -> DecisionRun:
+    """The run as ship walks it (the decision, its inputs and its dry run alike: `ship` plans it
+    once). theta0 (0) is refused: ship decides at a checkpoint's step."""
     from bema_cli.sweep.session import at_steps
     from bema_cli.sweep.walk import plan_sweep, sweep_options
 
@@ -60,13 +71,13 @@ def decision_run(stab, at: str):
     step = at_steps(at, sorted(folder_of))[-1]
     if step == 0:
         raise UsageError("--at: ship decides at a checkpoint's step, not at theta0 (0)")
-    return stab, plan, folder_of, step
+    return DecisionRun(stab, plan, folder_of, step)
 
 
-def contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work) -> dict:
+def contest(run: DecisionRun, config, engine, ship_opts, sweep_opts, validated, metric, work) -> dict:
     from bema_cli.sweep.session import check_inputs, memory_doc
 
-    stab, plan, folder_of, step = decision_run(stab, ship_opts.at)
+    stab, plan, folder_of, step = run
     race_config = replace(config, out=str(work / "race"))
     check_inputs(race_config, folder_of, plan, [step])
     if validated is not None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from bema_cli import output, stages
 from bema_cli.decide import guard, select
 from bema_cli.decide import records as sealed
-from bema_cli.decide.contest import contest
+from bema_cli.decide.contest import contest, decision_run
 from bema_cli.decide.metric import Metric, parse_metric
 from bema_cli.decide.outcome import Decision
 from bema_cli.decide.search import FITS
@@ -46,6 +46,7 @@ from bema_cli.errors import InputError, OutputError, UsageError
 from bema_cli.eval import timings
 from bema_cli.eval.job import EvalConfig
 from bema_cli.io.commit import locked
+from bema_cli.stabilize.plan import inputs_of
 
 # The default search space (docs/math.md, "Which average when"): EMA and BEMA at the language-model
 # defaults (kappa 0.5; eta 0.2, the paper's, and 0.5, a stronger correction), LAWA and WSM windows
@@ -124,19 +125,20 @@ def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, v
     if out.is_symlink():  # place() would replace the link by a folder: refused before any work
         raise UsageError(f"--out {out}: a symbolic link (to {os.readlink(out)}); give the folder itself")
     check_out_path(out, "--out")
-    inputs = [*_inputs(stab), *config.read_paths(), *ship_opts.reads]
+    run = decision_run(stab, ship_opts.at)  # the one plan of this ship: its inputs, dry run and walk
+    inputs = [*inputs_of(run.plan, stab.checkpoint_dir), *config.read_paths(), *ship_opts.reads]
     check_apart_from(out, inputs, "--out")  # before any answer, record or evaluation
     if ship_opts.dry_run:
         from bema_cli.decide.budget import budget
 
-        return budget(stab, config, engine, ship_opts, metric, out.parent / f".{out.name}.bema-ship")
+        return budget(run, config, engine, ship_opts, metric, out.parent / f".{out.name}.bema-ship")
     # one ship into DIR at a time: its records, staging siblings and the final rename are DIR's
     with locked(out.parent, f".{out.name}.bema-lock", label=out):
-        return _ship(stab, config, engine, ship_opts, sweep_opts, validated, metric, out, inputs)
+        return _ship(stab, run, config, engine, ship_opts, sweep_opts, validated, metric, out, inputs)
 
 
 def _ship(
-    stab, config, engine, ship_opts, sweep_opts, validated, metric, out: Path, inputs: list[Path]
+    stab, run, config, engine, ship_opts, sweep_opts, validated, metric, out: Path, inputs: list[Path]
 ) -> dict:
     request = sealed.request(stab, config, ship_opts, inputs, metric)
     clean_staging(out, out.parent / f".{out.name}.bema-ship")  # what a killed ship left half-written
@@ -161,7 +163,9 @@ def _ship(
             output.warn(f"{exc}: its records are not reused; deciding afresh")
     reused = _has_records(work)
     try:
-        return _decide(stab, config, engine, ship_opts, sweep_opts, validated, metric, out, work, request)
+        return _decide(
+            stab, run, config, engine, ship_opts, sweep_opts, validated, metric, out, work, request
+        )
     except InputError as exc:
         if not (ship_opts.overwrite and reused):
             raise
@@ -169,17 +173,19 @@ def _ship(
         # process appended, say): --overwrite always gets a decision, made afresh
         output.warn(f"{exc}: the records reused are set aside; deciding afresh (--overwrite)")
         shutil.rmtree(work, ignore_errors=True)
-        return _decide(stab, config, engine, ship_opts, sweep_opts, validated, metric, out, work, request)
+        return _decide(
+            stab, run, config, engine, ship_opts, sweep_opts, validated, metric, out, work, request
+        )
 
 
-def _decide(stab, config, engine, ship_opts, sweep_opts, validated, metric, out, work, request) -> dict:
+def _decide(stab, run, config, engine, ship_opts, sweep_opts, validated, metric, out, work, request) -> dict:
     """The decision made (or resumed) in `work`, DIR written from it, pushed when asked."""
     if not (work / sealed.REQUEST).is_file():  # a resume keeps the request its records were made for
         work.mkdir(parents=True, exist_ok=True)
         sealed.write_request(work, request)
     stages.reset()
     try:
-        made = contest(stab, config, engine, ship_opts, sweep_opts, validated, metric, work)
+        made = contest(run, config, engine, ship_opts, sweep_opts, validated, metric, work)
     except BaseException:
         if not _has_records(work):  # refused (bad data, an engine that cannot start) before any record
             shutil.rmtree(work, ignore_errors=True)  # the corrected command then starts clean
@@ -210,7 +216,7 @@ def _decide(stab, config, engine, ship_opts, sweep_opts, validated, metric, out,
     if made["motion"]:  # can averaging help here? (motion.py), measured as the walk read the run
         doc["motion"], doc["motion_verdict"] = made["motion"]["motion"], made["motion"]["motion_verdict"]
     record = Decision.of(_public(doc))  # the one record every view renders (and report reads again)
-    with stages.stage("write"), stages.kept():  # stabilize's own reset would drop the sweep's stages
+    with stages.stage("write"):
         doc["written"] = _write(record, fitted, ship_opts, doc, work, stab, made)
     if ship_opts.push:
         from bema_cli.decide.push import pushed
@@ -225,15 +231,6 @@ def _decide(stab, config, engine, ship_opts, sweep_opts, validated, metric, out,
 def _has_records(work: Path) -> bool:
     """Whether a work folder holds a record worth resuming from (a non-empty results file)."""
     return any(p.is_file() and p.stat().st_size > 0 for p in work.rglob("*.jsonl"))
-
-
-def _inputs(stab) -> list[Path]:
-    """What ship reads: the run folder, every checkpoint, the base and their weight files."""
-    from bema_cli.stabilize.plan import inputs_of
-    from bema_cli.stabilize.prepare import prepare
-    from bema_cli.sweep.walk import sweep_options
-
-    return inputs_of(prepare(sweep_options(stab)), stab.checkpoint_dir)
 
 
 def _write(decision: Decision, fitted, ship_opts, doc, work, stab, made) -> dict:

@@ -83,16 +83,20 @@ def _step(key: str) -> int:
     return -1 if step is None else step
 
 
-def recomputed(record: dict) -> dict[str, float] | None:
+def recomputed(record: dict, planned=None) -> dict[str, float] | None:
     """The vector the record's method, settings and step give on its run: vanilla is {step: 1} (the
     checkpoint at the record's step, nothing else); None for a fitted average, whose vector is what
-    the decision chose (`decided` holds it to that)."""
-    from bema_cli.decide.candidate import of_settings, vanilla
+    the decision chose (`decided` holds it to that). `planned`: the run as `_plan` planned it (a
+    stabilize output's, shared with its walk)."""
+    from bema_cli.decide.candidate import menu, of_settings, vanilla
 
     if record.get("method") == "vanilla":
         return vanilla(int(record["step"])).record
     if record.get("method") not in METHODS:
         return None
+    if planned is not None:
+        (cand,) = [c for key, c in menu(planned[0], int(record["step"])).items() if key != "vanilla"]
+        return cand.record
     source = Path(record["source_checkpoint"])
     if not source.is_dir():
         raise InputError(f"{source}: the source checkpoint is gone; verifying needs it (and its run)")
@@ -201,34 +205,42 @@ def _out_dtype(record: dict) -> str | None:
 WALK_SHARE = 0.5  # of the memory available: a model whose walk fits is rebuilt in memory
 
 
-def _from_walk(record: dict):
-    """(name, tensor) of a `bema stabilize` output rebuilt in memory, nothing written: the sweep's
-    walker advanced to the step with the record's settings gives, tensor for tensor, what stabilize
-    writes (tests/test_sweep.py holds them bitwise equal), and None; or None and why the walk cannot
-    make it (a LoRA run's output, a walk that would not fit in memory)."""
-    from bema_cli.machine import available_memory
+def _plan(record: dict):
+    """A stabilize output's run planned once, as the sweep's walker walks it with the record's
+    settings: (the plan, its options). Its vector (`recomputed`) and its walk (`_from_walk`) share it."""
     from bema_cli.schedule import Schedule
     from bema_cli.stabilize import Options
     from bema_cli.sweep.walk import plan_sweep, sweep_options
 
     source = Path(record["source_checkpoint"])
-    out_dtype = _out_dtype(record)
+    if not source.is_dir():
+        raise InputError(f"{source}: the source checkpoint is gone; verifying needs it (and its run)")
     try:
         schedule = Schedule.from_record(record).resolved()
-    except UsageError as exc:
-        raise InputError(f"{source}: the record's settings are not valid ({exc})") from None
-    opts = sweep_options(
-        Options(
-            checkpoint_dir=str(run_of(source)),
-            schedules=[schedule],
-            out=str(source / ".bema-unused"),
-            base=record.get("theta0_source"),
-            accum_dtype=record.get("accum_dtype", "float32"),
-            out_dtype=out_dtype,
-            allow_gaps=bool(record.get("allow_gaps")),
+        opts = sweep_options(
+            Options(
+                checkpoint_dir=str(run_of(source)),
+                schedules=[schedule],
+                out=str(source / ".bema-unused"),
+                base=record.get("theta0_source"),
+                accum_dtype=record.get("accum_dtype", "float32"),
+                out_dtype=_out_dtype(record),
+                allow_gaps=bool(record.get("allow_gaps")),
+            )
         )
-    )
-    plan = plan_sweep(opts)
+        return plan_sweep(opts), opts
+    except UsageError as exc:  # settings no command line could give: the record was edited
+        raise InputError(f"{source}: the record's settings are not valid ({exc})") from None
+
+
+def _from_walk(record: dict, planned):
+    """(name, tensor) of a `bema stabilize` output rebuilt in memory, nothing written: the sweep's
+    walker advanced to the step with the record's settings (`planned`: `_plan`'s) gives, tensor for
+    tensor, what stabilize writes (tests/test_sweep.py holds them bitwise equal), and None; or None
+    and why the walk cannot make it (a LoRA run's output, a walk that would not fit in memory)."""
+    from bema_cli.machine import available_memory
+
+    plan, opts = planned
     held = 4 + sum(
         len(t.names) if not t.window else t.ring for t in plan.tracks
     )  # theta, theta0, out, blocks
@@ -349,17 +361,20 @@ def verify(folder: Path, run: Path | None = None, base: str | None = None) -> di
     if gone:  # nothing to rebuild from: exit 3, not "differs"
         raise InputError(f"{folder}: an input it was made from is gone: {gone[0]}")
     stored = doc.get("coefficients")
-    vector = _vector_differs(stored, recomputed(record))
+    from_vector = isinstance(record.get("coefficients"), dict)  # written from a vector (ship, select)
+    averaged = record.get("method") in METHODS and record.get("method") != "vanilla"
+    planned = _plan(record) if averaged and not from_vector else None  # a stabilize output: planned once
+    vector = _vector_differs(stored, recomputed(record, planned))
     if not vector and _vector_differs(stored, decided(folder, record)):
         vector = ["the shipped decision's vector"]
     files_differ, not_checked = side_files(folder, named)
     rebuilt = "in memory"
-    if isinstance(record.get("coefficients"), dict):  # written from a vector: rebuilt in memory
+    if from_vector:  # rebuilt in memory
         if record["coefficients"] != stored:
             vector = vector or ["record"]
         tensors, differ = _compare(folder, _from_vector(record, doc))
     else:  # a stabilize output: walked in memory where it fits, else rebuilt in a temporary folder
-        walked, why = _from_walk(record)
+        walked, why = _from_walk(record, planned or _plan(record))
         if walked is None:
             rebuilt = f"in a temporary folder ({why})"
         tensors, differ = _compare(folder, walked if walked is not None else _from_stabilize(record, folder))

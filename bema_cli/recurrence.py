@@ -31,7 +31,11 @@ if TYPE_CHECKING:  # tensors arrive from the caller; not importing torch keeps C
     import torch
 
 from bema_cli.errors import UsageError
-from bema_cli.schedule import METHODS, PlannedStep, Schedule, merge_coefficients
+from bema_cli.schedule import METHODS, WINDOW_METHODS, PlannedStep, Schedule, merge_coefficients
+
+# methods whose `estimate` is a new tensor, not a view of a state (the fused pass and the walk
+# compute it straight into a buffer of their own)
+BUFFERED = ("bema", "dema", *WINDOW_METHODS)
 
 
 class Window:

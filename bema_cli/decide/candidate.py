@@ -73,10 +73,10 @@ def vanilla(step: int) -> Candidate:
 def menu(plan, step: int) -> dict[str, Candidate]:
     """Vanilla and each config of the plan evaluated at `step` (those its cadence does not skip), as
     their vectors: computed by the stabilize pass's own update in float64 on a basis
-    (stabilize.meta.coefficient_vectors), the same code that writes them into every output's header."""
+    (stabilize.vectors.coefficient_vectors), the same code that writes them into every output's header."""
     from dataclasses import replace
 
-    from bema_cli.stabilize.meta import coefficient_vectors
+    from bema_cli.stabilize.vectors import coefficient_vectors
 
     runs = [replace(r, out_steps=[step]) for r in plan.runs if r.events[step].action != "skip"]
     vectors = coefficient_vectors(replace(plan, runs=runs)) if runs else {}

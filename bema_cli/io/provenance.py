@@ -6,7 +6,7 @@ it; `bema verify DIR` rebuilds the model from it and says bitwise which tensors 
 The record: bema.json's content (the version, the method and its settings, the steps averaged,
 theta0's source, each named as the model card names it and never by an absolute local path: a push
 publishes the header with the weights), the coefficient vector over (theta0, each input step) where the run computed it
-from theta0 (stabilize/meta.coefficient_vectors; a fitted average's are its definition), and a
+from theta0 (stabilize/vectors.coefficient_vectors; a fitted average's are its definition), and a
 fingerprint per input (io/fingerprint.py's cheap one: header and sampled bytes of each weight file).
 """
 

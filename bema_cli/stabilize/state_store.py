@@ -181,3 +181,16 @@ def traffic(plan: Plan) -> int:
     if plan.theta0_index is not None and plan.theta0_index is not plan.base_index:
         read += plan.theta0_index.nbytes
     return read
+
+
+def step_updates(plan: Plan, stabs: list, step: int) -> tuple[list, list]:
+    """The (state, event) updates of `step`, one per distinct state that takes it: the recurrences
+    (applied before the outputs) and the windows' rings (after them: a full window's merge still
+    reads its oldest slice, which the ring's update overwrites)."""
+    updates = [
+        (stab, track.runs[0].events[step])
+        for track, stab in zip(plan.tracks, stabs, strict=True)
+        if track.advances(step)
+    ]
+    rings = [(stab, event) for stab, event in updates if isinstance(stab, Window)]
+    return [(stab, event) for stab, event in updates if not isinstance(stab, Window)], rings

@@ -23,8 +23,7 @@ from bema_cli.io.reader import streams
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
 from bema_cli.io.write_behind import WriteBehind
 from bema_cli.io.writer import ShardedWriter, tensor_bytes
-from bema_cli.recurrence import Window, estimate, needs_drift, update
-from bema_cli.schedule import WINDOW_METHODS
+from bema_cli.recurrence import BUFFERED, estimate, needs_drift, update
 from bema_cli.stabilize import state_store
 from bema_cli.stabilize.blocks import check_finite, first_element, load, read_raw
 from bema_cli.stabilize.motion import UnitMotion
@@ -32,7 +31,6 @@ from bema_cli.stabilize.plan import Options, Piece, Plan
 from bema_cli.stabilize.workspace import Workspace
 
 Outputs = dict[tuple[str, int], ShardedWriter]  # (run name, step) -> the writer of that output folder
-BUFFERED = ("bema", "dema", *WINDOW_METHODS)  # methods whose output is a new tensor (not a state)
 
 
 def _blocks(unit: list[Piece], size: int, block: int) -> list[tuple[int, int, list[tuple[Piece, int, int]]]]:
@@ -116,19 +114,6 @@ def read_ranges(plan: Plan) -> list:
                         )
                     )
     return ranges
-
-
-def step_updates(plan: Plan, stabs: list, step: int) -> tuple[list, list]:
-    """The (state, event) updates of `step`, one per distinct state that takes it: the recurrences
-    (applied before the outputs) and the windows' rings (after them: a full window's merge still
-    reads its oldest slice, which the ring's update overwrites)."""
-    updates = [
-        (stab, track.runs[0].events[step])
-        for track, stab in zip(plan.tracks, stabs, strict=True)
-        if track.advances(step)
-    ]
-    rings = [(stab, event) for stab, event in updates if isinstance(stab, Window)]
-    return [(stab, event) for stab, event in updates if not isinstance(stab, Window)], rings
 
 
 def _stream_in(ws: Workspace, reader, blocks: list, flat, readers: int) -> None:
@@ -217,7 +202,7 @@ def process_unit(plan: Plan, opts: Options, unit: list[Piece], outputs: Outputs,
         motion.prev.copy_(theta0)
     for step in plan.read_steps:
         index = plan.indexes[step]
-        advancing, after = step_updates(plan, stabs, step)
+        advancing, after = state_store.step_updates(plan, stabs, step)
         writing = [(run, outputs[run.name, step]) for run in plan.runs if (run.name, step) in outputs]
         # the unit's rows of the new state, final once a block has taken the last step: they go out
         # with the outputs, from the write-behind thread, rather than after the pass from this one

@@ -30,13 +30,13 @@ from bema_cli.errors import InputError
 from bema_cli.io.checkpoints import Checkpoint
 from bema_cli.io.reader import ModelIndex, open_checkpoint
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF, ChunkReader
-from bema_cli.recurrence import Window, estimate, needs_drift, update
+from bema_cli.recurrence import BUFFERED, Window, estimate, needs_drift, update
 from bema_cli.stabilize import state_store
 from bema_cli.stabilize.blocks import check_finite, first_element, load, read_raw
 from bema_cli.stabilize.motion import UnitMotion
 from bema_cli.stabilize.plan import Options, Plan
 from bema_cli.stabilize.prepare import check_same, drop_tied_head, prepare
-from bema_cli.stabilize.unit import BUFFERED, step_updates
+from bema_cli.stabilize.state_store import step_updates
 from bema_cli.stabilize.workspace import Workspace
 from bema_cli.sweep.hold import HOLD_BLOCK, FileRing, hold_dtype, index_streams, reread
 

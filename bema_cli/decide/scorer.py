@@ -24,6 +24,7 @@ from bema_cli.eval.job import Job, evaluate_task
 from bema_cli.eval.results import ResultsFile
 from bema_cli.eval.targets import VANILLA, Target
 from bema_cli.stabilize import motion
+from bema_cli.sweep.walk import steps_to, walk_to
 
 SOURCE = "bema_cli.decide.scorer:ShipSource"
 _NONE = object()  # nothing loaded yet (None is theta_s)
@@ -88,14 +89,20 @@ class Arena:
             self.backend = self.evaluation.start(
                 lambda b: b.open_source(SOURCE, args, self.folder), self.folder
             )
+            call, indexes = self.backend.source_call, self.plan.indexes
+
+            def advance(s: int) -> None:
+                with stages.stage("walk", indexes[s].nbytes if s in indexes else 0):
+                    call("advance", s)
+
+            def finish() -> None:
+                with stages.stage("walk"):
+                    call("finish")
+
             with output.progress("steps") as bar:
-                walked = [s for s in self.plan.read_steps if s <= self.step]
+                walked = steps_to(self.plan, self.step)
                 task = bar.add_task("walking to the step", total=len(walked))
-                for s in walked:
-                    with stages.stage("walk", self.plan.indexes[s].nbytes if s in self.plan.indexes else 0):
-                        self.backend.source_call("advance", s)
-                        if s != self.step:
-                            self.backend.source_call("finish")
+                for _ in walk_to(self.plan, self.step, advance, finish):
                     bar.advance(task)
             if walked:
                 self.motion = motion.judge(self.backend.source_call("motion_sums"), self.plan.runs)

@@ -252,14 +252,12 @@ def _from_walk(record: dict, planned):
 
 
 def _walk(plan, opts, step: int):
-    from bema_cli.sweep.walk import Walker
+    from bema_cli.sweep.walk import Walker, walk_to
 
     walker = Walker(plan, opts)
     try:
-        for s in [s for s in plan.read_steps if s <= step]:
-            walker.advance(s)
-            if s != step:
-                walker.finish()
+        for _ in walk_to(plan, step, walker.advance, walker.finish):
+            pass
         yield from walker.weights(plan.runs[0].name)
     finally:
         walker.close()

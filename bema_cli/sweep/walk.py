@@ -48,6 +48,22 @@ def sweep_options(opts: Options) -> Options:
     return replace(opts, max_memory=WHOLE_MODEL, no_state=True, final_only=False, steps=None, dry_run=False)
 
 
+def steps_to(plan: Plan, step: int) -> list[int]:
+    """The steps a walk to `step` reads (every earlier step the run's cadence reads, and `step`)."""
+    return [s for s in plan.read_steps if s <= step]
+
+
+def walk_to(plan: Plan, step: int, advance, finish):
+    """The walk to one step, as a sweep walks: each read step up to `step` advanced, every one but
+    `step` finished (its outputs done with); yields each step once it is advanced. `advance`/`finish`:
+    a Walker's own, or the same calls into an engine's weight source (ship's Arena)."""
+    for s in steps_to(plan, step):
+        advance(s)
+        if s != step:
+            finish()
+        yield s
+
+
 def plan_sweep(opts: Options, held: dict[str, str] | None = None) -> Plan:
     plan = prepare(sweep_options(opts))
     for index in plan.indexes.values():

@@ -106,23 +106,15 @@ def evaluate_task(backend, job: Job, item: TaskInput, say: bool = True) -> tuple
     eval_id = uuid.uuid4().hex  # ties samples.jsonl lines to their results.jsonl records (for rescore)
     template = f"file:{c.name(c.chat_template_file)}" if c.chat_template_file else backend.template_source
     extra, samples, record_seeds = {}, [], item.resume_key["seeds"]
+    # what every samples.jsonl line of this evaluation starts with
+    sample_of = {"eval_id": eval_id, "model_path": model, "run": None if target.is_base else target.run,
+                 "step": target.step, "is_base": target.is_base, "task": name}  # fmt: skip
     if is_lm_eval(name):
         from bema_cli.eval import lm_eval_bridge
 
         with stages.stage("lm_eval"):
             metrics, extra, n_prompts, n_samples, logged = lm_eval_bridge.evaluate(backend, name, c)
-        samples = [
-            {
-                "eval_id": eval_id,
-                "model_path": model,
-                "run": None if target.is_base else target.run,
-                "step": target.step,
-                "is_base": target.is_base,
-                "task": name,
-                **x,
-            }
-            for x in logged
-        ]
+        samples = [{**sample_of, **x} for x in logged]
     elif name in LOSS_TASKS:
         encoded = [
             loss_task.encode_record(r, backend.tokenizer, c.loss_max_tokens) for r in item.loss_records
@@ -156,12 +148,7 @@ def evaluate_task(backend, job: Job, item: TaskInput, say: bool = True) -> tuple
         n_prompts, n_samples = len(docs), c.n_samples
         samples = [
             {
-                "eval_id": eval_id,
-                "model_path": model,
-                "run": None if target.is_base else target.run,
-                "step": target.step,
-                "is_base": target.is_base,
-                "task": name,
+                **sample_of,
                 "doc_id": d["_id"],
                 "subject": d.get("subject"),
                 "prompt": p,

@@ -44,6 +44,25 @@ def _out_dir(text: str) -> Path:
     return Path(text).expanduser().resolve()
 
 
+def _up_to_date(opts, executor, last_step, t0: float) -> dict:
+    """The --json document of a call with nothing to write (every output already there)."""
+    return {
+        "outputs": [],
+        "read_bytes": 0,
+        "written_bytes": 0,
+        "state_bytes": 0,
+        "executor": {"executor": executor.executor, "workers": executor.workers},
+        "up_to_date": True,
+        "last_step": last_step,
+        "seconds": time.perf_counter() - t0,
+        "projection": None,
+        "motion": [],
+        "motion_verdict": None,
+        "stages": stages.report(),
+        "device": _idle_device(opts),
+    }
+
+
 def _idle_device(opts: Options) -> dict:
     """`device` of a call with nothing to do (the --json keys of a working run)."""
     return {"asked": opts.device, "device": None, "reason": "nothing to stabilize"}
@@ -127,21 +146,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
     check_apart(out, inputs_of(plan, opts.checkpoint_dir))
     if opts.no_state and not opts.overwrite and not opts.dry_run and _already_written(out, plan, opts):
         last = max((c.step for c in plan.checkpoints), default=None)  # a finished --final-only call again
-        return {
-            "outputs": [],
-            "read_bytes": 0,
-            "written_bytes": 0,
-            "state_bytes": 0,
-            "executor": {"executor": executor.executor, "workers": executor.workers},
-            "up_to_date": True,
-            "last_step": last,
-            "seconds": time.perf_counter() - t0,
-            "projection": None,
-            "motion": [],
-            "motion_verdict": None,
-            "stages": stages.report(),
-            "device": _idle_device(opts),
-        }
+        return _up_to_date(opts, executor, last, t0)
     try:
         _check_out(out, plan.runs, opts.overwrite, _restarted(plan, opts))
     except OutputError as exc:
@@ -151,21 +156,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
     n_outputs = sum(len(r.out_steps) for r in plan.runs)
     last_step = max((c.step for c in plan.checkpoints), default=None)
     if not plan.read_steps and not n_outputs:  # nothing new since the last call: a working run's keys
-        return {
-            "outputs": [],
-            "read_bytes": 0,
-            "written_bytes": 0,
-            "state_bytes": 0,
-            "executor": {"executor": executor.executor, "workers": executor.workers},
-            "up_to_date": True,
-            "last_step": last_step,
-            "seconds": time.perf_counter() - t0,
-            "projection": None,
-            "motion": [],
-            "motion_verdict": None,
-            "stages": stages.report(),
-            "device": _idle_device(opts),
-        }
+        return _up_to_date(opts, executor, last_step, t0)
     # the inputs start coming into the page cache now, beside torch's import (io/prefetch.py); not
     # in a dry run, nor for Ray's workers (other processes, maybe other machines)
     local = not opts.dry_run and executor.executor == "local"

@@ -95,9 +95,8 @@ def sweep(
         executor=where.options(),
         follow=pace,
         validated=lambda: output.send_library_output(Path(out) / LIBRARY_LOG),
+        notes=_lag_notes,
     )
-    if not dry_run and not follow:
-        doc["notes"] = _lag_notes(opts, doc)
     if json_:
         output.print_json(doc)
     elif dry_run:
@@ -120,19 +119,14 @@ def sweep(
             output.log(f"note: {note}")
 
 
-def _lag_notes(opts, doc: dict) -> list[str]:
-    """Why an average may lose at the last step evaluated, read off its vector (as ship says it)."""
+def _lag_notes(plan, step: int) -> list[str]:
+    """Why an average may lose at the last step evaluated, read off its vector (as ship says it),
+    on the plan the sweep walked."""
     from bema_cli.decide.candidate import lag_notes, menu
-    from bema_cli.errors import BemaError
-    from bema_cli.sweep.walk import plan_sweep
 
-    steps = [r["step"] for r in doc.get("records", []) if isinstance(r.get("step"), int) and r["step"] > 0]
-    if not steps:
-        return []
     try:
-        plan = plan_sweep(opts)
-        return lag_notes(plan, menu(plan, max(steps)), max(steps))
-    except (BemaError, KeyError):  # a checkpoint gone since: the notes are not worth an error
+        return lag_notes(plan, menu(plan, step), step)
+    except KeyError:  # a step the menu does not hold: the notes are not worth an error
         return []
 
 

@@ -57,13 +57,16 @@ def sweep(
     executor: ExecutorOptions | None = None,
     follow: Pace | None = None,
     validated=None,
+    notes=None,
 ) -> dict:
     """Run one sweep (batch, or --follow at the given pace); returns the --json document,
-    whose memory.peak_rss counts the engine's own processes too (vLLM's engine core runs apart)."""
+    whose memory.peak_rss counts the engine's own processes too (vLLM's engine core runs apart).
+    `notes(plan, step)`: a batch sweep's notes on its last step, read off the plan it walked (the
+    command's: the lag notes live above the sweep)."""
     stages.reset()
     return_freed_memory()
     with PeakRss() as peak:
-        doc = _sweep(stab, config, engine, sweep_opts, executor, follow, validated)
+        doc = _sweep(stab, config, engine, sweep_opts, executor, follow, validated, notes)
     doc["memory"].update(peak.parts(), peak_device=_device_peak())
     return doc
 
@@ -96,7 +99,7 @@ def projection(plan, evaluation, jobs, doc: dict, config: EvalConfig) -> dict:
     return p
 
 
-def _sweep(stab, config, engine, sweep_opts, executor, follow, validated) -> dict:
+def _sweep(stab, config, engine, sweep_opts, executor, follow, validated, notes=None) -> dict:
     t0 = time.perf_counter()
     validate(config, engine)
     executor = executor or ExecutorOptions()
@@ -150,4 +153,10 @@ def _sweep(stab, config, engine, sweep_opts, executor, follow, validated) -> dic
                 walk.close()
             doc.update(walk.summary(), backend=evaluation.backend_name)
         judge_motion(doc, plan, config.out)
-        return finish_doc(doc, evaluation, at, t0)
+        done = finish_doc(doc, evaluation, at, t0)
+        evaluated = [
+            r["step"] for r in done.get("records", []) if isinstance(r.get("step"), int) and r["step"] > 0
+        ]
+        if notes is not None and evaluated:
+            done["notes"] = notes(plan, max(evaluated))
+        return done

@@ -83,27 +83,40 @@ def menu(plan, step: int) -> dict[str, Candidate]:
     return {"vanilla": vanilla(step)} | {r.name: Candidate.keyed(r.name, vectors[r.name, step]) for r in runs}
 
 
+def record_options(settings: dict, source: Path, out: Path, base: str | None, **more):
+    """The stabilize options a record's settings (method, hyperparameters, accumulation dtype, gaps
+    allowed) describe on the run of checkpoint `source`: the one mapping from a record to a run,
+    for its vector (`of_settings`), verify's walk and verify's rebuild. `out`: where a stabilize
+    would write (a plan that writes nothing still names one)."""
+    from bema_cli.io.checkpoints import run_of
+    from bema_cli.schedule import Schedule
+    from bema_cli.stabilize import Options
+
+    return Options(
+        checkpoint_dir=str(run_of(source)),
+        schedules=[Schedule.from_record(settings).resolved()],
+        out=str(out),
+        base=base,
+        accum_dtype=settings.get("accum_dtype", "float32"),
+        allow_gaps=bool(settings.get("allow_gaps")),
+        **more,
+    )
+
+
 def of_settings(
     name: str, settings: dict, source: Path, base: str | None, step: int, allow_gaps: bool = False
 ):
     """A config named by its record (`settings`: method and hyperparameters) at checkpoint `source`'s
     `step` of its run: (its Candidate, the folders of its basis keyed as the vector is, theta0's
     source), computed as ship's menu is (`menu` on the run's plan). Vanilla needs no plan."""
-    from bema_cli.io.checkpoints import run_of
-    from bema_cli.schedule import Schedule
-    from bema_cli.stabilize import Options
     from bema_cli.sweep.walk import plan_sweep
 
     if settings.get("method", "vanilla") == "vanilla":
         return Candidate(name, vanilla(step).vector), {str(step): Path(source)}, base or "first"
-    run = run_of(source)
-    opts = Options(
-        checkpoint_dir=str(run),
-        schedules=[Schedule.from_record(settings).resolved()],
-        out=str(run / ".bema-unused"),
-        base=base,
-        allow_gaps=allow_gaps,
-    )
+    from bema_cli.io.checkpoints import run_of
+
+    unused = run_of(source) / ".bema-unused"  # the plan writes nothing
+    opts = record_options({**settings, "allow_gaps": allow_gaps}, source, unused, base)
     plan = plan_sweep(opts)
     (cand,) = [c for key, c in menu(plan, step).items() if key != "vanilla"]
     folders = {THETA0: plan.base_index.folder, **{str(c.step): c.path for c in plan.checkpoints}}

@@ -208,25 +208,16 @@ WALK_SHARE = 0.5  # of the memory available: a model whose walk fits is rebuilt 
 def _plan(record: dict):
     """A stabilize output's run planned once, as the sweep's walker walks it with the record's
     settings: (the plan, its options). Its vector (`recomputed`) and its walk (`_from_walk`) share it."""
-    from bema_cli.schedule import Schedule
-    from bema_cli.stabilize import Options
+    from bema_cli.decide.candidate import record_options
     from bema_cli.sweep.walk import plan_sweep, sweep_options
 
     source = Path(record["source_checkpoint"])
     if not source.is_dir():
         raise InputError(f"{source}: the source checkpoint is gone; verifying needs it (and its run)")
     try:
-        schedule = Schedule.from_record(record).resolved()
+        unused = source / ".bema-unused"  # the walk writes nothing
         opts = sweep_options(
-            Options(
-                checkpoint_dir=str(run_of(source)),
-                schedules=[schedule],
-                out=str(source / ".bema-unused"),
-                base=record.get("theta0_source"),
-                accum_dtype=record.get("accum_dtype", "float32"),
-                out_dtype=_out_dtype(record),
-                allow_gaps=bool(record.get("allow_gaps")),
-            )
+            record_options(record, source, unused, record.get("theta0_source"), out_dtype=_out_dtype(record))
         )
         return plan_sweep(opts), opts
     except UsageError as exc:  # settings no command line could give: the record was edited
@@ -269,24 +260,22 @@ def _from_stabilize(record: dict, folder: Path):
     private temporary folder: a LoRA run's output, or a model whose walk in memory would not fit."""
     from safetensors import safe_open
 
-    from bema_cli.schedule import Schedule
-    from bema_cli.stabilize import Options, stabilize
+    from bema_cli.decide.candidate import record_options
+    from bema_cli.stabilize import stabilize
 
     source = Path(record["source_checkpoint"])
     lora = record.get("lora") if isinstance(record.get("lora"), dict) else {}  # an adapter's: output, rank
     out_dtype = None if lora.get("output") == "adapter" else _out_dtype(record)  # an adapter keeps its own
     tmp = Path(tempfile.mkdtemp(prefix="bema-verify-"))
     try:
-        opts = Options(
-            checkpoint_dir=str(run_of(source)),
-            schedules=[Schedule.from_record(record).resolved()],
-            out=str(tmp / "out"),
-            base=record.get("theta0_source"),
+        opts = record_options(
+            record,
+            source,
+            tmp / "out",
+            record.get("theta0_source"),
             steps=[int(record["step"])],
-            accum_dtype=record.get("accum_dtype", "float32"),
             no_state=True,
             out_dtype=out_dtype,
-            allow_gaps=bool(record.get("allow_gaps")),
             lora_output=lora.get("output", "merged"),
             lora_rank=lora.get("rank"),
         )

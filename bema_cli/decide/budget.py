@@ -18,7 +18,6 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from bema_cli import output
 from bema_cli.decide import guard, power, race, select
 from bema_cli.decide.decision import MIN_REPORT_ITEMS, undecidable
 from bema_cli.decide.search import SOUP_CHECKPOINTS
@@ -32,6 +31,7 @@ SIMPLEX_TRIALS = 12  # fit.SIMPLEX_BUDGET
 def budget(run, config, engine, ship_opts, metric, work: Path) -> dict:
     """The dry run's document on `run` (contest.DecisionRun, planned by ship)."""
     from bema_cli.decide.contest import item_ids
+    from bema_cli.decide.metric import parse_metric
     from bema_cli.decide.scorer import arena_targets
     from bema_cli.eval.evaluate import Evaluation
     from bema_cli.io.probe import probe
@@ -74,18 +74,14 @@ def budget(run, config, engine, ship_opts, metric, work: Path) -> dict:
     }
     if unservable:
         doc["vllm_cannot_serve"] = unservable
-    guards = [
-        guard.foresight(
-            t, len(item_ids(evaluation.inputs[t])), guard.margin_of(True, ship_opts.guard_margin), metric.name
-        )
+    # what each accuracy guard can show at its items, before anything runs (as ship says it)
+    shape = {
+        t: (t not in LOSS_TASKS and parse_metric(t).higher_is_better, len(item_ids(evaluation.inputs[t])))
         for t in others
-        if t not in LOSS_TASKS and not t.startswith("lm_eval:")
-    ]
-    if guards:  # what each accuracy guard can show at its items, before anything runs
+    }
+    guards = guard.foreseen(shape, ship_opts.guard_margin, metric.name)
+    if guards:
         doc["guards"] = guards
-        for g in guards:
-            if "said" in g:
-                output.warn(g["said"])
     gen = [t for t in config.tasks if t not in LOSS_TASKS and not t.startswith("lm_eval:")]
     if gen:
         samples = 1 if config.temperature == 0 else config.n_samples

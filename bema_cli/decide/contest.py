@@ -92,8 +92,9 @@ def contest(run: DecisionRun, config, engine, ship_opts, sweep_opts, validated, 
     try:
         scorer = scorer_of(arena, metric, work)
         ids = item_ids(scorer.task)
-        others = _vanilla_on_other_tasks(arena, config, metric, menu["vanilla"], work, ship_opts.guard_margin)
-        foreseen = {d["task"]: d for d in foresee(others, metric, ship_opts.guard_margin)}
+        others, foreseen = _vanilla_on_other_tasks(
+            arena, config, metric, menu["vanilla"], work, ship_opts.guard_margin
+        )
         pick, report = select.sides(ids, ship_opts.holdout, ship_opts.seed)
         pick_ids, report_ids = [ids[i] for i in pick], [ids[i] for i in report]
         vanilla_only = undecidable(len(report_ids))  # the verdict says so, and how many records would decide
@@ -257,34 +258,22 @@ def _motion(arena, plan, work) -> dict | None:
     return read_json(work / motion.FILE) if (work / motion.FILE).is_file() else None
 
 
-def _vanilla_on_other_tasks(arena, config, metric, vanilla, work, guard_margin=None) -> dict:
-    """{task: (its scorer, its item ids)} of each task other than the metric's, vanilla scored on every
-    item: its one load, before the race, serves every task it is reported on (whatever ships, vanilla
-    is), so only the shipped candidate is swapped in again for them."""
+def _vanilla_on_other_tasks(arena, config, metric, vanilla, work, guard_margin=None) -> tuple[dict, dict]:
+    """({task: (its scorer, its item ids)} of each task other than the metric's, vanilla scored on
+    every item; {task: its foresight} of the guards under guard.POWER, warned before anything is
+    scored): vanilla's one load, before the race, serves every task it is reported on (whatever
+    ships, vanilla is), so only the shipped candidate is swapped in again for them."""
     out = {}
     for task in guard.guard_tasks(config.tasks, metric.task):
         m = Metric(task, "loss", False) if task in LOSS_TASKS else parse_metric(task)
         scorer = scorer_of(arena, m, work)
         out[task] = scorer, item_ids(scorer.task)
-    for doc in foresee(out, metric, guard_margin):  # said before anything is scored
-        output.warn(doc["said"])
+    shape = {task: (scorer.metric.higher_is_better, len(ids)) for task, (scorer, ids) in out.items()}
+    foreseen = {d["task"]: d for d in guard.foreseen(shape, guard_margin, metric.name) if "said" in d}
     for task, (scorer, ids) in out.items():
         output.log(f"{task}: vanilla on its {len(ids)} items (reported whatever ships; a guard)")
         scorer.scores(vanilla, ids)
-    return out
-
-
-def foresee(guards: dict, metric, given: float | None) -> list[dict]:
-    """Each accuracy guard's pass rate for a model truly as good as vanilla at its items and margin
-    (guard.foresight), those under guard.POWER: what may block a true winner, said up front. A loss
-    guard's spread is unknown before its items are scored: not foreseen."""
-    out = []
-    for task, (scorer, ids) in guards.items():
-        if scorer.metric.higher_is_better:
-            doc = guard.foresight(task, len(ids), guard.margin_of(True, given), metric.name)
-            if "said" in doc:
-                out.append(doc)
-    return out
+    return out, foreseen
 
 
 def _other_tasks(scorers: dict, shipped, vanilla) -> tuple[dict, int]:

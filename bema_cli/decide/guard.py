@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from bema_cli import output
 from bema_cli.decide import verdict
 
 # Default margins, in each metric's units: 3 points of accuracy, 0.02 nats/token of loss. On GSM8K's
@@ -63,6 +64,17 @@ def foresight(task: str, items: int, margin: float, metric: str) -> dict:
             "decides on the metric alone"
         )
     return doc
+
+
+def foreseen(guards: dict[str, tuple[bool, int]], given: float | None, metric: str) -> list[dict]:
+    """Each accuracy guard's `foresight` ({task: (higher_is_better, items)}), the ones under POWER
+    warned: said before anything is scored, by ship and its dry run alike. A loss guard's spread is
+    unknown before its items are scored: not foreseen."""
+    out = [foresight(t, n, margin_of(True, given), metric) for t, (higher, n) in guards.items() if higher]
+    for doc in out:
+        if "said" in doc:
+            output.warn(doc["said"])
+    return out
 
 
 def margin_of(higher_is_better: bool, given: float | None) -> float:

@@ -240,37 +240,13 @@ def write_vector(cand, folders: dict[str, Path], template: Path, out: Path, reco
     return out
 
 
-def evaluation_rows(
-    doc: dict, value: float, interval, versus: dict | None, others: dict | None = None, shipped: str = ""
-) -> list[dict]:
-    """The card's evaluation table: the decision's metric, then each other task ship scored (the
-    guards: a blocked average's reason is on the card with its numbers)."""
+def evaluation_rows(doc: dict, value: float, interval, versus: dict | None) -> list[dict]:
+    """The card's evaluation table of `select --write`: the winner on the metric (a ship's card
+    renders its Decision's rows: outcome.Decision.card_rows)."""
     from bema_cli.decide.verdict import fmt_diff
 
-    rows = [
-        {
-            "dataset": doc["task"],
-            "metric": doc["metric"],
-            "value": value,
-            "interval": interval,
-            "vs": f"vs vanilla {fmt_diff(versus)}" if versus else "",
-        }
-    ]
-    for task, o in (others or {}).items():
-        vs, this = o.get("vs_vanilla"), o["candidate"] == shipped
-        # a guard that blocked an average: the card's model is vanilla, the blocked one is named beside
-        rows.append(
-            {
-                "dataset": task,
-                "metric": o["metric"],
-                "value": o["shipped"] if this else o["vanilla"],
-                "interval": None,
-                "vs": f"{'' if this else 'not shipped: '}{o['candidate']} vs vanilla {fmt_diff(vs)}"
-                if vs
-                else "",
-            }
-        )
-    return rows
+    vs = f"vs vanilla {fmt_diff(versus)}" if versus else ""
+    return [{"dataset": doc["task"], "metric": doc["metric"], "value": value, "interval": interval, "vs": vs}]
 
 
 def write_card(

@@ -13,23 +13,26 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 
 FILE = "timings.json"
-_seen: dict[str, float] = {}  # this process's fastest per unit: loss_record, decode_step
+_seen: dict[str, list[float]] = {}  # this process's seconds per unit, a call each: loss_record, decode_step
 
 
 def note(kind: str, seconds: float, units: int) -> None:
     """A timed call of `units` units (records of a loss call, decode steps of a generate call)."""
     if units > 0 and seconds > 0:
-        _seen[kind] = min(_seen.get(kind, float("inf")), seconds / units)
+        _seen.setdefault(kind, []).append(seconds / units)
 
 
 def save(backend: str, stages: dict) -> None:
-    """What this command measured, kept for this machine: each kind's fastest per unit (the
-    engine's start and a swap from the command's stages). Best effort: a cache that cannot be
-    written costs the next projection its floors, never the command."""
-    got = dict(_seen)
+    """What this command measured, kept for this machine: per kind the median call's seconds per
+    unit (a call's cost as the command met it; the fastest call alone is a best case it rarely
+    met), the engine's start and a swap from the command's stages; across commands the
+    lowest, a floor. Best effort: a cache that cannot be written costs the next projection its
+    floors, never the command."""
+    got = {kind: statistics.median(per) for kind, per in _seen.items()}
     _seen.clear()
     for kind in ("engine_start", "swap"):
         s = stages.get(kind)

@@ -108,8 +108,11 @@ def main(argv=None) -> None:
             f"wall, ship / by hand (median of {a.repeats}): {doc['ratio_median']:.2f} (target <= {TARGET}: "
             f"{'PASS' if doc['ratio_median'] <= TARGET else 'FAIL'})",
             f"ship with soup + simplex: {t_fit:.1f} s; {fitted['verdict']}",
-            *(f"  its dry run, {k}: {projected[k]:.1f} s projected, wall / projection {x} (target <= "
-              f"{PROJECTION_LOW}: {'PASS' if x <= PROJECTION_LOW else 'FAIL'})" for k, x in over.items()),
+            *(
+                f"  its dry run, {k}: {projected[k]:.1f} s projected, wall / projection {x} (target <= "
+                f"{PROJECTION_LOW}: {'PASS' if x <= PROJECTION_LOW else 'FAIL'})"
+                for k, x in over.items()
+            ),
         ]
         print("\n".join(lines), file=sys.stderr)
         if a.json:

@@ -567,7 +567,7 @@ def test_a_dry_run_projects_from_what_this_machine_measured(runs, tmp_path):
     r = run_bema(*args[:-1], "--json", env=env)
     assert r.returncode == 0, r.stderr
     spent = json.loads(r.stdout)["stages"]
-    (key, kept), = json.loads((cache / "timings.json").read_text()).items()
+    ((key, kept),) = json.loads((cache / "timings.json").read_text()).items()
     assert key.startswith("transformers | ") and set(kept) == {"engine_start", "swap", "loss_record"}, kept
     assert kept["engine_start"] == pytest.approx(spent["engine_start"]["seconds"], abs=1e-5)
     assert kept["swap"] == pytest.approx(spent["swap"]["seconds"] / spent["swap"]["count"], abs=1e-5)

@@ -64,6 +64,9 @@ def shown_path(value: str) -> str:
     return "/".join(parts[-2:]) if len(parts) >= 2 else value
 
 
+CARD_WEIGHTS = 12  # the card names the largest weights (an EMA over a long run has hundreds)
+
+
 def recipe(coefficients: dict, most: int | None = None) -> str:
     """The vector in words: `0.5 x checkpoint-285 + 0.5 x checkpoint-300` (theta0 named as such);
     with `most`, only the largest weights, and how many more there are."""
@@ -169,7 +172,7 @@ def card(
             else []
         ),
         *(
-            [f"| weights | {_cell(recipe(record['coefficients']))} |"]
+            [f"| weights | {_cell(recipe(record['coefficients'], most=CARD_WEIGHTS))} |"]
             if isinstance(record.get("coefficients"), dict)
             else []
         ),

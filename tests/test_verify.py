@@ -179,6 +179,37 @@ def test_a_forged_vector_in_the_header_is_caught(stabilized, tmp_path, run_name)
     assert untouched.returncode == 0, untouched.stderr
 
 
+def test_a_stabilize_record_holds_its_vector_and_an_older_one_still_verifies(stabilized, tmp_path):
+    """bema.json of a stabilize output holds its vector under `coefficients` as every record does
+    (the header's, the paper's in float64), says it was walked, and keeps a window's merge weights
+    under their own name; a record an older bema wrote (the window's list under `coefficients`, no
+    `written_from`) is still walked again by verify, and identical."""
+    folder = stabilized["out"] / "lawa-w3" / "checkpoint-40"
+    record = json.loads((folder / "bema.json").read_text())
+    assert record["written_from"] == "walk"
+    assert (
+        record["coefficients"]
+        == provenance.read(folder)["coefficients"]
+        == pytest.approx({"20": 1 / 3, "30": 1 / 3, "40": 1 / 3}, abs=1e-12)
+    )
+    assert record["member_steps"] == [20, 30, 40] and record["merge_weights"] == pytest.approx([1 / 3] * 3)
+    bema = json.loads((stabilized["out"] / "bema-k0.5-e0.2" / "checkpoint-30" / "bema.json").read_text())
+    assert bema["coefficients"] == pytest.approx(_reference("bema", 30), abs=1e-12)
+    old = tmp_path / "old"
+    shutil.copytree(folder, old)
+    path = old / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    doc = json.loads(meta[provenance.KEY])
+    rec = {k: v for k, v in doc["record"].items() if k not in ("written_from", "merge_weights")}
+    doc["record"] = {**rec, "coefficients": record["merge_weights"]}  # as bema 0.9 wrote it
+    save_file(load_file(str(path)), str(path), metadata={**meta, provenance.KEY: json.dumps(doc)})
+    r = run_bema("verify", old, "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["identical"] and got["rebuilt"] == "in memory" and got["vector_differs"] == [], got
+
+
 @pytest.mark.parametrize(
     "doc,said",
     [

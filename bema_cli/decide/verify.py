@@ -348,7 +348,7 @@ def verify(folder: Path, run: Path | None = None, base: str | None = None) -> di
     if gone:  # nothing to rebuild from: exit 3, not "differs"
         raise InputError(f"{folder}: an input it was made from is gone: {gone[0]}")
     stored = doc.get("coefficients")
-    from_vector = isinstance(record.get("coefficients"), dict)  # written from a vector (ship, select)
+    from_vector = provenance.written_from(record) == "vector"  # ship, select --write; else stabilize
     averaged = record.get("method") in METHODS and record.get("method") != "vanilla"
     planned = _plan(record) if averaged and not from_vector else None  # a stabilize output: planned once
     vector = _vector_differs(stored, recomputed(record, planned))
@@ -356,9 +356,9 @@ def verify(folder: Path, run: Path | None = None, base: str | None = None) -> di
         vector = ["the shipped decision's vector"]
     files_differ, not_checked = side_files(folder, named)
     rebuilt = "in memory"
+    if isinstance(record.get("coefficients"), dict) and record["coefficients"] != stored:
+        vector = vector or ["record"]  # bema.json's vector is not the header's
     if from_vector:  # rebuilt in memory
-        if record["coefficients"] != stored:
-            vector = vector or ["record"]
         tensors, differ = _compare(folder, _from_vector(record, doc))
     else:  # a stabilize output: walked in memory where it fits, else rebuilt in a temporary folder
         walked, why = _from_walk(record, planned or _plan(record))

@@ -199,6 +199,7 @@ def model_record(
     return {
         "bema_version": __version__,
         "run": cand.name,
+        "written_from": "vector",  # one sum of its coefficients (verify rebuilds it so), not a walk
         **params,
         "step": step,
         "coefficients": cand.record,

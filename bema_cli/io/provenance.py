@@ -168,10 +168,22 @@ def _number(x) -> bool:
 
 
 def _vector(v) -> bool:
-    """A coefficient vector keyed by name, or (a window's merge weights in stabilize's record) a list."""
+    """A coefficient vector keyed by name, or (a window's merge weights in an older stabilize's
+    record) a list."""
     if isinstance(v, list):
         return all(_number(c) for c in v)
     return isinstance(v, dict) and all(isinstance(k, str) and _number(c) for k, c in v.items())
+
+
+def written_from(record: dict) -> str:
+    """How a model was made: "walk" (stabilize's fused pass: verify walks the run again) or
+    "vector" (ship, select --write: one float64 sum of its coefficients). Records say it; an older
+    bema's said it by the type under `coefficients` (a vector dict: written from it; a window's
+    merge weights, a list, or none: stabilize)."""
+    said = record.get("written_from")
+    if said in ("walk", "vector"):
+        return said
+    return "vector" if isinstance(record.get("coefficients"), dict) else "walk"
 
 
 def _malformed(doc: dict) -> str | None:

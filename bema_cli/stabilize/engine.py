@@ -248,8 +248,11 @@ def _already_written(out: Path, plan, opts: Options) -> bool:
     source checkpoint's files last changed. Re-running a finished command is then "up to date"."""
     import json
 
+    from bema_cli.stabilize.vectors import coefficient_vectors
+
     out_dtype = meta.out_dtype_name(plan, opts)
     source_of = {c.step: c.path for c in plan.checkpoints}
+    vectors = coefficient_vectors(plan) if plan.lora is None else {}
     for run in plan.runs:
         folder = out / run.name
         if not folder.is_dir() or {p.name for p in folder.glob("checkpoint-*")} != {
@@ -265,7 +268,17 @@ def _already_written(out: Path, plan, opts: Options) -> bool:
             except (OSError, ValueError, KeyError):
                 return False
             want = json.loads(
-                output.to_json(meta.record(run, step, source_of[step], plan.base_source, opts, out_dtype))
+                output.to_json(
+                    meta.record(
+                        run,
+                        step,
+                        source_of[step],
+                        plan.base_source,
+                        opts,
+                        out_dtype,
+                        vectors.get((run.name, step)),
+                    )
+                )
             )
             if not fresh or {k: v for k, v in have.items() if k != "bema_version"} != {
                 k: v for k, v in want.items() if k != "bema_version"

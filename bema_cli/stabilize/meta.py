@@ -32,15 +32,21 @@ def hyper(s: Schedule, leave_out: tuple[str, ...] = ()) -> dict:
     return {k: v for k, v in s.params().items() if k not in leave_out}
 
 
-def record(run: Run, step: int, source: Path, base_source: str, opts: Options, out_dtype: str) -> dict:
+def record(
+    run: Run, step: int, source: Path, base_source: str, opts: Options, out_dtype: str, vector: dict | None
+) -> dict:
     """The bema.json of one output (contract shared with eval/report). Its inputs are named, never by
-    their absolute local paths (provenance.input_name); `bema verify` finds them again."""
+    their absolute local paths (provenance.input_name); `bema verify` finds them again. `vector`:
+    the output as its coefficients keyed by "theta0" and step (stabilize/vectors.py; None for a
+    LoRA run), under `coefficients` as every record bema writes has it."""
     return {
         "bema_version": __version__,
         "run": run.name,
+        "written_from": "walk",  # the fused pass's recurrences (verify walks it again), not a vector
         **hyper(run.schedule),
         "step": step,
         **weights(run, step),
+        **({"coefficients": vector} if vector is not None else {}),
         "source_checkpoint": provenance.input_name(source, opts.out),
         "theta0_source": provenance.input_name(base_source, opts.out),
         "accum_dtype": opts.accum_dtype,
@@ -151,13 +157,13 @@ def outputs_of(plan: Plan, out: Path) -> list[dict]:
 
 def weights(run: Run, step: int) -> dict:
     """The weights an output was made with: (alpha_s, beta_s); a window merge's members and
-    coefficients (fewer than K while the window fills)."""
+    merge weights (fewer than K while the window fills)."""
     event = run.events[step]
     out = {"alpha": event.alpha, "beta": event.beta}
     if run.schedule.method in WINDOW_METHODS and event.action == "update":
         steps = last_members(run.events, step, run.schedule.window)
         coefficients = merge_coefficients(run.schedule.merge_schedule, len(steps))
-        out.update(members=len(steps), member_steps=steps, coefficients=coefficients)
+        out.update(members=len(steps), member_steps=steps, merge_weights=coefficients)
     return out
 
 
@@ -312,9 +318,9 @@ def open_outputs(plan: Plan, opts: Options, tmp: Path) -> Outputs:
     out_dtype = out_dtype_name(plan, opts)
     for run in plan.runs:
         for step in run.out_steps:
-            made = record(run, step, ckpt[step], plan.base_source, opts, out_dtype)
-            inputs = {k: v for k, v in prints.items() if k == "theta0" or int(k) in made["averaged_steps"]}
             coefficients = (vectors or {}).get((run.name, step))
+            made = record(run, step, ckpt[step], plan.base_source, opts, out_dtype, coefficients)
+            inputs = {k: v for k, v in prints.items() if k == "theta0" or int(k) in made["averaged_steps"]}
             provenance_doc = {
                 "bema_version": __version__,
                 "bema_run": run.name,
@@ -332,10 +338,11 @@ def finish_outputs(plan: Plan, opts: Options, outputs: Outputs) -> int:
     ckpt = {c.step: c.path for c in plan.checkpoints}
     out_dtype = out_dtype_name(plan, opts)
     out, written = Path(opts.out).expanduser().resolve(), 0
+    vectors = coefficient_vectors(plan) if plan.lora is None else {}
     for (name, step), writer in outputs.items():
         writer.close()
         run = next(r for r in plan.runs if r.name == name)
-        made = record(run, step, ckpt[step], plan.base_source, opts, out_dtype)
+        made = record(run, step, ckpt[step], plan.base_source, opts, out_dtype, vectors.get((name, step)))
         if plan.lora is not None:
             made["lora"] = finish_lora(writer.folder, plan, output_folder(out, name, step))
         finish_folder(

@@ -85,7 +85,7 @@ def _list(steps: list[int]) -> str:
 
 def _stabilizer(plan: Plan, opts: Options, run, step: int, source: Path) -> dict:
     """The stabilizer a record carries: what `bema eval` reads from that output's bema.json."""
-    record = meta.record(run, step, source, plan.base_source, opts, meta.out_dtype_name(plan, opts))
+    record = meta.record(run, step, source, plan.base_source, opts, meta.out_dtype_name(plan, opts), None)
     record = json.loads(output.to_json(record))  # as bema.json holds it (eta inf as "inf")
     return {k: record[k] for k in STABILIZER_KEYS if k in record}
 

@@ -306,7 +306,7 @@ def ship_record(inputs: list[str]):
     if len(inputs) != 1:
         return None
     from bema_cli.decide.outcome import Decision
-    from bema_cli.decide.records import check_sealed
+    from bema_cli.publish.records import check_sealed
 
     path = Path(inputs[0]) / ".bema-ship" / "ship.json"
     if not path.is_file():

@@ -56,7 +56,7 @@ def menu_vectors(work: Path) -> dict:
     from safetensors.torch import save_file
 
     from bema_cli.decide import candidate
-    from bema_cli.decide.ship import DEFAULT_GRID
+    from bema_cli.decide.request import DEFAULT_GRID
     from bema_cli.stabilize import Options, grid
     from bema_cli.sweep.walk import plan_sweep
 
@@ -118,8 +118,8 @@ def decide_once(world: World, menu: dict, raced: bool, opts) -> dict:
     from bema_cli.decide import decision, race, search, select
     from bema_cli.decide.menu import race_menu
     from bema_cli.decide.metric import Metric
+    from bema_cli.decide.request import fits_for
     from bema_cli.decide.scorer import ItemScorer
-    from bema_cli.decide.ship import fits_for
     from bema_cli.eval.results import ResultsFile
 
     metric = Metric("loss", "loss", False)
@@ -165,7 +165,7 @@ def huge_world(reps: int, items: int, seed: int) -> dict:
     item, decided raced with --fit none: the world where a clamped Phi(x) read vanilla's far-worse
     items as e^300 of evidence and dropped every average "by vanilla". Counts vanilla shipped and the
     averages dropped by vanilla (both must be 0: vanilla is the clearly worst)."""
-    from bema_cli.decide.ship import ShipOptions
+    from bema_cli.decide.request import ShipOptions
 
     with tempfile.TemporaryDirectory() as tmp:
         menu = menu_vectors(Path(tmp) / "basis")
@@ -278,7 +278,7 @@ def design_of(design: str):
 
 
 def run(reps: int, items: int, seed: int, lam_power: float = LAM_POWER) -> dict:
-    from bema_cli.decide.ship import ShipOptions
+    from bema_cli.decide.request import ShipOptions
 
     opts = ShipOptions(out=Path("unused"), resamples=1000)
     with tempfile.TemporaryDirectory() as tmp:

@@ -44,7 +44,7 @@ def measure(run: Path, base: Path, data: Path, work: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bema_cli.decide import candidate
-    from bema_cli.decide.ship import DEFAULT_GRID
+    from bema_cli.decide.request import DEFAULT_GRID
     from bema_cli.stabilize import Options, grid
     from bema_cli.sweep.walk import plan_sweep
 

@@ -2,7 +2,7 @@
 
 The demo's model shape (2 layers x 128 hidden) is trained to an optimum on held-out chats; the run
 is 8 checkpoints of that optimum plus fresh noise (tests/ship_runs.py: averaging helps, so an
-average is the right answer). Both paths judge the same menu (decide/ship.py's DEFAULT_GRID) at the
+average is the right answer). Both paths judge the same menu (decide/request.py's DEFAULT_GRID) at the
 last step on held-out loss with --holdout 0.5, as real `bema` processes, back to back:
 
 1. the decision: ship's (--fit none: the menu only, raced on the pick items) against the exhaustive

@@ -13,7 +13,7 @@ import pytest
 
 from bema_cli.decide import decision, select
 from bema_cli.decide.metric import parse_metric
-from bema_cli.decide.ship import ShipOptions
+from bema_cli.decide.request import ShipOptions
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_decide.py"
 
@@ -232,7 +232,7 @@ def test_the_request_is_every_field_of_the_options_but_the_declared_few(tmp_path
     import dataclasses
     from types import SimpleNamespace
 
-    from bema_cli.decide import records
+    from bema_cli.publish import records
 
     class Config:
         def name(self, path):

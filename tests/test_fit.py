@@ -72,7 +72,7 @@ def test_served_written_and_verified_weights_are_the_float64_sum(tmp_path, monke
     from conftest import run_bema
 
     from bema_cli.decide.candidate import Candidate
-    from bema_cli.decide.write import model_record, write_vector
+    from bema_cli.publish.write import model_record, write_vector
 
     monkeypatch.setattr(fit, "COMBINE_BLOCK", block)
     base, run = write_trajectory(tmp_path, STEPS, dtype=torch.bfloat16, with_int=True)

@@ -84,7 +84,7 @@ def test_push_uploads_every_file_in_one_commit(checkpoint):
 def test_an_older_records_absolute_paths_are_shortened_as_uploaded(tmp_path):
     """bema.json of an older bema held absolute local paths: the uploaded copy names the folders as
     the card does; the local copy is left as it is."""
-    from bema_cli.decide.push import published_record
+    from bema_cli.publish.push import published_record
 
     old = {"run": "ema-k0.5", "step": 40, "source_checkpoint": "/home/me/proj/run/checkpoint-40",
            "theta0_source": "/home/me/models/base", "coefficients": {"theta0": 0.5, "/home/me/proj/run/checkpoint-40": 0.5}}  # fmt: skip
@@ -182,7 +182,7 @@ def test_the_whole_push_is_bounded_by_timeout_and_retries(checkpoint):
     backoffs + the client's last backoff (docs/usage.md); it took 1545 s with the defaults before."""
     import time
 
-    from bema_cli.decide.push import CLIENT_BACKOFF, budget
+    from bema_cli.publish.push import CLIENT_BACKOFF, budget
 
     with HubStandIn() as hub:
         hub.fault = ("hang", "PUT /lfs-upload/")

@@ -354,8 +354,8 @@ def test_each_candidate_is_swapped_in_once_and_the_race_picks_as_select_on_every
     from bema_cli.decide.candidate import Candidate
     from bema_cli.decide.menu import race_menu
     from bema_cli.decide.metric import Metric
+    from bema_cli.decide.request import ShipOptions
     from bema_cli.decide.scorer import ItemScorer
-    from bema_cli.decide.ship import ShipOptions
     from bema_cli.eval.results import ResultsFile
 
     steps = [10, 20, 30]
@@ -398,8 +398,8 @@ def _effect_race(means: dict, rng, effect: float, items: int = 100):
     from bema_cli.decide import menu
     from bema_cli.decide.candidate import Candidate
     from bema_cli.decide.metric import Metric
+    from bema_cli.decide.request import ShipOptions
     from bema_cli.decide.scorer import ItemScorer
-    from bema_cli.decide.ship import ShipOptions
     from bema_cli.eval.results import ResultsFile
 
     names = list(means)

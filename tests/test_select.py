@@ -362,7 +362,7 @@ def test_select_write_of_a_vector_without_theta0_writes_and_verifies(evaluated_r
     folder), and verify rebuilds it bitwise."""
     from bema_cli import report
     from bema_cli.decide import select as sel
-    from bema_cli.decide.write import write_winner
+    from bema_cli.publish.write import write_winner
 
     _, records = report.load([str(evaluated_run / "results")])
     doc = sel.select(records, parse_metric("loss"), "last", None, 200, 0)

@@ -522,9 +522,9 @@ def test_a_foreign_line_is_never_sealed_and_overwrite_always_starts_afresh(runs,
     (records.seal, from what this process read and wrote: `results.unchanged`). Sealed into DIR by a
     bema before that, every `--overwrite` failed with exit 3 naming --overwrite as the remedy; it now
     sets the records aside and decides afresh."""
-    from bema_cli.decide import records
     from bema_cli.errors import InputError
     from bema_cli.eval.results import ResultsFile
+    from bema_cli.publish import records
 
     work = tmp_path / "work"
     mine = ResultsFile(work / "race" / "loss")

@@ -130,7 +130,7 @@ def test_eval_never_writes_into_the_training_run(world):
 def test_a_staging_folder_belongs_to_exactly_one_out(tmp_path):
     """A ship into model-v2 killed between its two renames leaves the old model-v2 aside: a later
     ship into `model` leaves it alone; a later ship into `model-v2` puts it back."""
-    from bema_cli.decide.write import clean_staging
+    from bema_cli.publish.write import clean_staging
 
     dead = 2**22 + 12345  # above Linux's default pid_max: no such process
     aside = tmp_path / f".bema-tmp-old-{dead}-model-v2"

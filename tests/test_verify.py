@@ -124,7 +124,7 @@ def test_a_fitted_average_carries_its_coefficients_and_verifies(stabilized, tmp_
     """One record shape: the vector keyed by theta0 and step, in bema.json and the header alike;
     verify rebuilds it in memory (nothing beside the folder) and a changed weight is caught."""
     from bema_cli.decide.candidate import Candidate
-    from bema_cli.decide.write import model_record, write_vector
+    from bema_cli.publish.write import model_record, write_vector
 
     run = stabilized["run"]
     folders = {"theta0": stabilized["base"], **{str(s): run / f"checkpoint-{s}" for s in STEPS}}
@@ -302,7 +302,7 @@ def test_the_rebuild_in_a_temporary_folder_agrees_and_names_what_differs(stabili
     temporary folder: bitwise what the walk gives, a changed tensor named, and the folder gone after."""
     import tempfile
 
-    from bema_cli.decide import verify
+    from bema_cli.publish import verify
 
     monkeypatch.setattr(verify, "WALK_SHARE", 0.0)  # no walk fits: the other rebuild
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -328,7 +328,7 @@ def _written(stabilized, tmp_path, cand_steps, step, name="model"):
     """A model written by the one writer from the vector {s: 1} over `cand_steps` (vanilla's shape),
     recorded as vanilla at `step`; its run a copy whose checkpoint-40 names a local base path."""
     from bema_cli.decide.candidate import Candidate
-    from bema_cli.decide.write import model_record, write_vector
+    from bema_cli.publish.write import model_record, write_vector
 
     run = tmp_path / "run"
     if not run.exists():

@@ -1,4 +1,4 @@
-"""`bema push`: a checkpoint bema wrote, to the Hugging Face Hub (bema_cli/decide/push.py)."""
+"""`bema push`: a checkpoint bema wrote, to the Hugging Face Hub (bema_cli/publish/push.py)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def push(
 
     Uses huggingface_hub (HfApi.create_repo, HfApi.create_commit) with the token from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hub. Exit codes: 3 not a bema output, 6 no or refused token, 2 a bad --repo-id, 7 the name is another kind of repo (or the Hub refused it), 8 the Hub is unreachable, silent past --timeout after --retries, or failing.
     """
-    from bema_cli.decide.push import push as run
     from bema_cli.errors import UsageError
+    from bema_cli.publish.push import push as run
 
     if not timeout > 0 or retries < 0:
         raise UsageError(f"--timeout must be > 0 and --retries >= 0, got {timeout} and {retries}")

@@ -57,7 +57,7 @@ def select(
     _, records = report.load(inputs)
     doc = sel.select(records, parsed, at, holdout, resamples, seed, allow_missing)
     if write:
-        from bema_cli.decide.write import write_winner
+        from bema_cli.publish.write import write_winner
 
         doc["written"] = write_winner(doc, records, Path(write), overwrite)
     if json:

@@ -1,4 +1,4 @@
-"""`bema ship`: a run folder in, the model folder to ship out (bema_cli/decide/ship.py)."""
+"""`bema ship`: a run folder in, the model folder to ship out (bema_cli/ship.py)."""
 
 from __future__ import annotations
 
@@ -89,11 +89,11 @@ def ship(
     """
     from pathlib import Path
 
-    from bema_cli.decide.push import check_repo_id, check_token, token_missing
-    from bema_cli.decide.ship import DEFAULT_GRID, ShipOptions, check
-    from bema_cli.decide.ship import ship as run
+    from bema_cli.decide.request import DEFAULT_GRID, ShipOptions, check
     from bema_cli.errors import BemaError, HubAuthError, InputError, UsageError
     from bema_cli.eval.evaluate import LIBRARY_LOG
+    from bema_cli.publish.push import check_repo_id, check_token, token_missing
+    from bema_cli.ship import ship as run
     from bema_cli.stabilize import grid as menu
     from bema_cli.sweep.session import parse_at
 
@@ -164,7 +164,7 @@ def ship(
 
 
 def _fits(text: str) -> tuple[str, ...] | None:
-    """--fit: None for auto (decide/ship.fits_for says it per metric), () for none, else the list."""
+    """--fit: None for auto (decide/request.fits_for says it per metric), () for none, else the list."""
     word = text.strip()
     return None if word == "auto" else () if word == "none" else tuple(parse_str_list(text, "--fit"))
 
@@ -172,7 +172,7 @@ def _fits(text: str) -> tuple[str, ...] | None:
 def _windows(checkpoint_dir: str) -> list[int]:
     """The menu's windows (DEFAULT_GRID's), each at most the run's checkpoint count: a window wider
     than the run averages what there is, under the name of what it averages."""
-    from bema_cli.decide.ship import DEFAULT_GRID
+    from bema_cli.decide.request import DEFAULT_GRID
     from bema_cli.errors import BemaError
     from bema_cli.io.checkpoints import find_checkpoints
 

@@ -1,4 +1,4 @@
-"""`bema verify`: a model bema wrote, rebuilt from the provenance in its weights (decide/verify.py)."""
+"""`bema verify`: a model bema wrote, rebuilt from the provenance in its weights (publish/verify.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def verify(
     json: JsonOpt = False,
 ) -> None:
     """Rebuild FOLDER from the record inside its safetensors files (the method and its settings, the steps, the coefficients, the inputs' fingerprints) and the inputs it names, and say bitwise which tensors differ. The record names its inputs (run/checkpoint-40), never by absolute paths: they are found near FOLDER by name and fingerprint, or where --run and --base say. Exit 0 when every tensor is identical, 1 when any differs (the inputs that changed since are named), 3 when there is no record or an input is gone or not found."""
-    from bema_cli.decide.verify import verify as run
+    from bema_cli.publish.verify import verify as run
 
     doc = run(Path(folder), Path(run_dir) if run_dir else None, base)
     if json:  # one document on stdout, the difference said on stderr, exit 1

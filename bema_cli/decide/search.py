@@ -1,6 +1,6 @@
 """`bema ship`'s fitted averages: the search on the pick items, raced, from memory.
 
-The fits --fit names (ship.fits_for: the simplex on loss, the soup on accuracy by default): a greedy
+The fits --fit names (request.fits_for: the simplex on loss, the soup on accuracy by default): a greedy
 soup over the menu at the chosen step and the last checkpoints, then (loss) simplex weights over the
 last K checkpoints (fit.py). Each candidate is a coefficient vector evaluated from memory
 (scorer.ItemScorer: nothing written) on the metric's task alone and on the pick items alone; each

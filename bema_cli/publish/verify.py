@@ -119,8 +119,8 @@ def decided(folder: Path, record: dict) -> dict[str, float] | None:
     its step, a fit's as the search found it (None: no ship record, or a menu config, which its
     method recomputes)."""
     from bema_cli.decide.candidate import vanilla
-    from bema_cli.decide.records import check_sealed
-    from bema_cli.decide.write import WORK
+    from bema_cli.publish.records import check_sealed
+    from bema_cli.publish.write import WORK
 
     path = folder / WORK / "ship.json"
     if not path.is_file():

@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 
 from bema_cli import output
-from bema_cli.decide.write import WORK
 from bema_cli.errors import InputError, OutputError
 from bema_cli.io.fingerprint import file_digest
+from bema_cli.publish.write import WORK
 from bema_cli.stabilize.state_doc import seal as seal_of
 
 SEAL = "seal.json"
@@ -131,7 +131,7 @@ def up_to_date(out: Path, request: dict, push_to: str | None) -> dict:
     output.log(f"up to date: {out} holds the shipped model for this request (--overwrite decides again)")
     doc = {**doc, "up_to_date": True}
     if push_to:
-        from bema_cli.decide.push import pushed
+        from bema_cli.publish.push import pushed
 
         pushed(doc, out, push_to)
     return doc

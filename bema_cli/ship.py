@@ -1,15 +1,16 @@
-"""`bema ship`: from a run folder to the model folder to ship, in one command.
+"""`bema ship`: from a run folder to the model folder to ship, in one command: decide (decide/),
+then publish (publish/).
 
 It composes the parts that exist and adds no statistics of its own:
 1. `bema sweep` judges a search space (DEFAULT_GRID, or the grid flags) in memory, in one engine, at
    the last saved step (or --at);
 2. `bema select` picks on one part of the items (--holdout) and reports on the other, with the tie
    rule (vanilla, then the simplest, then the later step);
-3. fitted averages (fit.py: simplex weights on held-out loss, a greedy soup on accuracy; --fit), fitted on the pick
+3. fitted averages (decide/fit.py: simplex weights on held-out loss, a greedy soup on accuracy; --fit), fitted on the pick
    items; one is shipped only if it beats the menu's pick on the report items, beyond the interval;
 4. an average is written only if it beats vanilla beyond its interval on the report items; else the
    raw checkpoint is, and the verdict names the averages tested there, none beating vanilla;
-5. DIR is written as the model folder (write.py), and pushed with `--push` (push.py).
+5. DIR is written as the model folder (publish/write.py), and pushed with `--push` (publish/push.py).
 
 Records live in `.DIR.bema-ship/` beside DIR while it runs (a killed ship resumes there, evaluating
 nothing twice), then move into DIR/.bema-ship/ with the decision (ship.json).
@@ -20,17 +21,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bema_cli import output, stages
-from bema_cli.decide import guard, select
-from bema_cli.decide import records as sealed
+from bema_cli.decide import select
 from bema_cli.decide.contest import contest, decision_run
-from bema_cli.decide.metric import Metric, parse_metric
 from bema_cli.decide.outcome import Decision
-from bema_cli.decide.search import FITS
-from bema_cli.decide.write import (
+from bema_cli.decide.request import ShipOptions, check, fits_for
+from bema_cli.errors import InputError, OutputError, UsageError
+from bema_cli.eval import timings
+from bema_cli.eval.job import EvalConfig
+from bema_cli.io.commit import locked
+from bema_cli.publish import records as sealed
+from bema_cli.publish.write import (
     WORK,
     check_apart_from,
     check_out_path,
@@ -42,79 +45,7 @@ from bema_cli.decide.write import (
     write_card,
     write_vector,
 )
-from bema_cli.errors import InputError, OutputError, UsageError
-from bema_cli.eval import timings
-from bema_cli.eval.job import EvalConfig
-from bema_cli.io.commit import locked
 from bema_cli.stabilize.plan import inputs_of
-
-# The default search space (docs/math.md, "Which average when"): EMA and BEMA at the language-model
-# defaults (kappa 0.5; eta 0.2, the paper's, and 0.5, a stronger correction), LAWA and WSM windows
-# of 4 and 8 checkpoints. Vanilla is always a candidate.
-DEFAULT_GRID = {
-    "methods": ["ema", "bema", "lawa", "wsm"],
-    "kappas": [0.5],
-    "etas": [0.2, 0.5],
-    "windows": [4, 8],
-    "schedules": ["minus-sqrt"],
-}
-
-
-@dataclass
-class ShipOptions:
-    out: Path
-    metric: str | None = None  # None: loss with --loss-data, else the first task
-    holdout: float = 0.5
-    at: str = "last"
-    fits: tuple[str, ...] | None = None  # None: the metric's (fits_for)
-    resamples: int = select.RESAMPLES
-    seed: int = 0
-    overwrite: bool = False
-    push: str | None = None
-    max_evaluations: int | None = None  # (candidate, item) pairs the race may evaluate; None: no bound
-    min_effect: float = 0.0  # an average ships only if its interval against vanilla lies beyond this
-    guard_margin: float | None = None  # the other tasks' non-inferiority margin (None: guard.DEFAULT_MARGIN)
-    dry_run: bool = False  # say the budget (budget.py), evaluate nothing
-    trust_held_out: bool = False  # ship on held-out rows that look like another shape than the run's
-    reads: tuple[Path, ...] = ()  # other files the request reads (a grid --config): never replaced
-
-
-def default_metric(config: EvalConfig) -> str:
-    """Held-out loss when it is evaluated (--loss-data adds the task), else the first task."""
-    return "loss" if "loss" in config.tasks else next(t for t in config.tasks if t != "train_loss")
-
-
-def check(ship_opts: ShipOptions, config: EvalConfig) -> Metric:
-    """The flags alone, before anything is read."""
-    if ship_opts.holdout is None:
-        raise UsageError("--holdout: ship picks on one part of the items and reports on the other")
-    select.check_flags("last", ship_opts.holdout, ship_opts.resamples)
-    bad = sorted(set(ship_opts.fits or ()) - set(FITS))
-    if bad:
-        raise UsageError(f"--fit: unknown fit {bad[0]!r} (choose from {', '.join(FITS)}, or none)")
-    metric = parse_metric(ship_opts.metric or default_metric(config))
-    if metric.task not in config.tasks:
-        raise UsageError(f"--metric {metric.name}: not among the evaluated tasks ({', '.join(config.tasks)})")
-    if "train_loss" in config.tasks and metric.task != "train_loss":  # scored by nothing in ship
-        raise UsageError(
-            "--tasks train_loss: ship neither decides nor guards on the training rows' loss (--metric decides, "
-            "the other tasks guard); evaluate it with `bema eval`, or leave out --loss-train-data"
-        )
-    if ship_opts.guard_margin is not None and not guard.guard_tasks(config.tasks, metric.task):
-        raise UsageError(
-            f"--guard-margin: no guard task (--tasks {','.join(config.tasks)}: only --metric {metric.name}); "
-            "a guard is a task other than the metric"
-        )
-    return metric
-
-
-def fits_for(ship_opts: ShipOptions, metric: Metric) -> ShipOptions:
-    """The options with their fits said: as given, else the simplex on loss and the soup on accuracy.
-    On loss the soup found no better model than the simplex in bench_decide's worlds (the same power
-    and true gain) at a third more swaps, so it runs only when asked for (--fit soup,simplex)."""
-    if ship_opts.fits is not None:
-        return ship_opts
-    return replace(ship_opts, fits=("simplex",) if metric.key == "loss" else ("soup",))
 
 
 def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, validated=None) -> dict:
@@ -219,7 +150,7 @@ def _decide(stab, run, config, engine, ship_opts, sweep_opts, validated, metric,
     with stages.stage("write"):
         doc["written"] = _write(record, fitted, ship_opts, doc, work, stab, made)
     if ship_opts.push:
-        from bema_cli.decide.push import pushed
+        from bema_cli.publish.push import pushed
 
         pushed(doc, out, ship_opts.push)
     # where the whole command's time went: engine_start, walk, swap, loss/generate, write, push

@@ -83,11 +83,11 @@ def menu(plan, step: int) -> dict[str, Candidate]:
     return {"vanilla": vanilla(step)} | {r.name: Candidate.keyed(r.name, vectors[r.name, step]) for r in runs}
 
 
-def record_options(settings: dict, source: Path, out: Path, base: str | None, **more):
+def record_options(settings: dict, source: Path, out: Path | None, base: str | None, **more):
     """The stabilize options a record's settings (method, hyperparameters, accumulation dtype, gaps
     allowed) describe on the run of checkpoint `source`: the one mapping from a record to a run,
     for its vector (`of_settings`), verify's walk and verify's rebuild. `out`: where a stabilize
-    would write (a plan that writes nothing still names one)."""
+    writes (None: a plan that writes nothing)."""
     from bema_cli.io.checkpoints import run_of
     from bema_cli.schedule import Schedule
     from bema_cli.stabilize import Options
@@ -95,7 +95,7 @@ def record_options(settings: dict, source: Path, out: Path, base: str | None, **
     return Options(
         checkpoint_dir=str(run_of(source)),
         schedules=[Schedule.from_record(settings).resolved()],
-        out=str(out),
+        out=None if out is None else str(out),
         base=base,
         accum_dtype=settings.get("accum_dtype", "float32"),
         allow_gaps=bool(settings.get("allow_gaps")),
@@ -113,10 +113,8 @@ def of_settings(
 
     if settings.get("method", "vanilla") == "vanilla":
         return Candidate(name, vanilla(step).vector), {str(step): Path(source)}, base or "first"
-    from bema_cli.io.checkpoints import run_of
 
-    unused = run_of(source) / ".bema-unused"  # the plan writes nothing
-    opts = record_options({**settings, "allow_gaps": allow_gaps}, source, unused, base)
+    opts = record_options({**settings, "allow_gaps": allow_gaps}, source, None, base)
     plan = plan_sweep(opts)
     (cand,) = [c for key, c in menu(plan, step).items() if key != "vanilla"]
     folders = {THETA0: plan.base_index.folder, **{str(c.step): c.path for c in plan.checkpoints}}

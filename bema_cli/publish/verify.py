@@ -215,9 +215,8 @@ def _plan(record: dict):
     if not source.is_dir():
         raise InputError(f"{source}: the source checkpoint is gone; verifying needs it (and its run)")
     try:
-        unused = source / ".bema-unused"  # the walk writes nothing
         opts = sweep_options(
-            record_options(record, source, unused, record.get("theta0_source"), out_dtype=_out_dtype(record))
+            record_options(record, source, None, record.get("theta0_source"), out_dtype=_out_dtype(record))
         )
         return plan_sweep(opts), opts
     except UsageError as exc:  # settings no command line could give: the record was edited

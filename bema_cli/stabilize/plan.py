@@ -37,7 +37,7 @@ LORA_OUTPUTS = ("merged", "adapter")
 class Options:
     checkpoint_dir: str
     schedules: list[Schedule]
-    out: str
+    out: str | None  # None: a plan that writes nothing (ship's vectors, verify's walk): no state read
     base: str | None = None
     max_memory: int = 2 * 1024**3
     max_shard_size: int = 5 * 10**9

@@ -39,6 +39,8 @@ def resolve_state(opts: Options) -> Options:
     """
     if opts.no_state is not None:
         return opts
+    if opts.out is None:  # a plan that writes nothing keeps nothing
+        return replace(opts, no_state=True)
     out = Path(opts.out).expanduser()
     return replace(opts, no_state=opts.final_only and not (out / state.STATE_DIR).exists())
 
@@ -88,8 +90,8 @@ def prepare(opts: Options) -> Plan:
     checkpoints = select_inputs(checkpoints, opts)
     if opts.base == "first" and is_adapter(checkpoints[0].path):
         raise UsageError("--base first: a LoRA run starts from the base model it adapts; pass --base DIR")
-    out = Path(opts.out).expanduser().resolve()
-    stored = state.read(out, opts.restart or opts.overwrite)
+    out = Path(opts.out).expanduser().resolve() if opts.out is not None else None
+    stored = state.read(out, opts.restart or opts.overwrite) if out is not None else None
     if opts.no_state is None:
         raise ValueError("Options.no_state is decided by resolve_state before planning")
     if opts.no_state and stored is not None:

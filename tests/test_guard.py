@@ -98,6 +98,49 @@ def test_the_foreseen_pass_rate_is_the_guards_own_by_simulation(items):
     assert guard.pass_rate(items, doc["margin_resolvable"]) == pytest.approx(guard.POWER, abs=1e-3)
 
 
+def _loss_pass_rate(margin: float, items: int, reps: int, seed: int) -> tuple[int, int]:
+    """How often the guard passes an average as good as vanilla on held-out loss (paired records of
+    20-60 tokens, the average's loss per token vanilla's + a difference of sd guard.LOSS_SPREAD)."""
+    rng = np.random.default_rng(seed)
+    passed = 0
+    for _ in range(reps):
+        tokens = rng.integers(20, 61, size=items).astype(float)
+        base = rng.normal(1.5, 0.3, size=items)
+        recs = [
+            {**_record(run, np.zeros(items)), "task": "loss",
+             "items": {"ids": list(range(items)), "nll": (per_token * tokens).tolist(), "tokens": tokens.tolist()}}
+            for run, per_token in (("avg", base + rng.normal(0, guard.LOSS_SPREAD, items)), ("vanilla", base))
+        ]  # fmt: skip
+        vs = select.versus(recs[0], recs[1], Metric("loss", "loss", False), None, 0, 1000)
+        passed += guard.holds(vs, False, margin)
+    return passed, reps
+
+
+@pytest.mark.parametrize("items", [100, 200, 600])
+def test_a_loss_guard_is_foreseen_as_its_own_bootstrap_passes(items):
+    """A loss guard is foreseen as an accuracy guard is, at its assumed spread: guard.pass_rate at
+    sd LOSS_SPREAD lies within the Wilson 95% interval (widened by 0.05, as above) of the guard's own
+    bootstrap on 300 equal models at the default margin; under 80% it is said with its levers and
+    its assumption, and the dry run's `guards` holds it (tests/test_ship.py)."""
+    margin = guard.DEFAULT_MARGIN["loss"]
+    k, n = _loss_pass_rate(margin, items, reps=300, seed=items)
+    lo, hi = wilson(k, n)
+    rate = guard.pass_rate(items, margin, guard.LOSS_SPREAD)
+    assert lo - 0.05 <= rate <= hi + 0.05, (items, rate, k / n, lo, hi)
+    doc = guard.foresight("loss", items, margin, "gsm8k", higher_is_better=False)
+    assert doc["equal_passes"] == pytest.approx(rate, abs=1e-3)
+    if rate < guard.POWER:
+        assert (
+            f"{rate:.0%} of the time at {items} items" in doc["said"] and "sd 0.13 nats/token" in doc["said"]
+        )
+        needed = doc["items_needed"]
+        assert (
+            guard.pass_rate(needed, margin, 0.13) >= guard.POWER > guard.pass_rate(needed - 1, margin, 0.13)
+        )
+    else:
+        assert "said" not in doc
+
+
 def test_a_guard_block_names_its_levers_when_it_could_not_pass_an_equal_model():
     blocked = {"task": "gsm8k", "metric": "gsm8k:flexible", "higher_is_better": True, "margin": 0.03,
                "passed": False, "vs_vanilla": {"value": -0.005, "low": -0.04, "high": 0.03}}  # fmt: skip

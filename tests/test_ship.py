@@ -14,6 +14,8 @@ import pytest
 from conftest import names, one_line_error, run_bema, vllm_available
 from ship_runs import drift_run, heldout, noisy_run, optimum
 
+from bema_cli.decide import guard
+
 pytestmark = pytest.mark.slow  # a sweep of 8 configs and a dozen fitted candidates per run (~15 s each)
 
 
@@ -548,6 +550,24 @@ def test_a_foreign_line_is_never_sealed_and_overwrite_always_starts_afresh(runs,
         said.append("deciding afresh (--overwrite)" in r.stderr)
     assert said == [True, False], said  # set aside once; the records made afresh are then reused
     assert all('"foreign"' not in p.read_text() for p in (out / ".bema-ship").rglob("*.jsonl"))
+
+
+def test_a_loss_guard_is_foreseen_before_anything_is_scored(runs, tmp_path):
+    """--metric gsm8k with held-out loss as its guard: the dry run says, before any evaluation, how
+    often a model truly as good as vanilla passes that loss guard at its records and margin (the
+    runs' few held-out records: rarely), with its levers and the spread it assumes."""
+    from test_eval import write_data
+
+    r = run_bema("ship", runs["noisy"], "--base", runs["base"], "--out", tmp_path / "m", "--loss-data",
+                 runs["data"], "--tasks", "gsm8k,loss", "--metric", "gsm8k", "--data-dir",
+                 write_data(tmp_path / "data"), "--backend", "transformers", "--json", "--dry-run")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (g,) = json.loads(r.stdout)["guards"]
+    records = len((runs["data"]).read_text().splitlines())
+    assert g["task"] == "loss" and g["items"] == records and g["margin"] == 0.02, g
+    assert g["equal_passes"] == pytest.approx(guard.pass_rate(records, 0.02, guard.LOSS_SPREAD), abs=1e-3)
+    assert g["equal_passes"] < 0.8 and "sd 0.13 nats/token assumed" in g["said"], g
+    assert f"warning: {g['said']}" in r.stderr
 
 
 def test_a_dry_run_projects_from_what_this_machine_measured(runs, tmp_path):

@@ -22,31 +22,41 @@ from bema_cli.decide import verdict
 DEFAULT_MARGIN = {"loss": 0.02, "accuracy": 0.03}
 
 
-# Before anything is scored, a guard's pass rate for a model truly as good as vanilla is read at this
-# share of discordant items (two averages of one run disagree on few items: 10% in bench_decide's
-# worlds and the runs measured in docs/eval-protocol.md, "Guards"); under POWER it is said up front.
+# Before anything is scored, a guard's pass rate for a model truly as good as vanilla is read at an
+# assumed spread of its paired per-item differences; under POWER it is said up front. Accuracy: 10%
+# of items discordant (two averages of one run disagree on few items: 10% in bench_decide's worlds and
+# the runs measured in docs/eval-protocol.md, "Guards"), sd sqrt(0.1). Loss: 0.13 nats/token per
+# record, as between LAWA-w4 and the last checkpoint in bench_decide's world, where the guard's own
+# bootstrap passed an equal model 36%, 58% and 96% of the time at 100, 200 and 600 records.
 DISCORDANT = 0.10
+LOSS_SPREAD = 0.13
 POWER = 0.80
 Z95, Z80 = 1.959964, 0.841621
 
 
-def pass_rate(items: int, margin: float, discordant: float = DISCORDANT) -> float:
-    """How likely an average truly as good as vanilla passes an accuracy guard of `items` paired
-    items at `margin`: its interval's bound (mean - 1.96 sd / sqrt(n)) lies above -margin, the paired
-    difference's sd sqrt(discordant) (+-1 on the discordant items). bench_decide's guard rows measure it
-    through the bootstrap itself."""
+def spread(higher_is_better: bool) -> float:
+    """The assumed sd of a guard's paired per-item differences: accuracy's (+-1 on the discordant
+    items) or loss's, in nats/token."""
+    return math.sqrt(DISCORDANT) if higher_is_better else LOSS_SPREAD
+
+
+def pass_rate(items: int, margin: float, sd: float = math.sqrt(DISCORDANT)) -> float:
+    """How likely an average truly as good as vanilla passes a guard of `items` paired items at
+    `margin`: its interval's bound (mean - 1.96 sd / sqrt(n)) lies beyond -margin, `sd` the paired
+    difference's. bench_decide's guard rows and tests/test_guard.py measure it through the
+    bootstrap itself."""
     if items < 1 or margin <= 0:
         return 0.0
-    z = margin * math.sqrt(items) / math.sqrt(discordant) - Z95
+    z = margin * math.sqrt(items) / sd - Z95
     return 0.5 * math.erfc(-z / math.sqrt(2))
 
 
-def foresight(task: str, items: int, margin: float, metric: str) -> dict:
+def foresight(task: str, items: int, margin: float, metric: str, higher_is_better: bool = True) -> dict:
     """What a guard can show at these items, said before any evaluation: the pass rate of a truly
     equal model and, under POWER, the levers (the items that margin needs, the margin these items
     can resolve, or the metric alone)."""
-    rate = pass_rate(items, margin)
-    sd = math.sqrt(DISCORDANT)
+    sd = spread(higher_is_better)
+    rate = pass_rate(items, margin, sd)
     doc = {"task": task, "items": items, "margin": margin, "equal_passes": round(rate, 3)}
     if rate < POWER:
         # a margin of 0 asks an equal model to be shown better: no number of items passes it
@@ -57,9 +67,14 @@ def foresight(task: str, items: int, margin: float, metric: str) -> dict:
             if margin > 0
             else ""
         )
+        assumed = (
+            f"{DISCORDANT:.0%} of items discordant"
+            if higher_is_better
+            else f"per-item differences of sd {LOSS_SPREAD:g} nats/token assumed"
+        )
         doc["said"] = (
             f"{task} guard: an average as good as vanilla passes {rate:.0%} of the time at {items} items and "
-            f"margin {margin:g} ({DISCORDANT:.0%} of items discordant), so it may block a true winner: "
+            f"margin {margin:g} ({assumed}), so it may block a true winner: "
             f"{need}these items resolve --guard-margin {doc['margin_resolvable']:g}, or --tasks {metric} "
             "decides on the metric alone"
         )
@@ -67,10 +82,9 @@ def foresight(task: str, items: int, margin: float, metric: str) -> dict:
 
 
 def foreseen(guards: dict[str, tuple[bool, int]], given: float | None, metric: str) -> list[dict]:
-    """Each accuracy guard's `foresight` ({task: (higher_is_better, items)}), the ones under POWER
-    warned: said before anything is scored, by ship and its dry run alike. A loss guard's spread is
-    unknown before its items are scored: not foreseen."""
-    out = [foresight(t, n, margin_of(True, given), metric) for t, (higher, n) in guards.items() if higher]
+    """Each guard's `foresight` ({task: (higher_is_better, items)}), accuracy and loss alike, the
+    ones under POWER warned: said before anything is scored, by ship and its dry run alike."""
+    out = [foresight(t, n, margin_of(higher, given), metric, higher) for t, (higher, n) in guards.items()]
     for doc in out:
         if "said" in doc:
             output.warn(doc["said"])

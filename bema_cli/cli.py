@@ -79,7 +79,6 @@ def _root(
     output.set_debug(_debug)
 
 
-PANELS = {"stabilize": stabilize.PANELS, "sweep": sweep.PANELS}  # option panels of commands that declare them
 # in the order a user meets them: try it, average, judge, pick, ship, then the tools around them
 COMMANDS = {
     "demo": demo.demo,
@@ -178,12 +177,9 @@ def command():
     """The click command typer builds from `app`, with help that reads as the usage: a flag shows no
     `<bool>` value, an argument is named in capitals (CHECKPOINT_DIR, not {checkpoint_dir})."""
     built = typer.main.get_command(app)
-    for name, sub in [("bema", built), *getattr(built, "commands", {}).items()]:
+    for sub in [built, *getattr(built, "commands", {}).values()]:
         sub.help = reflow(sub.help)
-        panels = {p: panel for panel, ps in PANELS.get(name, {}).items() for p in ps}
         for param in sub.params:
-            if param.name in panels:
-                param.rich_help_panel = panels[param.name]
             if getattr(param, "is_flag", False):
                 param.metavar = ""
             elif param.param_type_name == "argument":

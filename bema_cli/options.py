@@ -20,6 +20,10 @@ def argument(kind, help: str | None = None, **settings):
     return Annotated[kind, typer.Argument(help=help, **settings)]
 
 
+# --help's panels shared by several commands (commands/flags.py: each settings class names its own)
+GRID_PANEL = "Stabilizer (the grid: comma lists)"
+RESOURCES_PANEL = "Resources and scale-out"
+
 JsonOpt = option(bool, "--json", help="Print one JSON document on stdout (logs stay on stderr).")
 OutDirOpt = option(str, "--out", "-o", help="Output directory.")
 OverwriteOpt = option(bool, "--overwrite", help="Replace existing outputs.")
@@ -185,6 +189,7 @@ MethodOpt = option(
     str | None,
     "--method",
     help="bema, ema, dema, ouema, lawa, wsm, swa, power, vanilla; comma list for a grid (default: bema).",
+    rich_help_panel=GRID_PANEL,
 )
 GridConfigOpt = option(
     str | None,

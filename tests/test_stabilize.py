@@ -336,10 +336,18 @@ def test_help_reads_as_the_usage():
     assert "{checkpoint_dir}" not in r.stdout and "CHECKPOINT_DIR" in r.stdout
     flags = [line for line in r.stdout.splitlines() if "--final-only" in line or "--dry-run" in line]
     assert flags and not any("<bool>" in line for line in flags)
-    from bema_cli.commands.stabilize import PANELS
+    from bema_cli.commands.flags import ExecutorFlags, FollowFlags, GridFlags, InputFlags
 
-    for panel in PANELS:  # options grouped in panels, as eval's are
-        assert f"─ {panel} ─" in r.stdout, panel
+    def panel(title: str) -> str:  # options grouped in panels, as eval's are: each settings class its own
+        return r.stdout.split(f"─ {title} ─")[1].split("╰")[0]
+
+    assert "--method" in panel(GridFlags.PANEL) and "--kappa" in panel(GridFlags.PANEL)
+    assert "--follow" in panel(FollowFlags.PANEL) and "--allow-gaps" in panel(InputFlags.PANEL)
+    assert "--workers" in panel(ExecutorFlags.PANEL) and "--readers" in panel(ExecutorFlags.PANEL)
+    assert "--final-only" in panel("What to write") and "--restart" in panel("Incremental runs")
+    assert "--kappa" not in panel(FollowFlags.PANEL)
+    sweep = run_bema("sweep", "--help", env={"COLUMNS": "200"}).stdout  # the class's panel, not the alias's
+    assert "─ Stabilizer (the grid: comma lists) ─" in sweep and "─ What to write ─" not in sweep
 
 
 def test_overwrite_keeps_the_files_a_user_put_in_a_run_folder(tmp_path):

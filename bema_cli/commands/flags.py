@@ -3,16 +3,19 @@
 A class's fields are typer options (the `Annotated` aliases of options.py and eval_options.py) with
 their defaults; `with_flags` adds them to a command's parameters and hands the command one instance
 per concern (the grid, the inputs, following a run, the executor, the evaluation, the engine), so a
-layer sees what it was given and nothing else (vLLM's `EngineArgs` is the pattern).
+layer sees what it was given and nothing else (vLLM's `EngineArgs` is the pattern). A class's
+`PANEL` is where `--help` shows its options (an option's own panel, as the engine's, wins).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
 import typing
 from dataclasses import dataclass
+from typing import Annotated, ClassVar
 
 from bema_cli.commands.eval_options import (
     BackendOpt,
@@ -41,6 +44,8 @@ from bema_cli.eval.backends.base import Sampling
 from bema_cli.eval.tasks import SELECTION_SEED
 from bema_cli.eval.tasks import loss as loss_task
 from bema_cli.options import (
+    GRID_PANEL,
+    RESOURCES_PANEL,
     AccumDtypeOpt,
     AllowGapsOpt,
     AllowNonfiniteOpt,
@@ -95,7 +100,10 @@ def with_flags(**groups: type):
             hints = typing.get_type_hints(cls, include_extras=True)
             added += [
                 inspect.Parameter(
-                    f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name]
+                    f.name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=f.default,
+                    annotation=_in_panel(hints[f.name], getattr(cls, "PANEL", None)),
                 )
                 for f in dataclasses.fields(cls)
             ]
@@ -113,9 +121,21 @@ def with_flags(**groups: type):
     return wrap
 
 
+def _in_panel(annotation, panel: str | None):
+    """An option's annotation shown in `panel` (a copy: the alias itself serves other commands)."""
+    kind, *extras = typing.get_args(annotation)
+    if panel is None or not extras or getattr(extras[0], "rich_help_panel", None) is not None:
+        return annotation
+    info = copy.copy(extras[0])
+    info.rich_help_panel = panel
+    return Annotated[kind, info]
+
+
 @dataclass(frozen=True)
 class GridFlags:
     """The stabilizer grid's settings besides --method (stabilize, sweep, ship)."""
+
+    PANEL: ClassVar[str] = GRID_PANEL
 
     kappa: KappaOpt = None
     eta: EtaOpt = None
@@ -209,6 +229,8 @@ class GridFlags:
 class InputFlags:
     """How a run's checkpoints are read (stabilize, sweep, ship)."""
 
+    PANEL: ClassVar[str] = "Reading the run"
+
     accum_dtype: AccumDtypeOpt = "float32"
     allow_nonfinite: AllowNonfiniteOpt = False
     allow_gaps: AllowGapsOpt = False
@@ -224,6 +246,8 @@ class InputFlags:
 @dataclass(frozen=True)
 class FollowFlags:
     """--follow and its pacing (stabilize, sweep)."""
+
+    PANEL: ClassVar[str] = "Follow a live run"
 
     follow: FollowOpt = False
     until_step: UntilStepOpt = None
@@ -248,6 +272,8 @@ class FollowFlags:
 @dataclass(frozen=True)
 class WalkFlags:
     """The walk that holds every config's average in memory (sweep, ship): theta0, memory, device, dtype."""
+
+    PANEL: ClassVar[str] = "The walk in memory"
 
     base: WalkBaseOpt = None
     max_memory: WalkMemoryOpt = None
@@ -280,6 +306,8 @@ class WalkFlags:
 @dataclass(frozen=True)
 class ExecutorFlags:
     """Where the work runs (stabilize, sweep, eval: bema_cli/cluster.py)."""
+
+    PANEL: ClassVar[str] = RESOURCES_PANEL
 
     executor: ExecutorOpt = "local"
     workers: WorkersOpt = 1

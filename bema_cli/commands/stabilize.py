@@ -10,6 +10,7 @@ from bema_cli import output, stages
 from bema_cli.commands.flags import ExecutorFlags, FollowFlags, GridFlags, InputFlags, with_flags
 from bema_cli.errors import UsageError
 from bema_cli.options import (
+    RESOURCES_PANEL,
     JsonOpt,
     MethodOpt,
     OutDirOpt,
@@ -19,7 +20,6 @@ from bema_cli.options import (
     parse_int_list,
     parse_size,
 )
-from bema_cli.schedule import RECORD_KEYS
 from bema_cli.stabilize.project import projection_line
 
 
@@ -38,13 +38,19 @@ def stabilize(
     ) = None,
     method: MethodOpt = None,
     max_memory: option(
-        str, "--max-memory", help="Working-set budget (e.g. 2GiB); tensors are chunked to fit."
+        str,
+        "--max-memory",
+        help="Working-set budget (e.g. 2GiB); tensors are chunked to fit.",
+        rich_help_panel=RESOURCES_PANEL,
     ) = "2GiB",
-    max_shard_size: option(str, "--max-shard-size", help="Largest output shard (e.g. 5GB).") = "5GB",
+    max_shard_size: option(
+        str, "--max-shard-size", help="Largest output shard (e.g. 5GB).", rich_help_panel="What to write"
+    ) = "5GB",
     device: option(
         str,
         "--device",
         help="auto (the device projected faster for this grid on this machine; said on stderr and in --json), cpu or cuda.",
+        rich_help_panel=RESOURCES_PANEL,
     ) = "auto",
     readers: option(
         int | None,
@@ -52,12 +58,23 @@ def stabilize(
         min=1,
         max=64,
         help="Threads reading checkpoints ahead of the compute (default: 2, half the cores up to 4).",
+        rich_help_panel=RESOURCES_PANEL,
     ) = None,
     out_dtype: option(
-        str | None, "--out-dtype", help="float32, bfloat16, float16 (default: each tensor's input dtype)."
+        str | None,
+        "--out-dtype",
+        help="float32, bfloat16, float16 (default: each tensor's input dtype).",
+        rich_help_panel="What to write",
     ) = None,
-    final_only: option(bool, "--final-only", help="Write only the last processed step of each run.") = False,
-    steps: option(str | None, "--steps", help="Write only these steps, e.g. 400,800.") = None,
+    final_only: option(
+        bool,
+        "--final-only",
+        help="Write only the last processed step of each run.",
+        rich_help_panel="What to write",
+    ) = False,
+    steps: option(
+        str | None, "--steps", help="Write only these steps, e.g. 400,800.", rich_help_panel="What to write"
+    ) = None,
     dry_run: option(
         bool, "--dry-run", help="Print the plan (steps, alpha/beta, bytes, shards); write nothing."
     ) = False,
@@ -67,12 +84,19 @@ def stabilize(
         str,
         "--lora-output",
         help="LoRA runs: merged (full model folders) or adapter (PEFT adapters of rank --lora-rank).",
+        rich_help_panel="What to write",
     ) = "merged",
     lora_rank: option(
-        int | None, "--lora-rank", help="Rank of adapter outputs (truncated SVD; default: the training r)."
+        int | None,
+        "--lora-rank",
+        help="Rank of adapter outputs (truncated SVD; default: the training r).",
+        rich_help_panel="What to write",
     ) = None,
     restart: option(
-        bool, "--restart", help="Ignore OUT's saved state for these runs and recompute them from theta0."
+        bool,
+        "--restart",
+        help="Ignore OUT's saved state for these runs and recompute them from theta0.",
+        rich_help_panel="Incremental runs",
     ) = False,
     keep_state: option(
         bool | None,
@@ -80,15 +104,20 @@ def stabilize(
         help="Write OUT/.bema-state so a later call continues the run [default: on, off with "
         "--final-only]; --no-state saves one model-size write per EMA track.",
         show_default=False,
+        rich_help_panel="Incremental runs",
     ) = None,
     keep_last: option(
-        int | None, "--keep-last", help="Keep only the K newest outputs of each run (like save_total_limit)."
+        int | None,
+        "--keep-last",
+        help="Keep only the K newest outputs of each run (like save_total_limit).",
+        rich_help_panel="What to write",
     ) = None,
     fingerprint: option(
         str,
         "--fingerprint",
         help="How consumed checkpoints are recorded in OUT's state: full (a digest of every byte, xxh3_128) or sampled "
         "(header, first and last 64 KiB; cheaper on slow storage).",
+        rich_help_panel="Incremental runs",
     ) = "full",
     *,
     grid: GridFlags,
@@ -204,33 +233,6 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
-# `bema stabilize --help` groups its options in panels (cli.command applies them), as eval's are.
-PANELS = {
-    "Stabilizer (the grid: comma lists)": [*RECORD_KEYS, "config"],  # a flag per Schedule field
-    "What to write": [
-        "final_only",
-        "steps",
-        "out_dtype",
-        "accum_dtype",
-        "max_shard_size",
-        "lora_output",
-        "lora_rank",
-        "keep_last",
-    ],
-    "Incremental runs and follow mode": [
-        "keep_state",
-        "restart",
-        "fingerprint",
-        "follow",
-        "until_step",
-        "idle_timeout",
-        "poll",
-        "settle",
-        "allow_gaps",
-    ],
-    "Safety": ["overwrite", "allow_nonfinite", "cast_base", "dry_run"],
-    "Resources and scale-out": ["max_memory", "device", "readers", "executor", "workers", "ray_address"],
-}
 NUMERIC = ("step", "alpha", "beta")  # right-aligned: kept whole on a narrow terminal (output.print_table)
 
 

@@ -25,7 +25,6 @@ from bema_cli.options import (
     argument,
     option,
 )
-from bema_cli.schedule import RECORD_KEYS
 
 
 @with_flags(
@@ -128,18 +127,3 @@ def _lag_notes(plan, step: int) -> list[str]:
         return lag_notes(plan, menu(plan, step), step)
     except KeyError:  # a step the menu does not hold: the notes are not worth an error
         return []
-
-
-PANELS = {
-    "Stabilizer (the grid: comma lists)": [*RECORD_KEYS, "config"],  # a flag per Schedule field
-    "Follow a live run": ["follow", "until_step", "idle_timeout", "poll", "settle", "allow_gaps"],
-    "Resources and scale-out": [
-        "max_memory",
-        "device",
-        "accum_dtype",
-        "out_dtype",
-        "executor",
-        "workers",
-        "ray_address",
-    ],
-}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bema_cli import output, stages
 from bema_cli.decide import select
-from bema_cli.decide.contest import contest, decision_run
+from bema_cli.decide.contest import Contested, contest, decision_run
 from bema_cli.decide.outcome import Decision
 from bema_cli.decide.request import ShipOptions, check, fits_for
 from bema_cli.errors import InputError, OutputError, UsageError
@@ -121,7 +121,7 @@ def _decide(stab, run, config, engine, ship_opts, sweep_opts, validated, metric,
         if not _has_records(work):  # refused (bad data, an engine that cannot start) before any record
             shutil.rmtree(work, ignore_errors=True)  # the corrected command then starts clean
         raise
-    chosen, fitted = made["chosen"], made["fitted"]
+    chosen, fitted = made.chosen, made.fitted
     # select's own sentence is select's rule, not the decision: the one verdict is the decision's
     shown = {k: v for k, v in chosen.items() if k not in ("verdict", "notes")}
     doc = {
@@ -131,21 +131,21 @@ def _decide(stab, run, config, engine, ship_opts, sweep_opts, validated, metric,
         "select": shown,
         "tie_rule": select.TIE_RULE,
         "holdout": ship_opts.holdout,
-        "race": made["race"],
-        "backend": made["backend"],
-        "memory": made["memory"],
+        "race": made.race,
+        "backend": made.backend,
+        "memory": made.memory,
     }
     if fitted:
         doc["fitted"] = fitted["doc"]
-    doc["decision"], doc["verdict"] = made["decision"], made["verdict"]
-    if made["other_tasks"]:
-        doc["other_tasks"] = made["other_tasks"]
-    if made["guards"]:
-        doc["guards"] = made["guards"]
-    if made["notes"]:  # why an average may lose: its vector's weight on theta0, a window wider than the run
-        doc["notes"] = made["notes"]
-    if made["motion"]:  # can averaging help here? (motion.py), measured as the walk read the run
-        doc["motion"], doc["motion_verdict"] = made["motion"]["motion"], made["motion"]["motion_verdict"]
+    doc["decision"], doc["verdict"] = made.decision, made.verdict
+    if made.other_tasks:
+        doc["other_tasks"] = made.other_tasks
+    if made.guards:
+        doc["guards"] = made.guards
+    if made.notes:  # why an average may lose: its vector's weight on theta0, a window wider than the run
+        doc["notes"] = made.notes
+    if made.motion:  # can averaging help here? (motion.py), measured as the walk read the run
+        doc["motion"], doc["motion_verdict"] = made.motion["motion"], made.motion["motion_verdict"]
     record = Decision.of(_public(doc))  # the one record every view renders (and report reads again)
     with stages.stage("write"):
         doc["written"] = _write(record, fitted, ship_opts, doc, work, stab, made)
@@ -155,7 +155,7 @@ def _decide(stab, run, config, engine, ship_opts, sweep_opts, validated, metric,
         pushed(doc, out, ship_opts.push)
     # where the whole command's time went: engine_start, walk, swap, loss/generate, write, push
     doc["stages"] = stages.report()
-    timings.save(made["backend"], doc["stages"])  # this machine's floors for the next projection
+    timings.save(made.backend, doc["stages"])  # this machine's floors for the next projection
     return doc
 
 
@@ -164,34 +164,32 @@ def _has_records(work: Path) -> bool:
     return any(p.is_file() and p.stat().st_size > 0 for p in work.rglob("*.jsonl"))
 
 
-def _write(decision: Decision, fitted, ship_opts, doc, work, stab, made) -> dict:
+def _write(decision: Decision, fitted, ship_opts, doc, work, stab, made: Contested) -> dict:
     """DIR as the model folder: the shipped candidate's vector written by the one writer
     (write.write_vector: vanilla, a menu config and a fitted average alike), its card rendered from
     the decision; the records and ship.json go inside (DIR/.bema-ship)."""
     out = Path(ship_opts.out).expanduser()
-    step, steps, basis = decision.step, made["steps"], made["basis"]
+    step, steps, basis = decision.step, made.steps, made.basis
     folders = dict(zip(["theta0", *map(str, steps)], basis, strict=True))
     if decision.kind == "fitted":
         best = fitted["best"]
         cand, settings = best["candidate"], {"method": best["method"]}
         extra = {"ingredients": best["ingredients"]} if best["kind"] == "soup" else {}
     else:
-        row = next(
-            c for c in made["chosen"]["candidates"] if (c["run"], c["step"]) == (decision.shipped, step)
-        )
-        cand, settings, extra = made["candidates"][decision.shipped], row["stabilizer"] or {}, {}
+        row = next(c for c in made.chosen["candidates"] if (c["run"], c["step"]) == (decision.shipped, step))
+        cand, settings, extra = made.candidates[decision.shipped], row["stabilizer"] or {}, {}
     extra |= {"allow_gaps": True} if stab.allow_gaps else {}
     extra |= {"durations": stab.durations} if stab.durations else {}
     check_target(out, ship_opts.overwrite)
     tmp = staging(out, "ship")
     try:
         folder = tmp / "model"
-        record = model_record(cand, step, settings, folders, made["base_source"], out, **extra)
+        record = model_record(cand, step, settings, folders, made.base_source, out, **extra)
         write_vector(cand, folders, folders[str(step)], folder, record)
         write_card(
             folder,
             decision.card_rows(),
-            made["base_source"],
+            made.base_source,
             folders["theta0"],
             decision.verdict,
             list(decision.notes),

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from bema_cli import output
@@ -59,6 +59,28 @@ class DecisionRun(NamedTuple):
     step: int
 
 
+@dataclass(frozen=True)
+class Contested:
+    """What `contest` made: the decision and its verdict, everything the document and DIR are built
+    from (ship.py), and what writing the shipped vector needs (its candidates, steps and basis)."""
+
+    chosen: dict  # select's table of the menu's finalists on the report items
+    fitted: dict | None  # the fits' search: its document and best candidate, or None
+    decision: dict  # what ships: run, step, kind, value (and what a guard blocked)
+    verdict: str  # the one sentence
+    race: dict  # the menu's race: survivors, stops, evaluations
+    other_tasks: dict  # each guard task, for the shipped (or blocked) candidate and vanilla
+    guards: list  # each guard's check, the blocking one first
+    notes: list  # why an average may lose, the flip tables, the held-out rows' shape
+    motion: dict | None  # can averaging help here (motion.py)
+    memory: dict
+    backend: str
+    candidates: dict  # the menu: {name: Candidate}
+    steps: list  # the basis's checkpoint steps, and its folders (theta0 first)
+    basis: list
+    base_source: str
+
+
 def decision_run(stab, at: str) -> DecisionRun:
     """The run as ship walks it (the decision, its inputs and its dry run alike: `ship` plans it
     once). theta0 (0) is refused: ship decides at a checkpoint's step."""
@@ -74,7 +96,7 @@ def decision_run(stab, at: str) -> DecisionRun:
     return DecisionRun(stab, plan, folder_of, step)
 
 
-def contest(run: DecisionRun, config, engine, ship_opts, sweep_opts, validated, metric, work) -> dict:
+def contest(run: DecisionRun, config, engine, ship_opts, sweep_opts, validated, metric, work) -> Contested:
     from bema_cli.sweep.session import check_inputs, memory_doc
 
     stab, plan, folder_of, step = run
@@ -152,24 +174,23 @@ def contest(run: DecisionRun, config, engine, ship_opts, sweep_opts, validated, 
     tasks = [t for t in config.tasks if t != "train_loss"]
     exhaustive = (len(menu) + trials) * len(ids) * len(tasks)  # every candidate, every item, every task
     raced["race"]["evaluations"] = {"items": scorer.evaluated + other_items, "exhaustive_design": exhaustive}
-    return {
-        "chosen": chosen,
-        "records": records,
-        "fitted": fitted,
-        "decision": decision,
-        "verdict": why,
-        "race": raced["race"],
-        "other_tasks": others,
-        "guards": guards,
-        "memory": memory,
-        "backend": evaluation.backend_name,
-        "motion": moved,
-        "notes": [*shape_note, *base_note, *flip_notes, *candidate.lag_notes(plan, menu, step)],
-        "candidates": menu,
-        "steps": steps,
-        "basis": basis,
-        "base_source": plan.base_source,
-    }
+    return Contested(
+        chosen=chosen,
+        fitted=fitted,
+        decision=decision,
+        verdict=why,
+        race=raced["race"],
+        other_tasks=others,
+        guards=guards,
+        notes=[*shape_note, *base_note, *flip_notes, *candidate.lag_notes(plan, menu, step)],
+        motion=moved,
+        memory=memory,
+        backend=evaluation.backend_name,
+        candidates=menu,
+        steps=steps,
+        basis=basis,
+        base_source=plan.base_source,
+    )
 
 
 def _flip_notes(others: dict, scorer, shipped, vanilla, report_ids: list) -> list[str]:

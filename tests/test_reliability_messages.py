@@ -348,10 +348,10 @@ def test_only_a_real_hub_cache_layout_lets_links_reach_its_blobs(tmp_path):
 def test_a_full_disk_during_the_manifest_write_names_the_manifest(tmp_path):
     """/dev/full answers every write with ENOSPC: the message names OUT/manifest.json, not only the errno."""
     from bema_cli.errors import OutputError
-    from bema_cli.io.commit import _write_synced
+    from bema_cli.io.commit import write_synced
 
     with pytest.raises(OutputError) as err:
-        _write_synced(Path("/dev/full"), b'{"runs": []}', shown=tmp_path / "out" / "manifest.json")
+        write_synced(Path("/dev/full"), b'{"runs": []}', shown=tmp_path / "out" / "manifest.json")
     assert str(err.value) == f"{tmp_path / 'out' / 'manifest.json'}: cannot write (No space left on device)"
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from bema_cli.errors import InputError, OutputError
 from bema_cli.eval.data import jsonl_rows
 from bema_cli.io import modes
+from bema_cli.io.commit import write_synced
 from bema_cli.output import to_json, warn
 
 RESULTS = "results.jsonl"
@@ -73,13 +74,7 @@ def record_key(record: dict) -> tuple:
 
 def _append(path: Path, objects: list[dict]) -> bytes:
     data = "".join(to_json(obj, indent=None) + "\n" for obj in objects).encode()
-    try:
-        with open(path, "ab") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as exc:
-        raise OutputError(f"{path}: cannot write ({exc.strerror})") from None
+    write_synced(path, data, mode="ab")
     return data
 
 

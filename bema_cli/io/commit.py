@@ -86,7 +86,7 @@ class OutputTransaction:
         self._carry_users_files(entries)
         with signals.deferred():
             if manifest is not None:  # no rename of its own: the journal's directory fsync covers it
-                _write_synced(self.tmp / STAGED_MANIFEST, _json_bytes(manifest), shown=self.out / MANIFEST)
+                write_synced(self.tmp / STAGED_MANIFEST, _json_bytes(manifest), shown=self.out / MANIFEST)
             journal = []
             for entry in entries:
                 st = os.lstat(self.tmp / entry)
@@ -344,7 +344,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     """Write a small file durably: a sibling temp file, fsync, rename over the target."""
     part = path.with_name(f".{path.name}.{os.getpid()}.part")
     try:
-        _write_synced(part, data, shown=path)
+        write_synced(part, data, shown=path)
         os.replace(part, path)
     except BaseException:
         part.unlink(missing_ok=True)
@@ -352,12 +352,13 @@ def _write_atomic(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def _write_synced(path: Path, data: bytes, shown: Path | None = None) -> None:
-    """Write a file and fsync its data; its directory entry is made durable by the caller's next
-    directory fsync (the staged manifest is only read once the journal, written after it, exists).
-    A failure (a full disk) is an OutputError naming `shown` (the file as the user knows it)."""
+def write_synced(path: Path, data: bytes, shown: Path | None = None, mode: str = "wb") -> None:
+    """Write (or, mode "ab", append to) a file and fsync its data; its directory entry is made
+    durable by the caller's next directory fsync (the staged manifest is only read once the journal,
+    written after it, exists). A failure (a full disk) is an OutputError naming `shown` (the file as
+    the user knows it)."""
     try:
-        with open(path, "wb") as f:
+        with open(path, mode) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

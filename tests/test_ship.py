@@ -5,6 +5,7 @@ resumes evaluating nothing twice; the fitted averages never lose to the menu on 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -550,6 +551,30 @@ def test_a_foreign_line_is_never_sealed_and_overwrite_always_starts_afresh(runs,
         said.append("deciding afresh (--overwrite)" in r.stderr)
     assert said == [True, False], said  # set aside once; the records made afresh are then reused
     assert all('"foreign"' not in p.read_text() for p in (out / ".bema-ship").rglob("*.jsonl"))
+
+
+def test_a_ship_lists_its_run_once(runs, tmp_path, monkeypatch):
+    """One listing of the run's checkpoints per ship: the menu's windows (no wider than the run), the
+    plan and the dry run all read it (in-process, find_checkpoints counted where it is called)."""
+    from typer.testing import CliRunner
+
+    from bema_cli.cli import app
+    from bema_cli.io import checkpoints
+
+    prepare = importlib.import_module("bema_cli.stabilize.prepare")  # the module, not its function
+    listed, real = [], checkpoints.find_checkpoints
+
+    def counted(*args, **kwargs):
+        listed.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoints, "find_checkpoints", counted)
+    monkeypatch.setattr(prepare, "find_checkpoints", counted)
+    r = CliRunner().invoke(app, ["ship", str(runs["noisy"]), "--base", str(runs["base"]), "--out",
+                                 str(tmp_path / "m"), "--loss-data", str(runs["data"]), "--backend",
+                                 "transformers", "--dry-run", "--json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert listed == [str(runs["noisy"])], listed
 
 
 def test_a_loss_guard_is_foreseen_before_anything_is_scored(runs, tmp_path):

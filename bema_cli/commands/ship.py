@@ -87,6 +87,7 @@ def ship(
 
     The menu (default: vanilla, EMA, BEMA at eta 0.2 and 0.5, LAWA and WSM over 4 and 8 checkpoints, or all of a shorter run) is judged at the last saved step in one engine; the pick is made on --holdout of the items and every number reported on the rest. An average is written only if it beats vanilla beyond its 95% interval; else the raw checkpoint is, and the verdict says so. Ties go to vanilla, then the simplest config, then the later step.
     """
+    from dataclasses import replace
     from pathlib import Path
 
     from bema_cli.decide.request import DEFAULT_GRID, ShipOptions, check
@@ -134,12 +135,13 @@ def ship(
         trust_held_out=trust_held_out,
     )
     check(ship_opts, evaluation)
+    found = _listed(checkpoint_dir)  # once: the menu's windows, the grid's durations and the plan read it
     if grid.given(method):
-        schedules, durations = grid.schedules(method, checkpoint_dir)
+        schedules, durations = grid.schedules(method, checkpoint_dir, found)
     else:  # the menu, its windows no wider than the run: 3 checkpoints make lawa-w3, not lawa-w4 of 3
-        windows = _windows(checkpoint_dir)
+        windows = _windows(len(found) if found else None)
         schedules, durations = menu(**{**DEFAULT_GRID, "windows": windows}, **grid.common()), {}
-    opts = walk.options(checkpoint_dir, schedules, race, durations, inputs)
+    opts = replace(walk.options(checkpoint_dir, schedules, race, durations, inputs), checkpoints=found)
     try:
         doc = run(
             opts,
@@ -169,18 +171,26 @@ def _fits(text: str) -> tuple[str, ...] | None:
     return None if word == "auto" else () if word == "none" else tuple(parse_str_list(text, "--fit"))
 
 
-def _windows(checkpoint_dir: str) -> list[int]:
-    """The menu's windows (DEFAULT_GRID's), each at most the run's checkpoint count: a window wider
-    than the run averages what there is, under the name of what it averages."""
-    from bema_cli.decide.request import DEFAULT_GRID
+def _listed(checkpoint_dir: str):
+    """The run's checkpoints, listed once for the whole ship; None where the listing fails (the plan
+    then says why, with its fix, as for any run)."""
     from bema_cli.errors import BemaError
     from bema_cli.io.checkpoints import find_checkpoints
 
     try:
-        count = len(find_checkpoints(checkpoint_dir))
-    except BemaError:  # said with its fix where the run is read
+        return find_checkpoints(checkpoint_dir)
+    except BemaError:
+        return None
+
+
+def _windows(count: int | None) -> list[int]:
+    """The menu's windows (DEFAULT_GRID's), each at most the run's checkpoint count: a window wider
+    than the run averages what there is, under the name of what it averages."""
+    from bema_cli.decide.request import DEFAULT_GRID
+
+    if not count or count < 2:
         return DEFAULT_GRID["windows"]
-    return sorted({min(w, count) for w in DEFAULT_GRID["windows"]}) if count > 1 else DEFAULT_GRID["windows"]
+    return sorted({min(w, count) for w in DEFAULT_GRID["windows"]})
 
 
 def _say(doc: dict, json_: bool) -> None:

@@ -66,7 +66,7 @@ def select_inputs(checkpoints: list[Checkpoint], opts: Options) -> list[Checkpoi
         gaps.check_gaps(checkpoints, [], opts.allow_gaps)  # a gap in the run is not a thinning
         checkpoints = thin(checkpoints, opts.min_interval)
     if opts.min_checkpoints and len(checkpoints) < opts.min_checkpoints:
-        where = opts.checkpoint_dir if opts.checkpoints is None else "the listed checkpoints"
+        where = "the listed checkpoints" if opts.checkpoint_dir == "-" else opts.checkpoint_dir
         thinned = f" after thinning to every {opts.min_interval} steps" if opts.min_interval else ""
         raise InputError(
             f"{where}: {len(checkpoints)} checkpoint(s){thinned}, fewer than --min-checkpoints {opts.min_checkpoints}"

@@ -334,15 +334,13 @@ def open_outputs(plan: Plan, opts: Options, tmp: Path) -> Outputs:
 
 
 def finish_outputs(plan: Plan, opts: Options, outputs: Outputs) -> int:
-    """After every unit is written: index files, bema.json, config/tokenizer copies; returns bytes written."""
+    """After every unit is written: index files, bema.json (the record its header carries, as
+    open_outputs made it), config/tokenizer copies; returns bytes written."""
     ckpt = {c.step: c.path for c in plan.checkpoints}
-    out_dtype = out_dtype_name(plan, opts)
     out, written = Path(opts.out).expanduser().resolve(), 0
-    vectors = coefficient_vectors(plan) if plan.lora is None else {}
     for (name, step), writer in outputs.items():
         writer.close()
-        run = next(r for r in plan.runs if r.name == name)
-        made = record(run, step, ckpt[step], plan.base_source, opts, out_dtype, vectors.get((name, step)))
+        made = json.loads(writer.metadata[provenance.KEY])["record"]
         if plan.lora is not None:
             made["lora"] = finish_lora(writer.folder, plan, output_folder(out, name, step))
         finish_folder(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 from bema_cli.errors import UsageError
@@ -38,30 +38,46 @@ REFERENCE_BETA_MIN = 1e-4
 REFERENCE_PHI = 400
 
 
-# a Schedule field under another name in records (bema.json, --json): wsm's decay is "schedule"
-RECORD_NAMES = {"merge_schedule": "schedule"}
+EMA_LIKE = (*EMA_FAMILY, "vanilla")  # the methods whose records carry the paper's parameters
+
+
+def param(default, used_by=METHODS, swept_by=(), record=None, unswept=None, alone=False):
+    """A Schedule field and what the rest of bema derives from it: the methods whose records carry it
+    (`used_by`: Schedule.params), those a grid sweeps it for (`swept_by`: --kappa 0.5,0.9, a grid
+    config's per-method keys), its name in records and on the command line (`record`, else the
+    field's), the value a method that records it without sweeping it gets (`unswept`: ema's eta is
+    inf, no correction), and whether the grid takes its values one config each (`alone`: power's
+    sigma_rel and power_gamma set the same exponent) rather than crossing them with the others."""
+    meta = {"used_by": used_by, "swept_by": swept_by, "record": record, "unswept": unswept, "alone": alone}
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """Hyperparameters of one stabilizer run; defaults are the paper's language-model settings."""
+    """Hyperparameters of one stabilizer run; defaults are the paper's language-model settings. Each
+    field's `param` says which methods use it and which a grid sweeps it for: the one list."""
 
     method: str = "bema"
-    preset: str = "paper"
-    kappa: float = 0.5  # EMA decay power: beta_s ~ s**-kappa (kappa=1 with rho=gamma=1: flat average)
-    eta: float = 0.2  # bias-correction power: alpha_s ~ s**-eta; inf disables the correction
-    gamma: float = 1.0  # step multiplier: w(s) = rho + gamma*s
-    rho: float = 10.0  # lag offset: keeps the first weights from being ~1
-    tau: int = 0  # burn-in: checkpoints with s <= tau restart the average from theta_s
-    phi: int | None = None  # update cadence; None = every checkpoint (paper) / 400 (reference)
-    beta_min: float | None = None  # floor on beta_s; None = 0 (paper) / 1e-4 (reference)
-    window: int | None = None  # lawa/wsm: K, the checkpoints merged at each step
-    merge_schedule: str | None = (
-        None  # wsm: the decay g (bema.json's "schedule"); None = minus-sqrt (lawa: linear)
-    )
-    swa_start: int | None = None  # swa: the first step averaged; None = the first checkpoint
-    sigma_rel: float | None = None  # power: EDM2's relative width, sets power_gamma
-    power_gamma: float | None = None  # power: the exponent; None = from sigma_rel (0.05 when neither)
+    preset: str = param("paper")
+    # EMA decay power: beta_s ~ s**-kappa (kappa=1 with rho=gamma=1: flat average)
+    kappa: float = param(0.5, EMA_LIKE, EMA_FAMILY)
+    # bias-correction power: alpha_s ~ s**-eta; inf disables the correction
+    eta: float = param(0.2, EMA_LIKE, ("bema", "ouema"), unswept=math.inf)
+    gamma: float = param(1.0, EMA_LIKE)  # step multiplier: w(s) = rho + gamma*s
+    rho: float = param(10.0, EMA_LIKE)  # lag offset: keeps the first weights from being ~1
+    tau: int = param(0)  # burn-in: checkpoints with s <= tau restart the average from theta_s
+    phi: int | None = param(None)  # update cadence; None = every checkpoint (paper) / 400 (reference)
+    beta_min: float | None = param(None, EMA_LIKE)  # floor on beta_s; None = 0 (paper) / 1e-4 (reference)
+    # lawa/wsm: K, the checkpoints merged at each step
+    window: int | None = param(None, WINDOW_METHODS, WINDOW_METHODS)
+    # wsm: the decay g (records' "schedule"); None = minus-sqrt (lawa: linear)
+    merge_schedule: str | None = param(None, ("wsm",), ("wsm",), record="schedule")
+    # swa: the first step averaged; None = the first checkpoint
+    swa_start: int | None = param(None, ("swa",), ("swa",))
+    # power: EDM2's relative width, sets power_gamma
+    sigma_rel: float | None = param(None, ("power",), ("power",), alone=True)
+    # power: the exponent; None = from sigma_rel (0.05 when neither)
+    power_gamma: float | None = param(None, ("power",), ("power",), alone=True)
 
     def resolved(self) -> Schedule:
         """Fill preset-dependent defaults and validate; every caller goes through this."""
@@ -102,7 +118,7 @@ class Schedule:
         """The schedule a record's stabilizer settings describe (bema.json, an eval record), as the
         command line would give it: every field under its record name (RECORD_NAMES), "inf" read as
         a number; power_gamma dropped where sigma_rel sets it. Not resolved."""
-        given = {f.name: record.get(RECORD_NAMES.get(f.name, f.name)) for f in fields(cls)}
+        given = {f.name: record.get(RECORD_NAMES[f.name]) for f in fields(cls)}
         params = {k: float(v) if v in ("inf", "-inf") else v for k, v in given.items() if v is not None}
         if params.get("sigma_rel") is not None:
             params.pop("power_gamma", None)  # derived from sigma_rel, as on the command line
@@ -110,18 +126,7 @@ class Schedule:
 
     def params(self) -> dict:
         """The hyperparameters this method uses, keyed as bema.json and --json records name them."""
-        if self.method in EMA_FAMILY or self.method == "vanilla":
-            names = ("method", "preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min")
-            return {n: getattr(self, n) for n in names}
-        common = {"method": self.method, "preset": self.preset, "tau": self.tau, "phi": self.phi}
-        own = {"window": self.window} if self.method in WINDOW_METHODS else {}
-        if self.method == "wsm":
-            own["schedule"] = self.merge_schedule
-        if self.method == "swa":
-            own["swa_start"] = self.swa_start
-        if self.method == "power":
-            own.update(sigma_rel=self.sigma_rel, power_gamma=self.power_gamma)
-        return {**common, **own}
+        return {RECORD_NAMES[n]: getattr(self, n) for n in used_by(self.method)}
 
     # -- the two schedules ------------------------------------------------
     def _weight_base(self, step: int) -> tuple[float, float]:
@@ -177,7 +182,7 @@ class Schedule:
                 continue
             previous, last_update = last_update, step
             members += 1
-            if s.method in EMA_FAMILY or s.method == "vanilla":
+            if s.method in EMA_LIKE:
                 alpha, beta = s.bias_weight(step), s.ema_weight(step)
             elif s.method == "swa":  # the running mean: mu_n = mu_(n-1) + (theta_n - mu_(n-1)) / n
                 alpha, beta = math.nan, 1.0 / members
@@ -351,8 +356,27 @@ def run_name(s: Schedule) -> str:
     return f"{s.method}-k{s.kappa!r}-e{eta}"
 
 
-# every parameter of a stabilizer as records name it, and those that are numbers: derived from
-# Schedule's own fields, the one list of them (eval targets, provenance checks and the record's
-# settings read them from here)
-RECORD_KEYS = tuple(RECORD_NAMES.get(f.name, f.name) for f in fields(Schedule))
+# Derived from Schedule's fields and their `param`s, the one list of a stabilizer's parameters (eval
+# targets, provenance checks, records, the grid and its flags read them from here):
+# each field's name in records and on the command line (wsm's decay is "schedule")
+RECORD_NAMES = {f.name: f.metadata.get("record") or f.name for f in fields(Schedule)}
+RECORD_KEYS = tuple(RECORD_NAMES.values())
 NUMBER_KEYS = tuple(k for k in RECORD_KEYS if k not in ("method", "preset", "schedule"))
+# the grid's axes (each swept per method: --kappa 0.5,0.9), and the settings every config shares
+AXES = tuple(f.name for f in fields(Schedule) if f.metadata.get("swept_by"))
+SHARED = tuple(f.name for f in fields(Schedule) if f.metadata and not f.metadata["swept_by"])
+
+
+def used_by(method: str) -> tuple[str, ...]:
+    """The fields a method's records carry (method first)."""
+    return tuple(f.name for f in fields(Schedule) if not f.metadata or method in f.metadata["used_by"])
+
+
+def swept_by(method: str) -> tuple[str, ...]:
+    """The axes a grid sweeps for a method."""
+    return tuple(n for n in AXES if method in meta(n)["swept_by"])
+
+
+def meta(name: str) -> dict:
+    """A Schedule field's `param`."""
+    return next(f.metadata for f in fields(Schedule) if f.name == name)

@@ -137,7 +137,7 @@ def _decide(stab, run, config, engine, ship_opts, sweep_opts, validated, metric,
     }
     if fitted:
         doc["fitted"] = fitted["doc"]
-    doc["decision"], doc["verdict"] = made.decision, made.verdict
+    doc["decision"], doc["verdict"] = made.decision.doc(), made.verdict
     if made.other_tasks:
         doc["other_tasks"] = made.other_tasks
     if made.guards:

@@ -130,9 +130,9 @@ def decide_once(world: World, menu: dict, raced: bool, opts) -> dict:
     stopped, by_vanilla = None, 0
     if raced:
         made = race_menu(scorer, menu, pick_ids, report_ids, opts, metric, progress=False)
-        chosen, records, survivors = made["chosen"], made["records"], made["race"]["survivors"]
-        stopped = made["race"]["stopped"]
-        by_vanilla = sum(d["by"] == "vanilla" for d in made["race"]["dropped"].values())
+        chosen, records, survivors = made.chosen, made.records, made.race["survivors"]
+        stopped = made.race["stopped"]
+        by_vanilla = sum(d["by"] == "vanilla" for d in made.race["dropped"].values())
     else:
         records = [scorer.record(c, world.ids) for c in menu.values()]
         chosen = select.select(records, metric, "last", opts.holdout, opts.resamples, opts.seed)
@@ -143,9 +143,7 @@ def decide_once(world: World, menu: dict, raced: bool, opts) -> dict:
         fitted = search.search(scorer, menu, STEPS, survivors, pick_ids, report_ids, opts, metric, duel=duel,
                                progress=False)  # fmt: skip
     made, why = decision.decide(chosen, fitted, metric, opts, records)
-    shipped = (fitted["best"]["candidate"] if made["kind"] == "fitted" else menu[made["run"]]).coefficients(
-        STEPS
-    )
+    shipped = (fitted["best"]["candidate"] if made.kind == "fitted" else menu[made.run]).coefficients(STEPS)
     items = scorer.evaluated
     if not raced:  # it also paid every fitted candidate on every item (written, then evaluated whole)
         trials = len(fitted["doc"]["candidates"]) + len(fitted["found"])
@@ -154,7 +152,7 @@ def decide_once(world: World, menu: dict, raced: bool, opts) -> dict:
     # now the shipped model and vanilla only (contest._other_tasks)
     second = items if not raced else 2 * len(world.ids)
     vanilla = menu["vanilla"].coefficients(STEPS)
-    return {"kind": made["kind"], "average": made["kind"] != "vanilla", "truth": world.truth(shipped),
+    return {"kind": made.kind, "average": made.kind != "vanilla", "truth": world.truth(shipped),
             "swaps": world.swaps, "stopped": stopped is not None, "dropped_by_vanilla": by_vanilla,
             "vanilla_truth": world.truth(vanilla), "items": items, "items_two_tasks": items + second,
             "verdict": why}  # fmt: skip

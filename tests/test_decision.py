@@ -46,13 +46,13 @@ def test_vanilla_picked_by_the_tie_rule_while_the_report_half_favours_an_average
     chosen = select.select(records, metric, "last", opts.holdout, opts.resamples, opts.seed)
     assert chosen["winner"]["run"] == "vanilla"
     made, why = decision.decide(chosen, None, metric, opts, records)
-    assert made["kind"] == "vanilla"
+    assert made.kind == "vanilla"
     assert "no average beats vanilla" not in why, why
     assert "lawa-w8, the best there, tied with it: the tie rule picks vanilla" in why, why
     row = next(c for c in chosen["candidates"] if c["run"] == "lawa-w8")
     assert row["vs_vanilla"]["high"] < 0  # the JSON: better on the report items, and the verdict says it
     assert "on the report items lawa-w8 reads" in why and "not picked" in why, why
-    assert f"{len(report)} report items: differences under " in why and made["mdd"] > 0
+    assert f"{len(report)} report items: differences under " in why and made.mdd > 0
 
 
 @pytest.mark.slow  # the benchmark itself (~15 s): make test-slow, which CI runs
@@ -154,9 +154,9 @@ def test_vanilla_is_loaded_once_for_both_halves():
     scorer = ItemScorer(evaluate, None, metric, ResultsFile(None))
     pick, report = (list(map(int, half)) for half in select.sides(list(range(n)), opts.holdout, opts.seed))
     made = race_menu(scorer, menu, pick, report, opts, metric, progress=False)
-    assert made["chosen"]["winner"]["run"] == "bema" and made["race"]["finalists"] == ["vanilla", "bema"]
+    assert made.chosen["winner"]["run"] == "bema" and made.race["finalists"] == ["vanilla", "bema"]
     assert loads == list(gain)  # each once, in the menu's order
-    dropped = made["race"]["dropped"]
+    dropped = made.race["dropped"]
     assert scorer.evaluated == len(gain) * len(pick) + 2 * len(report) - sum(
         len(pick) - d["after"] for d in dropped.values()
     )  # nothing evaluated twice, nothing extra: the race's items and the two finalists' report items
@@ -213,12 +213,10 @@ def test_the_min_effect_verdict_never_contradicts_its_own_numbers():
             assert none.group(2) == f"by more than --min-effect {effect:g}", why
             assert "lawa-w8" not in none.group(1) or not verdict.is_better(vs, False, effect), (why, vs)
         assert ("equivalent within --min-effect" in why) == (
-            made["kind"] == "vanilla"
-            and chosen["winner"]["run"] == "lawa-w8"
-            and verdict.equivalent(vs, effect)
+            made.kind == "vanilla" and chosen["winner"]["run"] == "lawa-w8" and verdict.equivalent(vs, effect)
         ), (why, vs)
         said_equivalent += "equivalent within" in why
-        assert (made["kind"] != "vanilla") == verdict.is_better(vs, False, effect) or chosen["winner"][
+        assert (made.kind != "vanilla") == verdict.is_better(vs, False, effect) or chosen["winner"][
             "run"
         ] == "vanilla"
     assert said_none > 20 and said_equivalent > 20, (said_none, said_equivalent)  # both clauses were reached

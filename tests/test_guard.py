@@ -12,6 +12,7 @@ from test_race import wilson
 
 from bema_cli.decide import guard, select
 from bema_cli.decide.metric import Metric
+from bema_cli.decide.outcome import Shipped
 
 METRIC = Metric("gsm8k", "flexible", True)
 
@@ -68,7 +69,7 @@ def test_check_blocks_first_and_names_the_guard():
     }
     assert guard.check(loss, None)[0]["passed"] is False and guard.check(loss, 0.05)[0]["passed"] is True
     said = guard.blocked_verdict(
-        {"run": "lawa-w4", "step": 80}, "ship lawa-w4 at step 80: loss 1.2 vs ...", guards[0]
+        Shipped("lawa-w4", 80, "menu", 1.2), "ship lawa-w4 at step 80: loss 1.2 vs ...", guards[0]
     )
     assert (
         said.startswith("ship vanilla at step 80: lawa-w4 won on the metric")
@@ -144,7 +145,7 @@ def test_a_loss_guard_is_foreseen_as_its_own_bootstrap_passes(items):
 def test_a_guard_block_names_its_levers_when_it_could_not_pass_an_equal_model():
     blocked = {"task": "gsm8k", "metric": "gsm8k:flexible", "higher_is_better": True, "margin": 0.03,
                "passed": False, "vs_vanilla": {"value": -0.005, "low": -0.04, "high": 0.03}}  # fmt: skip
-    said = guard.blocked_verdict({"run": "lawa-w4", "step": 380}, "ship lawa-w4 at step 380: x",
+    said = guard.blocked_verdict(Shipped("lawa-w4", 380, "menu", 1.0), "ship lawa-w4 at step 380: x",
                                  blocked, guard.foresight("gsm8k", 128, 0.03, "loss"))  # fmt: skip
     assert "at 128 items this guard passes an average as good as vanilla 19% of the time" in said, said
     assert "873 items, --guard-margin 0.0783, or the metric alone would decide" in said, said

@@ -379,13 +379,13 @@ def test_each_candidate_is_swapped_in_once_and_the_race_picks_as_select_on_every
     scorer = ItemScorer(evaluate, None, metric, ResultsFile(None))
     pick_ids = list(range(100))
     made = race_menu(scorer, cands, pick_ids, list(range(100, 200)), opts, metric, progress=False)
-    assert made["race"]["survivors"] == list(cands)
+    assert made.race["survivors"] == list(cands)
     menu_loads = loads[: loads.index("c") + 1]  # the menu's race, before the report items
     assert menu_loads == ["vanilla", "a", "b", "c"], loads  # once each
     whole = select.select(
         [scorer.record(c, pick_ids) for c in cands.values()], metric, "last", None, 200, opts.seed
     )
-    assert made["race"]["pick"] == [
+    assert made.race["pick"] == [
         {k: r[k] for k in ("run", "value", "tied_with_best")} for r in whole["candidates"]
     ]
 

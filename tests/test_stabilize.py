@@ -8,6 +8,7 @@ float32 outputs accumulated in float64, within one ulp of the reference (roundin
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -327,6 +328,49 @@ def test_degenerate_kappas_are_warned_about(capsys):
     assert "--kappa 0: beta = 1 at every step" in err and "--kappa 2 > 1:" in err and "0.5" not in err
     grid(["bema"], [0.5], [0.2])
     assert capsys.readouterr().err == ""
+
+
+def test_a_stabilizer_parameter_is_listed_once_in_its_schedule_field():
+    """Schedule's fields (each a `param`) are the one list: the records, the grid's axes and shared
+    settings, --config's keys and the grid flags all read it. Each axis and shared setting has its
+    flag, with the field's default; each config key builds the run the flag builds; a method's record
+    carries the fields it uses and no other."""
+    import dataclasses
+
+    from bema_cli.commands.flags import GridFlags
+    from bema_cli.schedule import AXES, METHODS, RECORD_NAMES, SHARED, Schedule, used_by
+    from bema_cli.stabilize.grids import CONFIG_COMMON, CONFIG_KEYS, grid
+
+    flags = {f.name: f.default for f in dataclasses.fields(GridFlags)}
+    defaults = {f.name: f.default for f in dataclasses.fields(Schedule)}
+    assert {RECORD_NAMES[n] for n in AXES} | set(SHARED) == set(flags) - {
+        "half_life",
+        "tokens_per_step",
+        "config",
+    }
+    assert all(flags[n] == defaults[n] for n in SHARED)  # one default, the Schedule's
+    assert CONFIG_COMMON == ("preset", "gamma", "rho", "tau", "phi", "beta_min")
+    assert CONFIG_KEYS["bema"] == ("kappa", "eta") and CONFIG_KEYS["wsm"] == ("window", "schedule")
+    assert CONFIG_KEYS["vanilla"] == () and CONFIG_KEYS["power"] == ("sigma_rel", "power_gamma")
+    for method in METHODS:
+        keys = set(Schedule(method=method).resolved().params())
+        assert keys == {RECORD_NAMES[n] for n in used_by(method)}, method
+    assert set(Schedule(method="lawa").resolved().params()) == {"method", "preset", "tau", "phi", "window"}
+    # power's two axes are alternatives (one config each), wsm's are crossed
+    assert [s.sigma_rel for s in grid(["power"], sigma_rels=[0.05, 0.1], power_gammas=[7.0])] == [
+        0.05,
+        0.1,
+        None,
+    ]
+    wsm = grid(["wsm"], windows=[3, 5], schedules=["linear", "cosine"])
+    assert [(s.window, s.merge_schedule) for s in wsm] == [
+        (3, "linear"),
+        (3, "cosine"),
+        (5, "linear"),
+        (5, "cosine"),
+    ]
+    # ema records eta = inf (no correction), whatever --eta the grid's bema takes
+    assert {s.method: s.eta for s in grid(["ema", "bema"], [0.5], [0.3])} == {"ema": math.inf, "bema": 0.3}
 
 
 def test_help_reads_as_the_usage():

@@ -86,6 +86,7 @@ from bema_cli.options import (
     parse_size,
     parse_str_list,
 )
+from bema_cli.schedule import AXES, RECORD_NAMES, SHARED, Schedule
 
 
 def with_flags(**groups: type):
@@ -131,6 +132,16 @@ def _in_panel(annotation, panel: str | None):
     return Annotated[kind, info]
 
 
+_SCHEDULE = {f.name: f.default for f in dataclasses.fields(Schedule)}  # the defaults, written once there
+# the axes a flag may give as spans of training, resolved on the run (durations.py): the key it resolves to
+SPANS = {"window": "window", "swa_start": "swa_start", "power_gamma": "half_life"}
+
+
+def _kind(name: str) -> str:
+    """An axis's value type, from its Schedule field ("float", "int | None": float, int)."""
+    return next(f.type for f in dataclasses.fields(Schedule) if f.name == name).split(" ")[0]
+
+
 @dataclass(frozen=True)
 class GridFlags:
     """The stabilizer grid's settings besides --method (stabilize, sweep, ship)."""
@@ -147,37 +158,26 @@ class GridFlags:
     sigma_rel: SigmaRelOpt = None
     power_gamma: PowerGammaOpt = None
     config: GridConfigOpt = None
-    gamma: GammaOpt = 1.0
-    rho: RhoOpt = 10.0
-    tau: TauOpt = 0
-    phi: PhiOpt = None
-    beta_min: BetaMinOpt = None
-    preset: PresetOpt = "paper"
+    gamma: GammaOpt = _SCHEDULE["gamma"]
+    rho: RhoOpt = _SCHEDULE["rho"]
+    tau: TauOpt = _SCHEDULE["tau"]
+    phi: PhiOpt = _SCHEDULE["phi"]
+    beta_min: BetaMinOpt = _SCHEDULE["beta_min"]
+    preset: PresetOpt = _SCHEDULE["preset"]
 
     def common(self) -> dict:
-        return {
-            "preset": self.preset,
-            "gamma": self.gamma,
-            "rho": self.rho,
-            "tau": self.tau,
-            "phi": self.phi,
-            "beta_min": self.beta_min,
-        }
+        """The settings every config of the grid shares (schedule.SHARED)."""
+        return {n: getattr(self, n) for n in SHARED}
+
+    def axes(self) -> dict:
+        """{flag: its text} of the axes the grid sweeps (schedule.AXES; --schedule is merge_schedule)."""
+        from bema_cli.stabilize.grids import flag
+
+        return {flag(n): getattr(self, RECORD_NAMES[n]) for n in AXES}
 
     def given(self, method: str | None) -> bool:
         """Whether any flag that shapes the grid's configs was given (ship: else its default menu)."""
-        shaping = (
-            method,
-            self.kappa,
-            self.eta,
-            self.window,
-            self.schedule,
-            self.swa_start,
-            self.sigma_rel,
-            self.power_gamma,
-            self.half_life,
-            self.config,
-        )
+        shaping = (method, *self.axes().values(), self.half_life, self.config)
         return any(v is not None for v in shaping)
 
     def schedules(self, method: str | None, checkpoint_dir, checkpoints=None, follow: bool = False):
@@ -185,20 +185,10 @@ class GridFlags:
         --method and the parameter lists (stabilize, sweep and ship alike)."""
         from bema_cli.durations import resolve_flags
         from bema_cli.stabilize import grid
-        from bema_cli.stabilize.grids import grid_from_config
+        from bema_cli.stabilize.grids import flag, grid_from_config, plural
 
         if self.config is not None:
-            flags = {
-                "--method": method,
-                "--kappa": self.kappa,
-                "--eta": self.eta,
-                "--window": self.window,
-                "--schedule": self.schedule,
-                "--swa-start": self.swa_start,
-                "--sigma-rel": self.sigma_rel,
-                "--power-gamma": self.power_gamma,
-                "--half-life": self.half_life,
-            }
+            flags = {"--method": method, **self.axes(), "--half-life": self.half_life}
             given = [flag for flag, v in flags.items() if v is not None]
             if given:
                 raise UsageError(f"--config: the grid comes from {self.config}; drop {given[0]}")
@@ -211,18 +201,12 @@ class GridFlags:
                 return spans[resolved]
             return parse(value, flag) if value is not None else None
 
-        schedules = grid(
-            methods,
-            numbers(self.kappa, "--kappa", parse_float_list),
-            numbers(self.eta, "--eta", parse_float_list),
-            windows=numbers(self.window, "--window", parse_int_list, "window"),
-            schedules=parse_str_list(self.schedule, "--schedule") if self.schedule is not None else None,
-            swa_starts=numbers(self.swa_start, "--swa-start", parse_int_list, "swa_start"),
-            sigma_rels=numbers(self.sigma_rel, "--sigma-rel", parse_float_list),
-            power_gammas=numbers(self.power_gamma, "--power-gamma", parse_float_list, "half_life"),
-            **self.common(),
-        )
-        return schedules, durations
+        parse = {"float": parse_float_list, "int": parse_int_list, "str": parse_str_list}
+        lists = {
+            plural(n): numbers(text, flag(n), parse[_kind(n)], SPANS.get(n))
+            for n, text in zip(AXES, self.axes().values(), strict=True)
+        }
+        return grid(methods, **lists, **self.common()), durations
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from bema_cli.decide import candidate, guard, select
 from bema_cli.decide.decision import MIN_REPORT_ITEMS, decide, undecidable
 from bema_cli.decide.menu import race_menu
 from bema_cli.decide.metric import Metric, flip_note, flips, metric_value, parse_metric
+from bema_cli.decide.outcome import Shipped
 from bema_cli.decide.scorer import Arena, ItemScorer, arena_targets
 from bema_cli.decide.search import search
 from bema_cli.errors import InputError, UsageError
@@ -66,7 +67,7 @@ class Contested:
 
     chosen: dict  # select's table of the menu's finalists on the report items
     fitted: dict | None  # the fits' search: its document and best candidate, or None
-    decision: dict  # what ships: run, step, kind, value (and what a guard blocked)
+    decision: Shipped  # what ships, and what a guard blocked
     verdict: str  # the one sentence
     race: dict  # the menu's race: survivors, stops, evaluations
     other_tasks: dict  # each guard task, for the shipped (or blocked) candidate and vanilla
@@ -128,17 +129,17 @@ def contest(run: DecisionRun, config, engine, ship_opts, sweep_opts, validated, 
         racing = {"vanilla": menu["vanilla"]} if vanilla_only else menu
         raced = race_menu(scorer, racing, pick_ids, report_ids, ship_opts, metric, ship_opts.max_evaluations)
         if vanilla_only:
-            raced["race"]["stopped"] = "too few report items to ship an average, so the menu was not raced"
-        chosen, records = raced["chosen"], raced["records"]
+            raced.race["stopped"] = "too few report items to ship an average, so the menu was not raced"
+        chosen, records = raced.chosen, raced.records
         fitted = None
-        if ship_opts.fits and raced["race"]["stopped"] is None:
+        if ship_opts.fits and raced.race["stopped"] is None:
             fitted = search(
-                scorer, menu, steps, raced["race"]["survivors"], pick_ids, report_ids, ship_opts, metric
+                scorer, menu, steps, raced.race["survivors"], pick_ids, report_ids, ship_opts, metric
             )
         decision, why = decide(chosen, fitted, metric, ship_opts, records)
-        if raced["race"]["stopped"]:
-            why += f" ({raced['race']['stopped']}; the fits were not searched)"
-        shipped = fitted["best"]["candidate"] if decision["kind"] == "fitted" else menu[decision["run"]]
+        if raced.race["stopped"]:
+            why += f" ({raced.race['stopped']}; the fits were not searched)"
+        shipped = fitted["best"]["candidate"] if decision.kind == "fitted" else menu[decision.run]
         # the shipped candidate on the other tasks while it may still be loaded (the best fit, last
         # on the report items), then theta0 for the base note
         others, other_items = _other_tasks(others, shipped, menu["vanilla"])
@@ -160,26 +161,20 @@ def contest(run: DecisionRun, config, engine, ship_opts, sweep_opts, validated, 
         if guards and not guards[0]["passed"]:  # the first is a blocking one, when there is one
             why = guard.blocked_verdict(decision, why, guards[0], foreseen.get(guards[0]["task"]))
             van = next(c for c in chosen["candidates"] if c["run"] == "vanilla" and c["step"] == step)
-            decision = {
-                "run": "vanilla",
-                "step": step,
-                "kind": "vanilla",
-                "value": van["value"],
-                "blocked": {"run": decision["run"], "kind": decision["kind"], "guard": guards[0]["task"]},
-            }
+            decision = decision.blocked_by(guards[0]["task"], van["value"])
     finally:
         arena.close()
     moved = _motion(arena, plan, work)
     trials = len(fitted["doc"]["candidates"]) + 2 if fitted else 0
     tasks = [t for t in config.tasks if t != "train_loss"]
     exhaustive = (len(menu) + trials) * len(ids) * len(tasks)  # every candidate, every item, every task
-    raced["race"]["evaluations"] = {"items": scorer.evaluated + other_items, "exhaustive_design": exhaustive}
+    raced.race["evaluations"] = {"items": scorer.evaluated + other_items, "exhaustive_design": exhaustive}
     return Contested(
         chosen=chosen,
         fitted=fitted,
         decision=decision,
         verdict=why,
-        race=raced["race"],
+        race=raced.race,
         other_tasks=others,
         guards=guards,
         notes=[*shape_note, *base_note, *flip_notes, *candidate.lag_notes(plan, menu, step)],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from bema_cli.decide import power, select, verdict
 from bema_cli.decide.metric import restrict
+from bema_cli.decide.outcome import Shipped
 
 # Fewer report items than this and the paired bootstrap's "95% interval" means nothing (one item
 # gives one resample value: an interval of zero width); ship then writes vanilla and says it cannot
@@ -29,8 +30,8 @@ def undecidable(report_n: int) -> bool:
 Z95 = 1.959964
 
 
-def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[dict]) -> tuple[dict, str]:
-    """(the decision, the verdict sentence)."""
+def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[dict]) -> tuple[Shipped, str]:
+    """(what ships, the verdict sentence)."""
     w = chosen["winner"]
     step = w["step"]
     vanilla_row = _row(chosen, "vanilla", step)
@@ -39,13 +40,13 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
     fmt_v, fmt_d = verdict.fmt_value, verdict.fmt_diff
     if undecidable(reported):  # no interval to trust: the raw checkpoint, and why
         return (
-            {
-                "run": "vanilla",
-                "step": step,
-                "kind": "vanilla",
-                "value": vanilla_row["value"],
-                "undecided": f"{reported} report items, fewer than {MIN_REPORT_ITEMS}",
-            },
+            Shipped(
+                "vanilla",
+                step,
+                "vanilla",
+                vanilla_row["value"],
+                undecided=f"{reported} report items, fewer than {MIN_REPORT_ITEMS}",
+            ),
             f"ship vanilla at step {step}: cannot decide on {reported} report item(s) (at least "
             f"{MIN_REPORT_ITEMS} are needed for an interval; {_more_items(chosen, ship_opts)})",
         )
@@ -66,14 +67,7 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
             value = vanilla_row["value"] + vs_vanilla["value"]  # both on the report items
             numbers = resolution(rec, van, metric, vs_vanilla)
             return (
-                {
-                    "run": rec["run"],
-                    "step": step,
-                    "kind": "fitted",
-                    "value": value,
-                    "vs_vanilla": vs_vanilla,
-                    **numbers,
-                },
+                Shipped(rec["run"], step, "fitted", value, vs_vanilla, **numbers),
                 f"ship {rec['run']} at step {step}: {name} {fmt_v(value)} vs vanilla "
                 f"{fmt_v(value - vs_vanilla['value'])} ({fmt_d(vs_vanilla)}; {_corrected(numbers)}); it beats "
                 f"{menu['run']} ({fmt_d(vs_menu)}), the best of the menu; {_mdd(numbers, reported, metric)}",
@@ -84,7 +78,7 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
         )
         vs = w["vs_vanilla"]
         return (
-            {"run": w["run"], "step": step, "kind": "menu", "value": w["value"], "vs_vanilla": vs, **numbers},
+            Shipped(w["run"], step, "menu", w["value"], vs, **numbers),
             f"ship {w['run']} at step {step}: {name} {fmt_v(w['value'])} vs vanilla {fmt_v(w['value'] - vs['value'])} "
             f"({fmt_d(vs)}; {_corrected(numbers)}); {_mdd(numbers, reported, metric)}",
         )
@@ -144,7 +138,7 @@ def decide(chosen: dict, fitted: dict | None, metric, ship_opts, records: list[d
     )
     tail = f"; {_mdd(numbers, reported, metric)}" if numbers else ""
     return (
-        {"run": "vanilla", "step": step, "kind": "vanilla", "value": vanilla_row["value"], **numbers},
+        Shipped("vanilla", step, "vanilla", vanilla_row["value"], **numbers),
         f"ship vanilla at step {step}: {name} {fmt_v(vanilla_row['value'])}; {why}{tail}",
     )
 

@@ -15,6 +15,7 @@ import math
 
 from bema_cli import output
 from bema_cli.decide import verdict
+from bema_cli.decide.outcome import Shipped
 
 # Default margins, in each metric's units: 3 points of accuracy, 0.02 nats/token of loss. On GSM8K's
 # 660 items with 10% of them discordant, an average as good as vanilla passes 3 points 69% of the
@@ -129,12 +130,12 @@ def check(others: dict, given: float | None) -> list[dict]:
     return sorted(out, key=lambda g: g["passed"])
 
 
-def blocked_verdict(decision: dict, why: str, guard: dict, foreseen: dict | None = None) -> str:
+def blocked_verdict(decision: Shipped, why: str, guard: dict, foreseen: dict | None = None) -> str:
     """The verdict of a ship a guard blocked: vanilla, what the metric said, and which guard said no;
     with `foreseen` (a guard that passes a truly equal model under POWER of the time), the levers."""
     shape = "above" if guard["higher_is_better"] else "below"
     said = (
-        f"ship vanilla at step {decision['step']}: {decision['run']} won on the metric ({why.split(': ', 1)[-1]}), "
+        f"ship vanilla at step {decision.step}: {decision.run} won on the metric ({why.split(': ', 1)[-1]}), "
         f"but the guard {guard['task']} blocked it: {guard['metric']} {verdict.fmt_diff(guard['vs_vanilla'])} "
         f"against vanilla, not shown {shape} {'-' if shape == 'above' else '+'}{guard['margin']:g} (--guard-margin)"
     )

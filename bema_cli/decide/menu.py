@@ -13,18 +13,29 @@ every number: vanilla's were scored in its load, so one more swap at most. docs/
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from bema_cli import output
 from bema_cli.decide import power, race, select
 
 WITHIN = "within --min-effect"  # how a config retired by --min-effect is recorded in the race's "dropped"
 
 
+@dataclass(frozen=True)
+class Raced:
+    """The menu's race: `select`'s document on the finalists (winner: the pick among the survivors),
+    what happened (`race`: survivors, dropped, stops; the document's "race"), and the finalists'
+    records on every item."""
+
+    chosen: dict
+    race: dict
+    records: list[dict]
+
+
 def race_menu(
     scorer, menu: dict, pick_ids: list, report_ids: list, ship_opts, metric, limit=None, progress: bool = True
-) -> dict:
-    """`menu`: {name: candidate.Candidate}, vanilla's included. {"chosen": select's document on the
-    finalists (winner: the pick among the survivors), "race": what happened, "records": the
-    finalists' records on every item}."""
+) -> Raced:
+    """`menu`: {name: candidate.Candidate}, vanilla's included."""
     names = ["vanilla", *(n for n in menu if n != "vanilla")]
     contest = race.Race(names, horizon=len(pick_ids), protect=["vanilla"])
     early = _vanilla_first(scorer, menu["vanilla"], pick_ids, report_ids)
@@ -66,7 +77,7 @@ def race_menu(
         "stopped": stopped,
         "pick": [{k: r[k] for k in ("run", "value", "tied_with_best")} for r in picked["candidates"]],
     }
-    return {"chosen": chosen, "race": doc, "records": records}
+    return Raced(chosen, doc, records)
 
 
 def _vanilla_first(scorer, vanilla, pick_ids: list, report_ids: list) -> int:

@@ -16,6 +16,60 @@ from bema_cli.decide.verdict import fmt_diff
 
 
 @dataclass(frozen=True)
+class Blocked:
+    """An average that won on the metric and that a guard kept from shipping."""
+
+    run: str
+    kind: str  # "menu" or "fitted"
+    guard: str  # the guard task that said no
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """What ships and the numbers that say why: made by `decision.decide`, changed by a blocking
+    guard (`blocked`), written into the document as `decision` (`doc`) and read back (`of`)."""
+
+    run: str
+    step: int
+    kind: str  # "vanilla", "menu" or "fitted"
+    value: float  # on the report items
+    vs_vanilla: dict | None = None  # the shipped average's difference and interval
+    mdd: float | None = None  # the smallest difference the report items resolve
+    corrected: float | None = None  # the shipped difference after the winner's-curse correction
+    undecided: str | None = None  # why no average could be decided on (too few report items)
+    blocked: Blocked | None = None
+
+    def blocked_by(self, guard: str, vanilla_value: float) -> Shipped:
+        """Vanilla ships: this average won on the metric and the guard task `guard` blocked it."""
+        return Shipped(
+            "vanilla", self.step, "vanilla", vanilla_value, blocked=Blocked(self.run, self.kind, guard)
+        )
+
+    def doc(self) -> dict:
+        """As the document says it: the fields that are set, `blocked` a mapping."""
+        out = {k: v for k, v in vars(self).items() if v is not None and k != "blocked"}
+        if self.blocked is not None:
+            out["blocked"] = dict(vars(self.blocked))
+        return out
+
+    @classmethod
+    def of(cls, doc: dict) -> Shipped:
+        """The record of a document's `decision`; KeyError/TypeError on one bema did not write."""
+        blocked = doc.get("blocked")
+        return cls(
+            str(doc["run"]),
+            int(doc["step"]),
+            str(doc["kind"]),
+            float(doc["value"]),
+            doc.get("vs_vanilla"),
+            doc.get("mdd"),
+            doc.get("corrected"),
+            doc.get("undecided"),
+            Blocked(str(blocked["run"]), str(blocked["kind"]), str(blocked["guard"])) if blocked else None,
+        )
+
+
+@dataclass(frozen=True)
 class Row:
     """One finalist on the report items: its value, 95% interval and difference to vanilla."""
 
@@ -45,20 +99,26 @@ class Decision:
     higher_is_better: bool
     step: int
     report_items: int
-    shipped: str  # the run that ships
-    kind: str  # "vanilla", "menu" or "fitted"
+    made: Shipped  # what ships, what a guard blocked, and their numbers
     verdict: str  # the one sentence every view says
     rows: tuple[Row, ...]  # the finalists on the report items, the fitted best last
     others: tuple[OtherTask, ...] = ()
     notes: tuple[str, ...] = ()
-    blocked: dict | None = None  # {"run", "kind", "guard"}: what a guard kept from shipping
-    undecided: str | None = None  # why no average could be decided on (too few report items)
+
+    @property
+    def shipped(self) -> str:
+        """The run that ships."""
+        return self.made.run
+
+    @property
+    def kind(self) -> str:
+        return self.made.kind
 
     @classmethod
     def of(cls, doc: dict) -> Decision:
         """The record of a ship document (ship.json, `--json`); KeyError/TypeError/ValueError on a
         document bema did not write."""
-        chosen, made = doc["select"], doc["decision"]
+        chosen = doc["select"]
         rows = [
             Row(
                 c["run"],
@@ -94,14 +154,11 @@ class Decision:
             bool(chosen["higher_is_better"]),
             int(doc["step"]),
             int(chosen["selection"]["reported_on"]),
-            made["run"],
-            made["kind"],
+            Shipped.of(doc["decision"]),
             doc["verdict"],
             tuple(rows),
             tuple(others),
             tuple(str(n) for n in notes),
-            made.get("blocked"),
-            made.get("undecided"),
         )
         decision.row(decision.shipped)  # what ships is among the finalists
         return decision
@@ -116,8 +173,9 @@ class Decision:
         """What became of a finalist: shipped, blocked by a guard, or (a fit) not shipped."""
         if row.run == self.shipped:
             return "shipped"
-        if self.blocked and row.run == self.blocked["run"]:
-            return f"blocked by the {self.blocked['guard']} guard"
+        blocked = self.made.blocked
+        if blocked and row.run == blocked.run:
+            return f"blocked by the {blocked.guard} guard"
         return "fitted" if row.kind == "fitted" else ""
 
     def lines(self) -> list[str]:

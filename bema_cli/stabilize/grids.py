@@ -4,48 +4,59 @@ flags or a `--config grid.yaml` name, validated and counted before anything is r
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 from pathlib import Path
 
 from bema_cli import output
 from bema_cli.errors import UsageError
-from bema_cli.schedule import EMA_FAMILY, WINDOW_METHODS, Schedule, run_name
+from bema_cli.schedule import (
+    AXES,
+    EMA_FAMILY,
+    METHODS,
+    RECORD_NAMES,
+    SHARED,
+    Schedule,
+    meta,
+    run_name,
+    swept_by,
+    used_by,
+)
+
+DEFAULTS = {f.name: f.default for f in fields(Schedule)}
 
 
-def grid(
-    methods: list[str],
-    kappas: list[float] | None = None,
-    etas: list[float] | None = None,
-    *,
-    windows: list[int] | None = None,
-    schedules: list[str] | None = None,
-    swa_starts: list[int] | None = None,
-    sigma_rels: list[float] | None = None,
-    power_gammas: list[float] | None = None,
-    **common,
-) -> list[Schedule]:
-    """Every combination of each method with the lists of the parameters it uses, validated, one per
-    output run name. A list given for a parameter that no method of the grid uses is an error
-    (None: not given, the default).
+def grid(methods: list[str], kappas: list | None = None, etas: list | None = None, **given) -> list[Schedule]:
+    """Every combination of each method with the lists of the parameters it sweeps (each axis's list
+    by its plural: `windows=[4, 8]`; the rest of `given`, the settings every config shares), validated,
+    one per output run name. A list given for a parameter that no method of the grid sweeps is an
+    error (None: not given, the default).
 
     Methods without bias correction (ema, dema, vanilla) record eta = inf, and BEMA with eta = inf
     (alpha = 0) is the EMA itself, so `--method bema,ema --eta 0.2,inf` writes that EMA once.
     """
+    lists = {"kappa": kappas, "eta": etas} | {n: given.pop(plural(n)) for n in AXES if plural(n) in given}
+    return _build(methods, lists, given)
+
+
+def plural(name: str) -> str:
+    """An axis's list as grid() takes it: kappas, windows, schedules."""
+    return RECORD_NAMES[name] + "s"
+
+
+def flag(name: str) -> str:
+    return "--" + RECORD_NAMES[name].replace("_", "-")
+
+
+def _build(methods: list[str], lists: dict, common: dict) -> list[Schedule]:
     if not methods:
         raise UsageError("--method: no method given")
-    for flag, values, users in (
-        ("--kappa", kappas, EMA_FAMILY),
-        ("--eta", etas, ("bema", "ouema")),
-        ("--window", windows, WINDOW_METHODS),
-        ("--schedule", schedules, ("wsm",)),
-        ("--swa-start", swa_starts, ("swa",)),
-        ("--sigma-rel", sigma_rels, ("power",)),
-        ("--power-gamma", power_gammas, ("power",)),
-    ):
-        if values is not None and not set(methods) & set(users):
+    for name in AXES:
+        users = meta(name)["swept_by"]
+        if lists.get(name) is not None and not set(methods) & set(users):
             raise UsageError(
-                f"{flag}: applies to {', '.join(users)}, and the grid's methods ({', '.join(methods)}) include none"
+                f"{flag(name)}: applies to {', '.join(users)}, and the grid's methods ({', '.join(methods)}) include none"
             )
-    kappas, etas = kappas or [0.5], etas or [0.2]
+    kappas = lists.get("kappa") or [DEFAULTS["kappa"]]
     ema_like = set(methods) & set(EMA_FAMILY)
     for kappa in set(kappas) & ({0.0} | {k for k in kappas if k > 1}) if ema_like else ():
         output.warn(
@@ -53,63 +64,45 @@ def grid(
             if kappa == 0
             else f"--kappa {kappa:g} > 1: the betas sum to a finite total, so the EMA never forgets theta0"
         )
-    check_grid_size(
-        grid_size(methods, kappas, etas, windows, schedules, swa_starts, sigma_rels, power_gammas)
-    )
-    powers = [{"sigma_rel": x} for x in sigma_rels or ()] + [{"power_gamma": g} for g in power_gammas or ()]
-    own = {  # the runs of each method that is not of the EMA family
-        "lawa": [{"window": k} for k in windows or [None]],
-        "wsm": [{"window": k, "merge_schedule": g} for k in windows or [None] for g in schedules or [None]],
-        "swa": [{"swa_start": st} for st in swa_starts or [None]],
-        "power": powers or [{}],
-    }
+    check_grid_size(grid_size(methods, lists))
     out: dict[str, Schedule] = {}
     for method in methods:
-        if method in own:
-            for params in own[method]:
-                s = Schedule(method=method, **params, **common).resolved()
-                out.setdefault(run_name(s), s)
-            continue
-        for kappa in kappas:
-            for eta in etas:
-                eta = eta if method in ("bema", "ouema") else math.inf
-                if method == "bema" and math.isinf(eta):  # alpha = 0: BEMA is the EMA, bit for bit
-                    ema = Schedule(method="ema", kappa=kappa, eta=eta, **common).resolved()
-                    output.log(
-                        f"bema with --eta inf is {run_name(ema)} (no bias correction): written once, as {run_name(ema)}"
-                    )
-                    out.setdefault(run_name(ema), ema)
-                    continue
-                s = Schedule(method=method, kappa=kappa, eta=eta, **common).resolved()
-                out.setdefault(run_name(s), s)
+        for params in _configs(method, lists):
+            s = Schedule(method=method, **params, **common).resolved()
+            if method == "bema" and math.isinf(s.eta):  # alpha = 0: BEMA is the EMA, bit for bit
+                s = Schedule(method="ema", **params, **common).resolved()
+                output.log(
+                    f"bema with --eta inf is {run_name(s)} (no bias correction): written once, as {run_name(s)}"
+                )
+            out.setdefault(run_name(s), s)
     return list(out.values())
+
+
+def _configs(method: str, lists: dict) -> list[dict]:
+    """A method's configs: its crossed axes' lists multiplied (a list not given: the default), times
+    its `alone` axes' values one each (power: a sigma_rel or a power_gamma); the parameters it records
+    without sweeping at their `unswept` value (ema's eta: inf)."""
+    axes = swept_by(method)
+    fixed = {n: meta(n)["unswept"] for n in used_by(method) if n in AXES and n not in axes}
+    combos = [{k: v for k, v in fixed.items() if v is not None}]
+    for n in (n for n in axes if not meta(n)["alone"]):
+        combos = [{**c, n: v} for c in combos for v in lists.get(n) or [DEFAULTS[n]]]
+    alone = [{n: v} for n in axes if meta(n)["alone"] for v in lists.get(n) or ()] or [{}]
+    return [{**c, **one} for c in combos for one in alone]
 
 
 GRID_LIMIT = 4096  # configs in one grid: a sweep holds each one's state, stabilize writes each one
 
 
-def grid_size(
-    methods,
-    kappas=None,
-    etas=None,
-    windows=None,
-    schedules=None,
-    swa_starts=None,
-    sigma_rels=None,
-    power_gammas=None,
-) -> int:
+def grid_size(methods, lists: dict) -> int:
     """How many configs `grid` would build (before duplicates merge), counted without building them."""
 
-    def n(values) -> int:
-        return len(values) if values else 1
+    def count(method: str) -> int:
+        axes = swept_by(method)
+        crossed = math.prod(len(lists.get(n) or [None]) for n in axes if not meta(n)["alone"])
+        return crossed * max(1, sum(len(lists.get(n) or ()) for n in axes if meta(n)["alone"]))
 
-    own = {
-        "lawa": n(windows),
-        "wsm": n(windows) * n(schedules),
-        "swa": n(swa_starts),
-        "power": max(1, len(sigma_rels or ()) + len(power_gammas or ())),
-    }
-    return sum(own.get(m, n(kappas) * n(etas)) for m in methods)
+    return sum(count(m) for m in methods)
 
 
 def check_grid_size(count: int, where: str = "the grid") -> None:
@@ -118,25 +111,9 @@ def check_grid_size(count: int, where: str = "the grid") -> None:
 
 
 # --config FILE: each method with its own parameter lists (mergekit-style), keys as on the command line
-CONFIG_KEYS = {
-    **{m: ("kappa", "eta") for m in ("bema", "ouema")},
-    **{m: ("kappa",) for m in ("ema", "dema")},
-    "vanilla": (),
-    "lawa": ("window",),
-    "wsm": ("window", "schedule"),
-    "swa": ("swa_start",),
-    "power": ("sigma_rel", "power_gamma"),
-}
-CONFIG_COMMON = ("preset", "gamma", "rho", "tau", "phi", "beta_min")
-GRID_ARGS = {
-    "kappa": "kappas",
-    "eta": "etas",
-    "window": "windows",
-    "schedule": "schedules",
-    "swa_start": "swa_starts",
-    "sigma_rel": "sigma_rels",
-    "power_gamma": "power_gammas",
-}
+CONFIG_KEYS = {m: tuple(RECORD_NAMES[n] for n in swept_by(m)) for m in METHODS}
+CONFIG_COMMON = tuple(RECORD_NAMES[n] for n in SHARED)
+AXIS_OF = {RECORD_NAMES[n]: n for n in AXES}  # a config key's axis: "schedule" is merge_schedule
 
 
 def grid_from_config(path: str, **common) -> list[Schedule]:
@@ -181,17 +158,17 @@ def grid_from_config(path: str, **common) -> list[Schedule]:
                 f"{path}: methods.{method}.{bad[0]} is not a {method} parameter (allowed: {allowed})"
             )
         per_method[method] = {
-            GRID_ARGS[k]: [
+            AXIS_OF[k]: [
                 _config_value(path, f"methods.{method}.{k}", x) for x in (v if isinstance(v, list) else [v])
             ]
             for k, v in params.items()
         }
     # counted before anything is built: the grid's size over every method
-    check_grid_size(sum(grid_size([m], **lists) for m, lists in per_method.items()), path)
+    check_grid_size(sum(grid_size([m], lists) for m, lists in per_method.items()), path)
     out: dict[str, Schedule] = {}
     for method, lists in per_method.items():
         try:  # the flags' own range checks, said of the file
-            built = grid([method], **lists, **common)
+            built = _build([method], lists, common)
         except UsageError as exc:
             raise InputError(f"{path}: methods.{method}: {str(exc).lstrip('-')}") from None
         for s in built:

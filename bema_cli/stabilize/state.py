@@ -33,15 +33,16 @@ from bema_cli.io.checkpoints import Checkpoint, read_json
 from bema_cli.io.fingerprint import changed, fingerprint, fingerprint_if_present
 from bema_cli.io.safetensors import ModelIndex
 from bema_cli.recurrence import STATE_TENSORS
-from bema_cli.schedule import WINDOW_METHODS, Schedule, run_name, state_key
+from bema_cli.schedule import WINDOW_METHODS, Schedule, run_name, state_key, used_by
 from bema_cli.stabilize import gaps, state_doc
 from bema_cli.stabilize.plan import Options, Plan, Resume, Run, Track
 from bema_cli.stabilize.state_store import STATE_DIR, state_layout
 
 STATE_FILE = "state.json"
 FORMAT = 2  # 2: sealed (state_doc.seal); 1 (bema 0.3): unsealed, refused with a --restart hint
-# What must not change between calls of one run: the schedule and the dtypes (flag names for errors).
-SCHEDULE_KEYS = ("preset", "kappa", "eta", "gamma", "rho", "tau", "phi", "beta_min")
+# What must not change between calls of one run: the schedule (the EMA family's parameters, as a
+# state of format 2 stores them; schedule.used_by) and the dtypes (flag names for errors).
+SCHEDULE_KEYS = tuple(n for n in used_by("bema") if n != "method")
 CHECKED = (*SCHEDULE_KEYS, "accum_dtype", "out_dtype", "lora_output", "lora_rank")
 # Checked keys absent from states written before they were checked, and the value they had then.
 ADDED_LATER = {"lora_output": "merged", "lora_rank": None}

@@ -81,14 +81,18 @@ def _build(methods: list[str], lists: dict, common: dict) -> list[Schedule]:
 def _configs(method: str, lists: dict) -> list[dict]:
     """A method's configs: its crossed axes' lists multiplied (a list not given: the default), times
     its `alone` axes' values one each (power: a sigma_rel or a power_gamma); the parameters it records
-    without sweeping at their `unswept` value (ema's eta: inf)."""
+    without sweeping at their `unswept` value (ema's eta: inf), else the grid's first (vanilla's kappa)."""
     axes = swept_by(method)
-    fixed = {n: meta(n)["unswept"] for n in used_by(method) if n in AXES and n not in axes}
-    combos = [{k: v for k, v in fixed.items() if v is not None}]
+    recorded = [n for n in used_by(method) if n in AXES and n not in axes]
+    combos = [{n: _first(n, lists) if meta(n)["unswept"] is None else meta(n)["unswept"] for n in recorded}]
     for n in (n for n in axes if not meta(n)["alone"]):
         combos = [{**c, n: v} for c in combos for v in lists.get(n) or [DEFAULTS[n]]]
     alone = [{n: v} for n in axes if meta(n)["alone"] for v in lists.get(n) or ()] or [{}]
     return [{**c, **one} for c in combos for one in alone]
+
+
+def _first(name: str, lists: dict):
+    return (lists.get(name) or [DEFAULTS[name]])[0]
 
 
 GRID_LIMIT = 4096  # configs in one grid: a sweep holds each one's state, stabilize writes each one

@@ -25,9 +25,9 @@ from pathlib import Path
 
 from bema_cli import output, stages
 from bema_cli.decide import select
-from bema_cli.decide.contest import Contested, contest, decision_run
+from bema_cli.decide.contest import Contested, contest
 from bema_cli.decide.outcome import Decision
-from bema_cli.decide.request import ShipOptions, check, fits_for
+from bema_cli.decide.request import ShipOptions, ShipRequest
 from bema_cli.errors import InputError, OutputError, UsageError
 from bema_cli.eval import timings
 from bema_cli.eval.job import EvalConfig
@@ -50,36 +50,34 @@ from bema_cli.stabilize.plan import inputs_of
 
 def ship(stab, config: EvalConfig, engine, ship_opts: ShipOptions, sweep_opts, validated=None) -> dict:
     """The whole loop; returns the --json document (the verdict, the decision and how it was made)."""
-    metric = check(ship_opts, config)
-    ship_opts = fits_for(ship_opts, metric)
     out = Path(ship_opts.out).expanduser()
     if out.is_symlink():  # place() would replace the link by a folder: refused before any work
         raise UsageError(f"--out {out}: a symbolic link (to {os.readlink(out)}); give the folder itself")
     check_out_path(out, "--out")
-    run = decision_run(stab, ship_opts.at)  # the one plan of this ship: its inputs, dry run and walk
-    inputs = [*inputs_of(run.plan, stab.checkpoint_dir), *config.read_paths(), *ship_opts.reads]
+    # the flags checked, then the one plan of this ship: its inputs, dry run and walk
+    request = ShipRequest.of(stab, config, ship_opts, sweep_opts)
+    inputs = [*inputs_of(request.run.plan, stab.checkpoint_dir), *config.read_paths(), *ship_opts.reads]
     check_apart_from(out, inputs, "--out")  # before any answer, record or evaluation
     if ship_opts.dry_run:
         from bema_cli.decide.budget import budget
 
-        return budget(run, config, engine, ship_opts, metric, out.parent / f".{out.name}.bema-ship")
+        return budget(request, engine, out.parent / f".{out.name}.bema-ship")
     # one ship into DIR at a time: its records, staging siblings and the final rename are DIR's
     with locked(out.parent, f".{out.name}.bema-lock", label=out):
-        return _ship(stab, run, config, engine, ship_opts, sweep_opts, validated, metric, out, inputs)
+        return _ship(request, engine, validated, out, inputs)
 
 
-def _ship(
-    stab, run, config, engine, ship_opts, sweep_opts, validated, metric, out: Path, inputs: list[Path]
-) -> dict:
-    request = sealed.request(stab, config, ship_opts, inputs, metric)
+def _ship(request: ShipRequest, engine, validated, out: Path, inputs: list[Path]) -> dict:
+    ship_opts = request.options
+    key = sealed.request_key(request, inputs)
     clean_staging(out, out.parent / f".{out.name}.bema-ship")  # what a killed ship left half-written
     if (out / WORK / "ship.json").is_file() and not ship_opts.overwrite:
-        return sealed.up_to_date(out, request, ship_opts.push)
+        return sealed.up_to_date(out, key, ship_opts.push)
     check_target(out, ship_opts.overwrite)
     work = out.parent / f".{out.name}.bema-ship"
     if work.is_dir() and not _has_records(work):  # refused or failed before any record: nothing to resume
         shutil.rmtree(work)
-    if work.exists() and (work / sealed.REQUEST).is_file() and (differs := sealed.differences(work, request)):
+    if work.exists() and (work / sealed.REQUEST).is_file() and (differs := sealed.differences(work, key)):
         if not ship_opts.overwrite:  # its records were made for another request: never reused silently
             raise OutputError(
                 f"{work}: records of an earlier, interrupted ship made with another setup (differs in: "
@@ -94,9 +92,7 @@ def _ship(
             output.warn(f"{exc}: its records are not reused; deciding afresh")
     reused = _has_records(work)
     try:
-        return _decide(
-            stab, run, config, engine, ship_opts, sweep_opts, validated, metric, out, work, request
-        )
+        return _decide(request, engine, validated, work, key)
     except InputError as exc:
         if not (ship_opts.overwrite and reused):
             raise
@@ -104,19 +100,18 @@ def _ship(
         # process appended, say): --overwrite always gets a decision, made afresh
         output.warn(f"{exc}: the records reused are set aside; deciding afresh (--overwrite)")
         shutil.rmtree(work, ignore_errors=True)
-        return _decide(
-            stab, run, config, engine, ship_opts, sweep_opts, validated, metric, out, work, request
-        )
+        return _decide(request, engine, validated, work, key)
 
 
-def _decide(stab, run, config, engine, ship_opts, sweep_opts, validated, metric, out, work, request) -> dict:
+def _decide(request: ShipRequest, engine, validated, work: Path, key: dict) -> dict:
     """The decision made (or resumed) in `work`, DIR written from it, pushed when asked."""
+    ship_opts, out = request.options, Path(request.options.out).expanduser()
     if not (work / sealed.REQUEST).is_file():  # a resume keeps the request its records were made for
         work.mkdir(parents=True, exist_ok=True)
-        sealed.write_request(work, request)
+        sealed.write_request(work, key)
     stages.reset()
     try:
-        made = contest(run, config, engine, ship_opts, sweep_opts, validated, metric, work)
+        made = contest(request, engine, work, validated)
     except BaseException:
         if not _has_records(work):  # refused (bad data, an engine that cannot start) before any record
             shutil.rmtree(work, ignore_errors=True)  # the corrected command then starts clean
@@ -125,8 +120,8 @@ def _decide(stab, run, config, engine, ship_opts, sweep_opts, validated, metric,
     # select's own sentence is select's rule, not the decision: the one verdict is the decision's
     shown = {k: v for k, v in chosen.items() if k not in ("verdict", "notes")}
     doc = {
-        "request": request,
-        "metric": metric.name,
+        "request": key,
+        "metric": request.metric.name,
         "step": chosen["winner"]["step"],
         "select": shown,
         "tie_rule": select.TIE_RULE,
@@ -148,7 +143,7 @@ def _decide(stab, run, config, engine, ship_opts, sweep_opts, validated, metric,
         doc["motion"], doc["motion_verdict"] = made.motion["motion"], made.motion["motion_verdict"]
     record = Decision.of(_public(doc))  # the one record every view renders (and report reads again)
     with stages.stage("write"):
-        doc["written"] = _write(record, fitted, ship_opts, doc, work, stab, made)
+        doc["written"] = _write(record, made, request, doc, work)
     if ship_opts.push:
         from bema_cli.publish.push import pushed
 
@@ -164,15 +159,16 @@ def _has_records(work: Path) -> bool:
     return any(p.is_file() and p.stat().st_size > 0 for p in work.rglob("*.jsonl"))
 
 
-def _write(decision: Decision, fitted, ship_opts, doc, work, stab, made: Contested) -> dict:
+def _write(decision: Decision, made: Contested, request: ShipRequest, doc: dict, work: Path) -> dict:
     """DIR as the model folder: the shipped candidate's vector written by the one writer
     (write.write_vector: vanilla, a menu config and a fitted average alike), its card rendered from
     the decision; the records and ship.json go inside (DIR/.bema-ship)."""
+    ship_opts, stab = request.options, request.run.stab
     out = Path(ship_opts.out).expanduser()
     step, steps, basis = decision.step, made.steps, made.basis
     folders = dict(zip(["theta0", *map(str, steps)], basis, strict=True))
     if decision.kind == "fitted":
-        best = fitted["best"]
+        best = made.fitted["best"]
         cand, settings = best["candidate"], {"method": best["method"]}
         extra = {"ingredients": best["ingredients"]} if best["kind"] == "soup" else {}
     else:

@@ -230,6 +230,7 @@ def test_the_request_is_every_field_of_the_options_but_the_declared_few(tmp_path
     import dataclasses
     from types import SimpleNamespace
 
+    from bema_cli.decide.request import DecisionRun, ShipRequest
     from bema_cli.publish import records
 
     class Config:
@@ -240,8 +241,15 @@ def test_the_request_is_every_field_of_the_options_but_the_declared_few(tmp_path
     for f in files:
         f.write_bytes(b"x")
     metric, stab = parse_metric("loss"), SimpleNamespace(schedules=[])
+
+    def request(opts, files):
+        """The request key of a ship with these options over these input files."""
+        return records.request_key(
+            ShipRequest(DecisionRun(stab, None, {}, 80), Config(), opts, None, metric), files
+        )
+
     base = ShipOptions(out=tmp_path / "m", fits=("simplex",))
-    digest = records.request(stab, Config(), base, files, metric)["digest"]
+    digest = request(base, files)["digest"]
     changed = {"metric": "loss", "holdout": 0.3, "at": "70", "fits": ("soup",), "resamples": 500, "seed": 1,
                "max_evaluations": 60, "min_effect": 0.01, "guard_margin": 0.02}  # fmt: skip
     declared = {
@@ -254,18 +262,11 @@ def test_the_request_is_every_field_of_the_options_but_the_declared_few(tmp_path
     }
     assert set(changed) | set(declared) == {f.name for f in dataclasses.fields(ShipOptions)}
     for key, value in changed.items():
-        other = records.request(stab, Config(), dataclasses.replace(base, **{key: value}), files, metric)
+        other = request(dataclasses.replace(base, **{key: value}), files)
         assert (other["digest"] != digest) is (key != "metric"), key  # metric: the resolved one is asked
-        assert key == "metric" or key in records._differing(
-            other, records.request(stab, Config(), base, files, metric)
-        )
+        assert key == "metric" or key in records._differing(other, request(base, files))
     for key, value in declared.items():
-        assert (
-            records.request(stab, Config(), dataclasses.replace(base, **{key: value}), files, metric)[
-                "digest"
-            ]
-            == digest
-        )
+        assert request(dataclasses.replace(base, **{key: value}), files)["digest"] == digest
     monkeypatch.chdir(tmp_path)
     relative = [type(f)(f.name) for f in reversed(files)]
-    assert records.request(stab, Config(), base, relative, metric)["digest"] == digest
+    assert request(base, relative)["digest"] == digest

@@ -190,7 +190,7 @@ def test_a_base_with_another_tokenizer_is_warned_about(world, tmp_path):
 @pytest.mark.parametrize("dry", [[], ["--dry-run"]])
 def test_ship_refuses_to_decide_at_theta0(world, tmp_path, dry):
     """`--at 0` names theta0, not a checkpoint: the decision and its dry run (one shared reading of
-    the run, contest.decision_run) refuse it in one line, before any engine starts."""
+    the run, request.decision_run) refuse it in one line, before any engine starts."""
     data = tmp_path / "heldout.jsonl"
     data.write_text("".join(json.dumps({"text": f"count {i} and {i + 1}"}) + "\n" for i in range(6)))
     r = run_bema("ship", world["run"], "--base", world["base"], "--out", tmp_path / "model", "--at", "0",

@@ -28,8 +28,8 @@ from bema_cli.stabilize import motion
 SIMPLEX_TRIALS = 12  # fit.SIMPLEX_BUDGET
 
 
-def budget(run, config, engine, ship_opts, metric, work: Path) -> dict:
-    """The dry run's document on `run` (contest.DecisionRun, planned by ship)."""
+def budget(request, engine, work: Path) -> dict:
+    """The dry run's document on `request` (request.ShipRequest, its run planned by ship)."""
     from bema_cli.decide.contest import item_ids
     from bema_cli.decide.metric import parse_metric
     from bema_cli.decide.scorer import arena_targets
@@ -39,7 +39,8 @@ def budget(run, config, engine, ship_opts, metric, work: Path) -> dict:
     from bema_cli.stabilize.project import probe_sample
     from bema_cli.sweep.project import project
 
-    stab, plan, folder_of, step = run
+    (stab, plan, folder_of, step), config = request.run, request.config
+    ship_opts, metric = request.options, request.metric
     evaluation = Evaluation(replace(config, out=None), engine)  # a dry run writes nothing
     # what the engine cannot serve is said here too (--backend vllm: refused; auto: transformers)
     unservable = evaluation.servable(folder_of[step])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 from bema_cli import output
 from bema_cli.decide import candidate, guard, select
@@ -20,9 +19,10 @@ from bema_cli.decide.decision import MIN_REPORT_ITEMS, decide, undecidable
 from bema_cli.decide.menu import race_menu
 from bema_cli.decide.metric import Metric, flip_note, flips, metric_value, parse_metric
 from bema_cli.decide.outcome import Shipped
+from bema_cli.decide.request import ShipRequest
 from bema_cli.decide.scorer import Arena, ItemScorer, arena_targets
 from bema_cli.decide.search import search
-from bema_cli.errors import InputError, UsageError
+from bema_cli.errors import InputError
 from bema_cli.eval.evaluate import Evaluation
 from bema_cli.eval.results import ResultsFile
 from bema_cli.eval.tasks import LOSS_TASKS
@@ -50,16 +50,6 @@ def item_ids(task) -> list:
     return ids
 
 
-class DecisionRun(NamedTuple):
-    """The run as ship walks it, planned once per ship: its options, the plan, {step: folder}, the
-    step decided at."""
-
-    stab: object
-    plan: object
-    folder_of: dict
-    step: int
-
-
 @dataclass(frozen=True)
 class Contested:
     """What `contest` made: the decision and its verdict, everything the document and DIR are built
@@ -82,25 +72,12 @@ class Contested:
     base_source: str
 
 
-def decision_run(stab, at: str) -> DecisionRun:
-    """The run as ship walks it (the decision, its inputs and its dry run alike: `ship` plans it
-    once). theta0 (0) is refused: ship decides at a checkpoint's step."""
-    from bema_cli.sweep.session import at_steps
-    from bema_cli.sweep.walk import plan_sweep, sweep_options
-
-    stab = sweep_options(stab)
-    plan = plan_sweep(stab)
-    folder_of = {c.step: c.path for c in plan.checkpoints}
-    step = at_steps(at, sorted(folder_of))[-1]
-    if step == 0:
-        raise UsageError("--at: ship decides at a checkpoint's step, not at theta0 (0)")
-    return DecisionRun(stab, plan, folder_of, step)
-
-
-def contest(run: DecisionRun, config, engine, ship_opts, sweep_opts, validated, metric, work) -> Contested:
+def contest(request: ShipRequest, engine, work, validated=None) -> Contested:
+    """The decision on `request`, its records in `work`; `validated()` once the inputs are checked."""
     from bema_cli.sweep.session import check_inputs, memory_doc
 
-    stab, plan, folder_of, step = run
+    (stab, plan, folder_of, step), config = request.run, request.config
+    ship_opts, sweep_opts, metric = request.options, request.sweep, request.metric
     race_config = replace(config, out=str(work / "race"))
     check_inputs(race_config, folder_of, plan, [step])
     if validated is not None:

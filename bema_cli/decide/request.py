@@ -1,11 +1,14 @@
 """What `bema ship` is asked: its options (ShipOptions), the default menu and the flags' checks,
-before anything is read. The decision itself is contest.py's; publishing it is bema_cli/ship.py's.
+before anything is read, and the request they make once the run is planned (`ShipRequest`: what
+every stage of a ship takes whole). The decision itself is contest.py's; publishing it is
+bema_cli/ship.py's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from bema_cli.decide import guard, select
 from bema_cli.decide.metric import Metric, parse_metric
@@ -80,3 +83,48 @@ def fits_for(ship_opts: ShipOptions, metric: Metric) -> ShipOptions:
     if ship_opts.fits is not None:
         return ship_opts
     return replace(ship_opts, fits=("simplex",) if metric.key == "loss" else ("soup",))
+
+
+class DecisionRun(NamedTuple):
+    """The run as ship walks it, planned once per ship: its options (as a sweep plans them), the
+    plan, {step: folder}, the step decided at."""
+
+    stab: object
+    plan: object
+    folder_of: dict
+    step: int
+
+
+def decision_run(stab, at: str) -> DecisionRun:
+    """The run as ship walks it (the decision, its inputs and its dry run alike: `ship` plans it
+    once). theta0 (0) is refused: ship decides at a checkpoint's step."""
+    from bema_cli.sweep.session import at_steps
+    from bema_cli.sweep.walk import plan_sweep, sweep_options
+
+    stab = sweep_options(stab)
+    plan = plan_sweep(stab)
+    folder_of = {c.step: c.path for c in plan.checkpoints}
+    step = at_steps(at, sorted(folder_of))[-1]
+    if step == 0:
+        raise UsageError("--at: ship decides at a checkpoint's step, not at theta0 (0)")
+    return DecisionRun(stab, plan, folder_of, step)
+
+
+@dataclass(frozen=True)
+class ShipRequest:
+    """One ship's question, typed and built once, before anything is evaluated: the run as ship walks
+    it, the evaluation's settings, the decision's options (their fits said: `fits_for`), the walk's
+    memory options and the metric. The decision (contest), the dry run (budget) and publishing take
+    it whole; publish/records.key is what makes two of them the same question."""
+
+    run: DecisionRun
+    config: EvalConfig
+    options: ShipOptions
+    sweep: object  # sweep/session.SweepOptions: the walk's memory limit
+    metric: Metric
+
+    @classmethod
+    def of(cls, stab, config: EvalConfig, options: ShipOptions, sweep) -> ShipRequest:
+        """The flags checked (`check`), the fits said, the run planned (`decision_run`)."""
+        metric = check(options, config)
+        return cls(decision_run(stab, options.at), config, fits_for(options, metric), sweep, metric)

@@ -62,12 +62,15 @@ def check_sealed(work: Path, fix: str = "--overwrite decides again from scratch"
             raise InputError(f"{p}: the ship's record changed since bema sealed it; {fix}")
 
 
-def request(stab, config, ship_opts, inputs: list[Path], metric) -> dict:
-    """What makes two ship calls the same question: the inputs (each weight file's path, size and
-    modification time, summed into one digest), the grid, the evaluation settings and the flags that
-    change the decision. A file the evaluation reads is named as the records name it (a relative and
-    an absolute spelling alike, no path of this machine: the request is kept in DIR) with its digest."""
+def request_key(request, inputs: list[Path]) -> dict:
+    """What makes two ship calls (decide/request.ShipRequest) the same question: the inputs (each
+    weight file's path, size and modification time, summed into one digest), the grid, the evaluation
+    settings and the flags that change the decision. A file the evaluation reads is named as the
+    records name it (a relative and an absolute spelling alike, no path of this machine: the request
+    is kept in DIR) with its digest."""
     import hashlib
+
+    config, ship_opts = request.config, request.options
 
     # sorted: the same files spelled relative or absolute, listed in another order, are one request
     files = sorted(
@@ -80,10 +83,10 @@ def request(stab, config, ship_opts, inputs: list[Path], metric) -> dict:
             evaluation[key] = config.name(path) + (f" {file_digest(path)}" if path.is_file() else "")
     doc = {
         "inputs": files,
-        "grid": sorted(repr(s) for s in stab.schedules),
+        "grid": sorted(repr(s) for s in request.run.stab.schedules),
         "evaluation": evaluation,
         **question(ship_opts),
-        "metric": metric.name,
+        "metric": request.metric.name,
     }
     flat = {k: v for k, v in doc.items() if k != "inputs"}
     digest = hashlib.sha256(output.to_json(doc).encode()).hexdigest()[:32]

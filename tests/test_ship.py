@@ -6,6 +6,7 @@ resumes evaluating nothing twice; the fitted averages never lose to the menu on 
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
 import shutil
@@ -261,6 +262,35 @@ def test_the_shipped_folder_loads_in_vllm(runs, tmp_path):
     assert r.returncode == 0, r.stderr
     (record,) = json.loads(r.stdout)["records"]
     assert names(record["model_path"], out) and record["metrics"]["loss"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="vllm is not importable")
+def test_a_fit_is_served_by_a_vllm_engine_core_in_its_own_process(runs, tmp_path):
+    """The fits' vectors reach vLLM's engine core process by their typed key (scorer.FitKey, pickled
+    across its RPC): each simplex trial is scored under its own weights, named `fit:<digest>`."""
+    r = run_bema("ship", runs["noisy"], "--base", runs["base"], "--out", tmp_path / "m", "--tasks", "loss",
+                 "--loss-data", runs["data"], "--backend", "vllm", "--dtype", "float32", "--fit", "simplex",
+                 "--json", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["backend"] == "vllm" and doc["fitted"]["candidates"], doc.get("fitted")
+    lines = (tmp_path / "m" / ".bema-ship" / "race" / "loss" / "results.jsonl").read_text().splitlines()
+    scored: dict[str, dict] = {}  # each fit's NLL per item, over its records (a record per round)
+    for rec in map(json.loads, lines):
+        if rec["model_path"].startswith("fit:"):
+            ids, nll = rec["items"]["ids"], rec["items"]["nll"]
+            scored.setdefault(rec["model_path"], {}).update(zip(ids, nll, strict=True))
+    assert len(scored) >= 2, sorted(scored)
+    # distinct vectors, distinct weights: any two trials' summed NLLs on the items they share differ
+    pairs = 0
+    for a, b in itertools.combinations(scored, 2):
+        shared = scored[a].keys() & scored[b].keys()
+        if shared:
+            pairs += 1
+            assert sum(scored[a][i] for i in shared) != sum(scored[b][i] for i in shared), (a, b)
+    assert pairs >= len(scored) - 1, pairs
 
 
 def test_too_few_report_items_ship_vanilla_and_say_it_cannot_decide(runs, tmp_path):

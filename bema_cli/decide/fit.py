@@ -88,10 +88,10 @@ class Combiner:
     def __init__(self, basis: list[Path], template: Path):
         self.basis, self.template, self.vectors = [Path(b) for b in basis], Path(template), {}
 
-    def set(self, key: str, c: list[float]) -> None:
+    def set(self, key, c: list[float]) -> None:
         self.vectors[key] = list(c)
 
-    def weights(self, key: str | None, dtype=None) -> Iterator[tuple[str, object]]:
+    def weights(self, key, dtype=None) -> Iterator[tuple[str, object]]:
         terms = list(zip(self.basis, self.vectors[key], strict=True))
         for info, value in combined(terms, self.template):
             if dtype is not None and value.is_floating_point() and value.dtype != dtype:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bema_cli import output, stages
@@ -30,9 +30,21 @@ SOURCE = "bema_cli.decide.scorer:ShipSource"
 _NONE = object()  # nothing loaded yet (None is theta_s)
 
 
+@dataclass(frozen=True)
+class FitKey:
+    """The engine's key of a vector the walker does not hold (a fit, theta0): the Combiner serves it.
+    A type of its own, where a "fit:" prefix on a string once told it from a menu config's name; it
+    crosses vLLM's RPC pickled, as the source's own calls do. Its records name it `fit:<digest>`."""
+
+    digest: str
+
+    def __str__(self) -> str:
+        return f"fit:{self.digest}"
+
+
 class ShipSource:
     """The engine's weight source: the walker's states (a menu config by name, None: theta_s) and a
-    Combiner (a key `fit:<digest>` set with its vector), so the fits need no second engine."""
+    Combiner (a FitKey set with its vector), so the fits need no second engine."""
 
     def __init__(self, plan, opts, basis: list[Path], template: Path):
         from bema_cli.sweep.walk import Walker
@@ -48,11 +60,11 @@ class ShipSource:
     def motion_sums(self) -> dict:
         return self.walker.motion_sums()
 
-    def set(self, key: str, c: list[float]) -> None:
+    def set(self, key: FitKey, c: list[float]) -> None:
         self.combiner.set(key, c)
 
-    def weights(self, key: str | None, dtype=None):
-        if key is not None and key.startswith("fit:"):
+    def weights(self, key: str | FitKey | None, dtype=None):
+        if isinstance(key, FitKey):
             return self.combiner.weights(key, dtype)
         return self.walker.weights(key, dtype)
 
@@ -115,9 +127,9 @@ class Arena:
         if name is not None:
             target, key = self.targets[name], (None if name == "vanilla" else name)
         else:
-            key = f"fit:{cand.digest}"
+            key = FitKey(cand.digest)
             target = Target(
-                Path(key), cand.name, self.step, {"method": "fitted", "coefficients": cand.record}
+                Path(str(key)), cand.name, self.step, {"method": "fitted", "coefficients": cand.record}
             )
         if self.loaded != key:
             if name is None:

@@ -92,7 +92,9 @@ class Backend(Protocol):
         """The weight source's `method`(*args), where it lives (a vLLM worker: its result pickled back)."""
         ...
 
-    def load_from_source(self, key: str | None, folder: Path) -> None: ...
+    def load_from_source(self, key, folder: Path) -> None:
+        """The source's weights for `key` (a name, None, or any key the source knows) into the engine."""
+        ...
 
 
 def plugin(path: str):

@@ -118,7 +118,7 @@ class TransformersBackend:
     def source_call(self, method: str, *args):
         return getattr(self.source, method)(*args)
 
-    def load_from_source(self, key: str | None, folder: Path) -> None:
+    def load_from_source(self, key, folder: Path) -> None:
         """The source's weights for `key` (the sweep: a config, None for theta_s); tokenizer files
         from `folder`."""
         if Path(folder) != self.path:

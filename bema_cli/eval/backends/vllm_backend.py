@@ -196,7 +196,7 @@ class VllmBackend:
     def source_call(self, method: str, *args):
         return self._rpc("bema_source_call", method, pickle.dumps(args))
 
-    def load_from_source(self, key: str | None, folder: Path) -> None:
+    def load_from_source(self, key, folder: Path) -> None:
         folder = Path(folder)
         if folder != self.path:
             self.tokenizer, self.template_source, self.stop_ids = chat.load_chat(
@@ -204,7 +204,7 @@ class VllmBackend:
             )
             self.path = folder
         tied = bool(read_json(folder / "config.json").get("tie_word_embeddings", False))
-        self._rpc("bema_source_load", key, tied)
+        self._rpc("bema_source_load", pickle.dumps(key), tied)  # a key of any type the source knows
         self._forget_prefixes(f"{folder} ({key})" if key else str(folder))
 
     def _rpc(self, method: str, *args):

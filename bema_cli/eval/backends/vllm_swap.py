@@ -102,9 +102,11 @@ class WeightSwapExtension:
 
         return getattr(self._bema_source, method)(*pickle.loads(args))
 
-    def bema_source_load(self, key: str | None, tied: bool) -> bool:
+    def bema_source_load(self, key: bytes, tied: bool) -> bool:
+        import pickle
+
         dtype = self.vllm_config.model_config.dtype
-        return self._bema_reload(with_tied_head(self._bema_source.weights(key, dtype), tied))
+        return self._bema_reload(with_tied_head(self._bema_source.weights(pickle.loads(key), dtype), tied))
 
     def bema_param_digest(self) -> dict:
         """{parameter name: sha256 of its bytes}: two engines hold the same weights iff these match."""

@@ -264,7 +264,6 @@ def test_the_shipped_folder_loads_in_vllm(runs, tmp_path):
     assert names(record["model_path"], out) and record["metrics"]["loss"] > 0
 
 
-@pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_available(), reason="vllm is not importable")
 def test_a_fit_is_served_by_a_vllm_engine_core_in_its_own_process(runs, tmp_path):

@@ -360,6 +360,7 @@ def run_name(s: Schedule) -> str:
 # targets, provenance checks, records, the grid and its flags read them from here):
 # each field's name in records and on the command line (wsm's decay is "schedule")
 RECORD_NAMES = {f.name: f.metadata.get("record") or f.name for f in fields(Schedule)}
+DEFAULTS = {f.name: f.default for f in fields(Schedule)}  # each field's default: the flags' too
 RECORD_KEYS = tuple(RECORD_NAMES.values())
 NUMBER_KEYS = tuple(k for k in RECORD_KEYS if k not in ("method", "preset", "schedule"))
 # the grid's axes (each swept per method: --kappa 0.5,0.9), and the settings every config shares

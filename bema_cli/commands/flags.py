@@ -86,7 +86,7 @@ from bema_cli.options import (
     parse_size,
     parse_str_list,
 )
-from bema_cli.schedule import AXES, RECORD_NAMES, SHARED, Schedule
+from bema_cli.schedule import AXES, DEFAULTS, RECORD_NAMES, SHARED, Schedule
 
 
 def with_flags(**groups: type):
@@ -132,7 +132,6 @@ def _in_panel(annotation, panel: str | None):
     return Annotated[kind, info]
 
 
-_SCHEDULE = {f.name: f.default for f in dataclasses.fields(Schedule)}  # the defaults, written once there
 # the axes a flag may give as spans of training, resolved on the run (durations.py): the key it resolves to
 SPANS = {"window": "window", "swa_start": "swa_start", "power_gamma": "half_life"}
 
@@ -158,12 +157,12 @@ class GridFlags:
     sigma_rel: SigmaRelOpt = None
     power_gamma: PowerGammaOpt = None
     config: GridConfigOpt = None
-    gamma: GammaOpt = _SCHEDULE["gamma"]
-    rho: RhoOpt = _SCHEDULE["rho"]
-    tau: TauOpt = _SCHEDULE["tau"]
-    phi: PhiOpt = _SCHEDULE["phi"]
-    beta_min: BetaMinOpt = _SCHEDULE["beta_min"]
-    preset: PresetOpt = _SCHEDULE["preset"]
+    gamma: GammaOpt = DEFAULTS["gamma"]
+    rho: RhoOpt = DEFAULTS["rho"]
+    tau: TauOpt = DEFAULTS["tau"]
+    phi: PhiOpt = DEFAULTS["phi"]
+    beta_min: BetaMinOpt = DEFAULTS["beta_min"]
+    preset: PresetOpt = DEFAULTS["preset"]
 
     def common(self) -> dict:
         """The settings every config of the grid shares (schedule.SHARED)."""

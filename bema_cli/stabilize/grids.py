@@ -4,13 +4,13 @@ flags or a `--config grid.yaml` name, validated and counted before anything is r
 from __future__ import annotations
 
 import math
-from dataclasses import fields
 from pathlib import Path
 
 from bema_cli import output
 from bema_cli.errors import UsageError
 from bema_cli.schedule import (
     AXES,
+    DEFAULTS,
     EMA_FAMILY,
     METHODS,
     RECORD_NAMES,
@@ -21,8 +21,6 @@ from bema_cli.schedule import (
     swept_by,
     used_by,
 )
-
-DEFAULTS = {f.name: f.default for f in fields(Schedule)}
 
 
 def grid(methods: list[str], kappas: list | None = None, etas: list | None = None, **given) -> list[Schedule]:

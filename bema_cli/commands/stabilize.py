@@ -22,6 +22,8 @@ from bema_cli.options import (
 )
 from bema_cli.stabilize.project import projection_line
 
+WRITE_PANEL, INCREMENTAL_PANEL = "What to write", "Incremental runs"  # --help panels of its own options
+
 
 @with_flags(grid=GridFlags, inputs=InputFlags, fol=FollowFlags, where=ExecutorFlags)
 def stabilize(
@@ -44,7 +46,7 @@ def stabilize(
         rich_help_panel=RESOURCES_PANEL,
     ) = "2GiB",
     max_shard_size: option(
-        str, "--max-shard-size", help="Largest output shard (e.g. 5GB).", rich_help_panel="What to write"
+        str, "--max-shard-size", help="Largest output shard (e.g. 5GB).", rich_help_panel=WRITE_PANEL
     ) = "5GB",
     device: option(
         str,
@@ -64,16 +66,16 @@ def stabilize(
         str | None,
         "--out-dtype",
         help="float32, bfloat16, float16 (default: each tensor's input dtype).",
-        rich_help_panel="What to write",
+        rich_help_panel=WRITE_PANEL,
     ) = None,
     final_only: option(
         bool,
         "--final-only",
         help="Write only the last processed step of each run.",
-        rich_help_panel="What to write",
+        rich_help_panel=WRITE_PANEL,
     ) = False,
     steps: option(
-        str | None, "--steps", help="Write only these steps, e.g. 400,800.", rich_help_panel="What to write"
+        str | None, "--steps", help="Write only these steps, e.g. 400,800.", rich_help_panel=WRITE_PANEL
     ) = None,
     dry_run: option(
         bool, "--dry-run", help="Print the plan (steps, alpha/beta, bytes, shards); write nothing."
@@ -84,19 +86,19 @@ def stabilize(
         str,
         "--lora-output",
         help="LoRA runs: merged (full model folders) or adapter (PEFT adapters of rank --lora-rank).",
-        rich_help_panel="What to write",
+        rich_help_panel=WRITE_PANEL,
     ) = "merged",
     lora_rank: option(
         int | None,
         "--lora-rank",
         help="Rank of adapter outputs (truncated SVD; default: the training r).",
-        rich_help_panel="What to write",
+        rich_help_panel=WRITE_PANEL,
     ) = None,
     restart: option(
         bool,
         "--restart",
         help="Ignore OUT's saved state for these runs and recompute them from theta0.",
-        rich_help_panel="Incremental runs",
+        rich_help_panel=INCREMENTAL_PANEL,
     ) = False,
     keep_state: option(
         bool | None,
@@ -104,20 +106,20 @@ def stabilize(
         help="Write OUT/.bema-state so a later call continues the run [default: on, off with "
         "--final-only]; --no-state saves one model-size write per EMA track.",
         show_default=False,
-        rich_help_panel="Incremental runs",
+        rich_help_panel=INCREMENTAL_PANEL,
     ) = None,
     keep_last: option(
         int | None,
         "--keep-last",
         help="Keep only the K newest outputs of each run (like save_total_limit).",
-        rich_help_panel="What to write",
+        rich_help_panel=WRITE_PANEL,
     ) = None,
     fingerprint: option(
         str,
         "--fingerprint",
         help="How consumed checkpoints are recorded in OUT's state: full (a digest of every byte, xxh3_128) or sampled "
         "(header, first and last 64 KiB; cheaper on slow storage).",
-        rich_help_panel="Incremental runs",
+        rich_help_panel=INCREMENTAL_PANEL,
     ) = "full",
     *,
     grid: GridFlags,

@@ -115,7 +115,7 @@ class ShipRequest:
     """One ship's question, typed and built once, before anything is evaluated: the run as ship walks
     it, the evaluation's settings, the decision's options (their fits said: `fits_for`), the walk's
     memory options and the metric. The decision (contest), the dry run (budget) and publishing take
-    it whole; publish/records.key is what makes two of them the same question."""
+    it whole; publish/records.request_key is what makes two of them the same question."""
 
     run: DecisionRun
     config: EvalConfig

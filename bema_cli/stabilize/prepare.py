@@ -108,7 +108,7 @@ def prepare(opts: Options) -> Plan:
             f"base model (theta0): {base.source}, as {checkpoints[0].path / named_by} names it (--base to choose)"
         )
     _check_tokenizer(base.path, checkpoints[-1].path)
-    resume = state.resume(opts, out, checkpoints, base.source, weight_files(base.path))
+    resume = state.resume(opts, out, stored, checkpoints, base.source, weight_files(base.path))
     steps = resume.steps
     tau = opts.schedules[0].tau if opts.schedules else 0
     if tau > 0 and tau >= steps[-1] and opts.ready_steps is None:  # --follow: later steps will come

@@ -117,16 +117,21 @@ def check_folder(name: str, run: dict, schedule: Schedule, stored: dict, where: 
 
 
 def resume(
-    opts: Options, out: Path | None, checkpoints: list[Checkpoint], base_source: str, base_files
+    opts: Options,
+    out: Path | None,
+    stored: dict | None,
+    checkpoints: list[Checkpoint],
+    base_source: str,
+    base_files,
 ) -> Resume:
-    """Check this call against OUT's state and say where each run of the grid starts.
+    """Check this call against OUT's state (`stored`, as `read` returned it) and say where each run
+    of the grid starts.
 
     Errors (one line each): a consumed checkpoint changed on disk, a new checkpoint older than
     the last processed step, theta0 or a run's schedule changed. --restart (and --overwrite,
     which replaces outputs anyway) recomputes the grid's runs from theta0; the state of other
     runs is kept when the inputs it was computed from are unchanged, else dropped.
     """
-    stored = read(out, opts.restart or opts.overwrite) if out is not None else None
     present = [c.step for c in checkpoints]
     consumed = sorted(int(s["step"]) for s in stored["steps"]) if stored is not None else []
     gaps.check_gaps(checkpoints, consumed, opts.allow_gaps or bool(opts.min_interval))  # thinned on purpose

@@ -23,7 +23,7 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported where the simulation runs: a bad flag is refused before torch loads
@@ -75,21 +75,9 @@ class SimSettings:
 
     def schedule(self, method: str) -> Schedule:
         """The Schedule of one estimator, resolved: the same object `bema stabilize` builds per run."""
-        return Schedule(
-            method=method,
-            preset=self.preset,
-            kappa=self.kappa,
-            eta=self.eta,
-            gamma=self.gamma,
-            rho=self.rho,
-            tau=self.tau,
-            phi=self.phi,
-            beta_min=self.beta_min,
-            window=self.window,
-            merge_schedule=self.merge_schedule,
-            swa_start=self.swa_start,
-            sigma_rel=self.sigma_rel,
-        ).resolved()
+        names = {f.name for f in fields(Schedule)}  # kappa ... sigma_rel: a Schedule's own fields
+        given = {f.name: getattr(self, f.name) for f in fields(self) if f.name in names}
+        return Schedule(method=method, **given).resolved()
 
     def validated(self) -> SimSettings:
         """Check every flag (one-line UsageErrors naming it); returns self with methods de-duplicated."""

@@ -113,6 +113,7 @@ def eval_settings(
 ):
     """(EvalConfig, EngineOptions) from a command's settings (`ev`: flags.EvalFlags, `eng`:
     flags.EngineFlags) and the flags some commands alone take."""
+    from dataclasses import fields
     from pathlib import Path
 
     from bema_cli import output
@@ -125,27 +126,16 @@ def eval_settings(
     for path, name in ((ev.loss_data, "loss"), (ev.loss_train_data, "train_loss")):
         if path is not None and name not in names:
             names.append(name)
+    # EvalFlags' fields are EvalConfig's, by name (its --chat-template reaches the engine as text too)
+    given = {f.name: getattr(ev, f.name) for f in fields(ev) if f.name != "chat_template"}
     config = EvalConfig(
         tasks=names,
         out=out,
-        data_dir=ev.data_dir,
-        loss_data=ev.loss_data,
-        loss_train_data=ev.loss_train_data,
-        loss_samples=ev.loss_samples,
-        loss_max_tokens=ev.loss_max_tokens,
-        n_samples=ev.n_samples,
-        temperature=ev.temperature,
-        seed=ev.seed,
-        max_new_tokens=ev.max_new_tokens,
-        selection_seed=ev.selection_seed,
-        limit=ev.limit,
         backend=eng.backend,
         log_samples=log_samples,
         force=force,
         chat_template_file=ev.chat_template,
-        num_fewshot=ev.num_fewshot,
-        cot=ev.cot,
-        lm_eval_include=ev.lm_eval_include,
+        **given,
     )
     engine = EngineOptions(
         dtype=eng.dtype,

@@ -348,15 +348,8 @@ def run_eval(
         return Evaluation(config, engine, executor).run(targets)
 
 
-def eval_document(
-    inputs: list[str],
-    base: str | None,
-    config: EvalConfig,
-    engine: EngineOptions,
-    executor: ExecutorOptions | None = None,
-    validated=None,
-) -> dict:
-    """`run_eval` measured, as `bema eval --json` prints it: the records (as results.jsonl holds
+def eval_document(*run_eval_args, **run_eval_kwargs) -> dict:
+    """`run_eval(...)` measured, as `bema eval --json` prints it: the records (as results.jsonl holds
     them) and where the run's time and memory went, the same fields as sweep's document: `stages`
     (engine_start, swap, generate, loss, lm_eval: seconds, bytes, GB/s), `seconds`, and `memory`
     (peak RSS of bema and of the engine's own processes, vLLM's engine core runs apart)."""
@@ -364,7 +357,7 @@ def eval_document(
     stages.reset()
     return_freed_memory()
     with PeakRss() as peak:
-        records = run_eval(inputs, base, config, engine, executor, validated)
+        records = run_eval(*run_eval_args, **run_eval_kwargs)
     measured = stages.report()
     used = {r.get("backend") for r in records} - {None}
     if len(used) == 1:  # this machine's floors for the next projection, under the backend that ran

@@ -64,7 +64,7 @@ def menu_vectors(work: Path) -> dict:
         folder.mkdir(parents=True)
         save_file({"w": torch.zeros(4)}, str(folder / "model.safetensors"))
         (folder / "config.json").write_text(json.dumps({"model_type": "basis"}))
-    opts = Options(checkpoint_dir=str(work / "run"), schedules=grid(**DEFAULT_GRID), out=str(work / "out"),
+    opts = Options(checkpoint_dir=str(work / "run"), schedules=grid(**DEFAULT_GRID), out=None,
                    base=str(work / "base"))  # fmt: skip
     return candidate.menu(plan_sweep(opts), STEPS[-1])
 

@@ -322,7 +322,7 @@ def test_the_sweeps_walk_measures_the_same_motion_against_float64(run10, monkeyp
         monkeypatch.setattr(walk, "reread", lambda plan, device="cpu": (False, False))
     windows = [4] if "lawa" in methods else None
     opts = Options(
-        str(run), grid(list(methods), windows=windows, tau=tau), str(root / "none"), base=str(base)
+        str(run), grid(list(methods), windows=windows, tau=tau), None, base=str(base)
     )
     plan = walk.plan_sweep(opts)
     walker = walk.Walker(plan, opts)
@@ -351,7 +351,7 @@ def test_the_dry_runs_read_pass_measures_the_same_motion_against_float64(run10, 
 
     monkeypatch.setattr(motion, "MEASURE_BLOCK", block)
     root, base, run = run10
-    plan = walk.plan_sweep(Options(str(run), grid(["ema"]), str(root / "none"), base=str(base)))
+    plan = walk.plan_sweep(Options(str(run), grid(["ema"]), None, base=str(base)))
     rows = motion.rows(motion.measure(plan, 70))
     ref = _motion_reference(run, base, [10 * i for i in range(1, 8)])
     assert [r["step"] for r in rows] == sorted(ref)

@@ -45,7 +45,7 @@ def menu_at(tmp_path, schedules, at) -> dict[str, list[float]]:
     from bema_cli.sweep.walk import plan_sweep
 
     base, run = write_trajectory(tmp_path / "run", STEPS)
-    plan = plan_sweep(Options(checkpoint_dir=str(run), schedules=schedules, out=str(tmp_path / "out"),
+    plan = plan_sweep(Options(checkpoint_dir=str(run), schedules=schedules, out=None,
                               base=str(base)))  # fmt: skip
     return {name: c.coefficients(STEPS) for name, c in candidate.menu(plan, at).items()}
 

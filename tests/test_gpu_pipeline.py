@@ -42,7 +42,7 @@ def test_the_gpu_pipeline_writes_the_cpu_paths_bytes(trajs, tmp_path, monkeypatc
     from bema_cli.schedule import Schedule
     from bema_cli.stabilize import stabilize as run
     from bema_cli.stabilize import workspace
-    from bema_cli.stabilize.plan import Options
+    from bema_cli.stabilize.plan import Options, Output
 
     base, run_dir = trajs[which]
     ref = tmp_path / "ref"
@@ -58,7 +58,7 @@ def test_the_gpu_pipeline_writes_the_cpu_paths_bytes(trajs, tmp_path, monkeypatc
     monkeypatch.setattr(transfer.Transfers, "to_device", lambda self, *a: copies.append(1) or real(self, *a))
     schedules = [Schedule(method=m, tau=10, window=3).resolved() for m in METHODS]
     out = tmp_path / "out"
-    run(Options(str(run_dir), schedules, str(out), base=str(base), readers=readers))
+    run(Options(str(run_dir), schedules, str(out), base=str(base), readers=readers, write=Output()))
     assert _files(out) == _files(ref) and len([k for k in _files(ref) if "checkpoint-" in k]) == 6 * len(
         STEPS
     )

@@ -166,7 +166,7 @@ def test_block_size_does_not_change_a_byte(traj, traj_bf16, tmp_path, monkeypatc
     from bema_cli.schedule import Schedule
     from bema_cli.stabilize import plan as plan_module
     from bema_cli.stabilize import stabilize as run
-    from bema_cli.stabilize.plan import Options
+    from bema_cli.stabilize.plan import Options, Output
 
     base, run_dir = traj if which == "f32" else traj_bf16
     ref, out = tmp_path / "ref", tmp_path / "out"
@@ -177,7 +177,7 @@ def test_block_size_does_not_change_a_byte(traj, traj_bf16, tmp_path, monkeypatc
     monkeypatch.setattr(plan_module, "block_size", lambda max_memory, itemsize: sizes.append(7) or 7)
     threads = torch.get_num_threads()
     schedules = [Schedule(method=m, tau=10).resolved() for m in ("vanilla", "ema", "bema", "dema", "ouema")]
-    run(Options(str(run_dir), schedules, str(out), base=str(base), out_dtype=out_dtype))
+    run(Options(str(run_dir), schedules, str(out), base=str(base), out_dtype=out_dtype, write=Output()))
     assert sizes == [7]
     assert outputs(out) == outputs(ref) and len(outputs(ref)) == 5 * len(STEPS)
     assert torch.get_num_threads() == threads  # one fewer while the units ran, restored after
@@ -191,7 +191,7 @@ def test_readers_do_not_change_a_byte(traj, traj_bf16, tmp_path, monkeypatch, wh
     from bema_cli.schedule import Schedule
     from bema_cli.stabilize import plan as plan_module
     from bema_cli.stabilize import stabilize as run
-    from bema_cli.stabilize.plan import Options
+    from bema_cli.stabilize.plan import Options, Output
 
     base, run_dir = traj if which == "f32" else traj_bf16
     ref = tmp_path / "ref"
@@ -207,7 +207,7 @@ def test_readers_do_not_change_a_byte(traj, traj_bf16, tmp_path, monkeypatch, wh
     schedules = [Schedule(method=m, tau=10).resolved() for m in ("vanilla", "ema", "bema", "dema", "ouema")]
     for readers in (2, 3):
         out = tmp_path / f"out{readers}"
-        run(Options(str(run_dir), schedules, str(out), base=str(base), readers=readers))
+        run(Options(str(run_dir), schedules, str(out), base=str(base), readers=readers, write=Output()))
         assert outputs(out) == outputs(ref) and len(outputs(ref)) == 5 * len(STEPS)
     assert len(fetched) > 100  # the read-ahead threads really read the blocks
 
@@ -244,7 +244,7 @@ def test_a_run_failing_mid_unit_leaves_no_file_open(tmp_path, monkeypatch, gpu_p
     from bema_cli.errors import InputError
     from bema_cli.schedule import Schedule
     from bema_cli.stabilize import stabilize
-    from bema_cli.stabilize.plan import Options
+    from bema_cli.stabilize.plan import Options, Output
 
     monkeypatch.setenv("BEMA_GPU_PIPELINE", gpu_pipeline)
     shapes = {"a.weight": (64, 256), "b.weight": (40, 128), "c.weight": (96, 64)}
@@ -254,7 +254,7 @@ def test_a_run_failing_mid_unit_leaves_no_file_open(tmp_path, monkeypatch, gpu_p
     weights["c.weight"][-1, -1] = float("nan")
     save_file(weights, path)
     opts = Options(str(run), [Schedule(method=m).resolved() for m in ("ema", "bema")], str(tmp_path / "out"),
-                   base=str(base), max_memory=200_000)  # fmt: skip
+                   base=str(base), max_memory=200_000, write=Output())  # fmt: skip
     fds = sorted(os.listdir("/proc/self/fd"))
     with pytest.raises(InputError, match="c.weight"):
         stabilize(opts)

@@ -24,13 +24,13 @@ def test_the_hints_are_the_passs_own_reads_in_its_order(tmp_path, monkeypatch):
     joined where consecutive, is exactly `read_ranges`, in the same order."""
     from bema_cli.schedule import Schedule
     from bema_cli.stabilize import stabilize
-    from bema_cli.stabilize.plan import Options
+    from bema_cli.stabilize.plan import Options, Output
     from bema_cli.stabilize.prepare import prepare
     from bema_cli.stabilize.unit import read_ranges
 
     base, run = write_trajectory(tmp_path / "t", [10, 20, 30], shapes=SHAPES, with_int=False)
     opts = Options(str(run), [Schedule(method="bema").resolved()], str(tmp_path / "out"), base=str(base),
-                   max_memory=200_000, readers=1, no_state=True)  # fmt: skip
+                   max_memory=200_000, readers=1, write=Output(no_state=True))  # fmt: skip
     plan = prepare(opts)
     assert len(plan.units) >= 3  # the order across units is what is checked
     read = []

@@ -180,7 +180,7 @@ def test_walker_weights_equal_stabilize_outputs_bitwise(world, tmp_path, phi, ou
     assert r.returncode == 0, r.stderr
     schedules = grid(["bema", "ema", "dema", "ouema", "lawa", "wsm", "swa", "power"], windows=[3], phi=phi)
     opts = Options(
-        str(world["run"]), schedules, str(tmp_path / "none"), base=str(world["base"]), out_dtype=out_dtype
+        str(world["run"]), schedules, None, base=str(world["base"]), out_dtype=out_dtype
     )
     walker = Walker(plan_sweep(opts), opts)
     compared = 0
@@ -251,7 +251,7 @@ def test_walker_holds_bf16_inputs_narrow_and_stays_bitwise(world, tmp_path, monk
     assert r.returncode == 0, r.stderr
     monkeypatch.setattr(walk, "HOLD_BLOCK", 1000)  # smaller than most tensors: blocks end mid-tensor
     monkeypatch.setattr(hold, "HOLD_BLOCK", 1000)
-    opts = Options(str(tmp_path / "run"), grid(methods, windows=windows, tau=tau), str(tmp_path / "none"),
+    opts = Options(str(tmp_path / "run"), grid(methods, windows=windows, tau=tau), None,
                    base=str(base), out_dtype="float32")  # fmt: skip
     plan = walk.plan_sweep(opts)
     walker = walk.Walker(plan, opts)

@@ -138,7 +138,7 @@ def stabilize(
     keeps going while training runs (one JSON line per output with --json).
     """
     from bema_cli.io.checkpoints import read_checkpoint_list
-    from bema_cli.stabilize import Options
+    from bema_cli.stabilize import Options, Output
     from bema_cli.stabilize import stabilize as run
     from bema_cli.stabilize.executors import session
 
@@ -158,22 +158,24 @@ def stabilize(
         out=out,
         base=base,
         max_memory=parse_size(max_memory, "--max-memory"),
-        max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
         device=device,
         readers=readers,
         out_dtype=out_dtype,
         final_only=final_only,
         steps=parse_int_list(steps, "--steps") if steps is not None else None,
-        dry_run=dry_run,
-        overwrite=overwrite,
         checkpoints=checkpoints,
-        lora_output=lora_output,
-        lora_rank=lora_rank,
-        restart=restart,
-        keep_last=keep_last,
-        fingerprint=fingerprint,
-        no_state=None if keep_state is None else not keep_state,
         durations=durations or None,
+        write=Output(
+            max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
+            dry_run=dry_run,
+            overwrite=overwrite,
+            lora_output=lora_output,
+            lora_rank=lora_rank,
+            restart=restart,
+            keep_last=keep_last,
+            fingerprint=fingerprint,
+            no_state=None if keep_state is None else not keep_state,
+        ),
         **inputs.options(),
     )
     if inputs.min_interval is not None:
@@ -182,7 +184,7 @@ def stabilize(
                 "--min-interval: the thinned set anchors at the last step, so a continued run would "
                 "average another one: drop --keep-state/--follow"
             )
-        opts = replace(opts, no_state=True)
+        opts = replace(opts, write=replace(opts.write, no_state=True))
     if fingerprint not in ("full", "sampled"):
         raise UsageError(f"--fingerprint: choose full or sampled, got {fingerprint!r}")
     if keep_last is not None and keep_last < 1:
@@ -190,7 +192,9 @@ def stabilize(
     if follow and keep_state is False:
         raise UsageError("--no-state: --follow continues from the state; drop one of them")
     if follow:
-        opts = replace(opts, no_state=False)  # every round continues the last one's state
+        opts = replace(
+            opts, write=replace(opts.write, no_state=False)
+        )  # every round continues the last one's state
     pace = fol.pace()
     executor = where.options()
     with session(executor) if not dry_run else nullcontext():  # Ray's workers start while the driver plans
@@ -214,7 +218,7 @@ def _follow(opts, executor_opts, json_out: bool, pace) -> None:
     from bema_cli.stabilize import stabilize
     from bema_cli.stabilize.follow import follow
 
-    if opts.dry_run:
+    if opts.write.dry_run:
         raise UsageError("--dry-run cannot be combined with --follow")
     if opts.checkpoints is not None:
         raise UsageError("--follow watches a run folder: give CHECKPOINT_DIR, not a list on stdin")

@@ -86,8 +86,8 @@ def menu(plan, step: int) -> dict[str, Candidate]:
 def record_options(settings: dict, source: Path, out: Path | None, base: str | None, **more):
     """The stabilize options a record's settings (method, hyperparameters, accumulation dtype, gaps
     allowed) describe on the run of checkpoint `source`: the one mapping from a record to a run,
-    for its vector (`of_settings`), verify's walk and verify's rebuild. `out`: where a stabilize
-    writes (None: a plan that writes nothing)."""
+    for its vector (`of_settings`), verify's walk and verify's rebuild. `out`: where verify's
+    rebuild writes (its `write`: stabilize.Output); None for a plan that writes nothing."""
     from bema_cli.io.checkpoints import run_of
     from bema_cli.schedule import Schedule
     from bema_cli.stabilize import Options

@@ -260,7 +260,7 @@ def _from_stabilize(record: dict, folder: Path):
     from safetensors import safe_open
 
     from bema_cli.decide.candidate import record_options
-    from bema_cli.stabilize import stabilize
+    from bema_cli.stabilize import Output, stabilize
 
     source = Path(record["source_checkpoint"])
     lora = record.get("lora") if isinstance(record.get("lora"), dict) else {}  # an adapter's: output, rank
@@ -273,10 +273,8 @@ def _from_stabilize(record: dict, folder: Path):
             tmp / "out",
             record.get("theta0_source"),
             steps=[int(record["step"])],
-            no_state=True,
             out_dtype=out_dtype,
-            lora_output=lora.get("output", "merged"),
-            lora_rank=lora.get("rank"),
+            write=Output(no_state=True, lora_output=lora.get("output", "merged"), lora_rank=lora.get("rank")),
         )
         with output.muted():  # its warnings (a LoRA rank's truncation) were said when it was made
             made = stabilize(opts)["outputs"]

@@ -76,7 +76,7 @@ def _recovered(out: Path, txn: OutputTransaction) -> None:
 
 def _restarted(plan: Plan, opts: Options) -> set[str]:
     """Runs whose folders --restart may replace: those OUT's state knows (others stay protected)."""
-    if not opts.restart:
+    if not opts.write.restart:
         return set()
     known = {r["run"] for r in (plan.resume.stored or {}).get("runs", [])}
     if plan.resume.stored is None:  # an unusable state: bema's own runs, as the manifest lists them
@@ -129,28 +129,32 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
     state in OUT (state.py) only the checkpoints after each run's last processed step are
     read and written; a call with nothing new writes nothing.
     """
+    if opts.write is None:
+        raise ValueError("stabilize writes: its Options need `write` (plan.Output)")
     t0 = time.perf_counter()
     stages.reset()
     executor = executor or ExecutorOptions()
-    if executor.executor == "ray" and not opts.dry_run:
+    dry_run = opts.write.dry_run
+    if executor.executor == "ray" and not dry_run:
         import_ray()  # a missing extra is reported before any planning
     out = _out_dir(opts.out)
-    if not opts.dry_run and out.is_dir() and any(out.glob(TMP_PREFIX + "*")):
+    if not dry_run and out.is_dir() and any(out.glob(TMP_PREFIX + "*")):
         with OutputTransaction(out) as txn:  # a writer died here: finish its commit first (the state)
             _recovered(out, txn)
-    if not opts.dry_run and (out / meta.MANIFEST).is_file():
+    if not dry_run and (out / meta.MANIFEST).is_file():
         reconcile(out)  # outputs deleted by hand leave manifest.json and state.json first
     asked, opts = opts, resolve_state(opts)
+    write = opts.write  # no_state decided
     with stages.stage("discover"):
         plan = prepare(opts)
     check_apart(out, inputs_of(plan, opts.checkpoint_dir))
-    if opts.no_state and not opts.overwrite and not opts.dry_run and _already_written(out, plan, opts):
+    if write.no_state and not write.overwrite and not dry_run and _already_written(out, plan, opts):
         last = max((c.step for c in plan.checkpoints), default=None)  # a finished --final-only call again
         return _up_to_date(opts, executor, last, t0)
     try:
-        _check_out(out, plan.runs, opts.overwrite, _restarted(plan, opts))
+        _check_out(out, plan.runs, write.overwrite, _restarted(plan, opts))
     except OutputError as exc:
-        if not opts.dry_run:
+        if not dry_run:
             raise
         output.warn(f"{exc} (a real run would stop here)")
     n_outputs = sum(len(r.out_steps) for r in plan.runs)
@@ -159,7 +163,7 @@ def stabilize(opts: Options, executor: ExecutorOptions | None = None) -> dict:
         return _up_to_date(opts, executor, last_step, t0)
     # the inputs start coming into the page cache now, beside torch's import (io/prefetch.py); not
     # in a dry run, nor for Ray's workers (other processes, maybe other machines)
-    local = not opts.dry_run and executor.executor == "local"
+    local = not dry_run and executor.executor == "local"
     with Prefetch(read_ranges(plan) if local else [], prefetch_bytes()):
         return _stabilize(opts, asked, plan, out, executor, t0, n_outputs, last_step)
 
@@ -176,9 +180,10 @@ def _stabilize(
 ) -> dict:
     """The rest of `stabilize`, from the first need of torch (`asked`: the options before the state
     resolved them)."""
+    write = opts.write
     with stages.stage("setup"):  # torch's import (~1-2 s), the probe, the device's start
         # the first check that needs torch, so other errors come first; none in a dry run
-        torch_device(opts.device, need_torch=not opts.dry_run)
+        torch_device(opts.device, need_torch=not write.dry_run)
     theta0_bytes = plan.base_index.nbytes if plan.theta0_index is plan.base_index else 0
     read_bytes = theta0_bytes + sum(index.nbytes for index in plan.indexes.values())  # ring re-reads too
     meta0 = {"bema_version": __version__}
@@ -199,7 +204,7 @@ def _stabilize(
     if doc["device"]["reason"] != "no CUDA device" or output.progress_enabled() or output.verbose():
         output.log(f"device: {doc['device']['device']} ({doc['device']['reason']})")  # a real choice
     opts = replace(opts, device=doc["device"]["device"])
-    if opts.dry_run:
+    if write.dry_run:
         return {
             "dry_run": True,
             **doc,
@@ -209,16 +214,16 @@ def _stabilize(
         }
     with OutputTransaction(out) as txn:  # locks OUT: a second writer is refused here, before any work
         _recovered(out, txn)
-        if state.read(out, opts.restart or opts.overwrite) != plan.resume.stored:
+        if state.read(out, write.restart or write.overwrite) != plan.resume.stored:
             opts = resolve_state(asked)  # another writer committed between our planning and the lock
             opts = replace(opts, device=doc["device"]["device"])
-            plan = prepare(opts)
-        _check_out(out, plan.runs, opts.overwrite, _restarted(plan, opts))  # again, now that OUT is ours
+            plan, write = prepare(opts), opts.write
+        _check_out(out, plan.runs, write.overwrite, _restarted(plan, opts))  # again, now that OUT is ours
         # checkpoints rotated away by a trainer mid-read are still read whole (through our handles;
         # Ray workers are other processes: they open the files by name)
         try:
             with hold(
-                plan, executor.executor == "local", opts.fingerprint == "full", record=not opts.no_state
+                plan, executor.executor == "local", write.fingerprint == "full", record=not write.no_state
             ):
                 doc["written_bytes"], sums = _walk(plan, opts, txn.tmp, executor)
             entries, _, kept = state_commit.stage(plan, opts, txn.tmp)

@@ -103,8 +103,8 @@ def _follow(
         if not wait_for(new_ready, poll, None if left is None else max(left, 0.0)):  # polls at least once
             output.log(f"no new checkpoint for {idle_timeout:g} s (--idle-timeout): done")
             return totals
-        again = {"restart": opts.restart and first, "overwrite": opts.overwrite and first}
-        doc = run_once(replace(opts, ready_steps=sorted(ready), **again))
+        again = {"restart": opts.write.restart and first, "overwrite": opts.write.overwrite and first}
+        doc = run_once(replace(opts, ready_steps=sorted(ready), write=replace(opts.write, **again)))
         first = False
         handled = max(ready)
         for o in doc["outputs"]:

@@ -31,31 +31,18 @@ from bema_cli.schedule import (
 OUT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 ACCUM_DTYPES = ("float32", "float64")
 LORA_OUTPUTS = ("merged", "adapter")
+MAX_SHARD_SIZE = 5 * 10**9  # --max-shard-size's default, the HF Hub's
 
 
-@dataclass
-class Options:
-    checkpoint_dir: str
-    schedules: list[Schedule]
-    out: str | None  # None: a plan that writes nothing (ship's vectors, verify's walk): no state read
-    base: str | None = None
-    max_memory: int = 2 * 1024**3
-    max_shard_size: int = 5 * 10**9
-    device: str = "auto"
-    readers: int | None = None  # threads reading ahead (io/read_ahead.py); None: chosen from the device
-    accum_dtype: str = "float32"
-    out_dtype: str | None = None  # None: each tensor keeps its input dtype
-    final_only: bool = False
-    steps: list[int] | None = None
+@dataclass(frozen=True)
+class Output:
+    """What only stabilize's writing reads: OUT's shards, its persistent state, a LoRA run's output
+    form, and what the call does with what OUT holds. A plan without one (ship's and verify's
+    vectors, a sweep's walk) writes nothing and reads no state."""
+
+    max_shard_size: int = MAX_SHARD_SIZE
     dry_run: bool = False
     overwrite: bool = False
-    allow_nonfinite: bool = False
-    allow_gaps: bool = False  # go on past checkpoints the run's cadence says were saved but are gone
-    durations: dict | None = None  # flag -> how each duration resolved on this run (durations.py)
-    min_interval: int | None = None  # thin the inputs: kept checkpoints at least this many steps apart
-    min_checkpoints: int | None = None  # refuse a run with fewer checkpoints (after thinning)
-    cast_base: bool = False  # accept a floating base of another dtype (e.g. bf16 Hub base, fp32 fine-tune)
-    checkpoints: list[Checkpoint] | None = None  # given explicitly (a `STEP PATH` list) instead of found
     lora_output: str = "merged"  # LoRA runs: full merged models, or PEFT adapters of rank lora_rank
     lora_rank: int | None = None  # None: the training rank r
     restart: bool = False  # ignore OUT's persistent state: recompute the grid's runs from theta0
@@ -64,7 +51,35 @@ class Options:
     # write no persistent state (OUT/.bema-state): the run cannot be continued. None: decided per
     # call (resolve_state): a --final-only result is a one-off unless OUT already keeps a state
     no_state: bool | None = None
+
+
+@dataclass
+class Options:
+    """What planning a run reads: the run, its checkpoints, the schedules, theta0, the input flags
+    and how the walk holds and serves its tensors; `write` what stabilize's writing reads besides."""
+
+    checkpoint_dir: str
+    schedules: list[Schedule]
+    # the folder the run's records live in, naming their inputs from it (provenance.input_name): where
+    # stabilize writes; a sweep's OUT/.sweep, ship's race folder; None: records name inputs absolutely
+    out: str | None
+    base: str | None = None
+    max_memory: int = 2 * 1024**3
+    device: str = "auto"
+    readers: int | None = None  # threads reading ahead (io/read_ahead.py); None: chosen from the device
+    accum_dtype: str = "float32"
+    out_dtype: str | None = None  # None: each tensor keeps its input dtype
+    final_only: bool = False
+    steps: list[int] | None = None
+    allow_nonfinite: bool = False
+    allow_gaps: bool = False  # go on past checkpoints the run's cadence says were saved but are gone
+    durations: dict | None = None  # flag -> how each duration resolved on this run (durations.py)
+    min_interval: int | None = None  # thin the inputs: kept checkpoints at least this many steps apart
+    min_checkpoints: int | None = None  # refuse a run with fewer checkpoints (after thinning)
+    cast_base: bool = False  # accept a floating base of another dtype (e.g. bf16 Hub base, fp32 fine-tune)
+    checkpoints: list[Checkpoint] | None = None  # given explicitly (a `STEP PATH` list) instead of found
     ready_steps: list[int] | None = None  # --follow: only these (complete) checkpoints exist yet
+    write: Output | None = None  # None: a plan that writes nothing (no state read, no shards written)
 
 
 @dataclass

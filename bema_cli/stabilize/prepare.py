@@ -25,7 +25,7 @@ from bema_cli.io.writer import plan_shards
 from bema_cli.schedule import WINDOW_METHODS, last_members, run_name
 from bema_cli.stabilize import plan as planning
 from bema_cli.stabilize import state
-from bema_cli.stabilize.plan import ACCUM_DTYPES, LORA_OUTPUTS, OUT_DTYPES, Options, Plan, Run
+from bema_cli.stabilize.plan import ACCUM_DTYPES, LORA_OUTPUTS, MAX_SHARD_SIZE, OUT_DTYPES, Options, Plan, Run
 
 TIED_HEAD = "lm_head.weight"  # HF name of the output embedding, tied to the input one by tie_word_embeddings
 
@@ -37,12 +37,10 @@ def resolve_state(opts: Options) -> Options:
     a one-off (a grid sweep, say) whose state would double the bytes written, so it keeps none,
     unless OUT already has a state: then its runs are continued from it as before.
     """
-    if opts.no_state is not None:
+    if opts.write is None or opts.write.no_state is not None:  # a plan that writes nothing keeps nothing
         return opts
-    if opts.out is None:  # a plan that writes nothing keeps nothing
-        return replace(opts, no_state=True)
-    out = Path(opts.out).expanduser()
-    return replace(opts, no_state=opts.final_only and not (out / state.STATE_DIR).exists())
+    kept = (Path(opts.out).expanduser() / state.STATE_DIR).exists()
+    return replace(opts, write=replace(opts.write, no_state=opts.final_only and not kept))
 
 
 def thin(checkpoints: list[Checkpoint], interval: int) -> list[Checkpoint]:
@@ -80,7 +78,8 @@ def prepare(opts: Options) -> Plan:
         raise UsageError(f"--accum-dtype: choose from {', '.join(ACCUM_DTYPES)}, got {opts.accum_dtype!r}")
     if opts.out_dtype is not None and opts.out_dtype not in OUT_DTYPES:
         raise UsageError(f"--out-dtype: choose from {', '.join(OUT_DTYPES)}, got {opts.out_dtype!r}")
-    if opts.max_memory <= 0 or opts.max_shard_size <= 0:
+    write = opts.write
+    if opts.max_memory <= 0 or (write is not None and write.max_shard_size <= 0):
         raise UsageError("--max-memory and --max-shard-size must be positive")
     if len({s.tau for s in opts.schedules}) > 1:
         raise UsageError("--tau: every config of one run must share the burn-in (theta0 is shared)")
@@ -90,11 +89,11 @@ def prepare(opts: Options) -> Plan:
     checkpoints = select_inputs(checkpoints, opts)
     if opts.base == "first" and is_adapter(checkpoints[0].path):
         raise UsageError("--base first: a LoRA run starts from the base model it adapts; pass --base DIR")
-    out = Path(opts.out).expanduser().resolve() if opts.out is not None else None
-    stored = state.read(out, opts.restart or opts.overwrite) if out is not None else None
-    if opts.no_state is None:
-        raise ValueError("Options.no_state is decided by resolve_state before planning")
-    if opts.no_state and stored is not None:
+    out = Path(opts.out).expanduser().resolve() if write is not None else None  # where it writes
+    stored = state.read(out, write.restart or write.overwrite) if write is not None else None
+    if write is not None and write.no_state is None:
+        raise ValueError("Output.no_state is decided by resolve_state before planning")
+    if write is not None and write.no_state and stored is not None:
         raise UsageError(
             f"--no-state: {out / state.STATE_DIR} exists (these runs are continued from it); "
             "drop --no-state or choose another --out"
@@ -159,7 +158,12 @@ def prepare(opts: Options) -> Plan:
         for st in last_members(r.events, r.start, r.schedule.window - 1)
     } - set(read_steps)
     reading = [c for c in checkpoints if c.step in read_steps or c.step in ring]
-    lora = _lora_sources(reading, base_index, opts) if is_adapter(checkpoints[0].path) else None
+    lora_output, lora_rank = (write.lora_output, write.lora_rank) if write is not None else ("merged", None)
+    lora = (
+        _lora_sources(reading, base_index, lora_output, lora_rank, opts.out_dtype)
+        if is_adapter(checkpoints[0].path)
+        else None
+    )
     if lora:
         layout, base_index, indexes = lora
     else:
@@ -167,7 +171,7 @@ def prepare(opts: Options) -> Plan:
         for c in checkpoints:
             if is_adapter(c.path):
                 raise InputError(f"{c.path}: a LoRA adapter among full-weight checkpoints")
-        if opts.lora_output != "merged" or opts.lora_rank is not None:
+        if lora_output != "merged" or lora_rank is not None:
             raise UsageError("--lora-output/--lora-rank: the checkpoints are not LoRA adapters")
         indexes = {c.step: open_checkpoint(c.path, like=set(base_index.tensors)) for c in reading}
     for index in indexes.values():
@@ -182,7 +186,7 @@ def prepare(opts: Options) -> Plan:
         TensorInfo(t.name, Path(), out_tag if out_tag and t.dtype in FLOATING else t.dtype, t.shape)
         for t in sorted(like.tensors.values(), key=lambda t: t.name)
     ]
-    shards = plan_shards(out_tensors, opts.max_shard_size)
+    shards = plan_shards(out_tensors, write.max_shard_size if write is not None else MAX_SHARD_SIZE)
     order = [like.tensors[t.name] for s in shards for t in s.tensors]
     plan = Plan(checkpoints, base.source, base_index, indexes, runs, read_steps, out_tensors, shards)
     # reserved beside the units: the write-behind pool (DEPTH blocks of the widest dtype a block is
@@ -196,7 +200,7 @@ def prepare(opts: Options) -> Plan:
     plan.units = planning.cut_units(order, runs, opts, like.read_itemsize, reserved=reserved)
     if layout is not None:
         plan.lora = layout
-        plan.lora_rank = (opts.lora_rank or layout.config["r"]) if opts.lora_output == "adapter" else None
+        plan.lora_rank = (lora_rank or layout.config["r"]) if lora_output == "adapter" else None
     state.attach(plan, resume, out)
     return plan
 
@@ -285,13 +289,19 @@ def _check_one_dtype(indexes: dict[int, ModelIndex]) -> None:
                 )
 
 
-def _lora_sources(reading: list[Checkpoint], base: ModelIndex, opts: Options):
+def _lora_sources(
+    reading: list[Checkpoint],
+    base: ModelIndex,
+    lora_output: str,
+    lora_rank: int | None,
+    out_dtype: str | None,
+):
     """A LoRA run: (first adapter, theta0 index, {step: index}) in the view --lora-output needs."""
-    if opts.lora_output not in LORA_OUTPUTS:
-        raise UsageError(f"--lora-output: choose merged or adapter, got {opts.lora_output!r}")
-    if opts.lora_rank is not None and (opts.lora_output != "adapter" or opts.lora_rank <= 0):
+    if lora_output not in LORA_OUTPUTS:
+        raise UsageError(f"--lora-output: choose merged or adapter, got {lora_output!r}")
+    if lora_rank is not None and (lora_output != "adapter" or lora_rank <= 0):
         raise UsageError("--lora-rank: a positive rank, with --lora-output adapter")
-    if opts.lora_output == "adapter" and opts.out_dtype:
+    if lora_output == "adapter" and out_dtype:
         raise UsageError(
             "--out-dtype: adapter outputs keep the adapter's dtype (use it with --lora-output merged)"
         )
@@ -303,6 +313,6 @@ def _lora_sources(reading: list[Checkpoint], base: ModelIndex, opts: Options):
         same_targets(adapters[0], adapters[-1])
     if not adapters:
         raise UsageError("no checkpoint is processed with these --tau/--phi settings")
-    mode = "merged" if opts.lora_output == "merged" else "delta"
+    mode = "merged" if lora_output == "merged" else "delta"
     indexes = {c.step: lora_index(a, adapters[0], base, mode) for c, a in zip(reading, adapters, strict=True)}
     return adapters[0], lora_index(None, adapters[0], base, mode), indexes

@@ -74,7 +74,7 @@ def read(out: Path, restart: bool = False) -> dict | None:
 def run_settings(schedule: Schedule, opts: Options) -> dict:
     values = {n: getattr(schedule, n) for n in SCHEDULE_KEYS}
     values.update(accum_dtype=opts.accum_dtype, out_dtype=opts.out_dtype or "input")
-    values.update(lora_output=opts.lora_output, lora_rank=opts.lora_rank)
+    values.update(lora_output=opts.write.lora_output, lora_rank=opts.write.lora_rank)
     return json.loads(output.to_json(values))  # as stored: inf -> "inf", None -> null
 
 
@@ -137,10 +137,11 @@ def resume(
     gaps.check_gaps(checkpoints, consumed, opts.allow_gaps or bool(opts.min_interval))  # thinned on purpose
     if stored is None:
         return Resume(None, present, {}, None, base_files)
-    restart = opts.restart or opts.overwrite
+    write = opts.write  # a state is stored only where a plan writes
+    restart = write.restart or write.overwrite
     try:
         _check_inputs(
-            stored, out / STATE_DIR, checkpoints, base_source, base_files, opts.fingerprint == "full"
+            stored, out / STATE_DIR, checkpoints, base_source, base_files, write.fingerprint == "full"
         )
     except BemaError:
         if not restart:

@@ -34,7 +34,7 @@ def stage(plan: Plan, opts: Options, tmp: Path) -> tuple[list[str], list[str], d
     for run in plan.runs:
         before = old_runs[run.name]["outputs"] if run.start is not None else []
         steps = sorted(set(before) | set(run.out_steps))
-        keep = steps[-opts.keep_last :] if opts.keep_last else steps
+        keep = steps[-opts.write.keep_last :] if opts.write.keep_last else steps
         kept[run.name] = keep
         for st in run.out_steps:
             if st not in keep:
@@ -44,7 +44,7 @@ def stage(plan: Plan, opts: Options, tmp: Path) -> tuple[list[str], list[str], d
             entries.append(run.name)
         else:
             entries += [f"{run.name}/checkpoint-{st}" for st in run.out_steps if st in keep]
-    if opts.no_state:  # nothing to continue from: the outputs only
+    if opts.write.no_state:  # nothing to continue from: the outputs only
         return entries, delete, kept
     doc = _new_state(plan, opts, kept)
     doc["delete"] = delete
@@ -114,7 +114,9 @@ def _new_state(plan: Plan, opts: Options, outputs: dict[str, list[int]]) -> dict
         "theta0": {
             "source": plan.base_source,
             "files": fingerprint(
-                plan.resume.base_files, opts.fingerprint == "full", (stored.get("theta0") or {}).get("files")
+                plan.resume.base_files,
+                opts.write.fingerprint == "full",
+                (stored.get("theta0") or {}).get("files"),
             ),
             "burnin": burnin,
         },

@@ -41,7 +41,7 @@ def _state_name(t: TensorInfo) -> str:
 
 def folders(plan: Plan, opts: Options) -> dict[str, tuple[str, ...]]:
     """The state folders this call writes, each with its state names; none with --no-state."""
-    if opts.no_state:
+    if opts.write.no_state:
         return {}
     names = {t.folder: t.names for t in plan.tracks if t.advancing and t.folder}
     if plan.theta0_folder:
@@ -57,13 +57,15 @@ def open_writers(plan: Plan, opts: Options, tmp: Path) -> dict[str, ShardedWrite
 def written_bytes(plan: Plan, opts: Options) -> int:
     """Bytes of the state folders this call writes (the projection's; headers to within a few bytes)."""
     return sum(
-        ShardedWriter(Path(), state_layout(plan, names, opts.accum_dtype, opts.max_shard_size), {}).nbytes
+        ShardedWriter(
+            Path(), state_layout(plan, names, opts.accum_dtype, opts.write.max_shard_size), {}
+        ).nbytes
         for names in folders(plan, opts).values()
     )
 
 
 def _writer(folder: Path, plan: Plan, names, opts: Options) -> ShardedWriter:
-    shards = state_layout(plan, names, opts.accum_dtype, opts.max_shard_size)
+    shards = state_layout(plan, names, opts.accum_dtype, opts.write.max_shard_size)
     meta = {"bema_version": __version__, "bema_state": folder.name}
     return ShardedWriter(folder, shards, meta, digest=True).open()
 

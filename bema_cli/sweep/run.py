@@ -110,8 +110,6 @@ def _sweep(stab, config, engine, sweep_opts, executor, follow, validated, notes=
     if executor.executor == "ray":
         import_ray()
     stab = sweep_options(stab)
-    if stab.lora_output != "merged":
-        raise UsageError("--lora-output adapter: a sweep evaluates merged models only")
     if follow is not None:
         return Follow(stab, config, engine, sweep_opts, follow, validated).run(t0)
     plan = plan_sweep(stab)

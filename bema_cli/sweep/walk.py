@@ -45,7 +45,7 @@ WHOLE_MODEL = 1 << 62  # --max-memory for the plan: one work unit holds every te
 
 def sweep_options(opts: Options) -> Options:
     """stabilize's Options as a sweep plans them: one unit, no state, nothing written."""
-    return replace(opts, max_memory=WHOLE_MODEL, no_state=True, final_only=False, steps=None, dry_run=False)
+    return replace(opts, max_memory=WHOLE_MODEL, final_only=False, steps=None, write=None)
 
 
 def steps_to(plan: Plan, step: int) -> list[int]:

@@ -43,6 +43,24 @@ def resolve_state(opts: Options) -> Options:
     return replace(opts, write=replace(opts.write, no_state=opts.final_only and not kept))
 
 
+def _stored(opts: Options) -> tuple[Path | None, dict | None]:
+    """(where a writing plan writes, what OUT's persistent state holds); (None, None) for a plan that
+    writes nothing (`Options.write` None): it reads no state."""
+    write = opts.write
+    if write is None:
+        return None, None
+    if opts.out is None or write.no_state is None:
+        raise ValueError("a plan that writes names OUT, and resolve_state decides its no_state first")
+    out = Path(opts.out).expanduser().resolve()
+    stored = state.read(out, write.restart or write.overwrite)
+    if write.no_state and stored is not None:
+        raise UsageError(
+            f"--no-state: {out / state.STATE_DIR} exists (these runs are continued from it); "
+            "drop --no-state or choose another --out"
+        )
+    return out, stored
+
+
 def thin(checkpoints: list[Checkpoint], interval: int) -> list[Checkpoint]:
     """Megatron-LM's merge selection: from the target (the last) step back, each checkpoint kept is at
     least `interval` steps before the one kept after it."""
@@ -89,15 +107,7 @@ def prepare(opts: Options) -> Plan:
     checkpoints = select_inputs(checkpoints, opts)
     if opts.base == "first" and is_adapter(checkpoints[0].path):
         raise UsageError("--base first: a LoRA run starts from the base model it adapts; pass --base DIR")
-    out = Path(opts.out).expanduser().resolve() if write is not None else None  # where it writes
-    stored = state.read(out, write.restart or write.overwrite) if write is not None else None
-    if write is not None and write.no_state is None:
-        raise ValueError("Output.no_state is decided by resolve_state before planning")
-    if write is not None and write.no_state and stored is not None:
-        raise UsageError(
-            f"--no-state: {out / state.STATE_DIR} exists (these runs are continued from it); "
-            "drop --no-state or choose another --out"
-        )
+    out, stored = _stored(opts)
     base = resolve_base(
         opts.base or (stored and stored["theta0"].get("source")), checkpoints, check=has_weights
     )

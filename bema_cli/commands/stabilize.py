@@ -9,6 +9,7 @@ from dataclasses import replace
 from bema_cli import output, stages
 from bema_cli.commands.flags import ExecutorFlags, FollowFlags, GridFlags, InputFlags, with_flags
 from bema_cli.errors import UsageError
+from bema_cli.io.writer import MAX_SHARD_SIZE
 from bema_cli.options import (
     RESOURCES_PANEL,
     JsonOpt,
@@ -20,6 +21,7 @@ from bema_cli.options import (
     parse_int_list,
     parse_size,
 )
+from bema_cli.stabilize.plan import MAX_MEMORY
 from bema_cli.stabilize.project import projection_line
 
 WRITE_PANEL, INCREMENTAL_PANEL = "What to write", "Incremental runs"  # --help panels of its own options
@@ -44,10 +46,10 @@ def stabilize(
         "--max-memory",
         help="Working-set budget (e.g. 2GiB); tensors are chunked to fit.",
         rich_help_panel=RESOURCES_PANEL,
-    ) = "2GiB",
+    ) = f"{MAX_MEMORY // 1024**3}GiB",
     max_shard_size: option(
         str, "--max-shard-size", help="Largest output shard (e.g. 5GB).", rich_help_panel=WRITE_PANEL
-    ) = "5GB",
+    ) = f"{MAX_SHARD_SIZE // 10**9}GB",
     device: option(
         str,
         "--device",
@@ -192,9 +194,8 @@ def stabilize(
     if follow and keep_state is False:
         raise UsageError("--no-state: --follow continues from the state; drop one of them")
     if follow:
-        opts = replace(
-            opts, write=replace(opts.write, no_state=False)
-        )  # every round continues the last one's state
+        # every round continues the last one's state
+        opts = replace(opts, write=replace(opts.write, no_state=False))
     pace = fol.pace()
     executor = where.options()
     with session(executor) if not dry_run else nullcontext():  # Ray's workers start while the driver plans

@@ -26,6 +26,8 @@ from bema_cli.errors import OutputError
 from bema_cli.io.direct import DirectFile, pwrite_all
 from bema_cli.io.safetensors import TensorInfo
 
+MAX_SHARD_SIZE = 5 * 10**9  # bytes per shard at most: the HF Hub's 5GB (--max-shard-size's default)
+
 
 @dataclass
 class Shard:

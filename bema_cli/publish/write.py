@@ -223,7 +223,7 @@ def write_vector(cand, folders: dict[str, Path], template: Path, out: Path, reco
     from bema_cli.io import provenance
     from bema_cli.io.aux_files import copy_aux_files, digests
     from bema_cli.io.reader import open_checkpoint
-    from bema_cli.io.writer import ShardedWriter, plan_shards, tensor_bytes
+    from bema_cli.io.writer import MAX_SHARD_SIZE, ShardedWriter, plan_shards, tensor_bytes
 
     out.mkdir(parents=True, exist_ok=True)
     record = {**record, "files": digests(out, copy_aux_files(out, [template]))}
@@ -232,7 +232,7 @@ def write_vector(cand, folders: dict[str, Path], template: Path, out: Path, reco
     tensors = list(open_checkpoint(template).tensors.values())
     inputs = {k: provenance.input_print(folders[k]) for k in keys}
     meta = {"format": "pt", **provenance.metadata(record, inputs, cand.record)}
-    writer = ShardedWriter(out, plan_shards(tensors, 5 * 10**9), meta).open()
+    writer = ShardedWriter(out, plan_shards(tensors, MAX_SHARD_SIZE), meta).open()
     with writer.held():
         for info, value in combined(terms, template):
             writer.write(info.name, 0, tensor_bytes(value))

@@ -18,7 +18,7 @@ from bema_cli.io.lora import Adapter
 from bema_cli.io.reader import ModelIndex, TensorInfo
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
 from bema_cli.io.write_behind import DEPTH
-from bema_cli.io.writer import Shard
+from bema_cli.io.writer import MAX_SHARD_SIZE, Shard
 from bema_cli.recurrence import STATE_TENSORS
 from bema_cli.schedule import (
     WINDOW_METHODS,
@@ -31,7 +31,7 @@ from bema_cli.schedule import (
 OUT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 ACCUM_DTYPES = ("float32", "float64")
 LORA_OUTPUTS = ("merged", "adapter")
-MAX_SHARD_SIZE = 5 * 10**9  # --max-shard-size's default, the HF Hub's
+MAX_MEMORY = 2 * 1024**3  # --max-memory's default: the working set the units are cut to
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Options:
     # stabilize writes; a sweep's OUT/.sweep, ship's race folder; None: records name inputs absolutely
     out: str | None
     base: str | None = None
-    max_memory: int = 2 * 1024**3
+    max_memory: int = MAX_MEMORY
     device: str = "auto"
     readers: int | None = None  # threads reading ahead (io/read_ahead.py); None: chosen from the device
     accum_dtype: str = "float32"

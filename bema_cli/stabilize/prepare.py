@@ -21,11 +21,11 @@ from bema_cli.io.read_ahead import ahead_blocks, default_readers
 from bema_cli.io.reader import ModelIndex, TensorInfo, has_weights, open_checkpoint
 from bema_cli.io.safetensors import DTYPES, FLOATING, TAG_OF
 from bema_cli.io.write_behind import DEPTH
-from bema_cli.io.writer import plan_shards
+from bema_cli.io.writer import MAX_SHARD_SIZE, plan_shards
 from bema_cli.schedule import WINDOW_METHODS, last_members, run_name
 from bema_cli.stabilize import plan as planning
 from bema_cli.stabilize import state
-from bema_cli.stabilize.plan import ACCUM_DTYPES, LORA_OUTPUTS, MAX_SHARD_SIZE, OUT_DTYPES, Options, Plan, Run
+from bema_cli.stabilize.plan import ACCUM_DTYPES, LORA_OUTPUTS, OUT_DTYPES, Options, Plan, Run
 
 TIED_HEAD = "lm_head.weight"  # HF name of the output embedding, tied to the input one by tie_word_embeddings
 

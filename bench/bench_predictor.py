@@ -48,9 +48,7 @@ def measure(run: Path, base: Path, data: Path, work: Path) -> dict:
     from bema_cli.stabilize import Options, grid
     from bema_cli.sweep.walk import plan_sweep
 
-    opts = Options(
-        checkpoint_dir=str(run), schedules=grid(**DEFAULT_GRID), out=None, base=str(base)
-    )
+    opts = Options(checkpoint_dir=str(run), schedules=grid(**DEFAULT_GRID), out=None, base=str(base))
     plan = plan_sweep(opts)
     steps = [c.step for c in plan.checkpoints]
     menu = candidate.menu(plan, steps[-1])

@@ -321,9 +321,7 @@ def test_the_sweeps_walk_measures_the_same_motion_against_float64(run10, monkeyp
     if held:  # what a GPU walk or a checkpoint read whole does: theta_s and theta0 held
         monkeypatch.setattr(walk, "reread", lambda plan, device="cpu": (False, False))
     windows = [4] if "lawa" in methods else None
-    opts = Options(
-        str(run), grid(list(methods), windows=windows, tau=tau), None, base=str(base)
-    )
+    opts = Options(str(run), grid(list(methods), windows=windows, tau=tau), None, base=str(base))
     plan = walk.plan_sweep(opts)
     walker = walk.Walker(plan, opts)
     assert (walker.theta is not None) is held

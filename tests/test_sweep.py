@@ -179,9 +179,7 @@ def test_walker_weights_equal_stabilize_outputs_bitwise(world, tmp_path, phi, ou
     r = run_bema("stabilize", world["run"], "--base", world["base"], "--out", tmp_path / "stab", *flags)
     assert r.returncode == 0, r.stderr
     schedules = grid(["bema", "ema", "dema", "ouema", "lawa", "wsm", "swa", "power"], windows=[3], phi=phi)
-    opts = Options(
-        str(world["run"]), schedules, None, base=str(world["base"]), out_dtype=out_dtype
-    )
+    opts = Options(str(world["run"]), schedules, None, base=str(world["base"]), out_dtype=out_dtype)
     walker = Walker(plan_sweep(opts), opts)
     compared = 0
     for step in STEPS:

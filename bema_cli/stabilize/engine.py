@@ -214,7 +214,7 @@ def _stabilize(
         }
     with OutputTransaction(out) as txn:  # locks OUT: a second writer is refused here, before any work
         _recovered(out, txn)
-        if state.read(out, write.restart or write.overwrite) != plan.resume.stored:
+        if state.read(out, write.recompute) != plan.resume.stored:
             opts = resolve_state(asked)  # another writer committed between our planning and the lock
             opts = replace(opts, device=doc["device"]["device"])
             plan, write = prepare(opts), opts.write

@@ -52,6 +52,11 @@ class Output:
     # call (resolve_state): a --final-only result is a one-off unless OUT already keeps a state
     no_state: bool | None = None
 
+    @property
+    def recompute(self) -> bool:
+        """OUT's state is not continued from: --restart, or --overwrite (which replaces outputs anyway)."""
+        return self.restart or self.overwrite
+
 
 @dataclass
 class Options:

@@ -52,7 +52,7 @@ def _stored(opts: Options) -> tuple[Path | None, dict | None]:
     if opts.out is None or write.no_state is None:
         raise ValueError("a plan that writes names OUT, and resolve_state decides its no_state first")
     out = Path(opts.out).expanduser().resolve()
-    stored = state.read(out, write.restart or write.overwrite)
+    stored = state.read(out, write.recompute)
     if write.no_state and stored is not None:
         raise UsageError(
             f"--no-state: {out / state.STATE_DIR} exists (these runs are continued from it); "

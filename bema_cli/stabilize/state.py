@@ -138,7 +138,7 @@ def resume(
     if stored is None:
         return Resume(None, present, {}, None, base_files)
     write = opts.write  # a state is stored only where a plan writes
-    restart = write.restart or write.overwrite
+    restart = write.recompute
     try:
         _check_inputs(
             stored, out / STATE_DIR, checkpoints, base_source, base_files, write.fingerprint == "full"

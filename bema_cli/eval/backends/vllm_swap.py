@@ -17,6 +17,7 @@ child process, after the shared engine is shut down); any difference is an error
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -89,22 +90,16 @@ class WeightSwapExtension:
         return True
 
     # a weight source (`bema sweep`'s walker, named by the driver as `module:name`): its states live
-    # here, where the weights load; only a step number or a config name crosses per call
+    # here, where the weights load; only a step number or a key (a config name, a FitKey) crosses per call
     def bema_source_open(self, factory: str, args: bytes) -> bool:
         """The source from `factory(*args)` (args pickled by bema's own driver process)."""
-        import pickle
-
         self._bema_source = plugin(factory)(*pickle.loads(args))
         return True
 
     def bema_source_call(self, method: str, args: bytes):
-        import pickle
-
         return getattr(self._bema_source, method)(*pickle.loads(args))
 
     def bema_source_load(self, key: bytes, tied: bool) -> bool:
-        import pickle
-
         dtype = self.vllm_config.model_config.dtype
         return self._bema_reload(with_tied_head(self._bema_source.weights(pickle.loads(key), dtype), tied))
 
